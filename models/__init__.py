@@ -1,0 +1,12 @@
+"""The model library. Each model is a Flax NNX module written once, with logical axis names on its
+parameters; none of them knows about meshes or parallelism strategies.
+
+A model class takes its hyperparameters as keyword arguments plus `rngs: nnx.Rngs`, and its
+`__call__(inputs)` returns the outputs the loss compares with the targets.
+"""
+
+# name -> "module:Class", imported only when picked.
+REGISTRY = {
+    "gpt": "models.gpt:GPT",
+    "mlp": "models.mlp:MLP",
+}

@@ -1,0 +1,294 @@
+"""The config schema, and loading it from YAML plus `key=value` overrides.
+
+Every key is defined once below, as a dataclass field with its type, default and help text.
+YAML files and the command line only set values. The `model` section is the exception by
+design: apart from `model.name`, its keys are the model class's constructor arguments, so the
+class signature is their schema (checked in `shard.registry`).
+"""
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from shard.errors import UserError
+
+
+def option(default: Any, help: str, choices: tuple | None = None):
+    """A schema field: its default, one line of help, and optionally the allowed values."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    name: str = option("gpt", "registered model name (see models/) or package.module:Class")
+    # Filled by the loader with every other model.* key; checked against the class signature.
+    kwargs: dict = field(default_factory=dict, metadata={"internal": True})
+
+
+@dataclass
+class DataConfig:
+    name: str = option("text", "data source", choices=("text", "synthetic"))
+    task: str = option("auto", "what is predicted; auto = the source's own task",
+                       choices=("auto", "lm", "classification", "binary", "regression"))
+    path: Optional[str] = option(None, "text: file, directory or glob; default: the Python standard library's .py files")
+    batch_size: int = option(32, "global batch size (all devices together)")
+    seq_len: int = option(128, "tokens per sequence (sequence data)")
+    eval_fraction: float = option(0.05, "text: share of files held out for eval (split by file)")
+    features: list = option([16], "synthetic: shape of one input example")
+    classes: int = option(10, "synthetic: number of classes (classification)")
+    size: int = option(65536, "synthetic: examples in the train split")
+    prefetch: int = option(2, "batches kept on the devices ahead of the step")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = option(3e-3, "peak learning rate (AdamW)")
+    warmup_steps: int = option(50, "linear warmup from 0 to lr")
+    min_lr_ratio: float = option(0.1, "cosine decay ends at lr * min_lr_ratio")
+    weight_decay: float = option(0.1, "decoupled weight decay (matrices only)")
+    b1: float = option(0.9, "Adam beta1")
+    b2: float = option(0.95, "Adam beta2")
+    eps: float = option(1e-8, "Adam epsilon")
+    clip_norm: float = option(1.0, "clip gradients to this global norm; 0 disables")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = option(300, "optimizer steps")
+    seed: int = option(0, "seed for parameters and data order")
+    dtype: str = option("float32", "compute dtype; parameters stay float32",
+                        choices=("float32", "bfloat16"))
+    loss: str = option("auto", "loss name (see shard/losses.py); auto = the task's default")
+    eval_every: int = option(0, "evaluate every N steps; 0 = only at the end")
+    eval_batches: int = option(8, "batches per evaluation")
+    sample_len: int = option(200, "lm: bytes to generate after training; 0 disables")
+    sample_prompt: str = option("def ", "lm: prompt for the generated sample")
+
+
+@dataclass
+class MeshConfig:
+    preset: str = option("dp", "mesh preset in meshes/ (also settable as mesh=NAME)")
+    data: Optional[int] = option(None, "data-parallel axis size; -1 = remaining devices; default: preset's, else 1")
+    fsdp: Optional[int] = option(None, "fully-sharded (ZeRO-3) axis size; -1 = remaining devices; default: preset's, else 1")
+    tensor: Optional[int] = option(None, "tensor (Megatron) axis size; -1 = remaining devices; default: preset's, else 1")
+    rules: dict = option({}, "logical axis -> mesh axis or list of axes (null = replicated), over the preset's")
+
+
+@dataclass
+class RunConfig:
+    dir: str = option("runs/default", "run directory: resolved config, metrics.jsonl")
+    log_every: int = option(10, "log metrics every N steps")
+    cpu_devices: Optional[int] = option(None, "run on N simulated CPU devices (set before JAX starts)")
+    peak_tflops: Optional[float] = option(None, "device peak TFLOP/s for MFU; default: known accelerators only")
+    progress: bool = option(True, "show a progress bar")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+_SECTION_CLASSES = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+FREE_FORM = {("model",), ("mesh", "rules")}  # keys below these are not schema fields
+
+
+def schema_fields(section: str) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(_SECTION_CLASSES[section]) if not f.metadata.get("internal")]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load(path: "str | Path | None", overrides: list[str]) -> "Config":
+    """YAML file (optional) + `key=value` overrides -> a validated Config. Raises UserError."""
+    layers = []
+    if path is not None:
+        layers.append(_read_yaml(Path(path)))
+    layers.append(_parse_overrides(overrides))
+    for layer in layers:
+        _check_keys(layer)
+
+    model_kwargs: dict = {}
+    merged = OmegaConf.structured(Config)
+    for layer in layers:
+        model = layer.get("model") or {}
+        model_kwargs.update({k: v for k, v in model.items() if k != "name"})
+        layer = dict(layer, model={"name": model["name"]} if "name" in model else {})
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.create(layer))
+        except OmegaConfBaseException as e:
+            raise UserError(_omegaconf_message(e)) from None
+    cfg: Config = OmegaConf.to_object(merged)
+    cfg.model.kwargs = model_kwargs
+    _check_values(cfg)
+    _fill_mesh_from_preset(cfg.mesh)
+    return cfg
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise UserError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"config file {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
+    return _normalize(data, f"config file {str(path)!r}")
+
+
+def _parse_overrides(overrides: list[str]) -> dict:
+    out: dict = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or key.startswith("-"):
+            raise UserError(f"argument {item!r} is not key=value (for example train.steps=100); see --help")
+        if key == "mesh":  # `mesh=fsdp` picks a preset
+            key = "mesh.preset"
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"override {item!r} conflicts with an earlier override of {part!r}")
+        node[parts[-1]] = value
+    return _normalize(out, "command line")
+
+
+def _normalize(data: dict, where: str) -> dict:
+    if isinstance(data.get("mesh"), str):  # `mesh: fsdp` in YAML picks a preset
+        data = dict(data, mesh={"preset": data["mesh"]})
+    for section, value in data.items():
+        if section in SECTIONS and value is not None and not isinstance(value, dict):
+            raise UserError(f"{where}: section {section!r} must be a mapping of keys, got {value!r}")
+    return data
+
+
+def _check_keys(layer: dict) -> None:
+    for section, values in layer.items():
+        if section not in SECTIONS:
+            raise UserError(f"unknown config section {section!r}; sections are: {', '.join(SECTIONS)}")
+        if section == "model" or not values:
+            continue
+        allowed = [f.name for f in schema_fields(section)]
+        for key in values:
+            if key not in allowed:
+                raise UserError(f"unknown key '{section}.{key}'; {section} accepts: {', '.join(allowed)}")
+
+
+def _omegaconf_message(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None) or "?"
+    msg = str(getattr(e, "msg", e)).splitlines()[0]
+    expected = _field_type_name(key)
+    if expected and any(s in msg for s in ("could not be converted", "is not a subclass", "Invalid type")):
+        got = msg.split("'")[1] if "'" in msg else msg
+        return f"{key}: expected {expected}, got {got!r}"
+    return f"{key}: {msg}"
+
+
+def _field_type_name(full_key: str) -> str | None:
+    section, _, key = full_key.partition(".")
+    if section not in SECTIONS:
+        return None
+    for f in schema_fields(section):
+        if f.name == key:
+            return type_name(f.type)
+    return None
+
+
+def type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(type_name(a) for a in args) + " or null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_values(cfg: Config) -> None:
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        for f in schema_fields(section):
+            choices = f.metadata.get("choices")
+            if choices and getattr(obj, f.name) not in choices:
+                raise UserError(f"{section}.{f.name}={getattr(obj, f.name)!r} is not allowed; choose one of: {', '.join(choices)}")
+    positive = {"data.batch_size": cfg.data.batch_size, "data.seq_len": cfg.data.seq_len,
+                "train.steps": cfg.train.steps, "run.log_every": cfg.run.log_every,
+                "train.eval_batches": cfg.train.eval_batches, "data.size": cfg.data.size}
+    for key, value in positive.items():
+        if value < 1:
+            raise UserError(f"{key}={value} must be at least 1")
+    if cfg.run.cpu_devices is not None and cfg.run.cpu_devices < 1:
+        raise UserError(f"run.cpu_devices={cfg.run.cpu_devices} must be at least 1 (or null for the real devices)")
+    if not isinstance(cfg.model.name, str) or not cfg.model.name:
+        raise UserError("model.name must be a registered model name or package.module:Class")
+
+
+def _fill_mesh_from_preset(mesh: MeshConfig) -> None:
+    """Axis sizes not set explicitly come from the preset, else 1; the preset's rules sit under ours."""
+    from shard.mesh import AXES, load_preset  # local: mesh imports jax
+
+    preset = load_preset(mesh.preset)
+    for axis in AXES:
+        if getattr(mesh, axis) is None:
+            setattr(mesh, axis, preset.get(axis, 1))
+    mesh.rules = {**preset.get("rules", {}), **mesh.rules}
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def to_dict(cfg: Config, model_kwargs: dict | None = None) -> dict:
+    """The config as plain data, with model kwargs back in the model section (as a user writes it)."""
+    out = dataclasses.asdict(cfg)
+    kwargs = cfg.model.kwargs if model_kwargs is None else model_kwargs
+    out["model"] = {"name": cfg.model.name, **kwargs}
+    return _plain(out)
+
+
+def _plain(x):
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def to_yaml(cfg: Config, model_kwargs: dict | None = None) -> str:
+    return yaml.safe_dump(to_dict(cfg, model_kwargs), sort_keys=False)
+
+
+def help_text(model_signature: list[tuple[str, str, Any]] | None = None, model_name: str = "") -> str:
+    lines = ["usage: python train.py [CONFIG.yaml] [key=value ...] [--print-config] [--help]", "",
+             "Keys (type, default): set them in the YAML file or as key=value; the command line wins.", ""]
+    for section in SECTIONS:
+        lines.append(f"{section}:")
+        for f in schema_fields(section):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            choices = f.metadata.get("choices")
+            extra = f" [{'|'.join(choices)}]" if choices else ""
+            lines.append(f"  {section}.{f.name:<15} {type_name(f.type):<14} {default!r:<16} {f.metadata['help']}{extra}")
+        if section == "model" and model_signature is not None:
+            lines.append(f"  constructor arguments of {model_name!r} (model.<arg>=value):")
+            for name, tname, default in model_signature:
+                lines.append(f"  model.{name:<15} {tname:<14} {default!r}")
+        lines.append("")
+    return "\n".join(lines)

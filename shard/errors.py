@@ -1,0 +1,9 @@
+"""The one exception type for mistakes a user can fix (bad config, bad shapes, bad paths).
+
+`train.py` turns it into a single line on stderr and exit status 2; everything else is a bug
+and keeps its traceback.
+"""
+
+
+class UserError(Exception):
+    """A problem with the user's input, worded as one line that says what is wrong and what is allowed."""

@@ -1,0 +1,71 @@
+"""Standard losses by name (`train.loss`), and the default one for each task.
+
+Every loss takes the model's raw outputs (logits or values; never probabilities) and the targets,
+and returns the mean over all examples (and positions, for sequences).
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from shard.errors import UserError
+
+
+def mse(outputs, targets):
+    """Mean squared error (regression)."""
+    return jnp.mean((outputs.reshape(targets.shape) - targets) ** 2)
+
+
+def binary_crossentropy(logits, targets):
+    """Sigmoid cross-entropy against 0/1 targets, computed from logits for stability."""
+    return jnp.mean(optax.sigmoid_binary_cross_entropy(logits.reshape(targets.shape), targets.astype(logits.dtype)))
+
+
+def categorical_crossentropy(logits, targets):
+    """Softmax cross-entropy against one-hot or multi-label (probability) targets over the last axis."""
+    return jnp.mean(-jnp.sum(targets * jax.nn.log_softmax(logits, axis=-1), axis=-1))
+
+
+def sparse_categorical_crossentropy(logits, labels):
+    """Softmax cross-entropy against integer class labels (also next-token prediction)."""
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
+
+
+def categorical_hinge(outputs, targets):
+    """max(0, 1 + best wrong-class score - true-class score), with one-hot targets."""
+    positive = jnp.sum(targets * outputs, axis=-1)
+    negative = jnp.max((1.0 - targets) * outputs, axis=-1)
+    return jnp.mean(jnp.maximum(0.0, negative - positive + 1.0))
+
+
+def squared_hinge(outputs, targets):
+    """mean(max(0, 1 - y*t)^2) with targets in {-1, 1} (0/1 targets are mapped to -1/1)."""
+    targets = targets.astype(outputs.dtype)
+    signs = jnp.where(targets == 0, -1.0, targets)
+    return jnp.mean(jnp.maximum(0.0, 1.0 - outputs.reshape(targets.shape) * signs) ** 2)
+
+
+LOSSES = {f.__name__: f for f in (mse, binary_crossentropy, categorical_crossentropy,
+                                  sparse_categorical_crossentropy, categorical_hinge, squared_hinge)}
+
+DEFAULT_FOR_TASK = {
+    "lm": "sparse_categorical_crossentropy",
+    "classification": "sparse_categorical_crossentropy",
+    "binary": "binary_crossentropy",
+    "regression": "mse",
+}
+
+
+def resolve(name: str, task: str):
+    if name == "auto":
+        name = DEFAULT_FOR_TASK[task]
+    if name not in LOSSES:
+        raise UserError(f"unknown train.loss {name!r}; losses are: auto, {', '.join(LOSSES)}")
+    return LOSSES[name]
+
+
+def accuracy(outputs, targets, task: str):
+    """Share of correct predictions: argmax for classes and tokens, sign of the logit for binary."""
+    if task == "binary":
+        return jnp.mean((outputs.reshape(targets.shape) > 0) == (targets > 0.5))
+    return jnp.mean(jnp.argmax(outputs, axis=-1) == targets)

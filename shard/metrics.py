@@ -1,0 +1,55 @@
+"""Metrics: one JSON line per log step in <run.dir>/metrics.jsonl, and model FLOPs utilisation."""
+
+import json
+from pathlib import Path
+
+import jax
+
+# Peak dense bf16 TFLOP/s per chip, from the vendors' data sheets; matched against device_kind.
+PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L4": 121.0,
+    "TPU v6": 918.0,
+    "TPU v5p": 459.0,
+    "TPU v5 lite": 197.0,
+    "TPU v5e": 197.0,
+    "TPU v4": 275.0,
+}
+
+
+def peak_flops(device, override_tflops: float | None) -> float | None:
+    """Peak FLOP/s of one device: `run.peak_tflops` if given, else the table, else unknown (None)."""
+    if override_tflops:
+        return override_tflops * 1e12
+    kind = getattr(device, "device_kind", "")
+    for name, tflops in PEAK_TFLOPS.items():
+        if name in kind:
+            return tflops * 1e12
+    return None
+
+
+def compiled_flops(compiled) -> float | None:
+    """FLOPs of one call of a compiled program, per device, as XLA counts them."""
+    try:
+        analysis = compiled.cost_analysis()
+    except Exception:  # not every backend implements it
+        return None
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else {}
+    flops = (analysis or {}).get("flops")
+    return float(flops) if flops and flops > 0 else None
+
+
+class MetricsLog:
+    """Appends records to metrics.jsonl; only process 0 writes."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.enabled = jax.process_index() == 0
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")

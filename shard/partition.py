@@ -1,0 +1,102 @@
+"""Logical axis names -> mesh axes: the one table of rules, and the helper models use.
+
+Models name the dimensions of their parameters (`out_sharding=("embed", "mlp")` metadata) and
+of a few activations (`constrain(x, ("batch", "length", "embed"))`) with the vocabulary below,
+and never a mesh axis. Which mesh axes a name maps to is decided here and in mesh presets.
+
+Mapping a tuple of names to a PartitionSpec drops mesh axes of size 1 and mesh axes already
+used by an earlier dimension of the same array. So under FSDP an activation named
+("batch", "embed") is split on batch only, while a parameter named ("embed", "mlp") is split on
+embed: one table serves both, without a second vocabulary for activations.
+"""
+
+import contextlib
+import contextvars
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shard.errors import UserError
+
+# Logical name -> mesh axis, tuple of mesh axes, or None (replicated).
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),  # examples of the global batch
+    "length": None,             # sequence positions
+    "embed": "fsdp",            # model width (residual stream)
+    "mlp": "tensor",            # hidden width of a feed-forward layer
+    "heads": "tensor",          # attention (query) heads
+    "kv_heads": "tensor",       # key/value heads
+    "head_dim": None,           # width of one attention head
+    "vocab": "tensor",          # vocabulary (embedding rows, output logits)
+    "features": None,           # input features of non-sequence data
+    "classes": None,            # output classes / targets
+    "layers": None,             # stacked (scanned) layers
+}
+
+
+def merged_rules(overrides: dict | None, mesh_axes: Sequence[str]) -> dict:
+    """The table with a preset's or the user's single-rule overrides applied, checked."""
+    rules = dict(RULES)
+    for name, target in (overrides or {}).items():
+        targets = _as_tuple(target)
+        bad = [a for a in targets if a not in mesh_axes]
+        if bad or not all(isinstance(a, str) for a in targets):
+            raise UserError(f"mesh.rules.{name}={target!r}: a rule maps to mesh axes "
+                            f"({', '.join(mesh_axes)}), a list of them, or null")
+        rules[name] = targets if len(targets) != 1 else targets[0]
+    return rules
+
+
+def _as_tuple(target) -> tuple:
+    if target is None:
+        return ()
+    if isinstance(target, (list, tuple)):
+        return tuple(target)
+    return (target,)
+
+
+def logical_to_spec(names: Sequence[str | None], rules: dict, mesh_shape: dict[str, int]) -> PartitionSpec:
+    used: set[str] = set()
+    spec = []
+    for name in names:
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in rules:
+            raise UserError(f"logical axis {name!r} has no rule; known names: {', '.join(rules)} "
+                            "(add one with mesh.rules.NAME=AXIS)")
+        axes = tuple(a for a in _as_tuple(rules[name]) if mesh_shape[a] > 1 and a not in used)
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+# ----------------------------------------------------------------------------- active rules
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("shard_active_rules", default=None)
+
+
+@contextlib.contextmanager
+def activate(mesh: jax.sharding.Mesh, rules: dict):
+    """Make `constrain` map names through these rules onto this mesh while tracing."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Ask for activation `x` to be sharded as its logical `names` map under the active rules.
+
+    The one sharding helper model code uses. Outside the framework (no active rules) it does nothing,
+    so a model stays an ordinary Flax module.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    if len(names) != x.ndim:
+        raise ValueError(f"constrain: {len(names)} names {tuple(names)} for an array of shape {x.shape}")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules, mesh.shape)))

@@ -1,0 +1,83 @@
+"""Find the model class named by `model.name` and check `model.*` arguments against its signature.
+
+`model.name` is a name from models.REGISTRY or any importable `package.module:Class`, so a user's
+own Flax NNX module trains through the framework without changes to it.
+"""
+
+import importlib
+import inspect
+import os
+import sys
+import typing
+
+from shard.errors import UserError
+
+
+def resolve(name: str) -> type:
+    from models import REGISTRY
+
+    target = REGISTRY.get(name, name)
+    if ":" not in target:
+        raise UserError(f"unknown model {name!r}; registered models: {', '.join(sorted(REGISTRY))}, "
+                        "or give package.module:Class")
+    module_name, _, class_name = target.partition(":")
+    if os.getcwd() not in sys.path:  # like `python -m`: the user's own modules import from the cwd
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UserError(f"model.name={name!r}: cannot import module {module_name!r} ({e})") from None
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        raise UserError(f"model.name={name!r}: module {module_name!r} has no class {class_name!r}")
+    if "rngs" not in inspect.signature(cls.__init__).parameters:
+        raise UserError(f"model.name={name!r}: the class must take an `rngs` argument (nnx.Rngs) to initialise its parameters")
+    return cls
+
+
+def arguments(cls: type) -> list[tuple[str, str, object]]:
+    """(name, type, default) of each constructor argument a config may set."""
+    out = []
+    for p in inspect.signature(cls.__init__).parameters.values():
+        if p.name in ("self", "rngs") or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        tname = getattr(p.annotation, "__name__", str(p.annotation)) if p.annotation is not p.empty else "any"
+        out.append((p.name, tname, "(required)" if p.default is p.empty else p.default))
+    return out
+
+
+def check_kwargs(cls: type, kwargs: dict, name: str) -> dict:
+    """The kwargs, checked against the signature: unknown names, missing required ones, plain types."""
+    params = {p.name: p for p in inspect.signature(cls.__init__).parameters.values()
+              if p.name not in ("self", "rngs") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(cls.__init__).parameters.values())
+    for key, value in kwargs.items():
+        if key not in params:
+            if takes_any:
+                continue
+            raise UserError(f"model {name!r} has no argument 'model.{key}'; it accepts: {', '.join(params) or 'none'}")
+        _check_type(name, key, value, params[key].annotation, cls)
+    missing = [k for k, p in params.items() if p.default is p.empty and k not in kwargs]
+    if missing:
+        raise UserError(f"model {name!r} needs {', '.join('model.' + k for k in missing)}")
+    return kwargs
+
+
+def _check_type(model: str, key: str, value, annotation, cls) -> None:
+    if isinstance(annotation, str):  # postponed annotations
+        try:
+            annotation = typing.get_type_hints(cls.__init__).get(key, annotation)
+        except Exception:
+            return
+    plain = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}
+    allowed = plain.get(annotation)
+    if allowed is None:
+        return  # containers, unions, custom types: the class checks them itself
+    if not isinstance(value, allowed) or (annotation is int and isinstance(value, bool)):
+        raise UserError(f"model.{key}={value!r}: model {model!r} expects {annotation.__name__}")
+
+
+def with_defaults(cls: type, kwargs: dict) -> dict:
+    """Every constructor argument with its value: the given ones over the signature's defaults."""
+    defaults = {name: default for name, _, default in arguments(cls) if default != "(required)"}
+    return {**defaults, **kwargs}

@@ -1,0 +1,129 @@
+"""The train state: its abstract shape, its shardings from the logical-axis rules, and sharded init.
+
+The state is never materialised whole on one device: we trace the initialiser abstractly
+(`jax.eval_shape`), derive every array's sharding from its logical names, and run the
+initialiser under `jax.jit` with those output shardings, so each device only ever computes and
+holds its own shards. Optimizer moments are Param-shaped trees carrying the same metadata as the
+parameters, so they get the same sharding (FSDP shards Adam's moments too).
+"""
+
+import math
+from collections.abc import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shard.errors import UserError
+from shard.partition import logical_to_spec
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array        # optimizer steps taken
+    params: nnx.State      # trainable parameters (nnx.Param), float32
+    rest: nnx.State        # every other model variable (e.g. normalisation statistics)
+    opt_state: optax.OptState
+
+
+def build_model(model_cls: type, kwargs: dict, seed: int) -> nnx.Module:
+    # Annotations are logical names, mapped by us through the rules; Flax's eager sharding would
+    # read them as mesh axes.
+    with nnx.use_eager_sharding(False):
+        return model_cls(**kwargs, rngs=nnx.Rngs(seed))
+
+
+def abstract_state(model_cls: type, kwargs: dict, tx: optax.GradientTransformation, seed: int,
+                   model_name: str) -> tuple[nnx.GraphDef, TrainState, Callable[[], TrainState]]:
+    """The model's graph, the state's shapes (no memory allocated) and the function that builds it."""
+
+    def init() -> TrainState:
+        _, params, rest = nnx.split(build_model(model_cls, kwargs, seed), nnx.Param, ...)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest, opt_state=tx.init(params))
+
+    try:
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(model_cls, kwargs, seed)))
+        abstract = jax.eval_shape(init)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"model {model_name!r} could not be built with {kwargs}: {_first_line(e)}") from None
+    return graphdef, abstract, init
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def logical_names(leaf) -> tuple | None:
+    if isinstance(leaf, nnx.Variable):
+        return leaf.get_metadata().get("out_sharding")
+    return None
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def path_name(path) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def state_shardings(abstract, mesh: jax.sharding.Mesh, rules: dict):
+    """A NamedSharding for every array of `abstract`, checked for divisibility.
+
+    Variables map their logical names through the rules; arrays without names (step counters,
+    Adam's count) are replicated.
+    """
+
+    def one(path, leaf):
+        names = logical_names(leaf)
+        value = jax.tree.leaves(leaf)[0] if _is_variable(leaf) else leaf
+        if names is None:
+            spec = PartitionSpec()
+        else:
+            if len(names) != len(value.shape):
+                raise UserError(f"parameter {path_name(path)} has shape {tuple(value.shape)} but "
+                                f"{len(names)} logical axis names {tuple(names)}")
+            spec = logical_to_spec(names, rules, mesh.shape)
+            check_divisible(path_name(path), value.shape, names, spec, mesh)
+        sharding = NamedSharding(mesh, spec)
+        return leaf.replace(sharding) if _is_variable(leaf) else sharding
+
+    return jax.tree_util.tree_map_with_path(one, abstract, is_leaf=_is_variable)
+
+
+def check_divisible(what: str, shape, names, spec: PartitionSpec, mesh) -> None:
+    for dim, (size, name, axes) in enumerate(zip(shape, names, spec)):
+        if axes is None:
+            continue
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        ways = math.prod(mesh.shape[a] for a in axes)
+        if size % ways:
+            shown = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+            raise UserError(f"{what} of shape {tuple(shape)}: dimension {dim} ({name}) has size {size}, "
+                            f"not divisible by mesh axis {shown}; use sizes divisible by {ways} or a smaller "
+                            f"{'/'.join(axes)} axis")
+
+
+def batch_shardings(example_batch: dict, mesh, rules: dict) -> dict:
+    """Shardings for a global batch: the leading (example) dimension over the batch axes."""
+
+    def one(name, x):
+        names = ("batch",) + (None,) * (x.ndim - 1)
+        spec = logical_to_spec(names, rules, mesh.shape)
+        shape = (example_batch[name].shape[0],) + tuple(x.shape[1:])
+        check_divisible(f"data.batch_size: the batch of {name!r}", shape, names, spec, mesh)
+        return NamedSharding(mesh, spec)
+
+    return {name: one(name, x) for name, x in example_batch.items()}
+
+
+def init_state(init: Callable[[], TrainState], shardings) -> TrainState:
+    """Run the initialiser so that each device computes only its own shards."""
+    return jax.jit(init, out_shardings=shardings)()
+
+
+def count_params(params) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))

@@ -1,0 +1,71 @@
+"""The jitted train and eval steps: loss, gradients, optimizer update.
+
+Both are compiled ahead of time with explicit input and output shardings, so nothing is
+resharded behind the user's back and the compiled program (memory, collectives) can be inspected.
+The train step donates the old state: its buffers are reused for the new one.
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shard.errors import UserError
+from shard.losses import accuracy
+from shard.state import TrainState
+
+
+def cast_floats(tree, dtype):
+    """Mixed precision: floating arrays to the compute dtype; parameters themselves stay float32."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable,
+                    dtype) -> Callable:
+    def train_step(state: TrainState, batch: dict):
+        def objective(params):
+            model = nnx.merge(graphdef, cast_floats(params, dtype), state.rest)
+            outputs = model(cast_floats(batch["inputs"], dtype))
+            loss = loss_fn(outputs.astype(jnp.float32), batch["targets"])
+            return loss, nnx.state(model, nnx.Not(nnx.Param))
+
+        (loss, rest), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        rest = jax.tree.map(lambda new, old: new.astype(old.dtype), rest, state.rest)
+        new_state = state.replace(step=state.step + 1, params=params, rest=rest, opt_state=opt_state)
+        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+    return train_step
+
+
+def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable, task: str, dtype) -> Callable:
+    def eval_step(state: TrainState, batch: dict):
+        model = nnx.merge(graphdef, cast_floats(state.params, dtype), state.rest)
+        model.eval()  # e.g. normalisation layers use their running statistics
+        outputs = model(cast_floats(batch["inputs"], dtype)).astype(jnp.float32)
+        metrics = {"loss": loss_fn(outputs, batch["targets"])}
+        if task in ("classification", "binary", "lm"):
+            metrics["accuracy"] = accuracy(outputs, batch["targets"], task)
+        return metrics
+
+    return eval_step
+
+
+def compile_step(fn: Callable, abstract_state, state_shardings, abstract_batch, batch_shardings,
+                 mesh, *, donate: bool, returns_state: bool, model_name: str):
+    """jit with explicit shardings, lowered and compiled now (errors surface before training starts)."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    out_shardings = (state_shardings, replicated) if returns_state else replicated
+    jitted = jax.jit(fn, in_shardings=(state_shardings, batch_shardings), out_shardings=out_shardings,
+                     donate_argnums=(0,) if donate else ())
+    try:
+        lowered = jitted.lower(abstract_state, abstract_batch)
+    except (TypeError, ValueError) as e:
+        shapes = {k: (tuple(v.shape), str(v.dtype)) for k, v in abstract_batch.items()}
+        raise UserError(f"model {model_name!r} failed on a batch {shapes}: "
+                        f"{str(e).strip().splitlines()[0]}") from None
+    return lowered.compile()
