@@ -128,6 +128,8 @@ def load(path: "str | Path | None", overrides: list[str]) -> "Config":
     merged = OmegaConf.structured(Config)
     for layer in layers:
         model = layer.get("model") or {}
+        if model.get("name", merged.model.name) != merged.model.name:
+            model_kwargs = {}  # another model: the earlier layer's arguments were for the old one
         model_kwargs.update({k: v for k, v in model.items() if k != "name"})
         layer = dict(layer, model={"name": model["name"]} if "name" in model else {})
         try:

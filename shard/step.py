@@ -37,7 +37,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
         params = optax.apply_updates(state.params, updates)
         rest = jax.tree.map(lambda new, old: new.astype(old.dtype), rest, state.rest)
         new_state = state.replace(step=state.step + 1, params=params, rest=rest, opt_state=opt_state)
-        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     return train_step
 

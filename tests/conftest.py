@@ -1,0 +1,46 @@
+"""Tests run on 8 simulated CPU devices: enough for every mesh. Set before JAX initialises."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_platforms", "cpu")
+assert len(jax.devices()) == 8, "tests need 8 simulated CPU devices"  # also starts the backend now
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A tiny GPT whose every sharded dimension divides 8, so it fits every mesh of 8 devices.
+TINY_GPT = ["model.name=gpt", "model.vocab_size=256", "model.d_model=32", "model.n_layers=2",
+            "model.n_heads=8", "model.d_ff=64", "model.max_len=32", "data.name=text", "data.seq_len=32",
+            "data.batch_size=16"]
+TINY_MLP = ["model.name=mlp", "model.in_features=16", "model.out_features=8", "model.hidden=[32,32]",
+            "data.name=synthetic", "data.features=[16]", "data.classes=8", "data.batch_size=32", "optimizer.lr=3e-2"]
+
+
+def overrides(tmp_path, *extra) -> list[str]:
+    return [f"run.dir={tmp_path}", "run.progress=false", "train.sample_len=0", "train.eval_batches=1",
+            "optimizer.warmup_steps=2", *extra]
+
+
+@pytest.fixture
+def train(tmp_path):
+    """Run the trainer in-process with the given overrides; returns shard.trainer.Result."""
+    from shard import config, trainer
+
+    def go(*extra, subdir="run"):
+        return trainer.run(config.load(None, overrides(tmp_path / subdir, *extra)))
+
+    return go
+
+
+def run_cli(*args, cwd=ROOT, timeout=300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
