@@ -67,7 +67,9 @@ def _is_variable(x) -> bool:
 
 
 def path_name(path) -> str:
-    return jax.tree_util.keystr(path, simple=True, separator="/")
+    """`params/blocks/0/attn/qkv` for a parameter; optimizer state keeps its own prefix."""
+    name = jax.tree_util.keystr(path, simple=True, separator="/")
+    return name.removeprefix("params/")
 
 
 def state_shardings(abstract, mesh: jax.sharding.Mesh, rules: dict):
@@ -87,7 +89,7 @@ def state_shardings(abstract, mesh: jax.sharding.Mesh, rules: dict):
                 raise UserError(f"parameter {path_name(path)} has shape {tuple(value.shape)} but "
                                 f"{len(names)} logical axis names {tuple(names)}")
             spec = logical_to_spec(names, rules, mesh.shape)
-            check_divisible(path_name(path), value.shape, names, spec, mesh)
+            check_divisible(f"parameter {path_name(path)}", value.shape, names, spec, mesh)
         sharding = NamedSharding(mesh, spec)
         return leaf.replace(sharding) if _is_variable(leaf) else sharding
 
@@ -110,14 +112,17 @@ def check_divisible(what: str, shape, names, spec: PartitionSpec, mesh) -> None:
 def batch_shardings(example_batch: dict, mesh, rules: dict) -> dict:
     """Shardings for a global batch: the leading (example) dimension over the batch axes."""
 
-    def one(name, x):
-        names = ("batch",) + (None,) * (x.ndim - 1)
-        spec = logical_to_spec(names, rules, mesh.shape)
-        shape = (example_batch[name].shape[0],) + tuple(x.shape[1:])
-        check_divisible(f"data.batch_size: the batch of {name!r}", shape, names, spec, mesh)
+    def one(x):
+        spec = logical_to_spec(("batch",) + (None,) * (x.ndim - 1), rules, mesh.shape)
+        axes = () if spec[0] is None else (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+        shards = math.prod(mesh.shape[a] for a in axes)
+        if x.shape[0] % shards:
+            shown = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+            raise UserError(f"data.batch_size={x.shape[0]} is not divisible by the {shards} batch shards "
+                            f"({shown}); use a multiple of {shards}")
         return NamedSharding(mesh, spec)
 
-    return {name: one(name, x) for name, x in example_batch.items()}
+    return {name: one(x) for name, x in example_batch.items()}
 
 
 def init_state(init: Callable[[], TrainState], shardings) -> TrainState:
