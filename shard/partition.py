@@ -44,7 +44,7 @@ def merged_rules(overrides: dict | None, mesh_axes: Sequence[str]) -> dict:
         if bad or not all(isinstance(a, str) for a in targets):
             raise UserError(f"mesh.rules.{name}={target!r}: a rule maps to mesh axes "
                             f"({', '.join(mesh_axes)}), a list of them, or null")
-        rules[name] = targets if len(targets) != 1 else targets[0]
+        rules[name] = None if not targets else targets[0] if len(targets) == 1 else targets
     return rules
 
 

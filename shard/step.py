@@ -27,7 +27,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
                     dtype) -> Callable:
     def train_step(state: TrainState, batch: dict):
         def objective(params):
-            model = nnx.merge(graphdef, cast_floats(params, dtype), state.rest)
+            model = nnx.merge(graphdef, cast_floats(params, dtype), state.rest, copy=True)
             outputs = model(cast_floats(batch["inputs"], dtype))
             loss = loss_fn(outputs.astype(jnp.float32), batch["targets"])
             return loss, nnx.state(model, nnx.Not(nnx.Param))

@@ -31,6 +31,7 @@ class Result:
     eval: dict = field(default_factory=dict)     # the final eval_* metrics
     sample: str = ""
     state: object = None
+    graphdef: object = None                      # nnx.merge(graphdef, state.params, state.rest) is the model
     shardings: object = None
     mesh: object = None
     train_step: object = None                    # the compiled step (memory_analysis, as_text)
@@ -81,7 +82,7 @@ def run(cfg: config_lib.Config) -> Result:
     state = state_lib.init_state(init, shardings)
 
     # ---- the loop
-    result = Result(state=None, shardings=shardings, mesh=mesh, train_step=train_step)
+    result = Result(graphdef=graphdef, shardings=shardings, mesh=mesh, train_step=train_step)
     flops = compiled_flops(train_step)
     peak = peak_flops(devices[0], cfg.run.peak_tflops)
     per_step = cfg.data.batch_size * (data.tokens_per_example or 1)
