@@ -76,3 +76,9 @@ def test_a_short_run_writes_config_metrics_eval_and_sample(tmp_path):
     for key in ("step", "loss", "lr", "step_time_s", "tokens_per_s", "mfu"):
         assert key in train[-1]
     assert "eval_loss" in records[-1] and "eval_accuracy" in records[-1]
+
+
+def test_default_config_trains(tmp_path):
+    proc = run_cli("train.steps=3", "train.sample_len=5", f"run.dir={tmp_path}", "run.progress=false")
+    assert proc.returncode == 0, proc.stderr
+    assert "model gpt" in proc.stdout and "sample:" in proc.stdout
