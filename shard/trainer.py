@@ -18,6 +18,7 @@ from shard import data as data_lib
 from shard import losses, optim, registry
 from shard import mesh as mesh_lib
 from shard import partition
+from shard.errors import UserError
 from shard import state as state_lib
 from shard import step as step_lib
 from shard.generate import sample
@@ -38,6 +39,10 @@ class Result:
 
 
 def run(cfg: config_lib.Config) -> Result:
+    run_dir = Path(cfg.run.dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"run.dir={cfg.run.dir!r} is a file; it must be a directory (new or from an earlier run)")
+
     # ---- devices, mesh and rules
     devices = mesh_lib.select_devices(cfg.run.cpu_devices)
     mesh = mesh_lib.build_mesh(cfg.mesh, devices)
@@ -66,7 +71,6 @@ def run(cfg: config_lib.Config) -> Result:
             batch_shardings, mesh, donate=False, returns_state=False, model_name=cfg.model.name)
 
     # ---- run directory: only now, with the input known to be good
-    run_dir = Path(cfg.run.dir)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = config_lib.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, kwargs))

@@ -24,6 +24,8 @@ BAD_INPUTS = {
     "unknown preset": (["mesh=zero5"], "zero5"),
     "missing config file": (["no/such/config.yaml"], "no/such/config.yaml"),
     "not key=value": (["train.steps=3", "steps"], "steps"),
+    "run.dir is a file": (["run.dir=RUN/config.yaml"], "run.dir"),
+    "missing data path": (["data.path=no/such/dir"], "data.path"),
 }
 
 
@@ -34,8 +36,9 @@ def test_bad_input_is_one_line_exit_2_and_touches_nothing(tmp_path, case):
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text("earlier: run\n")
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
-    path = [a for a in args if a.endswith(".yaml")]  # a config file comes first, overrides last
-    proc = run_cli(*path, f"run.dir={run_dir}", *QUICK, *[a for a in args if a not in path])
+    path = [a for a in args if a.endswith(".yaml") and "=" not in a]  # a config file comes first, overrides last
+    rest = [a.replace("RUN", str(run_dir)) for a in args if a not in path]
+    proc = run_cli(*path, f"run.dir={run_dir}", *QUICK, *rest)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
