@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from shard import config, registry
-from shard.errors import UserError
+from shard.errors import NonFiniteLoss, UserError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 FLAGS = ("--help", "-h", "--print-config")
@@ -51,5 +51,8 @@ if __name__ == "__main__":
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

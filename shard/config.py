@@ -20,9 +20,10 @@ from omegaconf.errors import OmegaConfBaseException
 from shard.errors import UserError
 
 
-def option(default: Any, help: str, choices: tuple | None = None):
-    """A schema field: its default, one line of help, and optionally the allowed values."""
-    meta = {"help": help, "choices": choices}
+def option(default: Any, help: str, choices: tuple | None = None, key: str | None = None):
+    """A schema field: its default, one line of help, optionally the allowed values, and the key users
+    write where it differs from the field name (`checkpoint.async`: `async` is a Python keyword)."""
+    meta = {"help": help, "choices": choices, "key": key}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -69,10 +70,22 @@ class TrainConfig:
     dtype: str = option("float32", "compute dtype; parameters stay float32",
                         choices=("float32", "bfloat16"))
     loss: str = option("auto", "loss name (see shard/losses.py); auto = the task's default")
+    init_from: Optional[str] = option(None, "load parameters only from this checkpoint (run, checkpoints or step folder), e.g. to fine-tune")
+    skip_nonfinite: bool = option(False, "skip an update whose loss or gradients are not finite, instead of stopping")
     eval_every: int = option(0, "evaluate every N steps; 0 = only at the end")
     eval_batches: int = option(8, "batches per evaluation")
     sample_len: int = option(200, "lm: bytes to generate after training; 0 disables")
     sample_prompt: str = option("def ", "lm: prompt for the generated sample")
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = option(True, "write checkpoints and resume from them")
+    every: int = option(100, "save every N steps, and always at the end; 0 = only at the end")
+    keep: int = option(3, "how many of the newest checkpoints to keep")
+    async_: bool = option(True, "write in the background while training goes on", key="async")
+    dir: Optional[str] = option(None, "checkpoint folder; default: <run.dir>/checkpoints")
+    restore_from: Optional[str] = option(None, "start from another run's checkpoint (whole state: parameters, optimizer, step)")
 
 
 @dataclass
@@ -101,6 +114,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
@@ -110,6 +124,24 @@ FREE_FORM = {("model",), ("mesh", "rules")}  # keys below these are not schema f
 
 def schema_fields(section: str) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(_SECTION_CLASSES[section]) if not f.metadata.get("internal")]
+
+
+def key_of(f: dataclasses.Field) -> str:
+    """The name users write for a field."""
+    return f.metadata.get("key") or f.name
+
+
+def _renamed(layer: dict, to_field: bool) -> dict:
+    """User keys <-> field names, where they differ (only `checkpoint.async` today)."""
+    out = dict(layer)
+    for section, values in layer.items():
+        if section not in SECTIONS or section == "model" or not isinstance(values, dict):
+            continue
+        names = {key_of(f): f.name for f in schema_fields(section)}
+        if not to_field:
+            names = {v: k for k, v in names.items()}
+        out[section] = {names.get(k, k): v for k, v in values.items()}
+    return out
 
 
 # ----------------------------------------------------------------------------- loading
@@ -131,7 +163,7 @@ def load(path: "str | Path | None", overrides: list[str]) -> "Config":
         if model.get("name", merged.model.name) != merged.model.name:
             model_kwargs = {}  # another model: the earlier layer's arguments were for the old one
         model_kwargs.update({k: v for k, v in model.items() if k != "name"})
-        layer = dict(layer, model={"name": model["name"]} if "name" in model else {})
+        layer = _renamed(dict(layer, model={"name": model["name"]} if "name" in model else {}), to_field=True)
         try:
             merged = OmegaConf.merge(merged, OmegaConf.create(layer))
         except OmegaConfBaseException as e:
@@ -192,7 +224,7 @@ def _check_keys(layer: dict) -> None:
             raise UserError(f"unknown config section {section!r}; sections are: {', '.join(SECTIONS)}")
         if section == "model" or not values:
             continue
-        allowed = [f.name for f in schema_fields(section)]
+        allowed = [key_of(f) for f in schema_fields(section)]
         for key in values:
             if key not in allowed:
                 raise UserError(f"unknown key '{section}.{key}'; {section} accepts: {', '.join(allowed)}")
@@ -200,9 +232,10 @@ def _check_keys(layer: dict) -> None:
 
 def _omegaconf_message(e: OmegaConfBaseException) -> str:
     key = getattr(e, "full_key", None) or "?"
+    key = key.removesuffix("_") if key.endswith("async_") else key
     msg = str(getattr(e, "msg", e)).splitlines()[0]
     expected = _field_type_name(key)
-    if expected and any(s in msg for s in ("could not be converted", "is not a subclass", "Invalid type")):
+    if expected and any(s in msg for s in ("could not be converted", "is not a subclass", "Invalid type", "is not a valid")):
         got = msg.split("'")[1] if "'" in msg else msg
         return f"{key}: expected {expected}, got {got!r}"
     return f"{key}: {msg}"
@@ -213,7 +246,7 @@ def _field_type_name(full_key: str) -> str | None:
     if section not in SECTIONS:
         return None
     for f in schema_fields(section):
-        if f.name == key:
+        if key_of(f) == key:
             return type_name(f.type)
     return None
 
@@ -231,13 +264,16 @@ def _check_values(cfg: Config) -> None:
         for f in schema_fields(section):
             choices = f.metadata.get("choices")
             if choices and getattr(obj, f.name) not in choices:
-                raise UserError(f"{section}.{f.name}={getattr(obj, f.name)!r} is not allowed; choose one of: {', '.join(choices)}")
+                raise UserError(f"{section}.{key_of(f)}={getattr(obj, f.name)!r} is not allowed; choose one of: {', '.join(choices)}")
     positive = {"data.batch_size": cfg.data.batch_size, "data.seq_len": cfg.data.seq_len,
                 "train.steps": cfg.train.steps, "run.log_every": cfg.run.log_every,
                 "train.eval_batches": cfg.train.eval_batches, "data.size": cfg.data.size}
     for key, value in positive.items():
         if value < 1:
             raise UserError(f"{key}={value} must be at least 1")
+    if cfg.checkpoint.keep < 1 or cfg.checkpoint.every < 0:
+        raise UserError(f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1 and checkpoint.every="
+                        f"{cfg.checkpoint.every} at least 0 (0 = only at the end)")
     if cfg.run.cpu_devices is not None and cfg.run.cpu_devices < 1:
         raise UserError(f"run.cpu_devices={cfg.run.cpu_devices} must be at least 1 (or null for the real devices)")
     if not isinstance(cfg.model.name, str) or not cfg.model.name:
@@ -263,7 +299,7 @@ def to_dict(cfg: Config, model_kwargs: dict | None = None) -> dict:
     out = dataclasses.asdict(cfg)
     kwargs = cfg.model.kwargs if model_kwargs is None else model_kwargs
     out["model"] = {"name": cfg.model.name, **kwargs}
-    return _plain(out)
+    return _plain(_renamed(out, to_field=False))
 
 
 def _plain(x):
@@ -287,7 +323,7 @@ def help_text(model_signature: list[tuple[str, str, Any]] | None = None, model_n
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             choices = f.metadata.get("choices")
             extra = f" [{'|'.join(choices)}]" if choices else ""
-            lines.append(f"  {section}.{f.name:<15} {type_name(f.type):<14} {default!r:<16} {f.metadata['help']}{extra}")
+            lines.append(f"  {section}.{key_of(f):<15} {type_name(f.type):<14} {default!r:<16} {f.metadata['help']}{extra}")
         if section == "model" and model_signature is not None:
             lines.append(f"  constructor arguments of {model_name!r} (model.<arg>=value):")
             for name, tname, default in model_signature:

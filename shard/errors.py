@@ -7,3 +7,7 @@ and keeps its traceback.
 
 class UserError(Exception):
     """A problem with the user's input, worded as one line that says what is wrong and what is allowed."""
+
+
+class NonFiniteLoss(Exception):
+    """Training produced a NaN or infinite loss or gradient; no checkpoint of that state is written."""

@@ -24,7 +24,7 @@ def cast_floats(tree, dtype):
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable,
-                    dtype) -> Callable:
+                    dtype, skip_nonfinite: bool = False) -> Callable:
     def train_step(state: TrainState, batch: dict):
         def objective(params):
             model = nnx.merge(graphdef, cast_floats(params, dtype), state.rest, copy=True)
@@ -37,7 +37,12 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
         params = optax.apply_updates(state.params, updates)
         rest = jax.tree.map(lambda new, old: new.astype(old.dtype), rest, state.rest)
         new_state = state.replace(step=state.step + 1, params=params, rest=rest, opt_state=opt_state)
-        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if skip_nonfinite:  # keep the old parameters and optimizer state; the batch is still consumed
+            skipped = state.replace(step=state.step + 1)
+            new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, skipped)
+        return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
 
     return train_step
 

@@ -5,6 +5,7 @@ directory is touched, so a bad config never overwrites anything.
 """
 
 import math
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,14 +14,15 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from shard import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
 from shard import losses, optim, registry
 from shard import mesh as mesh_lib
 from shard import partition
-from shard.errors import UserError
 from shard import state as state_lib
 from shard import step as step_lib
+from shard.errors import NonFiniteLoss, UserError
 from shard.generate import sample
 from shard.metrics import MetricsLog, compiled_flops, peak_flops
 
@@ -36,6 +38,8 @@ class Result:
     shardings: object = None
     mesh: object = None
     train_step: object = None                    # the compiled step (memory_analysis, as_text)
+    start_step: int = 0                          # where this run began (>0 after a resume)
+    preempted: bool = False                      # stopped early by SIGTERM/SIGINT, checkpoint written
 
 
 def run(cfg: config_lib.Config) -> Result:
@@ -48,6 +52,7 @@ def run(cfg: config_lib.Config) -> Result:
     mesh = mesh_lib.build_mesh(cfg.mesh, devices)
     rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
     main = jax.process_index() == 0
+    say = print if main else (lambda *a, **k: None)
 
     # ---- model, data, loss, optimizer
     model_cls = registry.resolve(cfg.model.name)
@@ -64,11 +69,16 @@ def run(cfg: config_lib.Config) -> Result:
         batch = data.abstract_batch()
         batch_shardings = state_lib.batch_shardings(batch, mesh, rules)
         train_step = step_lib.compile_step(
-            step_lib.make_train_step(graphdef, tx, loss_fn, dtype), abstract, shardings, batch,
-            batch_shardings, mesh, donate=True, returns_state=True, model_name=cfg.model.name)
+            step_lib.make_train_step(graphdef, tx, loss_fn, dtype, cfg.train.skip_nonfinite), abstract, shardings,
+            batch, batch_shardings, mesh, donate=True, returns_state=True, model_name=cfg.model.name)
         eval_step = step_lib.compile_step(
             step_lib.make_eval_step(graphdef, loss_fn, data.task, dtype), abstract, shardings, batch,
             batch_shardings, mesh, donate=False, returns_state=False, model_name=cfg.model.name)
+    target = ckpt_lib.abstract_target(abstract, shardings)
+    for key in ("checkpoint.restore_from", "train.init_from"):
+        path = cfg.checkpoint.restore_from if key.startswith("checkpoint") else cfg.train.init_from
+        if path:
+            ckpt_lib.check_path(path, key, target)
 
     # ---- run directory: only now, with the input known to be good
     if main:
@@ -76,61 +86,159 @@ def run(cfg: config_lib.Config) -> Result:
         resolved = config_lib.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, kwargs))
         (run_dir / "config.yaml").write_text(resolved)
     log = MetricsLog(run_dir)
+    checkpoints = None
+    if cfg.checkpoint.enabled:
+        checkpoints = ckpt_lib.Checkpoints(cfg.checkpoint.dir or run_dir / "checkpoints",
+                                           keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
 
-    n_params = state_lib.count_params(abstract.params)
-    say = print if main else (lambda *a, **k: None)
-    say(f"model {cfg.model.name}: {n_params:,} parameters | mesh {mesh_lib.describe(mesh)} on "
-        f"{len(devices)} {devices[0].platform} device(s) | task {data.task} | {cfg.train.dtype}")
+    say(f"model {cfg.model.name}: {state_lib.count_params(abstract.params):,} parameters | mesh "
+        f"{mesh_lib.describe(mesh)} on {len(devices)} {devices[0].platform} device(s) | task {data.task} | "
+        f"{cfg.train.dtype}")
 
-    # ---- sharded init
-    state = state_lib.init_state(init, shardings)
-
-    # ---- the loop
-    result = Result(graphdef=graphdef, shardings=shardings, mesh=mesh, train_step=train_step)
-    flops = compiled_flops(train_step)
-    peak = peak_flops(devices[0], cfg.run.peak_tflops)
-    per_step = cfg.data.batch_size * (data.tokens_per_example or 1)
-    rate_key = "tokens_per_s" if data.tokens_per_example else "examples_per_s"
-    batches = data_lib.device_batches(data.train, batch_shardings, start=0, prefetch=cfg.data.prefetch)
-    bar = tqdm(total=cfg.train.steps, disable=not (cfg.run.progress and main), mininterval=1.0,
-               dynamic_ncols=True, leave=False)
-    jax.block_until_ready(state)
-    t_last, steps_since = time.perf_counter(), 0
-    for step in range(int(state.step), cfg.train.steps):
-        state, out = train_step(state, next(batches))
-        steps_since += 1
-        bar.update(1)
-        done = step + 1
-        if done % cfg.run.log_every == 0 or done in (1, cfg.train.steps):
-            out = jax.device_get(out)  # the only host sync: once per log step
-            step_time = (time.perf_counter() - t_last) / steps_since
-            record = {"step": done, "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
-                      "lr": float(schedule(step)), "step_time_s": step_time, rate_key: per_step / step_time}
-            if flops and peak:
-                record["mfu"] = flops / step_time / peak
-            log.write(record)
-            result.history.append(record)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", **{rate_key: f"{record[rate_key]:,.0f}"})
-            t_last, steps_since = time.perf_counter(), 0
-        if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != cfg.train.steps:
-            log.write({"step": done, **evaluate(eval_step, state, data, batch_shardings, cfg)})
-            t_last = time.perf_counter()
-    bar.close()
+    # ---- state: resumed, restored from another run, or freshly initialised (always sharded)
+    try:
+        state = start_state(cfg, checkpoints, init, shardings, target, say)
+        result = Result(graphdef=graphdef, shardings=shardings, mesh=mesh, train_step=train_step,
+                        start_step=int(state.step))
+        state = train_loop(cfg, state, train_step, eval_step, data, batch_shardings, schedule, checkpoints,
+                           log, result, devices, main)
+    finally:
+        if checkpoints:
+            checkpoints.close()
+    result.state = state
+    if result.preempted:
+        return result
 
     # ---- final eval and sample
     result.eval = evaluate(eval_step, state, data, batch_shardings, cfg)
     log.write({"step": cfg.train.steps, **result.eval})
-    first, last = result.history[0]["loss"], result.history[-1]["loss"]
-    say(f"step {cfg.train.steps}: loss {first:.4f} -> {last:.4f} | "
-        + " | ".join(f"{k} {v:.4f}" for k, v in result.eval.items()))
+    summary = " | ".join(f"{k} {v:.4f}" for k, v in result.eval.items())
+    if result.history:
+        summary = f"loss {result.history[0]['loss']:.4f} -> {result.history[-1]['loss']:.4f} | " + summary
+    say(f"step {cfg.train.steps}: {summary}")
     if data.task == "lm" and cfg.train.sample_len > 0 and main:
         prompt = list(cfg.train.sample_prompt.encode())
         tokens = sample(graphdef, state.params, state.rest, prompt, cfg.train.sample_len,
                         window=cfg.data.seq_len, seed=cfg.train.seed)
         result.sample = bytes(t % 256 for t in tokens).decode("utf-8", errors="replace")
         say(f"sample:\n{cfg.train.sample_prompt}{result.sample}")
-    result.state = state
     return result
+
+
+def start_state(cfg, checkpoints, init, shardings, target, say) -> state_lib.TrainState:
+    """This run's newest checkpoint wins; else `checkpoint.restore_from`; else a fresh init (plus
+    `train.init_from` parameters). Every array is read or created straight into its sharding."""
+    if checkpoints and checkpoints.steps():
+        resumed = checkpoints.restore_latest(target)
+        if resumed:
+            state, meta = resumed
+            say(f"resuming from step {meta['step']} of {checkpoints.directory}")
+            return state
+    if cfg.checkpoint.restore_from:
+        state, meta = ckpt_lib.restore_path(cfg.checkpoint.restore_from, "checkpoint.restore_from", target,
+                                            model_only=False)
+        say(f"restored step {meta['step']} from {cfg.checkpoint.restore_from}")
+        return state
+    state = state_lib.init_state(init, shardings)
+    if cfg.train.init_from:
+        loaded, meta = ckpt_lib.restore_path(cfg.train.init_from, "train.init_from", target, model_only=True)
+        state = state.replace(params=loaded.params, rest=loaded.rest)
+        say(f"parameters from step {meta['step']} of {cfg.train.init_from}")
+    return state
+
+
+class StopSignal:
+    """SIGTERM/SIGINT ask the loop to finish its step, checkpoint and exit; a second signal acts as usual."""
+
+    def __init__(self):
+        self.received = None
+        self.previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def train_loop(cfg, state, train_step, eval_step, data, batch_shardings, schedule, checkpoints, log, result,
+               devices, main) -> state_lib.TrainState:
+    flops = compiled_flops(train_step)
+    peak = peak_flops(devices[0], cfg.run.peak_tflops)
+    per_step = cfg.data.batch_size * (data.tokens_per_example or 1)
+    rate_key = "tokens_per_s" if data.tokens_per_example else "examples_per_s"
+    start = int(state.step)
+    batches = data_lib.device_batches(data.train, batch_shardings, start=start, prefetch=cfg.data.prefetch)
+    bar = tqdm(total=cfg.train.steps, initial=start, disable=not (cfg.run.progress and main), mininterval=1.0,
+               dynamic_ncols=True, leave=False)
+    last_saved = checkpoints.steps()[-1] if checkpoints and checkpoints.steps() else None
+    pending: list = []  # (step, device metrics) not yet looked at: no host sync between log points
+    skipped = 0
+    jax.block_until_ready(state)
+    t_last, steps_since = time.perf_counter(), 0
+    with StopSignal() as stop:
+        for step in range(start, cfg.train.steps):
+            state, out = train_step(state, next(batches))
+            done = step + 1
+            pending.append((done, out))
+            steps_since += 1
+            bar.update(1)
+            log_now = done % cfg.run.log_every == 0 or done in (start + 1, cfg.train.steps)
+            save_now = checkpoints is not None and (
+                done == cfg.train.steps or stop.received or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0))
+            eval_now = cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != cfg.train.steps
+            if not (log_now or save_now or eval_now or stop.received):
+                continue
+            # Look at every step's loss since the last sync: stop (or count skips) at the first non-finite one,
+            # before any checkpoint of that state could be written.
+            fetched = jax.device_get([o for _, o in pending])
+            for (s, _), o in zip(pending, fetched):
+                if not o["finite"]:
+                    if not cfg.train.skip_nonfinite:
+                        kept = f"the last checkpoint is step {last_saved}" if last_saved else "no checkpoint was written"
+                        raise NonFiniteLoss(f"loss is {float(o['loss'])} (gradient norm {float(o['grad_norm'])}) at "
+                                            f"step {s}; stopped, {kept}. Lower optimizer.lr, or set "
+                                            "train.skip_nonfinite=true to skip such updates")
+                    skipped += 1
+            pending.clear()
+            if log_now:
+                out = fetched[-1]
+                step_time = (time.perf_counter() - t_last) / steps_since
+                record = {"step": done, "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
+                          "lr": float(schedule(step)), "step_time_s": step_time, rate_key: per_step / step_time}
+                if flops and peak:
+                    record["mfu"] = flops / step_time / peak
+                if skipped:
+                    record["skipped_steps"] = skipped
+                log.write(record)
+                result.history.append(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", **{rate_key: f"{record[rate_key]:,.0f}"})
+            if save_now:
+                checkpoints.save(state, done, data_position=done, wait=bool(stop.received))
+                last_saved = done
+            if stop.received:
+                bar.close()
+                where = f"checkpoint at step {done} in {checkpoints.directory}" if checkpoints else "no checkpoint (disabled)"
+                if main:
+                    print(f"{stop.received}: stopped after step {done}; {where}; run again to resume")
+                result.preempted = True
+                return state
+            if eval_now:
+                log.write({"step": done, **evaluate(eval_step, state, data, batch_shardings, cfg)})
+            t_last, steps_since = time.perf_counter(), 0
+    bar.close()
+    return state
 
 
 def evaluate(eval_step, state, data: data_lib.Data, batch_shardings: dict, cfg) -> dict:

@@ -26,7 +26,7 @@ TINY_MLP = ["model.name=mlp", "model.in_features=16", "model.out_features=8", "m
 
 def overrides(tmp_path, *extra) -> list[str]:
     return [f"run.dir={tmp_path}", "run.progress=false", "train.sample_len=0", "train.eval_batches=1",
-            "optimizer.warmup_steps=2", *extra]
+            "optimizer.warmup_steps=2", "checkpoint.enabled=false", *extra]
 
 
 @pytest.fixture

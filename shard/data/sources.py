@@ -51,10 +51,11 @@ def text_splits(path: str | None, seq_len: int, eval_fraction: float) -> tuple[B
                         "so it needs at least 2")
     if not 0 < eval_fraction < 1:
         raise UserError(f"data.eval_fraction={eval_fraction} must be between 0 and 1")
-    every = max(2, round(1 / eval_fraction))
+    n_eval = min(len(files) - 1, max(1, round(len(files) * eval_fraction)))
+    eval_index = {int((k + 0.5) * len(files) / n_eval) for k in range(n_eval)}  # spread over the sorted files
     split = {"train": [], "eval": []}
     for i, f in enumerate(files):
-        split["eval" if i % every == every - 1 else "train"].append(f.read_bytes())
+        split["eval" if i in eval_index else "train"].append(f.read_bytes())
     streams = {k: np.frombuffer(b"\n".join(v), dtype=np.uint8) for k, v in split.items()}
     return ByteWindows(streams["train"], seq_len), ByteWindows(streams["eval"], seq_len)
 

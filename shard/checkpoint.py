@@ -1,0 +1,166 @@
+"""Checkpoints with Orbax: every array saved as its shards, restored straight into any sharding.
+
+A checkpoint is one step folder with three items:
+  model      parameters and other model variables (all that `train.init_from` needs)
+  optimizer  optimizer state and the step counter
+  meta       JSON: step and data position (global batches consumed)
+Orbax writes each step into a temporary folder and renames it when complete, so a process killed
+mid-write leaves the earlier checkpoints as they were; a checkpoint that still fails to read is
+skipped with a warning (resume) or refused (an explicit path), never loaded in part.
+"""
+
+import sys
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from shard.errors import UserError
+from shard.state import TrainState
+
+TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+def warn(message: str) -> None:
+    if jax.process_index() == 0:
+        print(f"warning: {message}", file=sys.stderr)
+
+
+def _handlers() -> dict:
+    return {"model": ocp.StandardCheckpointHandler(), "optimizer": ocp.StandardCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler()}
+
+
+def _items(state: TrainState) -> dict:
+    return {"model": {"params": state.params, "rest": state.rest},
+            "optimizer": {"opt_state": state.opt_state, "step": state.step}}
+
+
+def abstract_target(abstract: TrainState, shardings) -> TrainState:
+    """Shapes, dtypes and the *new* shardings: Orbax reads each array's shards into place."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+class Checkpoints:
+    """This run's checkpoint folder: save every so often, find and restore the newest readable one."""
+
+    def __init__(self, directory: str | Path, keep: int, use_async: bool):
+        self.directory = Path(directory).absolute()
+        for partial in sorted(self.directory.glob(f"*{TMP_MARK}*")) if self.directory.is_dir() else []:
+            warn(f"skipping incomplete checkpoint {partial} (a save was interrupted); it will be removed")
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=use_async,
+                                               cleanup_tmp_directories=True, create=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, state: TrainState, step: int, data_position: int, wait: bool = False) -> None:
+        if step not in self.manager.all_steps():
+            items = {k: ocp.args.StandardSave(v) for k, v in _items(state).items()}
+            meta = ocp.args.JsonSave({"step": step, "data_position": data_position})
+            self.manager.save(step, args=ocp.args.Composite(**items, meta=meta), force=True)
+        if wait:
+            self.manager.wait_until_finished()
+
+    def restore_latest(self, target: TrainState) -> tuple[TrainState, dict] | None:
+        """The newest checkpoint that reads back whole; unreadable ones are skipped with a warning."""
+        for step in reversed(self.steps()):
+            try:
+                return restore_step(self.manager, step, target)
+            except UserError:
+                raise
+            except Exception as e:  # a corrupt or truncated checkpoint
+                warn(f"skipping unreadable checkpoint {self.directory / str(step)}: {_first_line(e)}")
+        if self.steps():
+            raise UserError(f"no readable checkpoint in {self.directory}; move it away to start afresh")
+        return None
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def restore_step(manager: ocp.CheckpointManager, step: int, target: TrainState,
+                 model_only: bool = False) -> tuple[TrainState, dict]:
+    check_shapes(manager, step, target)
+    items = _items(target)
+    if model_only:
+        items = {"model": items["model"]}
+    args = {k: ocp.args.StandardRestore(v) for k, v in items.items()}
+    restored = manager.restore(step, args=ocp.args.Composite(**args, meta=ocp.args.JsonRestore()))
+    model = restored["model"]
+    state = target.replace(params=model["params"], rest=model["rest"])
+    if not model_only:
+        state = state.replace(opt_state=restored["optimizer"]["opt_state"], step=restored["optimizer"]["step"])
+    return state, dict(restored["meta"])
+
+
+def check_shapes(manager: ocp.CheckpointManager, step: int, target: TrainState) -> None:
+    """Name the first parameter whose saved shape differs from the model's, before reading anything."""
+    where = Path(manager.directory) / str(step)
+    saved = _shapes(manager.item_metadata(step)["model"].tree)
+    wanted = _shapes(_items(target)["model"])
+    for path, shape in wanted.items():
+        if path not in saved:
+            raise UserError(f"checkpoint {where} has no parameter {path}; it was saved from another model")
+        if tuple(saved[path]) != tuple(shape):
+            raise UserError(f"checkpoint {where}: parameter {path} has shape {tuple(saved[path])}, "
+                            f"but this model's is {tuple(shape)}")
+    extra = sorted(set(saved) - set(wanted))
+    if extra:
+        raise UserError(f"checkpoint {where} has parameter {extra[0]} that this model lacks; it was saved from another model")
+
+
+def _shapes(tree) -> dict:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    out = {}
+    for path, leaf in leaves:
+        name = jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
+        out[name] = getattr(leaf, "shape", ())
+    return out
+
+
+def open_path(path: str, key: str) -> tuple[ocp.CheckpointManager, int]:
+    """A user-given checkpoint: a run folder, its checkpoints folder, or one step folder in it."""
+    p = Path(path).absolute()
+    if not p.exists():
+        raise UserError(f"{key}={path!r} does not exist")
+    step = None
+    if p.name.isdigit() and (p / "meta").exists():
+        p, step = p.parent, int(p.name)
+    elif (p / "checkpoints").is_dir() and not any(c.name.isdigit() for c in p.iterdir()):
+        p = p / "checkpoints"
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    manager = ocp.CheckpointManager(p, options=options, item_handlers=_handlers())
+    steps = sorted(manager.all_steps())
+    if not steps:
+        raise UserError(f"{key}={path!r} holds no checkpoint (expected a run folder, its checkpoints/ "
+                        "folder, or a step folder)")
+    return manager, steps[-1] if step is None else step
+
+
+def check_path(path: str, key: str, target: TrainState) -> None:
+    """Fail early (before the run folder is touched) on a missing path, no checkpoint, or other shapes."""
+    manager, step = open_path(path, key)
+    try:
+        check_shapes(manager, step, target)
+    finally:
+        manager.close()
+
+
+def restore_path(path: str, key: str, target: TrainState, model_only: bool) -> tuple[TrainState, dict]:
+    manager, step = open_path(path, key)
+    try:
+        return restore_step(manager, step, target, model_only=model_only)
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"{key}: checkpoint {manager.directory / str(step)} is unreadable: {_first_line(e)}") from None
+    finally:
+        manager.close()
