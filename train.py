@@ -3,6 +3,7 @@
 Parses the command line into one typed config and hands it to shard.trainer.run; that is all.
 """
 
+import logging
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ FLAGS = ("--help", "-h", "--print-config")
 
 
 def main(argv: list[str]) -> int:
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's progress chatter; our own lines say what happened
     flags = [a for a in argv if a.startswith("-") and "=" not in a]
     for flag in flags:
         if flag not in FLAGS:

@@ -136,7 +136,7 @@ def open_path(path: str, key: str) -> tuple[ocp.CheckpointManager, int]:
         p, step = p.parent, int(p.name)
     elif (p / "checkpoints").is_dir() and not any(c.name.isdigit() for c in p.iterdir()):
         p = p / "checkpoints"
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    options = ocp.CheckpointManagerOptions(create=False)  # we only read; nothing is saved through it
     manager = ocp.CheckpointManager(p, options=options, item_handlers=_handlers())
     steps = sorted(manager.all_steps())
     if not steps:
@@ -145,11 +145,34 @@ def open_path(path: str, key: str) -> tuple[ocp.CheckpointManager, int]:
     return manager, steps[-1] if step is None else step
 
 
+def check_resumable(directory: str | Path, target: TrainState) -> None:
+    """Before the run folder is touched: this run's own newest checkpoint must fit the model."""
+    directory = Path(directory).absolute()
+    if not directory.is_dir():
+        return
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False),
+                                    item_handlers=_handlers())
+    try:
+        steps = manager.all_steps()
+        if steps:
+            check_shapes(manager, max(steps), target)
+    except UserError as e:
+        raise UserError(f"{e}; to train this model, use a new run.dir") from None
+    except Exception:
+        pass  # unreadable: resuming skips it with a warning
+    finally:
+        manager.close()
+
+
 def check_path(path: str, key: str, target: TrainState) -> None:
     """Fail early (before the run folder is touched) on a missing path, no checkpoint, or other shapes."""
     manager, step = open_path(path, key)
     try:
         check_shapes(manager, step, target)
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"{key}: checkpoint {manager.directory / str(step)} is unreadable: {_first_line(e)}") from None
     finally:
         manager.close()
 

@@ -75,6 +75,9 @@ def run(cfg: config_lib.Config) -> Result:
             step_lib.make_eval_step(graphdef, loss_fn, data.task, dtype), abstract, shardings, batch,
             batch_shardings, mesh, donate=False, returns_state=False, model_name=cfg.model.name)
     target = ckpt_lib.abstract_target(abstract, shardings)
+    checkpoint_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+    if cfg.checkpoint.enabled:
+        ckpt_lib.check_resumable(checkpoint_dir, target)
     for key in ("checkpoint.restore_from", "train.init_from"):
         path = cfg.checkpoint.restore_from if key.startswith("checkpoint") else cfg.train.init_from
         if path:
@@ -88,8 +91,7 @@ def run(cfg: config_lib.Config) -> Result:
     log = MetricsLog(run_dir)
     checkpoints = None
     if cfg.checkpoint.enabled:
-        checkpoints = ckpt_lib.Checkpoints(cfg.checkpoint.dir or run_dir / "checkpoints",
-                                           keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
+        checkpoints = ckpt_lib.Checkpoints(checkpoint_dir, keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
 
     say(f"model {cfg.model.name}: {state_lib.count_params(abstract.params):,} parameters | mesh "
         f"{mesh_lib.describe(mesh)} on {len(devices)} {devices[0].platform} device(s) | task {data.task} | "
