@@ -80,7 +80,10 @@ class GPT(nnx.Module):
         length = tokens.shape[1]
         if length > self.max_len:
             raise ValueError(f"sequence length {length} exceeds max_len={self.max_len}")
-        x = self.tok[...][tokens] + self.pos[...][:length]
+        # Gather rows from a table whole along `embed`: a lookup into a table split on its columns
+        # forces XLA to rematerialise it at every use.
+        table = constrain(self.tok[...], ("vocab", None))
+        x = table[tokens] + self.pos[...][:length]
         x = constrain(x, ("batch", "length", "embed"))
         for block in self.blocks:
             x = block(x)

@@ -20,10 +20,11 @@ from omegaconf.errors import OmegaConfBaseException
 from shard.errors import UserError
 
 
-def option(default: Any, help: str, choices: tuple | None = None, key: str | None = None):
-    """A schema field: its default, one line of help, optionally the allowed values, and the key users
-    write where it differs from the field name (`checkpoint.async`: `async` is a Python keyword)."""
-    meta = {"help": help, "choices": choices, "key": key}
+def option(default: Any, help: str, choices: tuple | None = None, key: str | None = None,
+           min: float | None = None, max: float | None = None):
+    """A schema field: its default, one line of help, optionally the allowed values or range, and the key
+    users write where it differs from the field name (`checkpoint.async`: `async` is a Python keyword)."""
+    meta = {"help": help, "choices": choices, "key": key, "min": min, "max": max}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -42,47 +43,47 @@ class DataConfig:
     task: str = option("auto", "what is predicted; auto = the source's own task",
                        choices=("auto", "lm", "classification", "binary", "regression"))
     path: Optional[str] = option(None, "text: file, directory or glob; default: the Python standard library's .py files")
-    batch_size: int = option(32, "global batch size (all devices together)")
-    seq_len: int = option(128, "tokens per sequence (sequence data)")
-    eval_fraction: float = option(0.05, "text: share of files held out for eval (split by file)")
+    batch_size: int = option(32, "global batch size (all devices together)", min=1)
+    seq_len: int = option(128, "tokens per sequence (sequence data)", min=1)
+    eval_fraction: float = option(0.05, "text: share held out for eval (by file; by bytes for one file)", min=0.001, max=0.999)
     features: list = option([16], "synthetic: shape of one input example")
-    classes: int = option(10, "synthetic: number of classes (classification)")
-    size: int = option(65536, "synthetic: examples in the train split")
-    prefetch: int = option(2, "batches kept on the devices ahead of the step")
+    classes: int = option(10, "synthetic: number of classes (classification)", min=2)
+    size: int = option(65536, "synthetic: examples in the train split", min=1)
+    prefetch: int = option(2, "batches kept on the devices ahead of the step", min=0)
 
 
 @dataclass
 class OptimizerConfig:
-    lr: float = option(3e-3, "peak learning rate (AdamW)")
-    warmup_steps: int = option(50, "linear warmup from 0 to lr")
-    min_lr_ratio: float = option(0.1, "cosine decay ends at lr * min_lr_ratio")
-    weight_decay: float = option(0.1, "decoupled weight decay (matrices only)")
-    b1: float = option(0.9, "Adam beta1")
-    b2: float = option(0.95, "Adam beta2")
-    eps: float = option(1e-8, "Adam epsilon")
-    clip_norm: float = option(1.0, "clip gradients to this global norm; 0 disables")
+    lr: float = option(3e-3, "peak learning rate (AdamW)", min=0)
+    warmup_steps: int = option(50, "linear warmup from 0 to lr", min=0)
+    min_lr_ratio: float = option(0.1, "cosine decay ends at lr * min_lr_ratio", min=0, max=1)
+    weight_decay: float = option(0.1, "decoupled weight decay (matrices only)", min=0)
+    b1: float = option(0.9, "Adam beta1", min=0, max=1)
+    b2: float = option(0.95, "Adam beta2", min=0, max=1)
+    eps: float = option(1e-8, "Adam epsilon", min=0)
+    clip_norm: float = option(1.0, "clip gradients to this global norm; 0 disables", min=0)
 
 
 @dataclass
 class TrainConfig:
-    steps: int = option(300, "optimizer steps")
-    seed: int = option(0, "seed for parameters and data order")
+    steps: int = option(300, "optimizer steps", min=1)
+    seed: int = option(0, "seed for parameters and data order", min=0)
     dtype: str = option("float32", "compute dtype; parameters stay float32",
                         choices=("float32", "bfloat16"))
     loss: str = option("auto", "loss name (see shard/losses.py); auto = the task's default")
     init_from: Optional[str] = option(None, "load parameters only from this checkpoint (run, checkpoints or step folder), e.g. to fine-tune")
     skip_nonfinite: bool = option(False, "skip an update whose loss or gradients are not finite, instead of stopping")
-    eval_every: int = option(0, "evaluate every N steps; 0 = only at the end")
-    eval_batches: int = option(8, "batches per evaluation")
-    sample_len: int = option(200, "lm: bytes to generate after training; 0 disables")
+    eval_every: int = option(0, "evaluate every N steps; 0 = only at the end", min=0)
+    eval_batches: int = option(8, "batches per evaluation", min=1)
+    sample_len: int = option(200, "lm: bytes to generate after training; 0 disables", min=0)
     sample_prompt: str = option("def ", "lm: prompt for the generated sample")
 
 
 @dataclass
 class CheckpointConfig:
     enabled: bool = option(True, "write checkpoints and resume from them")
-    every: int = option(100, "save every N steps, and always at the end; 0 = only at the end")
-    keep: int = option(3, "how many of the newest checkpoints to keep")
+    every: int = option(100, "save every N steps, and always at the end; 0 = only at the end", min=0)
+    keep: int = option(3, "how many of the newest checkpoints to keep", min=1)
     async_: bool = option(True, "write in the background while training goes on", key="async")
     dir: Optional[str] = option(None, "checkpoint folder; default: <run.dir>/checkpoints")
     restore_from: Optional[str] = option(None, "start from another run's checkpoint (whole state: parameters, optimizer, step)")
@@ -100,9 +101,9 @@ class MeshConfig:
 @dataclass
 class RunConfig:
     dir: str = option("runs/default", "run directory: resolved config, metrics.jsonl")
-    log_every: int = option(10, "log metrics every N steps")
-    cpu_devices: Optional[int] = option(None, "run on N simulated CPU devices (set before JAX starts)")
-    peak_tflops: Optional[float] = option(None, "device peak TFLOP/s for MFU; default: known accelerators only")
+    log_every: int = option(10, "log metrics every N steps", min=1)
+    cpu_devices: Optional[int] = option(None, "run on N simulated CPU devices (set before JAX starts)", min=1)
+    peak_tflops: Optional[float] = option(None, "device peak TFLOP/s for MFU; default: known accelerators only", min=0)
     progress: bool = option(True, "show a progress bar")
 
 
@@ -195,10 +196,13 @@ def _parse_overrides(overrides: list[str]) -> dict:
             raise UserError(f"argument {item!r} is not key=value (for example train.steps=100); see --help")
         if key == "mesh":  # `mesh=fsdp` picks a preset
             key = "mesh.preset"
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
+        if _is_text_field(key):  # `run.dir=off` or `run.dir=2024-01-01` stay strings
+            value = None if raw in ("null", "~") else raw
+        else:
+            try:
+                value = yaml.safe_load(raw) if raw != "" else ""
+            except yaml.YAMLError:
+                value = raw
         node = out
         parts = key.split(".")
         for part in parts[:-1]:
@@ -207,6 +211,14 @@ def _parse_overrides(overrides: list[str]) -> dict:
                 raise UserError(f"override {item!r} conflicts with an earlier override of {part!r}")
         node[parts[-1]] = value
     return _normalize(out, "command line")
+
+
+def _is_text_field(key: str) -> bool:
+    section, _, name = key.partition(".")
+    if section not in SECTIONS or section == "model":
+        return False
+    field_ = next((f for f in schema_fields(section) if key_of(f) == name), None)
+    return field_ is not None and field_.type in (str, Optional[str])
 
 
 def _normalize(data: dict, where: str) -> dict:
@@ -238,6 +250,8 @@ def _omegaconf_message(e: OmegaConfBaseException) -> str:
     if expected and any(s in msg for s in ("could not be converted", "is not a subclass", "Invalid type", "is not a valid")):
         got = msg.split("'")[1] if "'" in msg else msg
         return f"{key}: expected {expected}, got {got!r}"
+    if expected and any(s in msg for s in ("Cannot assign", "Invalid value assigned")):
+        return f"{key}: expected {expected}, got a value of another kind"
     return f"{key}: {msg}"
 
 
@@ -265,17 +279,11 @@ def _check_values(cfg: Config) -> None:
             choices = f.metadata.get("choices")
             if choices and getattr(obj, f.name) not in choices:
                 raise UserError(f"{section}.{key_of(f)}={getattr(obj, f.name)!r} is not allowed; choose one of: {', '.join(choices)}")
-    positive = {"data.batch_size": cfg.data.batch_size, "data.seq_len": cfg.data.seq_len,
-                "train.steps": cfg.train.steps, "run.log_every": cfg.run.log_every,
-                "train.eval_batches": cfg.train.eval_batches, "data.size": cfg.data.size}
-    for key, value in positive.items():
-        if value < 1:
-            raise UserError(f"{key}={value} must be at least 1")
-    if cfg.checkpoint.keep < 1 or cfg.checkpoint.every < 0:
-        raise UserError(f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1 and checkpoint.every="
-                        f"{cfg.checkpoint.every} at least 0 (0 = only at the end)")
-    if cfg.run.cpu_devices is not None and cfg.run.cpu_devices < 1:
-        raise UserError(f"run.cpu_devices={cfg.run.cpu_devices} must be at least 1 (or null for the real devices)")
+            value, low, high = getattr(obj, f.name), f.metadata.get("min"), f.metadata.get("max")
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if (low is not None and value < low) or (high is not None and value > high):
+                    allowed = f"at least {low}" if high is None else f"between {low} and {high}"
+                    raise UserError(f"{section}.{key_of(f)}={value} is out of range; it must be {allowed}")
     if not isinstance(cfg.model.name, str) or not cfg.model.name:
         raise UserError("model.name must be a registered model name or package.module:Class")
 
@@ -285,9 +293,11 @@ def _fill_mesh_from_preset(mesh: MeshConfig) -> None:
     from shard.mesh import AXES, load_preset  # local: mesh imports jax
 
     preset = load_preset(mesh.preset)
+    explicit_wild = any(getattr(mesh, axis) == -1 for axis in AXES)
     for axis in AXES:
         if getattr(mesh, axis) is None:
-            setattr(mesh, axis, preset.get(axis, 1))
+            size = preset.get(axis, 1)
+            setattr(mesh, axis, 1 if size == -1 and explicit_wild else size)  # an explicit -1 wins
     mesh.rules = {**preset.get("rules", {}), **mesh.rules}
 
 
@@ -322,7 +332,9 @@ def help_text(model_signature: list[tuple[str, str, Any]] | None = None, model_n
         for f in schema_fields(section):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             choices = f.metadata.get("choices")
+            low, high = f.metadata.get("min"), f.metadata.get("max")
             extra = f" [{'|'.join(choices)}]" if choices else ""
+            extra += f" [{low}..{high}]" if high is not None else f" [>={low}]" if low is not None else ""
             lines.append(f"  {section}.{key_of(f):<15} {type_name(f.type):<14} {default!r:<16} {f.metadata['help']}{extra}")
         if section == "model" and model_signature is not None:
             lines.append(f"  constructor arguments of {model_name!r} (model.<arg>=value):")

@@ -13,10 +13,13 @@ def sample(graphdef: nnx.GraphDef, params, rest, prompt: list[int], length: int,
 
     @jax.jit
     def next_token(params, rest, tokens, position, key):
-        logits = nnx.merge(graphdef, params, rest)(tokens)[0, position].astype(jnp.float32)
+        model = nnx.merge(graphdef, params, rest)
+        model.eval()  # no dropout, running statistics
+        logits = model(tokens)[0, position].astype(jnp.float32)
         return jax.random.categorical(key, logits / temperature)
 
-    tokens = list(prompt) or [0]
+    prompt = list(prompt) or [ord("\n")]  # something to condition on
+    tokens = list(prompt)
     key = jax.random.key(seed)
     for _ in range(length):
         context = tokens[-window:]

@@ -9,13 +9,11 @@ import importlib.resources
 import math
 
 import jax
-import numpy as np
 import yaml
 
 from shard.errors import UserError
 
 AXES = ("data", "fsdp", "tensor")  # mesh axis order, slowest-varying first
-BATCH_AXES = ("data", "fsdp")  # axes the global batch is split over
 
 
 def preset_names() -> list[str]:
@@ -81,10 +79,6 @@ def build_mesh(mesh_cfg, devices: list) -> jax.sharding.Mesh:
     shape = tuple(sizes[a] for a in AXES)
     # jax.make_mesh orders devices by the physical topology (ICI rings on TPU, NVLink on GPU).
     return jax.make_mesh(shape, AXES, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
-
-
-def batch_shards(mesh: jax.sharding.Mesh) -> int:
-    return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
 
 
 def describe(mesh: jax.sharding.Mesh) -> str:

@@ -41,9 +41,9 @@ def merged_rules(overrides: dict | None, mesh_axes: Sequence[str]) -> dict:
     for name, target in (overrides or {}).items():
         targets = _as_tuple(target)
         bad = [a for a in targets if a not in mesh_axes]
-        if bad or not all(isinstance(a, str) for a in targets):
+        if bad or not all(isinstance(a, str) for a in targets) or len(set(targets)) != len(targets):
             raise UserError(f"mesh.rules.{name}={target!r}: a rule maps to mesh axes "
-                            f"({', '.join(mesh_axes)}), a list of them, or null")
+                            f"({', '.join(mesh_axes)}), a list of distinct ones, or null")
         rules[name] = None if not targets else targets[0] if len(targets) == 1 else targets
     return rules
 

@@ -25,7 +25,7 @@ def resolve(name: str) -> type:
         sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
+    except (ImportError, ValueError, TypeError) as e:  # also '' or '..x' as a module name
         raise UserError(f"model.name={name!r}: cannot import module {module_name!r} ({e})") from None
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type):
@@ -79,5 +79,14 @@ def _check_type(model: str, key: str, value, annotation, cls) -> None:
 
 def with_defaults(cls: type, kwargs: dict) -> dict:
     """Every constructor argument with its value: the given ones over the signature's defaults."""
-    defaults = {name: default for name, _, default in arguments(cls) if default != "(required)"}
+    defaults = {name: default for name, _, default in arguments(cls)
+                if default != "(required)" and _plain(default)}  # dtypes, functions: not config values
     return {**defaults, **kwargs}
+
+
+def _plain(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return value is None or isinstance(value, (bool, int, float, str))

@@ -60,8 +60,25 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable, task: str, dtype) 
     return eval_step
 
 
+def model_outputs(graphdef: nnx.GraphDef, abstract_state, abstract_batch: dict, model_name: str, num_classes: int):
+    """The model's output shape on one batch, traced abstractly; it must cover the data's classes."""
+    def forward(state, inputs):
+        return nnx.merge(graphdef, state.params, state.rest)(inputs)
+
+    try:
+        outputs = jax.eval_shape(forward, abstract_state, abstract_batch["inputs"])
+    except (TypeError, ValueError) as e:
+        shapes = {k: (tuple(v.shape), str(v.dtype)) for k, v in abstract_batch.items()}
+        raise UserError(f"model {model_name!r} failed on a batch {shapes}: {str(e).strip().splitlines()[0]}") from None
+    if num_classes and outputs.shape[-1] < num_classes:
+        raise UserError(f"model {model_name!r} outputs {outputs.shape[-1]} scores per prediction but the targets "
+                        f"range over {num_classes} classes; make its output width (vocab_size, out_features, ...) "
+                        f"at least {num_classes}")
+    return outputs
+
+
 def compile_step(fn: Callable, abstract_state, state_shardings, abstract_batch, batch_shardings,
-                 mesh, *, donate: bool, returns_state: bool, model_name: str):
+                 mesh, *, donate: bool, returns_state: bool, context: str):
     """jit with explicit shardings, lowered and compiled now (errors surface before training starts)."""
     replicated = NamedSharding(mesh, PartitionSpec())
     out_shardings = (state_shardings, replicated) if returns_state else replicated
@@ -69,8 +86,6 @@ def compile_step(fn: Callable, abstract_state, state_shardings, abstract_batch, 
                      donate_argnums=(0,) if donate else ())
     try:
         lowered = jitted.lower(abstract_state, abstract_batch)
-    except (TypeError, ValueError) as e:
-        shapes = {k: (tuple(v.shape), str(v.dtype)) for k, v in abstract_batch.items()}
-        raise UserError(f"model {model_name!r} failed on a batch {shapes}: "
-                        f"{str(e).strip().splitlines()[0]}") from None
+    except (TypeError, ValueError) as e:  # the model ran (model_outputs), so the loss or targets did not fit
+        raise UserError(f"{context}: {str(e).strip().splitlines()[0]}") from None
     return lowered.compile()

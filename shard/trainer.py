@@ -68,12 +68,15 @@ def run(cfg: config_lib.Config) -> Result:
         shardings = state_lib.state_shardings(abstract, mesh, rules)
         batch = data.abstract_batch()
         batch_shardings = state_lib.batch_shardings(batch, mesh, rules)
+        outputs = step_lib.model_outputs(graphdef, abstract, batch, cfg.model.name, data.num_classes)
+        context = (f"train.loss={loss_fn.__name__} does not fit outputs {tuple(outputs.shape)} and targets "
+                   f"{tuple(batch['targets'].shape)} {batch['targets'].dtype} (task {data.task})")
         train_step = step_lib.compile_step(
             step_lib.make_train_step(graphdef, tx, loss_fn, dtype, cfg.train.skip_nonfinite), abstract, shardings,
-            batch, batch_shardings, mesh, donate=True, returns_state=True, model_name=cfg.model.name)
+            batch, batch_shardings, mesh, donate=True, returns_state=True, context=context)
         eval_step = step_lib.compile_step(
             step_lib.make_eval_step(graphdef, loss_fn, data.task, dtype), abstract, shardings, batch,
-            batch_shardings, mesh, donate=False, returns_state=False, model_name=cfg.model.name)
+            batch_shardings, mesh, donate=False, returns_state=False, context=context)
     target = ckpt_lib.abstract_target(abstract, shardings)
     checkpoint_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     if cfg.checkpoint.enabled:
@@ -84,14 +87,17 @@ def run(cfg: config_lib.Config) -> Result:
             ckpt_lib.check_path(path, key, target)
 
     # ---- run directory: only now, with the input known to be good
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        resolved = config_lib.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, kwargs))
-        (run_dir / "config.yaml").write_text(resolved)
+    try:
+        if main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            resolved = config_lib.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, kwargs))
+            (run_dir / "config.yaml").write_text(resolved)
+        checkpoints = None
+        if cfg.checkpoint.enabled:
+            checkpoints = ckpt_lib.Checkpoints(checkpoint_dir, keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
+    except OSError as e:
+        raise UserError(f"run.dir={cfg.run.dir!r}: cannot write there ({e.strerror or e})") from None
     log = MetricsLog(run_dir)
-    checkpoints = None
-    if cfg.checkpoint.enabled:
-        checkpoints = ckpt_lib.Checkpoints(checkpoint_dir, keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
 
     say(f"model {cfg.model.name}: {state_lib.count_params(abstract.params):,} parameters | mesh "
         f"{mesh_lib.describe(mesh)} on {len(devices)} {devices[0].platform} device(s) | task {data.task} | "

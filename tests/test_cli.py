@@ -25,6 +25,11 @@ BAD_INPUTS = {
     "missing config file": (["no/such/config.yaml"], "no/such/config.yaml"),
     "not key=value": (["train.steps=3", "steps"], "steps"),
     "run.dir is a file": (["run.dir=RUN/config.yaml"], "run.dir"),
+    "out of range": (["data.prefetch=-1"], "data.prefetch"),
+    "model output narrower than the data": (["model.vocab_size=100"], "256"),
+    "bad module name": (["model.name=:Foo"], "model.name"),
+    "loss does not fit the task": (["train.loss=mse"], "train.loss=mse"),
+    "duplicate rule axes": (["mesh.rules.embed=[fsdp,fsdp]"], "mesh.rules.embed"),
     "missing data path": (["data.path=no/such/dir"], "data.path"),
 }
 

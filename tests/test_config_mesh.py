@@ -70,3 +70,18 @@ def test_logical_names_drop_size_one_and_reused_axes():
     assert logical_to_spec(("batch", "vocab"), RULES, both) == P(("data", "fsdp"), "tensor")
     with pytest.raises(UserError, match="logical axis 'widgets' has no rule"):
         logical_to_spec(("widgets",), RULES, both)
+
+
+def test_text_values_stay_text_and_an_explicit_minus_one_wins():
+    cfg = config.load(None, ["run.dir=off", "train.sample_prompt=2024-01-01", "mesh=dp", "mesh.tensor=-1"])
+    assert cfg.run.dir == "off" and cfg.train.sample_prompt == "2024-01-01"
+    assert (cfg.mesh.data, cfg.mesh.tensor) == (1, -1)
+
+
+def test_a_single_text_file_is_split_by_bytes(tmp_path):
+    from shard.data.sources import text_splits
+
+    (tmp_path / "corpus.txt").write_bytes(bytes(range(256)) * 40)
+    train, held_out = text_splits(str(tmp_path / "corpus.txt"), seq_len=16, eval_fraction=0.25)
+    assert len(train.tokens) == 7680 and len(held_out.tokens) == 2560
+    assert train[0]["targets"][0] == train[0]["inputs"][1]

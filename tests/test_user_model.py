@@ -7,6 +7,7 @@ import pytest
 
 USER_MODULE = '''
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from shard.partition import constrain
 
@@ -14,15 +15,16 @@ from shard.partition import constrain
 class TinyClassifier(nnx.Module):
     """Written by a user: logical names on its parameters, nothing about meshes."""
 
-    def __init__(self, width: int = 32, classes: int = 8, *, rngs: nnx.Rngs):
+    def __init__(self, width: int = 32, classes: int = 8, dtype=jnp.float32, act=jax.nn.relu, *, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()
         self.w1 = nnx.Param(init(rngs.params(), (16, width)), out_sharding=("features", "mlp"))
         self.w2 = nnx.Param(init(rngs.params(), (width, classes)), out_sharding=("mlp", "classes"))
         self.norm = nnx.BatchNorm(width, rngs=rngs)  # non-parameter state rides along in the train state
+        self.act = act  # a function default: not a config value, left out of the saved config
 
     def __call__(self, x):
         h = constrain(x @ self.w1[...], ("batch", "mlp"))
-        return jax.nn.relu(self.norm(h)) @ self.w2[...]
+        return self.act(self.norm(h)) @ self.w2[...]
 '''
 
 ARGS = ["model.name=user_models:TinyClassifier", "model.width=32", "data.name=synthetic", "data.features=[16]",

@@ -24,6 +24,7 @@ class Data:
     eval: list               # this process's share of each eval batch (a fixed list)
     batch_size: int          # global
     tokens_per_example: int  # seq_len for sequence data, else 0
+    num_classes: int         # classes (or vocabulary) the targets range over; 0 for binary and regression
 
     def abstract_batch(self) -> dict:
         """Shapes and dtypes of one global batch."""
@@ -57,7 +58,9 @@ def build(cfg, seed: int) -> Data:
     train = grain.MapDataset.source(train_src).seed(seed).shuffle().repeat().batch(local)[proc::n_proc]
     eval_batches = grain.MapDataset.source(eval_src).batch(local, drop_remainder=True)[proc::n_proc]
     tokens = cfg.seq_len if task == "lm" else 0
-    return Data(task=task, train=train, eval=eval_batches, batch_size=cfg.batch_size, tokens_per_example=tokens)
+    classes = 256 if task == "lm" else cfg.classes if task == "classification" else 0
+    return Data(task=task, train=train, eval=eval_batches, batch_size=cfg.batch_size, tokens_per_example=tokens,
+                num_classes=classes)
 
 
 def device_batches(batches, shardings: dict, start: int = 0, prefetch: int = 2):

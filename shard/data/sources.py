@@ -44,13 +44,13 @@ def text_files(path: str | None) -> list[Path]:
 
 
 def text_splits(path: str | None, seq_len: int, eval_fraction: float) -> tuple[ByteWindows, ByteWindows]:
-    """Byte-level train and eval splits, split by file so eval text is never trained on."""
+    """Byte-level train and eval splits, split by file so eval text is never trained on (by bytes when
+    there is a single file)."""
     files = text_files(path)
-    if len(files) < 2:
-        raise UserError(f"data.path={path!r} holds {len(files)} file; the text source splits train/eval by file, "
-                        "so it needs at least 2")
-    if not 0 < eval_fraction < 1:
-        raise UserError(f"data.eval_fraction={eval_fraction} must be between 0 and 1")
+    if len(files) == 1:  # one corpus file: hold out its last bytes
+        tokens = np.frombuffer(files[0].read_bytes(), dtype=np.uint8)
+        cut = int(len(tokens) * (1 - eval_fraction))
+        return ByteWindows(tokens[:cut], seq_len), ByteWindows(tokens[cut:], seq_len)
     n_eval = min(len(files) - 1, max(1, round(len(files) * eval_fraction)))
     eval_index = {int((k + 0.5) * len(files) / n_eval) for k in range(n_eval)}  # spread over the sorted files
     split = {"train": [], "eval": []}
