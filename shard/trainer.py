@@ -202,11 +202,12 @@ def train_loop(cfg, state, train_step, eval_step, data, batch_shardings, schedul
             pending.append((done, out))
             steps_since += 1
             bar.update(1)
+            stopping = stop.received  # read once: a signal may land mid-iteration
             log_now = done % cfg.run.log_every == 0 or done in (start + 1, cfg.train.steps)
             save_now = checkpoints is not None and (
-                done == cfg.train.steps or stop.received or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0))
+                done == cfg.train.steps or stopping or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0))
             eval_now = cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != cfg.train.steps
-            if not (log_now or save_now or eval_now or stop.received):
+            if not (log_now or save_now or eval_now or stopping):
                 continue
             # Look at every step's loss since the last sync: stop (or count skips) at the first non-finite one,
             # before any checkpoint of that state could be written.
@@ -233,13 +234,13 @@ def train_loop(cfg, state, train_step, eval_step, data, batch_shardings, schedul
                 result.history.append(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", **{rate_key: f"{record[rate_key]:,.0f}"})
             if save_now:
-                checkpoints.save(state, done, data_position=done, wait=bool(stop.received))
+                checkpoints.save(state, done, data_position=done, wait=bool(stopping))
                 last_saved = done
-            if stop.received:
+            if stopping:
                 bar.close()
                 where = f"checkpoint at step {done} in {checkpoints.directory}" if checkpoints else "no checkpoint (disabled)"
                 if main:
-                    print(f"{stop.received}: stopped after step {done}; {where}; run again to resume")
+                    print(f"{stopping}: stopped after step {done}; {where}; run again to resume")
                 result.preempted = True
                 return state
             if eval_now:

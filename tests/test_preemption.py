@@ -50,7 +50,7 @@ def test_signal_checkpoints_exits_zero_and_resumes(tmp_path, sig):
     line = [l for l in out.splitlines() if l.startswith(sig.name)]
     assert len(line) == 1 and "run again to resume" in line[0], out
     stopped = int(line[0].split("after step ")[1].split(";")[0])
-    assert checkpoints(tmp_path) == [stopped]
+    assert checkpoints(tmp_path) == [stopped], err
     again = run_cli(*TINY_GPT, f"run.dir={tmp_path}", *QUIET, f"train.steps={stopped + 3}")
     assert again.returncode == 0, again.stderr
     assert f"resuming from step {stopped}" in again.stdout
