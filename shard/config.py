@@ -105,6 +105,7 @@ class RunConfig:
     cpu_devices: Optional[int] = option(None, "run on N simulated CPU devices (set before JAX starts)", min=1)
     peak_tflops: Optional[float] = option(None, "device peak TFLOP/s for MFU; default: known accelerators only", min=0)
     progress: bool = option(True, "show a progress bar")
+    compile_cache: Optional[str] = option(None, "folder for JAX's persistent compilation cache: restarts skip compiling")
 
 
 @dataclass

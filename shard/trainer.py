@@ -48,6 +48,8 @@ def run(cfg: config_lib.Config) -> Result:
         raise UserError(f"run.dir={cfg.run.dir!r} is a file; it must be a directory (new or from an earlier run)")
 
     # ---- devices, mesh and rules
+    if cfg.run.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", str(Path(cfg.run.compile_cache).expanduser()))
     devices = mesh_lib.select_devices(cfg.run.cpu_devices)
     mesh = mesh_lib.build_mesh(cfg.mesh, devices)
     rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
@@ -62,13 +64,22 @@ def run(cfg: config_lib.Config) -> Result:
     tx, schedule = optim.build(cfg.optimizer, cfg.train.steps)
     dtype = jnp.dtype(cfg.train.dtype)
 
-    # ---- abstract state, shardings, compiled steps (nothing allocated yet)
+    # ---- abstract state, shardings, checkpoints to read, compiled steps (nothing allocated yet)
     with partition.activate(mesh, rules):
         graphdef, abstract, init = state_lib.abstract_state(model_cls, kwargs, tx, cfg.train.seed, cfg.model.name)
         shardings = state_lib.state_shardings(abstract, mesh, rules)
         batch = data.abstract_batch()
         batch_shardings = state_lib.batch_shardings(batch, mesh, rules)
         outputs = step_lib.model_outputs(graphdef, abstract, batch, cfg.model.name, data.num_classes)
+        # Checkpoints to read must fit this model: checked before the (slower) compile.
+        target = ckpt_lib.abstract_target(abstract, shardings)
+        checkpoint_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+        if cfg.checkpoint.enabled:
+            ckpt_lib.check_resumable(checkpoint_dir, target)
+        for key in ("checkpoint.restore_from", "train.init_from"):
+            path = cfg.checkpoint.restore_from if key.startswith("checkpoint") else cfg.train.init_from
+            if path:
+                ckpt_lib.check_path(path, key, target)
         context = (f"train.loss={loss_fn.__name__} does not fit outputs {tuple(outputs.shape)} and targets "
                    f"{tuple(batch['targets'].shape)} {batch['targets'].dtype} (task {data.task})")
         train_step = step_lib.compile_step(
@@ -77,14 +88,6 @@ def run(cfg: config_lib.Config) -> Result:
         eval_step = step_lib.compile_step(
             step_lib.make_eval_step(graphdef, loss_fn, data.task, dtype), abstract, shardings, batch,
             batch_shardings, mesh, donate=False, returns_state=False, context=context)
-    target = ckpt_lib.abstract_target(abstract, shardings)
-    checkpoint_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
-    if cfg.checkpoint.enabled:
-        ckpt_lib.check_resumable(checkpoint_dir, target)
-    for key in ("checkpoint.restore_from", "train.init_from"):
-        path = cfg.checkpoint.restore_from if key.startswith("checkpoint") else cfg.train.init_from
-        if path:
-            ckpt_lib.check_path(path, key, target)
 
     # ---- run directory: only now, with the input known to be good
     try:

@@ -1,7 +1,6 @@
 """Stopping at any moment: SIGTERM/SIGINT checkpoint and exit 0; SIGKILL mid-save loses nothing earlier;
 unreadable or half-written checkpoints are skipped with a warning that names them."""
 
-import json
 import os
 import signal
 import subprocess
@@ -51,13 +50,15 @@ def test_signal_checkpoints_exits_zero_and_resumes(tmp_path, sig):
     assert len(line) == 1 and "run again to resume" in line[0], out
     stopped = int(line[0].split("after step ")[1].split(";")[0])
     assert checkpoints(tmp_path) == [stopped], err
+    if sig == signal.SIGINT:
+        return  # resuming is the same for both signals; once is enough
     again = run_cli(*TINY_GPT, f"run.dir={tmp_path}", *QUIET, f"train.steps={stopped + 3}")
     assert again.returncode == 0, again.stderr
     assert f"resuming from step {stopped}" in again.stdout
 
 
 def test_sigkill_during_async_saves_leaves_a_restorable_checkpoint(tmp_path):
-    for attempt, delay in enumerate((0.0, 0.13, 0.29)):
+    for delay in (0.0, 0.17):
         proc = start(tmp_path, "train.steps=100000", "checkpoint.every=1", "checkpoint.keep=2", "run.log_every=1000")
         before = checkpoints(tmp_path)
         wait_for(lambda: len(set(checkpoints(tmp_path)) - set(before)) >= 2, proc)
@@ -73,22 +74,21 @@ def test_sigkill_during_async_saves_leaves_a_restorable_checkpoint(tmp_path):
     assert "Traceback" not in again.stderr
 
 
-def test_corrupt_and_partial_checkpoints_are_skipped_with_a_warning(tmp_path):
-    first = run_cli(*TINY_GPT, f"run.dir={tmp_path}", *QUIET, "train.steps=20", "checkpoint.every=10")
-    assert first.returncode == 0, first.stderr
-    folder = tmp_path / "checkpoints"
+def test_corrupt_and_partial_checkpoints_are_skipped_with_a_warning(train, tmp_path, capsys):
+    train(*TINY_GPT, "train.steps=20", "checkpoint.enabled=true", "checkpoint.every=10")
+    folder = tmp_path / "run" / "checkpoints"
     for f in (folder / "20" / "model").rglob("*"):  # truncate every file of the newest checkpoint's parameters
         if f.is_file():
             f.write_bytes(b"")
     partial = folder / "30.orbax-checkpoint-tmp-123"
     partial.mkdir()  # what an interrupted save leaves behind
-    again = run_cli(*TINY_GPT, f"run.dir={tmp_path}", *QUIET, "train.steps=22", "checkpoint.every=10")
-    assert again.returncode == 0, again.stderr
-    assert f"skipping incomplete checkpoint {partial}" in again.stderr
-    assert f"skipping unreadable checkpoint {folder / '20'}" in again.stderr
-    assert "resuming from step 10" in again.stdout
-    records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["step"] == 22
+    capsys.readouterr()
+    result = train(*TINY_GPT, "train.steps=22", "checkpoint.enabled=true", "checkpoint.every=10", "run.log_every=1")
+    out, err = capsys.readouterr()
+    assert f"skipping incomplete checkpoint {partial}" in err
+    assert f"skipping unreadable checkpoint {folder / '20'}" in err
+    assert "resuming from step 10" in out and result.start_step == 10
+    assert [r["step"] for r in result.history][-1] == 22
 
 
 def test_explicitly_named_corrupt_checkpoint_is_refused(tmp_path):
