@@ -30,6 +30,7 @@ class MLP(nnx.Module):
             for i in range(len(widths) - 1)])
 
     def __call__(self, x):
+        x = x.reshape(x.shape[0], -1)  # images or any other shape: one feature vector per example
         act = ACTIVATIONS[self.activation]
         for i, layer in enumerate(self.layers):
             x = constrain(layer(x), ("batch", self.names[i + 1]))

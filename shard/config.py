@@ -39,10 +39,12 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = option("text", "data source", choices=("text", "synthetic"))
+    name: str = option("text", "data source", choices=("text", "digits", "tabular", "arrays", "array_record", "synthetic"))
     task: str = option("auto", "what is predicted; auto = the source's own task",
                        choices=("auto", "lm", "classification", "binary", "regression"))
-    path: Optional[str] = option(None, "text: file, directory or glob; default: the Python standard library's .py files")
+    path: Optional[str] = option(None, "text: file, folder or glob (default: Python's own .py sources); tabular: "
+                                 "diabetes (default), breast_cancer or a CSV; arrays: .npz or folder; array_record: files")
+    target: str = option("target", "tabular CSV: the column to predict")
     batch_size: int = option(32, "global batch size (all devices together)", min=1)
     seq_len: int = option(128, "tokens per sequence (sequence data)", min=1)
     eval_fraction: float = option(0.05, "text: share held out for eval (by file; by bytes for one file)", min=0.001, max=0.999)
@@ -74,7 +76,7 @@ class TrainConfig:
     init_from: Optional[str] = option(None, "load parameters only from this checkpoint (run, checkpoints or step folder), e.g. to fine-tune")
     skip_nonfinite: bool = option(False, "skip an update whose loss or gradients are not finite, instead of stopping")
     eval_every: int = option(0, "evaluate every N steps; 0 = only at the end", min=0)
-    eval_batches: int = option(8, "batches per evaluation", min=1)
+    eval_batches: int = option(8, "batches per evaluation; 0 = the whole eval split", min=0)
     sample_len: int = option(200, "lm: bytes to generate after training; 0 disables", min=0)
     sample_prompt: str = option("def ", "lm: prompt for the generated sample")
 

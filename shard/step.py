@@ -48,14 +48,22 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
 
 
 def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable, task: str, dtype) -> Callable:
+    """Sums over the real (mask 1) examples of a batch; the caller divides by the totals."""
+
     def eval_step(state: TrainState, batch: dict):
         model = nnx.merge(graphdef, cast_floats(state.params, dtype), state.rest)
         model.eval()  # e.g. normalisation layers use their running statistics
         outputs = model(cast_floats(batch["inputs"], dtype)).astype(jnp.float32)
-        metrics = {"loss": loss_fn(outputs, batch["targets"])}
+        targets, mask = batch["targets"], batch["mask"]
+        per_example = lambda fn: jax.vmap(lambda o, t: fn(o[None], t[None]))(outputs, targets)
+        sums = {"count": jnp.sum(mask), "loss": jnp.sum(mask * per_example(loss_fn))}
         if task in ("classification", "binary", "lm"):
-            metrics["accuracy"] = accuracy(outputs, batch["targets"], task)
-        return metrics
+            sums["accuracy"] = jnp.sum(mask * per_example(lambda o, t: accuracy(o, t, task)))
+        if task == "regression":  # for R^2 = 1 - SSE / total sum of squares
+            weight = mask.reshape((-1,) + (1,) * (targets.ndim - 1)) * jnp.ones_like(targets)
+            sums |= {"sse": jnp.sum(weight * (outputs.reshape(targets.shape) - targets) ** 2),
+                     "y": jnp.sum(weight * targets), "y2": jnp.sum(weight * targets ** 2), "values": jnp.sum(weight)}
+        return sums
 
     return eval_step
 

@@ -4,6 +4,7 @@ Everything that can be wrong with the user's input is checked (and compiled) bef
 directory is touched, so a bad config never overwrites anything.
 """
 
+import contextlib
 import math
 import signal
 import time
@@ -70,6 +71,8 @@ def run(cfg: config_lib.Config) -> Result:
         shardings = state_lib.state_shardings(abstract, mesh, rules)
         batch = data.abstract_batch()
         batch_shardings = state_lib.batch_shardings(batch, mesh, rules)
+        eval_batch = data.abstract_batch(eval=True)
+        eval_shardings = state_lib.batch_shardings(eval_batch, mesh, rules)
         outputs = step_lib.model_outputs(graphdef, abstract, batch, cfg.model.name, data.num_classes)
         # Checkpoints to read must fit this model: checked before the (slower) compile.
         target = ckpt_lib.abstract_target(abstract, shardings)
@@ -86,8 +89,8 @@ def run(cfg: config_lib.Config) -> Result:
             step_lib.make_train_step(graphdef, tx, loss_fn, dtype, cfg.train.skip_nonfinite), abstract, shardings,
             batch, batch_shardings, mesh, donate=True, returns_state=True, context=context)
         eval_step = step_lib.compile_step(
-            step_lib.make_eval_step(graphdef, loss_fn, data.task, dtype), abstract, shardings, batch,
-            batch_shardings, mesh, donate=False, returns_state=False, context=context)
+            step_lib.make_eval_step(graphdef, loss_fn, data.task, dtype), abstract, shardings, eval_batch,
+            eval_shardings, mesh, donate=False, returns_state=False, context=context)
 
     # ---- run directory: only now, with the input known to be good
     try:
@@ -111,8 +114,8 @@ def run(cfg: config_lib.Config) -> Result:
         state = start_state(cfg, checkpoints, init, shardings, target, say)
         result = Result(graphdef=graphdef, shardings=shardings, mesh=mesh, train_step=train_step,
                         start_step=int(state.step))
-        state = train_loop(cfg, state, train_step, eval_step, data, batch_shardings, schedule, checkpoints,
-                           log, result, devices, main)
+        state = train_loop(cfg, state, train_step, eval_step, data, batch_shardings, eval_shardings, schedule,
+                           checkpoints, log, result, devices, main)
     finally:
         if checkpoints:
             checkpoints.close()
@@ -121,7 +124,7 @@ def run(cfg: config_lib.Config) -> Result:
         return result
 
     # ---- final eval and sample
-    result.eval = evaluate(eval_step, state, data, batch_shardings, cfg)
+    result.eval = evaluate(eval_step, state, data, eval_shardings, cfg)
     log.write({"step": cfg.train.steps, **result.eval})
     summary = " | ".join(f"{k} {v:.4f}" for k, v in result.eval.items())
     if result.history:
@@ -183,8 +186,8 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
-def train_loop(cfg, state, train_step, eval_step, data, batch_shardings, schedule, checkpoints, log, result,
-               devices, main) -> state_lib.TrainState:
+def train_loop(cfg, state, train_step, eval_step, data, batch_shardings, eval_shardings, schedule, checkpoints,
+               log, result, devices, main) -> state_lib.TrainState:
     flops = compiled_flops(train_step)
     peak = peak_flops(devices[0], cfg.run.peak_tflops)
     per_step = cfg.data.batch_size * (data.tokens_per_example or 1)
@@ -198,7 +201,7 @@ def train_loop(cfg, state, train_step, eval_step, data, batch_shardings, schedul
     skipped = 0
     jax.block_until_ready(state)
     t_last, steps_since = time.perf_counter(), 0
-    with StopSignal() as stop:
+    with StopSignal() as stop, contextlib.closing(batches):
         for step in range(start, cfg.train.steps):
             state, out = train_step(state, next(batches))
             done = step + 1
@@ -247,21 +250,28 @@ def train_loop(cfg, state, train_step, eval_step, data, batch_shardings, schedul
                 result.preempted = True
                 return state
             if eval_now:
-                log.write({"step": done, **evaluate(eval_step, state, data, batch_shardings, cfg)})
+                log.write({"step": done, **evaluate(eval_step, state, data, eval_shardings, cfg)})
             t_last, steps_since = time.perf_counter(), 0
     bar.close()
     return state
 
 
-def evaluate(eval_step, state, data: data_lib.Data, batch_shardings: dict, cfg) -> dict:
-    """Mean of each eval metric over the first `train.eval_batches` batches of the eval split."""
-    n = min(cfg.train.eval_batches, len(data.eval))
+def evaluate(eval_step, state, data: data_lib.Data, shardings: dict, cfg) -> dict:
+    """Each eval metric over the eval split (its first `train.eval_batches` batches; 0 = all of it)."""
+    n = len(data.eval) if cfg.train.eval_batches == 0 else min(cfg.train.eval_batches, len(data.eval))
+    batches = data_lib.device_batches(data.eval, shardings, start=0, prefetch=min(2, cfg.data.prefetch))
     totals: dict = {}
-    for i in range(n):
-        batch = next(data_lib.device_batches(data.eval, batch_shardings, start=i, prefetch=0))
-        for k, v in jax.device_get(eval_step(state, batch)).items():
+    for _ in range(n):
+        for k, v in jax.device_get(eval_step(state, next(batches))).items():
             totals[k] = totals.get(k, 0.0) + float(v)
-    metrics = {f"eval_{k}": v / n for k, v in totals.items()}
-    if data.task == "lm" and data.tokens_per_example:
+    batches.close()
+    count = totals.pop("count")
+    metrics = {"eval_loss": totals["loss"] / count}
+    if "accuracy" in totals:
+        metrics["eval_accuracy"] = totals["accuracy"] / count
+    if "sse" in totals:
+        variance = totals["y2"] - totals["y"] ** 2 / totals["values"]
+        metrics["eval_r2"] = 1.0 - totals["sse"] / max(variance, 1e-12)
+    if data.task == "lm":
         metrics["eval_bits_per_byte"] = metrics["eval_loss"] / math.log(2)
     return metrics

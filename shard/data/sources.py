@@ -1,6 +1,7 @@
 """Random-access data sources (len + getitem, Grain's source protocol) that need no download."""
 
 import glob
+import io
 import os
 import sysconfig
 from pathlib import Path
@@ -85,3 +86,182 @@ class Synthetic:
         else:
             y = score.astype(np.float32)
         return {"inputs": x, "targets": y}
+
+
+class Arrays:
+    """Examples held in memory as aligned arrays (first dimension = example)."""
+
+    def __init__(self, inputs: np.ndarray, targets: np.ndarray):
+        self.inputs, self.targets = inputs, targets
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"inputs": self.inputs[i], "targets": self.targets[i]}
+
+
+class Subset:
+    """Some examples of a source, by index."""
+
+    def __init__(self, source, indices: np.ndarray):
+        self.source, self.indices = source, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.source[int(self.indices[i])]
+
+
+SPLIT_SEED = 1234  # the held-out split is a property of the data set, not of a run's seed
+
+
+def held_out_indices(n: int, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """A fixed random split: (train indices, eval indices), eval at least one example."""
+    order = np.random.default_rng(SPLIT_SEED).permutation(n)
+    n_eval = min(n - 1, max(1, round(n * eval_fraction)))
+    return np.sort(order[n_eval:]), np.sort(order[:n_eval])
+
+
+def infer_task(targets: np.ndarray) -> str:
+    """The task a set of targets implies, when data.task=auto: 0/1 -> binary; integer labels (an
+    integer dtype, or at most 20 whole-number values read from text) -> classification; else regression."""
+    values = np.unique(targets)
+    if targets.ndim == 1 and np.all(np.isin(values, (0, 1))):
+        return "binary"
+    whole = np.all(np.mod(values, 1) == 0) and values.min() >= 0
+    if targets.ndim == 1 and whole and (np.issubdtype(targets.dtype, np.integer) or len(values) <= 20):
+        return "classification"
+    return "regression"
+
+
+def digits(eval_fraction: float) -> tuple[Arrays, Arrays, str]:
+    """scikit-learn's 8x8 handwritten digits (1,797 images, 10 classes), as (8, 8, 1) images in [0, 1]."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = (bunch.images / 16.0).astype(np.float32)[..., None]
+    labels = bunch.target.astype(np.int32)
+    train, held = held_out_indices(len(labels), eval_fraction)
+    return Arrays(images[train], labels[train]), Arrays(images[held], labels[held]), "classification"
+
+
+def tabular(path: str | None, target: str, eval_fraction: float) -> tuple[Arrays, Arrays, str]:
+    """A table of numeric features: scikit-learn's `diabetes` (regression) or `breast_cancer` (binary),
+    or a CSV file with a header and the target in column `target`. Features (and regression targets)
+    are standardised with statistics of the train split only."""
+    name = path or "diabetes"
+    if name in ("diabetes", "breast_cancer"):
+        from sklearn import datasets
+
+        bunch = getattr(datasets, f"load_{name}")()
+        features, labels = bunch.data.astype(np.float64), bunch.target.astype(np.float64)
+        task = "regression" if name == "diabetes" else "binary"
+    else:
+        features, labels = _read_csv(name, target)
+        task = infer_task(labels)
+    train, held = held_out_indices(len(labels), eval_fraction)
+    mean, std = features[train].mean(0), features[train].std(0) + 1e-8
+    features = ((features - mean) / std).astype(np.float32)
+    if task == "regression":
+        labels = (labels - labels[train].mean()) / (labels[train].std() + 1e-8)
+        labels = labels.astype(np.float32)[:, None]
+    else:
+        labels = labels.astype(np.float32 if task == "binary" else np.int32)
+    return Arrays(features[train], labels[train]), Arrays(features[held], labels[held]), task
+
+
+def _read_csv(path: str, target: str) -> tuple[np.ndarray, np.ndarray]:
+    if not os.path.isfile(path):
+        raise UserError(f"data.path={path!r} does not exist (tabular takes diabetes, breast_cancer or a CSV file)")
+    with open(path) as f:
+        header = [h.strip() for h in f.readline().strip().split(",")]
+    if target not in header:
+        raise UserError(f"data.target={target!r} is not a column of {path}; its columns are: {', '.join(header)}")
+    try:
+        table = np.loadtxt(path, delimiter=",", skiprows=1, ndmin=2)
+    except ValueError as e:
+        raise UserError(f"data.path={path!r}: every value must be a number ({str(e).splitlines()[0]})") from None
+    if len(table) < 2:
+        raise UserError(f"data.path={path!r} has {len(table)} rows; it needs at least 2")
+    column = header.index(target)
+    return np.delete(table, column, axis=1), table[:, column]
+
+
+def arrays(path: str | None, eval_fraction: float) -> tuple[Arrays, Arrays, str]:
+    """A user's arrays: an .npz with `inputs` and `targets`, or a folder with inputs.npy and targets.npy."""
+    if path is None:
+        raise UserError("data.name=arrays needs data.path: an .npz file or a folder with inputs.npy and targets.npy")
+    if os.path.isdir(path):
+        files = {k: Path(path) / f"{k}.npy" for k in ("inputs", "targets")}
+        missing = [str(f) for f in files.values() if not f.is_file()]
+        if missing:
+            raise UserError(f"data.path={path!r} lacks {', '.join(missing)}")
+        loaded = {k: np.load(f) for k, f in files.items()}
+    elif os.path.isfile(path):
+        with np.load(path) as npz:
+            if not {"inputs", "targets"} <= set(npz.files):
+                raise UserError(f"data.path={path!r} must hold arrays named inputs and targets; it has: {', '.join(npz.files)}")
+            loaded = {k: npz[k] for k in ("inputs", "targets")}
+    else:
+        raise UserError(f"data.path={path!r} does not exist")
+    inputs, targets = loaded["inputs"], loaded["targets"]
+    if len(inputs) != len(targets):
+        raise UserError(f"data.path={path!r}: inputs have {len(inputs)} examples but targets {len(targets)}; "
+                        "the first dimensions must match")
+    if len(inputs) < 2:
+        raise UserError(f"data.path={path!r} holds {len(inputs)} example; it needs at least 2")
+    task = infer_task(targets)
+    targets = targets.astype(np.float32 if task in ("binary", "regression") else np.int32)
+    inputs = inputs.astype(np.float32) if np.issubdtype(inputs.dtype, np.floating) else inputs
+    train, held = held_out_indices(len(inputs), eval_fraction)
+    return Arrays(inputs[train], targets[train]), Arrays(inputs[held], targets[held]), task
+
+
+class Records:
+    """Grain's ArrayRecord files, read record by record (data sets larger than memory). Each record is
+    one example saved by `write_array_record`: an .npz of `inputs` and `targets`."""
+
+    def __init__(self, paths: list[str]):
+        import grain
+
+        self.records = grain.sources.ArrayRecordDataSource(paths)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> dict:
+        with np.load(io.BytesIO(self.records[i])) as npz:
+            return {"inputs": npz["inputs"], "targets": npz["targets"]}
+
+
+def array_record(path: str | None, eval_fraction: float) -> tuple:
+    if path is None:
+        raise UserError("data.name=array_record needs data.path: a file, folder or glob of .array_record files")
+    if any(c in path for c in "*?["):
+        files = sorted(glob.glob(path))
+    elif os.path.isdir(path):
+        files = sorted(str(p) for p in Path(path).glob("*.array_record"))
+    else:
+        files = [path] if os.path.isfile(path) else []
+    if not files:
+        raise UserError(f"data.path={path!r} matches no .array_record files")
+    source = Records(files)
+    if len(source) < 2:
+        raise UserError(f"data.path={path!r} holds {len(source)} record; it needs at least 2")
+    train, held = held_out_indices(len(source), eval_fraction)
+    probe = np.stack([source[int(i)]["targets"] for i in held[:256]])
+    return Subset(source, train), Subset(source, held), infer_task(probe)
+
+
+def write_array_record(path: str, inputs: np.ndarray, targets: np.ndarray) -> None:
+    """Write examples in the format `data.name=array_record` reads."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    writer = ArrayRecordWriter(str(path), "group_size:1")
+    for x, y in zip(inputs, targets):
+        buffer = io.BytesIO()
+        np.savez(buffer, inputs=x, targets=y)
+        writer.write(buffer.getvalue())
+    writer.close()
