@@ -31,6 +31,9 @@ BAD_INPUTS = {
     "loss does not fit the task": (["train.loss=mse"], "train.loss=mse"),
     "duplicate rule axes": (["mesh.rules.embed=[fsdp,fsdp]"], "mesh.rules.embed"),
     "missing data path": (["data.path=no/such/dir"], "data.path"),
+    "missing CSV": (["model.name=mlp", "data.name=tabular", "data.path=no/such.csv"], "no/such.csv"),
+    "batch larger than the data": (["model.name=mlp", "data.name=digits", "data.batch_size=4096"], "4096"),
+    "lm task on tables": (["model.name=mlp", "data.name=digits", "data.task=lm"], "data.task=lm"),
 }
 
 
