@@ -9,6 +9,7 @@ mid-write leaves the earlier checkpoints as they were; a checkpoint that still f
 skipped with a warning (resume) or refused (an explicit path), never loaded in part.
 """
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -164,26 +165,26 @@ def check_resumable(directory: str | Path, target: TrainState) -> None:
         manager.close()
 
 
-def check_path(path: str, key: str, target: TrainState) -> None:
-    """Fail early (before the run folder is touched) on a missing path, no checkpoint, or other shapes."""
+@contextlib.contextmanager
+def _named_checkpoint(path: str, key: str):
+    """(manager, step) of a user-named checkpoint; any failure to read it becomes one clear line."""
     manager, step = open_path(path, key)
     try:
-        check_shapes(manager, step, target)
+        yield manager, step
     except UserError:
         raise
     except Exception as e:
         raise UserError(f"{key}: checkpoint {manager.directory / str(step)} is unreadable: {_first_line(e)}") from None
     finally:
         manager.close()
+
+
+def check_path(path: str, key: str, target: TrainState) -> None:
+    """Fail early (before the run folder is touched) on a missing path, no checkpoint, or other shapes."""
+    with _named_checkpoint(path, key) as (manager, step):
+        check_shapes(manager, step, target)
 
 
 def restore_path(path: str, key: str, target: TrainState, model_only: bool) -> tuple[TrainState, dict]:
-    manager, step = open_path(path, key)
-    try:
+    with _named_checkpoint(path, key) as (manager, step):
         return restore_step(manager, step, target, model_only=model_only)
-    except UserError:
-        raise
-    except Exception as e:
-        raise UserError(f"{key}: checkpoint {manager.directory / str(step)} is unreadable: {_first_line(e)}") from None
-    finally:
-        manager.close()
