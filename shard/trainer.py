@@ -79,8 +79,8 @@ def run(cfg: config_lib.Config) -> Result:
         checkpoint_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
         if cfg.checkpoint.enabled:
             ckpt_lib.check_resumable(checkpoint_dir, target)
-        for key in ("checkpoint.restore_from", "train.init_from"):
-            path = cfg.checkpoint.restore_from if key.startswith("checkpoint") else cfg.train.init_from
+        for key, path in (("checkpoint.restore_from", cfg.checkpoint.restore_from),
+                          ("train.init_from", cfg.train.init_from)):
             if path:
                 ckpt_lib.check_path(path, key, target)
         context = (f"train.loss={loss_fn.__name__} does not fit outputs {tuple(outputs.shape)} and targets "
