@@ -56,10 +56,12 @@ class Checkpoints:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, state: TrainState, step: int, data_position: int, wait: bool = False) -> None:
+    def save(self, state: TrainState, step: int, data_position: int, seed: int, wait: bool = False) -> None:
+        """`data_position` (global batches consumed) and `seed` fix the data order; training itself
+        draws no other random numbers, and a model's own RNG variables are part of `state.rest`."""
         if step not in self.manager.all_steps():
             items = {k: ocp.args.StandardSave(v) for k, v in _items(state).items()}
-            meta = ocp.args.JsonSave({"step": step, "data_position": data_position})
+            meta = ocp.args.JsonSave({"step": step, "data_position": data_position, "seed": seed})
             self.manager.save(step, args=ocp.args.Composite(**items, meta=meta), force=True)
         if wait:
             self.manager.wait_until_finished()

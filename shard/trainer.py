@@ -147,6 +147,9 @@ def start_state(cfg, checkpoints, init, shardings, target, say) -> state_lib.Tra
         if resumed:
             state, meta = resumed
             say(f"resuming from step {meta['step']} of {checkpoints.directory}")
+            if meta.get("seed", cfg.train.seed) != cfg.train.seed:
+                ckpt_lib.warn(f"train.seed={cfg.train.seed} but the checkpoint was trained with seed {meta['seed']}: "
+                              "the data order from here on differs from the original run's")
             return state
     if cfg.checkpoint.restore_from:
         state, meta = ckpt_lib.restore_path(cfg.checkpoint.restore_from, "checkpoint.restore_from", target,
@@ -240,7 +243,7 @@ def train_loop(cfg, state, train_step, eval_step, data, batch_shardings, eval_sh
                 result.history.append(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", **{rate_key: f"{record[rate_key]:,.0f}"})
             if save_now:
-                checkpoints.save(state, done, data_position=done, wait=bool(stopping))
+                checkpoints.save(state, done, data_position=done, seed=cfg.train.seed, wait=bool(stopping))
                 last_saved = done
             if stopping:
                 bar.close()
