@@ -17,6 +17,7 @@ BAD_INPUTS = {
     "mesh product": (["run.cpu_devices=8", "mesh.data=3"], "8"),
     "two -1 axes": (["run.cpu_devices=8", "mesh.data=-1", "mesh.fsdp=-1"], "-1"),
     "param not divisible": (["run.cpu_devices=8", "mesh=tp", "model.n_heads=4"], "blocks/0/attn"),
+    "bad model option": (["model.norm=batchnorm"], "norm='batchnorm'"),
     "batch not divisible": (["run.cpu_devices=8", "data.batch_size=12"], "data.batch_size=12"),
     "unknown model": (["model.name=resnet9000"], "resnet9000"),
     "unknown model argument": (["model.depth=3"], "model.depth"),

@@ -34,3 +34,17 @@ def test_loss_curve_matches_one_device(train, references, model, preset):
     assert len(curve) == len(reference) == 12
     assert reference[-1] < reference[0]  # it is learning, so the comparison means something
     np.testing.assert_allclose(curve, reference, rtol=1e-5)
+
+
+# Llama-style options: rotary positions, RMSNorm, SwiGLU, grouped-query attention (8 query heads
+# sharing 4 key/value heads), tied embeddings; on 4 devices so the key/value heads divide every mesh.
+LLAMA = [*TINY_GPT, "model.position=rope", "model.norm=rmsnorm", "model.mlp=swiglu", "model.n_kv_heads=4",
+         "model.tie_embeddings=true"]
+
+
+def test_llama_options_match_one_device_under_every_preset(train):
+    reference = losses(train(*LLAMA, *STEPS, "run.cpu_devices=1", subdir="one"))
+    assert reference[-1] < reference[0]
+    for preset in PRESETS:
+        curve = losses(train(*LLAMA, *STEPS, "run.cpu_devices=4", f"mesh={preset}", subdir=preset))
+        np.testing.assert_allclose(curve, reference, rtol=1e-5, err_msg=preset)
