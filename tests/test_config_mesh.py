@@ -85,3 +85,11 @@ def test_a_single_text_file_is_split_by_bytes(tmp_path):
     train, held_out = text_splits(str(tmp_path / "corpus.txt"), seq_len=16, eval_fraction=0.25)
     assert len(train.tokens) == 7680 and len(held_out.tokens) == 2560
     assert train[0]["targets"][0] == train[0]["inputs"][1]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_names_real_model_arguments(path):
+    from shard import registry
+
+    cfg = config.load(path, [])
+    registry.check_kwargs(registry.resolve(cfg.model.name), cfg.model.kwargs, cfg.model.name)
