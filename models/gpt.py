@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.partition import constrain
+from shard.partition import constrain, layer
 
 
 def _param(rngs: nnx.Rngs, shape: tuple, names: tuple, std: float) -> nnx.Param:
@@ -116,8 +116,15 @@ class GPT(nnx.Module):
         self.tok = _param(rngs, (vocab_size, d_model), ("vocab", "embed"), 0.02)
         self.pos = _param(rngs, (max_len, d_model), (None, "embed"), 0.01) if position == "learned" else None
         rope = rope_theta if position == "rope" else None
-        self.blocks = nnx.List([Block(d_model, n_heads, n_kv_heads, d_ff, norm, mlp == "swiglu", rope, out_std, rngs)
-                                for _ in range(n_layers)])
+
+        # All blocks are created at once, stacked on a leading `layers` axis, and run with a scan: the
+        # compiled program holds one block whatever the depth.
+        @nnx.split_rngs(splits=n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs):
+            return Block(d_model, n_heads, n_kv_heads, d_ff, norm, mlp == "swiglu", rope, out_std, rngs)
+
+        self.blocks = make_blocks(rngs)
         self.ln_f = _norm(norm, d_model, rngs)
         self.head = None if tie_embeddings else _param(rngs, (d_model, vocab_size), ("embed", "vocab"), 0.02)
 
@@ -131,8 +138,11 @@ class GPT(nnx.Module):
         if self.pos is not None:
             x = x + self.pos[...][:length]
         x = constrain(x, ("batch", "length", "embed"))
-        for block in self.blocks:
-            x = block(x)
-        x = self.ln_f(x)
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def run_blocks(x, block):
+            return layer(lambda block, x: block(x))(block, x)
+
+        x = self.ln_f(run_blocks(x, self.blocks))
         logits = x @ self.tok[...].T if self.head is None else x @ self.head[...]
         return constrain(logits, ("batch", "length", "vocab"))

@@ -73,6 +73,8 @@ class TrainConfig:
     dtype: str = option("float32", "compute dtype; parameters stay float32",
                         choices=("float32", "bfloat16"))
     loss: str = option("auto", "loss name (see shard/losses.py); auto = the task's default")
+    remat: str = option("none", "activation checkpointing of each scanned layer: keep all, recompute all, "
+                        "or keep matmul outputs", choices=("none", "full", "dots"))
     init_from: Optional[str] = option(None, "load parameters only from this checkpoint (run, checkpoints or step folder), e.g. to fine-tune")
     skip_nonfinite: bool = option(False, "skip an update whose loss or gradients are not finite, instead of stopping")
     eval_every: int = option(0, "evaluate every N steps; 0 = only at the end", min=0)

@@ -77,14 +77,25 @@ def logical_to_spec(names: Sequence[str | None], rules: dict, mesh_shape: dict[s
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("shard_active_rules", default=None)
 
 
+_REMAT: contextvars.ContextVar = contextvars.ContextVar("shard_remat", default="none")
+
+# train.remat -> what a layer keeps for the backward pass (everything, nothing, or matmul outputs).
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
 @contextlib.contextmanager
-def activate(mesh: jax.sharding.Mesh, rules: dict):
-    """Make `constrain` map names through these rules onto this mesh while tracing."""
-    token = _ACTIVE.set((mesh, rules))
+def activate(mesh: jax.sharding.Mesh, rules: dict, remat: str = "none"):
+    """While tracing: `constrain` maps names through these rules onto this mesh, and `layer` applies
+    this activation-checkpointing policy."""
+    tokens = _ACTIVE.set((mesh, rules)), _REMAT.set(remat)
     try:
         yield
     finally:
-        _ACTIVE.reset(token)
+        _ACTIVE.reset(tokens[0])
+        _REMAT.reset(tokens[1])
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -100,3 +111,15 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if len(names) != x.ndim:
         raise ValueError(f"constrain: {len(names)} names {tuple(names)} for an array of shape {x.shape}")
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules, mesh.shape)))
+
+
+def layer(fn):
+    """Wrap the function that applies one (scanned) layer with the active activation-checkpointing
+    policy (`train.remat`): none keeps every activation, full recomputes the layer in the backward
+    pass, dots keeps only matrix-product outputs. A model calls this instead of choosing a policy."""
+    policy = REMAT_POLICIES.get(_REMAT.get())
+    if policy is None:
+        return fn
+    from flax import nnx
+
+    return nnx.remat(fn, policy=policy)

@@ -66,7 +66,7 @@ def run(cfg: config_lib.Config) -> Result:
     dtype = jnp.dtype(cfg.train.dtype)
 
     # ---- abstract state, shardings, checkpoints to read, compiled steps (nothing allocated yet)
-    with partition.activate(mesh, rules):
+    with partition.activate(mesh, rules, remat=cfg.train.remat):
         graphdef, abstract, init = state_lib.abstract_state(model_cls, kwargs, tx, cfg.train.seed, cfg.model.name)
         shardings = state_lib.state_shardings(abstract, mesh, rules)
         batch = data.abstract_batch()

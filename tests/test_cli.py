@@ -16,7 +16,7 @@ BAD_INPUTS = {
     "wrong choice": (["train.dtype=float16"], "train.dtype"),
     "mesh product": (["run.cpu_devices=8", "mesh.data=3"], "8"),
     "two -1 axes": (["run.cpu_devices=8", "mesh.data=-1", "mesh.fsdp=-1"], "-1"),
-    "param not divisible": (["run.cpu_devices=8", "mesh=tp", "model.n_heads=4"], "blocks/0/attn"),
+    "param not divisible": (["run.cpu_devices=8", "mesh=tp", "model.n_heads=4"], "blocks/attn"),
     "bad model option": (["model.norm=batchnorm"], "norm='batchnorm'"),
     "batch not divisible": (["run.cpu_devices=8", "data.batch_size=12"], "data.batch_size=12"),
     "unknown model": (["model.name=resnet9000"], "resnet9000"),

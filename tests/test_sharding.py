@@ -36,9 +36,9 @@ def test_every_parameter_has_the_spec_of_its_logical_names(train, preset, model)
 
 def test_tp_splits_heads_and_fsdp_splits_embed(train):
     tp = train(*TINY_GPT, "train.steps=1", "mesh=tp", subdir="tp")
-    q = tp.state.params["blocks"][0]["attn"]["q"].get_value()
-    assert q.sharding.spec == P(None, "tensor", None)
-    assert q.addressable_shards[0].data.shape == (32, 1, 4)  # 8 heads over 8 devices
+    q = tp.state.params["blocks"]["attn"]["q"].get_value()
+    assert q.sharding.spec == P(None, None, "tensor", None)  # (layers, embed, heads, head_dim)
+    assert q.addressable_shards[0].data.shape == (2, 32, 1, 4)  # 8 heads over 8 devices
     fsdp = train(*TINY_GPT, "train.steps=1", "mesh=fsdp", subdir="fsdp")
     head = fsdp.state.params["head"].get_value()
     assert head.sharding.spec == P("fsdp", None) and head.addressable_shards[0].data.shape == (4, 256)
