@@ -19,7 +19,8 @@ def test_bfloat16_compute_with_float32_parameters(train):
     assert dtypes == {jnp.dtype("float32")}
     # The step casts parameters and float inputs to bf16 before the forward pass (on CPU, XLA may then
     # upcast the products internally, so we check the traced program rather than the compiled one).
-    model = nnx.merge(result.graphdef, cast_floats(result.state.params, jnp.bfloat16), result.state.rest)
-    jaxpr = str(jax.make_jaxpr(model)(jnp.zeros((2, 32), jnp.int32)))
+    params = cast_floats(result.state.params, jnp.bfloat16)
+    forward = lambda p, x: nnx.merge(result.graphdef, p, result.state.rest)(x)
+    jaxpr = str(jax.make_jaxpr(forward)(params, jnp.zeros((2, 32), jnp.int32)))
     assert "bf16" in jaxpr and "f32[" not in jaxpr.split("dot_general")[1][:200]
-    assert model(jnp.zeros((2, 32), jnp.int32)).dtype == jnp.bfloat16
+    assert jax.jit(forward)(params, jnp.zeros((2, 32), jnp.int32)).dtype == jnp.bfloat16
