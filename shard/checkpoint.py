@@ -68,14 +68,15 @@ class Checkpoints:
 
     def restore_latest(self, target: TrainState) -> tuple[TrainState, dict] | None:
         """The newest checkpoint that reads back whole; unreadable ones are skipped with a warning."""
-        for step in reversed(self.steps()):
+        steps = self.steps()
+        for step in reversed(steps):
             try:
                 return restore_step(self.manager, step, target)
             except UserError:
                 raise
             except Exception as e:  # a corrupt or truncated checkpoint
                 warn(f"skipping unreadable checkpoint {self.directory / str(step)}: {_first_line(e)}")
-        if self.steps():
+        if steps:
             raise UserError(f"no readable checkpoint in {self.directory}; move it away to start afresh")
         return None
 

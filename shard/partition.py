@@ -39,7 +39,7 @@ def merged_rules(overrides: dict | None, mesh_axes: Sequence[str]) -> dict:
     """The table with a preset's or the user's single-rule overrides applied, checked."""
     rules = dict(RULES)
     for name, target in (overrides or {}).items():
-        targets = _as_tuple(target)
+        targets = axes_of(target)
         bad = [a for a in targets if a not in mesh_axes]
         if bad or not all(isinstance(a, str) for a in targets) or len(set(targets)) != len(targets):
             raise UserError(f"mesh.rules.{name}={target!r}: a rule maps to mesh axes "
@@ -48,7 +48,8 @@ def merged_rules(overrides: dict | None, mesh_axes: Sequence[str]) -> dict:
     return rules
 
 
-def _as_tuple(target) -> tuple:
+def axes_of(target) -> tuple:
+    """A rule's target or a PartitionSpec entry (None, an axis, or several) as a tuple of mesh axes."""
     if target is None:
         return ()
     if isinstance(target, (list, tuple)):
@@ -66,7 +67,7 @@ def logical_to_spec(names: Sequence[str | None], rules: dict, mesh_shape: dict[s
         if name not in rules:
             raise UserError(f"logical axis {name!r} has no rule; known names: {', '.join(rules)} "
                             "(add one with mesh.rules.NAME=AXIS)")
-        axes = tuple(a for a in _as_tuple(rules[name]) if mesh_shape[a] > 1 and a not in used)
+        axes = tuple(a for a in axes_of(rules[name]) if mesh_shape[a] > 1 and a not in used)
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*spec)

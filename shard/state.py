@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.errors import UserError
-from shard.partition import logical_to_spec
+from shard.partition import axes_of, logical_to_spec
 
 
 @flax.struct.dataclass
@@ -97,10 +97,10 @@ def state_shardings(abstract, mesh: jax.sharding.Mesh, rules: dict):
 
 
 def check_divisible(what: str, shape, names, spec: PartitionSpec, mesh) -> None:
-    for dim, (size, name, axes) in enumerate(zip(shape, names, spec)):
-        if axes is None:
+    for dim, (size, name, entry) in enumerate(zip(shape, names, spec)):
+        axes = axes_of(entry)
+        if not axes:
             continue
-        axes = (axes,) if isinstance(axes, str) else tuple(axes)
         ways = math.prod(mesh.shape[a] for a in axes)
         if size % ways:
             shown = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
@@ -114,7 +114,7 @@ def batch_shardings(example_batch: dict, mesh, rules: dict) -> dict:
 
     def one(x):
         spec = logical_to_spec(("batch",) + (None,) * (x.ndim - 1), rules, mesh.shape)
-        axes = () if spec[0] is None else (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+        axes = axes_of(spec[0])
         shards = math.prod(mesh.shape[a] for a in axes)
         if x.shape[0] % shards:
             shown = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)

@@ -142,15 +142,14 @@ def run(cfg: config_lib.Config) -> Result:
 def start_state(cfg, checkpoints, init, shardings, target, say) -> state_lib.TrainState:
     """This run's newest checkpoint wins; else `checkpoint.restore_from`; else a fresh init (plus
     `train.init_from` parameters). Every array is read or created straight into its sharding."""
-    if checkpoints and checkpoints.steps():
-        resumed = checkpoints.restore_latest(target)
-        if resumed:
-            state, meta = resumed
-            say(f"resuming from step {meta['step']} of {checkpoints.directory}")
-            if meta.get("seed", cfg.train.seed) != cfg.train.seed:
-                ckpt_lib.warn(f"train.seed={cfg.train.seed} but the checkpoint was trained with seed {meta['seed']}: "
-                              "the data order from here on differs from the original run's")
-            return state
+    resumed = checkpoints.restore_latest(target) if checkpoints else None
+    if resumed:
+        state, meta = resumed
+        say(f"resuming from step {meta['step']} of {checkpoints.directory}")
+        if meta.get("seed", cfg.train.seed) != cfg.train.seed:
+            ckpt_lib.warn(f"train.seed={cfg.train.seed} but the checkpoint was trained with seed {meta['seed']}: "
+                          "the data order from here on differs from the original run's")
+        return state
     if cfg.checkpoint.restore_from:
         state, meta = ckpt_lib.restore_path(cfg.checkpoint.restore_from, "checkpoint.restore_from", target,
                                             model_only=False)
@@ -199,7 +198,8 @@ def train_loop(cfg, state, train_step, eval_step, data, batch_shardings, eval_sh
     batches = data_lib.device_batches(data.train, batch_shardings, start=start, prefetch=cfg.data.prefetch)
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not (cfg.run.progress and main), mininterval=1.0,
                dynamic_ncols=True, leave=False)
-    last_saved = checkpoints.steps()[-1] if checkpoints and checkpoints.steps() else None
+    saved = checkpoints.steps() if checkpoints else []
+    last_saved = saved[-1] if saved else None
     pending: list = []  # (step, device metrics) not yet looked at: no host sync between log points
     skipped = 0
     jax.block_until_ready(state)

@@ -17,7 +17,6 @@ import numpy as np
 from shard.data import sources
 from shard.errors import UserError
 
-SOURCES = ("text", "digits", "tabular", "arrays", "array_record", "synthetic")
 TARGET_DTYPES = {"lm": np.int32, "classification": np.int32, "binary": np.float32, "regression": np.float32}
 
 
