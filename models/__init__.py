@@ -7,6 +7,10 @@ A model class takes its hyperparameters as keyword arguments plus `rngs: nnx.Rng
 
 # name -> "module:Class", imported only when picked.
 REGISTRY = {
+    "cnn": "models.cnn:ResNet",
     "gpt": "models.gpt:GPT",
+    "lstm": "models.lstm:LSTM",
     "mlp": "models.mlp:MLP",
+    "moe": "models.moe:MoE",
+    "vit": "models.vit:ViT",
 }

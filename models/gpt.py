@@ -8,83 +8,11 @@ Q/K/V and the first MLP matrices by columns, the output projections by rows) and
 
 import math
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from shard.partition import constrain, layer
-
-
-def _param(rngs: nnx.Rngs, shape: tuple, names: tuple, std: float) -> nnx.Param:
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape), out_sharding=names)
-
-
-def _norm(kind: str, dim: int, rngs: nnx.Rngs) -> nnx.Module:
-    scale = nnx.with_partitioning(nnx.initializers.ones, ("embed",))
-    if kind == "rmsnorm":
-        return nnx.RMSNorm(dim, rngs=rngs, scale_init=scale)
-    return nnx.LayerNorm(dim, rngs=rngs, scale_init=scale,
-                         bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)))
-
-
-def rotary(x, theta: float):
-    """Rotary position embedding on (batch, length, heads, head_dim): rotate pairs of channels by an
-    angle that grows with the position, so q.k depends on relative position."""
-    half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freqs  # (length, half)
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-class Attention(nnx.Module):
-    """Causal self-attention; with n_kv_heads < n_heads, groups of query heads share key/value heads."""
-
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, rope_theta: float | None, out_std: float,
-                 rngs: nnx.Rngs):
-        head_dim = d_model // n_heads
-        self.rope_theta = rope_theta
-        self.q = _param(rngs, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"), 0.02)
-        self.kv = _param(rngs, (d_model, 2, n_kv_heads, head_dim), ("embed", None, "kv_heads", "head_dim"), 0.02)
-        self.out = _param(rngs, (n_heads, head_dim, d_model), ("heads", "head_dim", "embed"), out_std)
-
-    def __call__(self, x):
-        q = constrain(jnp.einsum("bte,ehd->bthd", x, self.q[...]), ("batch", "length", "heads", "head_dim"))
-        k, v = (constrain(t, ("batch", "length", "kv_heads", "head_dim"))
-                for t in jnp.einsum("bte,eshd->sbthd", x, self.kv[...]))
-        if self.rope_theta:
-            q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # handles grouped K/V heads itself
-        return jnp.einsum("bthd,hde->bte", y, self.out[...])
-
-
-class MLPBlock(nnx.Module):
-    """GELU MLP, or SwiGLU (silu(x W_gate) * x W_up, then W_down) as in Llama."""
-
-    def __init__(self, d_model: int, d_ff: int, swiglu: bool, out_std: float, rngs: nnx.Rngs):
-        self.w_in = _param(rngs, (d_model, d_ff), ("embed", "mlp"), 0.02)
-        self.w_gate = _param(rngs, (d_model, d_ff), ("embed", "mlp"), 0.02) if swiglu else None
-        self.w_out = _param(rngs, (d_ff, d_model), ("mlp", "embed"), out_std)
-
-    def __call__(self, x):
-        h = x @ self.w_in[...]
-        h = jax.nn.silu(x @ self.w_gate[...]) * h if self.w_gate is not None else jax.nn.gelu(h)
-        return constrain(h, ("batch", "length", "mlp")) @ self.w_out[...]
-
-
-class Block(nnx.Module):
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, d_ff: int, norm: str, swiglu: bool,
-                 rope_theta: float | None, out_std: float, rngs: nnx.Rngs):
-        self.ln1 = _norm(norm, d_model, rngs)
-        self.attn = Attention(d_model, n_heads, n_kv_heads, rope_theta, out_std, rngs)
-        self.ln2 = _norm(norm, d_model, rngs)
-        self.mlp = MLPBlock(d_model, d_ff, swiglu, out_std, rngs)
-
-    def __call__(self, x):
-        x = x + self.attn(self.ln1(x))
-        x = x + self.mlp(self.ln2(x))
-        return constrain(x, ("batch", "length", "embed"))
+from models.layers import norm as make_norm
+from models.layers import Attention, Block, MLPBlock, check_choice, param, run_stacked, stacked
+from shard.partition import constrain
 
 
 class GPT(nnx.Module):
@@ -100,10 +28,9 @@ class GPT(nnx.Module):
                  norm: str = "layernorm", mlp: str = "gelu", tie_embeddings: bool = False,
                  rope_theta: float = 10000.0, *, rngs: nnx.Rngs):
         n_kv_heads = n_kv_heads or n_heads
-        for name, value, allowed in (("position", position, ("learned", "rope")), ("norm", norm, ("layernorm", "rmsnorm")),
-                                     ("mlp", mlp, ("gelu", "swiglu"))):
-            if value not in allowed:
-                raise ValueError(f"{name}={value!r}; choose one of {', '.join(allowed)}")
+        check_choice("position", position, ("learned", "rope"))
+        check_choice("norm", norm, ("layernorm", "rmsnorm"))
+        check_choice("mlp", mlp, ("gelu", "swiglu"))
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} must be a multiple of n_heads={n_heads}")
         if n_heads % n_kv_heads:
@@ -113,20 +40,21 @@ class GPT(nnx.Module):
         d_ff = d_ff or (4 * d_model if mlp == "gelu" else 8 * d_model // 3)
         out_std = 0.02 / math.sqrt(2 * n_layers)  # GPT-2: keep the residual stream's variance flat in depth
         self.max_len = max_len
-        self.tok = _param(rngs, (vocab_size, d_model), ("vocab", "embed"), 0.02)
-        self.pos = _param(rngs, (max_len, d_model), (None, "embed"), 0.01) if position == "learned" else None
+        self.tok = param(rngs, (vocab_size, d_model), ("vocab", "embed"), 0.02)
+        self.pos = param(rngs, (max_len, d_model), (None, "embed"), 0.01) if position == "learned" else None
         rope = rope_theta if position == "rope" else None
 
-        # All blocks are created at once, stacked on a leading `layers` axis, and run with a scan: the
-        # compiled program holds one block whatever the depth.
-        @nnx.split_rngs(splits=n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs):
-            return Block(d_model, n_heads, n_kv_heads, d_ff, norm, mlp == "swiglu", rope, out_std, rngs)
+        def make_block(rngs):
+            attn = Attention(d_model, n_heads, n_kv_heads, rope, out_std, causal=True, rngs=rngs)
+            return Block(d_model, norm, attn, self.feed_forward(d_model, d_ff, mlp == "swiglu", out_std, rngs), rngs)
 
-        self.blocks = make_blocks(rngs)
-        self.ln_f = _norm(norm, d_model, rngs)
-        self.head = None if tie_embeddings else _param(rngs, (d_model, vocab_size), ("embed", "vocab"), 0.02)
+        self.blocks = stacked(n_layers, make_block, rngs)
+        self.ln_f = make_norm(norm, d_model, rngs)
+        self.head = None if tie_embeddings else param(rngs, (d_model, vocab_size), ("embed", "vocab"), 0.02)
+
+    def feed_forward(self, d_model: int, d_ff: int, swiglu: bool, out_std: float, rngs: nnx.Rngs) -> nnx.Module:
+        """The feed-forward part of each block (a subclass may swap it, e.g. for experts)."""
+        return MLPBlock(d_model, d_ff, swiglu, out_std, rngs)
 
     def __call__(self, tokens):
         length = tokens.shape[1]
@@ -138,11 +66,6 @@ class GPT(nnx.Module):
         if self.pos is not None:
             x = x + self.pos[...][:length]
         x = constrain(x, ("batch", "length", "embed"))
-
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def run_blocks(x, block):
-            return layer(lambda block, x: block(x))(block, x)
-
-        x = self.ln_f(run_blocks(x, self.blocks))
+        x = self.ln_f(run_stacked(self.blocks, x))
         logits = x @ self.tok[...].T if self.head is None else x @ self.head[...]
         return constrain(logits, ("batch", "length", "vocab"))

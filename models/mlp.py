@@ -2,8 +2,9 @@
 
 The output is a linear unit per target; the loss decides what it means (mean squared error for
 regression, a sigmoid for binary, a softmax over classes for multiclass).
-Hidden widths alternate the logical names `embed` and `mlp`, so consecutive layers pair up
-Megatron-style under tensor parallelism (column then row split) and `embed` shards under FSDP.
+Hidden widths alternate the logical names `mlp` and `embed`, so consecutive layers pair up
+Megatron-style under tensor parallelism (the first split by columns, the next by rows) and `embed`
+shards under FSDP.
 """
 
 import jax
@@ -21,7 +22,7 @@ class MLP(nnx.Module):
             raise ValueError(f"activation={activation!r}; choose one of {', '.join(ACTIVATIONS)}")
         self.activation = activation
         widths = [in_features, *hidden, out_features]
-        names = ["features"] + [("embed", "mlp")[i % 2] for i in range(len(hidden))] + ["classes"]
+        names = ["features"] + [("mlp", "embed")[i % 2] for i in range(len(hidden))] + ["classes"]
         self.names = names
         self.layers = nnx.List([
             nnx.Linear(widths[i], widths[i + 1], rngs=rngs,

@@ -97,6 +97,8 @@ class CheckpointConfig:
 class MeshConfig:
     preset: str = option("dp", "mesh preset in meshes/ (also settable as mesh=NAME)")
     data: Optional[int] = option(None, "data-parallel axis size; -1 = remaining devices; default: preset's, else 1")
+    expert: Optional[int] = option(None, "expert-parallel axis size (experts split over it; it also splits the batch); "
+                                   "-1 = remaining devices; default: preset's, else 1")
     fsdp: Optional[int] = option(None, "fully-sharded (ZeRO-3) axis size; -1 = remaining devices; default: preset's, else 1")
     tensor: Optional[int] = option(None, "tensor (Megatron) axis size; -1 = remaining devices; default: preset's, else 1")
     rules: dict = option({}, "logical axis -> mesh axis or list of axes (null = replicated), over the preset's")

@@ -13,7 +13,7 @@ import yaml
 
 from shard.errors import UserError
 
-AXES = ("data", "fsdp", "tensor")  # mesh axis order, slowest-varying first
+AXES = ("data", "expert", "fsdp", "tensor")  # mesh axis order, slowest-varying first
 
 
 def preset_names() -> list[str]:

@@ -21,7 +21,7 @@ from shard.errors import UserError
 
 # Logical name -> mesh axis, tuple of mesh axes, or None (replicated).
 RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),  # examples of the global batch
+    "batch": ("data", "expert", "fsdp"),  # examples of the global batch
     "length": None,             # sequence positions
     "embed": "fsdp",            # model width (residual stream)
     "mlp": "tensor",            # hidden width of a feed-forward layer
@@ -32,6 +32,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "features": None,           # input features of non-sequence data
     "classes": None,            # output classes / targets
     "layers": None,             # stacked (scanned) layers
+    "experts": "expert",        # the experts of a mixture-of-experts layer
 }
 
 

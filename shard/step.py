@@ -13,6 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shard import recorded
 from shard.errors import UserError
 from shard.losses import accuracy
 from shard.state import TrainState
@@ -30,19 +31,23 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
             model = nnx.merge(graphdef, cast_floats(params, dtype), state.rest, copy=True)
             outputs = model(cast_floats(batch["inputs"], dtype))
             loss = loss_fn(outputs.astype(jnp.float32), batch["targets"])
-            return loss, nnx.state(model, nnx.Not(nnx.Param))
+            aux, stats = recorded.collect(model)  # e.g. a router's load-balancing loss
+            if aux is not None:
+                stats = {"aux_loss": aux, **stats}
+            total = loss if aux is None else loss + aux
+            return total, (nnx.state(model, nnx.Not(nnx.Param)), loss, stats)
 
-        (loss, rest), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+        (total, (rest, loss, stats)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         rest = jax.tree.map(lambda new, old: new.astype(old.dtype), rest, state.rest)
         new_state = state.replace(step=state.step + 1, params=params, rest=rest, opt_state=opt_state)
         grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
         if skip_nonfinite:  # keep the old parameters and optimizer state; the batch is still consumed
             skipped = state.replace(step=state.step + 1)
             new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, skipped)
-        return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+        return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite, **stats}
 
     return train_step
 

@@ -235,6 +235,7 @@ def train_loop(cfg, state, train_step, eval_step, data, batch_shardings, eval_sh
                 step_time = (time.perf_counter() - t_last) / steps_since
                 record = {"step": done, "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
                           "lr": float(schedule(step)), "step_time_s": step_time, rate_key: per_step / step_time}
+                record |= {k: float(v) for k, v in out.items() if k not in ("loss", "grad_norm", "finite")}
                 if flops and peak:
                     record["mfu"] = flops / step_time / peak
                 if skipped:

@@ -28,6 +28,21 @@ TINY_GPT = ["model.name=gpt", "model.vocab_size=256", "model.d_model=32", "model
             "data.batch_size=16"]
 TINY_MLP = ["model.name=mlp", "model.in_features=16", "model.out_features=8", "model.hidden=[32,32]",
             "data.name=synthetic", "data.features=[16]", "data.classes=8", "data.batch_size=32", "optimizer.lr=3e-2"]
+# One tiny configuration of every model in the library, each dimension a mesh axis splits a multiple of 8.
+DIGITS = ["data.name=digits", "data.batch_size=16", "data.eval_fraction=0.2"]
+TEXT = ["data.name=text", "data.seq_len=16", "data.batch_size=16"]
+TINY_MODELS = {
+    "gpt": TINY_GPT,
+    "mlp": TINY_MLP,
+    "cnn": ["model.name=cnn", "model.widths=[8,16]", "model.blocks=1", *DIGITS],
+    "vit": ["model.name=vit", "model.d_model=32", "model.n_layers=2", "model.n_heads=8", "model.d_ff=64", *DIGITS],
+    "lstm": ["model.name=lstm", "model.d_model=32", "model.n_layers=2", *TEXT],
+    "lstm_classifier": ["model.name=lstm", "model.vocab_size=0", "model.in_features=4", "model.num_classes=8",
+                        "model.d_model=32", "data.name=synthetic", "data.features=[6,4]", "data.classes=8",
+                        "data.batch_size=16", "optimizer.lr=1e-2"],
+    "moe": ["model.name=moe", "model.d_model=32", "model.n_layers=2", "model.n_heads=8", "model.d_ff=64",
+            "model.max_len=16", "model.n_experts=8", "model.top_k=2", *TEXT],
+}
 
 
 def overrides(tmp_path, *extra) -> list[str]:

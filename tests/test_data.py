@@ -5,7 +5,7 @@ import pytest
 
 from conftest import ROOT
 from shard import config
-from shard.data import EvalBatches, build
+from shard.data import build
 from shard.data import sources
 from shard.errors import UserError
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.gpt import GPT, rotary
+from models.gpt import GPT
+from models.layers import rotary
 
 
 def test_rotary_scores_depend_only_on_relative_position():
@@ -49,7 +50,115 @@ def test_layers_are_scanned_and_remat_policies_change_memory_not_results(train):
     np.testing.assert_allclose(curves["dots"], curves["none"], rtol=1e-5)
     hlo = runs["none"].train_step.as_text()
     assert "while" in hlo  # one block in a loop, not three copies
-    w = runs["none"].state.params["blocks"]["mlp"]["w_in"].get_value()
+    w = runs["none"].state.params["blocks"]["ffn"]["w_in"].get_value()
     assert w.shape == (3, 32, 64) and w.sharding.spec[0] is None  # the layers axis stays whole
     temp = {r: result.train_step.memory_analysis().temp_size_in_bytes for r, result in runs.items()}
     assert temp["full"] < temp["none"]  # recomputing the layer keeps fewer activations
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+
+def moe_layer(top_k=2, capacity_factor=8.0, n_experts=4):
+    from models.moe import MoELayer
+
+    with nnx.use_eager_sharding(False):
+        return MoELayer(d_model=8, d_ff=16, n_experts=n_experts, top_k=top_k, capacity_factor=capacity_factor,
+                        aux_loss_weight=1.0, swiglu=False, out_std=0.1, rngs=nnx.Rngs(0))
+
+
+def test_moe_output_is_the_routers_weighted_sum_of_its_top_k_experts():
+    layer = moe_layer(top_k=2, capacity_factor=8.0)  # room for every token: nothing dropped
+    layer.router[...] = jax.random.normal(jax.random.key(1), (8, 4))
+    x = jax.random.normal(jax.random.key(2), (2, 5, 8))
+    got = layer(x)
+
+    probs = jax.nn.softmax(x @ layer.router[...], axis=-1)
+    want = np.zeros_like(x)
+    for b in range(2):
+        for t in range(5):
+            top = np.argsort(-probs[b, t])[:2]
+            weights = probs[b, t, top] / probs[b, t, top].sum()
+            for e, w in zip(top, weights):
+                hidden = jax.nn.gelu(x[b, t] @ layer.w_in[e])
+                want[b, t] += w * (hidden @ layer.w_out[e])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_drops_tokens_over_an_experts_capacity_in_order():
+    layer = moe_layer(top_k=1, capacity_factor=1.0)  # 8 tokens, 4 experts: 2 slots per expert per sequence
+    assert layer.capacity(8) == 2
+    layer.router[...] = jnp.zeros((8, 4)).at[:, 0].set(100.0)  # every token wants expert 0
+    x = jnp.abs(jax.random.normal(jax.random.key(3), (1, 8, 8)))  # positive, so the router is sure
+    y = layer(x)
+    norms = np.linalg.norm(np.asarray(y[0]), axis=-1)
+    assert (norms[:2] > 0).all() and (norms[2:] == 0).all()  # the first two are served, the rest dropped
+    np.testing.assert_allclose(layer.load.get_value(), [1, 0, 0, 0])
+    assert float(layer.aux_loss.get_value()) == pytest.approx(4.0, rel=1e-4)  # n x f_0 x p_0 = 4 x 1 x 1: worst case
+
+
+def test_moe_balancing_loss_is_one_when_the_router_is_uniform():
+    layer = moe_layer(top_k=1)
+    layer.router[...] = jnp.zeros((8, 4))  # every expert equally likely
+    layer(jax.random.normal(jax.random.key(4), (2, 6, 8)))
+    assert float(layer.aux_loss.get_value()) == pytest.approx(1.0, rel=1e-6)
+    assert float(jnp.sum(layer.load.get_value())) == pytest.approx(1.0)
+
+
+def test_moe_model_records_aux_loss_and_expert_share():
+    from models.moe import MoE
+    from shard.recorded import collect
+
+    with nnx.use_eager_sharding(False):
+        model = MoE(vocab_size=32, d_model=16, n_layers=2, n_heads=2, max_len=8, n_experts=4, top_k=2,
+                    aux_loss_weight=0.5, rngs=nnx.Rngs(0))
+    assert model(jnp.zeros((2, 8), jnp.int32)).shape == (2, 8, 32)
+    aux, stats = collect(model)
+    per_layer = model.blocks.ffn.aux_loss.get_value()
+    assert per_layer.shape == (2,) and float(aux) == pytest.approx(float(per_layer.sum()))
+    assert 0.5 <= float(per_layer[0]) <= 0.5 * 4  # weight x (1 when balanced ... n_experts when collapsed)
+    assert 0.0 <= float(stats["min_expert_share"]) <= 1.0
+
+
+# ----------------------------------------------------------------------------- LSTM
+
+def test_lstm_cell_follows_the_textbook_equations():
+    from models.lstm import LSTMLayer
+
+    with nnx.use_eager_sharding(False):
+        layer = LSTMLayer(4, nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(5), (1, 3, 4))
+    h = c = np.zeros(4)
+    sig = lambda v: 1 / (1 + np.exp(-v))
+    w_x, w_h, b = (np.asarray(v[...], np.float64) for v in (layer.w_x, layer.w_h, layer.b))
+    for t in range(3):
+        g = np.einsum("d,dgh->gh", np.asarray(x[0, t]), w_x) + np.einsum("d,dgh->gh", h, w_h) + b
+        c = sig(g[1]) * c + sig(g[0]) * np.tanh(g[2])
+        h = sig(g[3]) * np.tanh(c)
+    np.testing.assert_allclose(layer(x)[0, -1], h, rtol=1e-5, atol=1e-6)
+
+
+def test_lstm_classifier_learns_an_order_dependent_task():
+    """Label: the sign of the first of 6 inputs. A bag of inputs cannot tell; a recurrence that
+    carries the first input to the end can."""
+    import optax
+    from models.lstm import LSTM
+
+    with nnx.use_eager_sharding(False):
+        model = LSTM(vocab_size=0, in_features=1, d_model=16, n_layers=1, num_classes=2, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    def batch(key):
+        x = jax.random.normal(key, (64, 6, 1))
+        return x, (x[:, 0, 0] > 0).astype(jnp.int32)
+
+    @nnx.jit
+    def step(model, opt, x, y):
+        loss_fn = lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        opt.update(model, grads)
+        return loss
+
+    for i in range(200):
+        step(model, opt, *batch(jax.random.key(i)))
+    x, y = batch(jax.random.key(10_000))
+    assert float(jnp.mean(jnp.argmax(model(x), -1) == y)) >= 0.9

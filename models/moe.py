@@ -1,0 +1,112 @@
+"""A mixture-of-experts transformer: the gpt decoder with each block's MLP replaced by n_experts
+MLPs and a router that sends every token to its top_k experts (GShard/Switch style).
+
+Routing is written as dense dispatch and combine tensors, per example (each sequence is a group
+with its own expert capacity), so it is plain einsums that XLA can shard: with the expert weights
+split on `experts`, the einsum into expert order becomes an all-to-all to the experts' devices and
+the combine an all-to-all back. A token over its expert's capacity is dropped from that expert
+(its residual connection still carries it).
+
+The load-balancing loss (Switch Transformer): n_experts x sum_e f_e x p_e, where f_e is the share
+of routing choices that picked expert e and p_e the mean router probability of e. It is 1 when
+the load is uniform. Each layer records it as an `AuxLoss` (added to the training loss by the
+framework, weighted by aux_loss_weight) and the model records `min_expert_share`: the least-loaded
+expert's share of tokens relative to a fair share (1 = perfectly balanced), over all layers.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.gpt import GPT
+from models.layers import param
+from shard.partition import constrain
+from shard.recorded import AuxLoss, Stat
+
+
+class ExpertLoad(nnx.Variable):
+    """Share of routing choices per expert in the last forward pass (not trained, not logged)."""
+
+
+class MoELayer(nnx.Module):
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, capacity_factor: float,
+                 aux_loss_weight: float, swiglu: bool, out_std: float, rngs: nnx.Rngs):
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.aux_loss_weight = aux_loss_weight
+        self.router = param(rngs, (d_model, n_experts), ("embed", None), 0.02)
+        self.w_in = param(rngs, (n_experts, d_model, d_ff), ("experts", "embed", "mlp"), 0.02)
+        self.w_gate = param(rngs, (n_experts, d_model, d_ff), ("experts", "embed", "mlp"), 0.02) if swiglu else None
+        self.w_out = param(rngs, (n_experts, d_ff, d_model), ("experts", "mlp", "embed"), out_std)
+        self.aux_loss = AuxLoss(jnp.zeros(()))
+        self.load = ExpertLoad(jnp.zeros((n_experts,)))
+
+    def capacity(self, length: int) -> int:
+        """Slots per expert per sequence: its fair share of the length x top_k choices, times the factor."""
+        return max(1, math.ceil(self.capacity_factor * length * self.top_k / self.n_experts))
+
+    def __call__(self, x):  # (batch, length, d_model)
+        b, t, _ = x.shape
+        n, k, cap = self.n_experts, self.top_k, self.capacity(t)
+        probs = jax.nn.softmax(jnp.einsum("btd,de->bte", x, self.router[...]).astype(jnp.float32), axis=-1)
+        top_p, top_e = jax.lax.top_k(probs, k)                     # (b, t, k)
+        top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)     # the chosen experts' weights sum to 1
+        chosen = jax.nn.one_hot(top_e, n, dtype=jnp.float32)       # (b, t, k, n)
+
+        # Queue position of each choice at its expert: first choices of all tokens before second choices.
+        by_rank = chosen.transpose(0, 2, 1, 3).reshape(b, k * t, n)
+        position = (jnp.cumsum(by_rank, axis=1) - 1).reshape(b, k, t, n).transpose(0, 2, 1, 3)
+        kept = chosen * (position < cap)
+        slot = jax.nn.one_hot(jnp.sum(position * kept, axis=-1).astype(jnp.int32), cap, dtype=jnp.float32)
+        dispatch = jnp.einsum("btkn,btkc->btnc", kept, slot)                        # 0/1: token -> (expert, slot)
+        combine = jnp.einsum("btkn,btkc,btk->btnc", kept, slot, top_p).astype(x.dtype)
+
+        xe = constrain(jnp.einsum("btnc,btd->nbcd", dispatch.astype(x.dtype), x), ("experts", "batch", None, "embed"))
+        h = jnp.einsum("nbcd,ndf->nbcf", xe, self.w_in[...])
+        if self.w_gate is not None:
+            h = jax.nn.silu(jnp.einsum("nbcd,ndf->nbcf", xe, self.w_gate[...])) * h
+        else:
+            h = jax.nn.gelu(h)
+        h = constrain(h, ("experts", "batch", None, "mlp"))
+        ye = constrain(jnp.einsum("nbcf,nfd->nbcd", h, self.w_out[...]), ("experts", "batch", None, "embed"))
+        y = jnp.einsum("nbcd,btnc->btd", ye, combine)
+
+        share = jnp.mean(chosen, axis=(0, 1, 2))  # f_e: share of all routing choices
+        self.aux_loss.set_value(self.aux_loss_weight * n * jnp.sum(share * jnp.mean(probs, axis=(0, 1))))
+        self.load.set_value(share)
+        return constrain(y, ("batch", "length", "embed"))
+
+
+class MoE(GPT):
+    """The gpt decoder (all its options) with mixture-of-experts feed-forward blocks.
+
+    n_experts experts per block, each token routed to top_k of them; capacity_factor scales each
+    expert's slots per sequence; aux_loss_weight weights the load-balancing loss. d_ff is each
+    expert's hidden width (0 = 4 x d_model, 8/3 x d_model for SwiGLU).
+    """
+
+    def __init__(self, vocab_size: int = 256, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
+                 d_ff: int = 0, max_len: int = 512, n_kv_heads: int = 0, position: str = "learned",
+                 norm: str = "layernorm", mlp: str = "gelu", tie_embeddings: bool = False,
+                 rope_theta: float = 10000.0, n_experts: int = 8, top_k: int = 2, capacity_factor: float = 1.25,
+                 aux_loss_weight: float = 0.01, *, rngs: nnx.Rngs):
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
+        if capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be positive")
+        self.n_experts, self.top_k = n_experts, top_k
+        self.capacity_factor, self.aux_loss_weight = capacity_factor, aux_loss_weight
+        super().__init__(vocab_size, d_model, n_layers, n_heads, d_ff, max_len, n_kv_heads, position, norm, mlp,
+                         tie_embeddings, rope_theta, rngs=rngs)
+        self.min_expert_share = Stat(jnp.zeros(()))
+
+    def feed_forward(self, d_model, d_ff, swiglu, out_std, rngs):
+        return MoELayer(d_model, d_ff, self.n_experts, self.top_k, self.capacity_factor, self.aux_loss_weight,
+                        swiglu, out_std, rngs)
+
+    def __call__(self, tokens):
+        logits = super().__call__(tokens)
+        load = self.blocks.ffn.load.get_value()  # (layers, experts), written back by the scan over blocks
+        self.min_expert_share.set_value(jnp.min(load) * self.n_experts)
+        return logits
