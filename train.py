@@ -41,9 +41,10 @@ def main(argv: list[str]) -> int:
         print(config.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, cfg.model.kwargs)), end="")
         return 0
 
-    from shard import trainer  # imports JAX's machinery only once the config is known to be good
+    from shard import distributed, trainer  # JAX's machinery only once the config is known to be good
 
-    trainer.run(cfg)
+    with distributed.exit_cleanly_if_a_peer_fails():
+        trainer.run(cfg)
     return 0
 
 

@@ -102,13 +102,30 @@ class MeshConfig:
     fsdp: Optional[int] = option(None, "fully-sharded (ZeRO-3) axis size; -1 = remaining devices; default: preset's, else 1")
     tensor: Optional[int] = option(None, "tensor (Megatron) axis size; -1 = remaining devices; default: preset's, else 1")
     rules: dict = option({}, "logical axis -> mesh axis or list of axes (null = replicated), over the preset's")
+    # Multi-slice / multi-node: how many of an axis's devices lie across the slow network between
+    # slices (TPU) or processes (GPU nodes). Each divides its axis; all of them together multiply
+    # to the number of slices or processes.
+    dcn_data: Optional[int] = option(None, "part of the data axis across slices/nodes; default: the number of "
+                                     "TPU slices when there are several, else 1", min=1)
+    dcn_expert: int = option(1, "part of the expert axis across slices/nodes", min=1)
+    dcn_fsdp: int = option(1, "part of the fsdp axis across slices/nodes", min=1)
+    dcn_tensor: int = option(1, "part of the tensor axis across slices/nodes", min=1)
 
 
 @dataclass
 class RunConfig:
     dir: str = option("runs/default", "run directory: resolved config, metrics.jsonl")
     log_every: int = option(10, "log metrics every N steps", min=1)
-    cpu_devices: Optional[int] = option(None, "run on N simulated CPU devices (set before JAX starts)", min=1)
+    cpu_devices: Optional[int] = option(None, "run on N simulated CPU devices per process (set before JAX starts)", min=1)
+    distributed: str = option("auto", "join several processes into one mesh: auto = when the environment says so "
+                              "(coordinator set, SLURM tasks, TPU pod), on = always (JAX detects the cluster), off",
+                              choices=("auto", "on", "off"))
+    coordinator: Optional[str] = option(None, "host:port of process 0 (else JAX_COORDINATOR_ADDRESS or detected)")
+    num_processes: Optional[int] = option(None, "processes in the job (else JAX_NUM_PROCESSES or detected)", min=1)
+    process_id: Optional[int] = option(None, "this process's index (else JAX_PROCESS_ID or detected)", min=0)
+    init_timeout_s: int = option(300, "seconds to wait for every process to join before giving up", min=1)
+    heartbeat_timeout_s: int = option(30, "seconds without a heartbeat before a process counts as dead and the "
+                                      "others stop", min=1)
     peak_tflops: Optional[float] = option(None, "device peak TFLOP/s for MFU; default: known accelerators only", min=0)
     progress: bool = option(True, "show a progress bar")
     compile_cache: Optional[str] = option(None, "folder for JAX's persistent compilation cache: restarts skip compiling")

@@ -10,6 +10,7 @@ import math
 
 import jax
 import yaml
+from jax.experimental import mesh_utils
 
 from shard.errors import UserError
 
@@ -30,27 +31,6 @@ def load_preset(name: str) -> dict:
     if unknown:
         raise UserError(f"mesh preset {name!r} has unknown keys {sorted(unknown)}; allowed: {', '.join(AXES)}, rules")
     return preset
-
-
-def select_devices(cpu_devices: int | None) -> list:
-    """The devices to lay the mesh over.
-
-    With `run.cpu_devices=N`, JAX is asked for N CPU devices; this only takes effect before JAX's
-    backends start (train.py calls this first thing). When they have already started with at least
-    N CPU devices (tests, notebooks), the first N are used.
-    """
-    if cpu_devices is None:
-        return jax.devices()
-    try:
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", cpu_devices)
-    except RuntimeError:
-        pass  # backends already initialised: use what is there
-    devices = jax.devices("cpu")
-    if len(devices) < cpu_devices:
-        raise UserError(f"run.cpu_devices={cpu_devices} but JAX already started with {len(devices)} CPU devices; "
-                        "set it before JAX initialises (a fresh process)")
-    return devices[:cpu_devices]
 
 
 def resolve_sizes(sizes: dict[str, int], n_devices: int) -> dict[str, int]:
@@ -77,8 +57,47 @@ def resolve_sizes(sizes: dict[str, int], n_devices: int) -> dict[str, int]:
 def build_mesh(mesh_cfg, devices: list) -> jax.sharding.Mesh:
     sizes = resolve_sizes({axis: getattr(mesh_cfg, axis) for axis in AXES}, len(devices))
     shape = tuple(sizes[a] for a in AXES)
-    # jax.make_mesh orders devices by the physical topology (ICI rings on TPU, NVLink on GPU).
-    return jax.make_mesh(shape, AXES, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
+    axis_types = (jax.sharding.AxisType.Auto,) * len(AXES)
+    dcn = dcn_sizes(mesh_cfg, sizes, devices)
+    if math.prod(dcn.values()) == 1:
+        # jax.make_mesh orders devices by the physical topology (ICI rings on TPU, NVLink on GPU).
+        return jax.make_mesh(shape, AXES, devices=devices, axis_types=axis_types)
+    # Several slices (or nodes): each axis is (its part across the slow network) x (its part inside a
+    # slice), so only the dcn parts' collectives cross between slices.
+    ici = tuple(sizes[a] // dcn[a] for a in AXES)
+    by_slice = n_slices(devices) > 1
+    try:
+        grid = mesh_utils.create_hybrid_device_mesh(ici, tuple(dcn[a] for a in AXES), devices,
+                                                    process_is_granule=not by_slice)
+    except (ValueError, AssertionError) as e:
+        raise UserError(f"mesh.dcn_* {dcn} does not fit the {n_granules(devices)} "
+                        f"{'slices' if by_slice else 'processes'} of {len(devices)} devices ({e})") from None
+    return jax.sharding.Mesh(grid, AXES, axis_types=axis_types)
+
+
+def n_slices(devices: list) -> int:
+    return len({getattr(d, "slice_index", 0) for d in devices})
+
+
+def n_granules(devices: list) -> int:
+    """What the slow network connects: TPU slices when there are several, else processes (nodes)."""
+    return n_slices(devices) if n_slices(devices) > 1 else len({d.process_index for d in devices})
+
+
+def dcn_sizes(mesh_cfg, sizes: dict[str, int], devices: list) -> dict[str, int]:
+    dcn = {a: getattr(mesh_cfg, f"dcn_{a}") for a in AXES}
+    if dcn["data"] is None:  # several TPU slices: data parallel across them unless told otherwise
+        slices = n_slices(devices)
+        others = math.prod(v for a, v in dcn.items() if a != "data")
+        dcn["data"] = slices // others if slices > 1 and slices % others == 0 else 1
+    for a in AXES:
+        if sizes[a] % dcn[a]:
+            raise UserError(f"mesh.dcn_{a}={dcn[a]} must divide mesh.{a}={sizes[a]} (the axis's whole size)")
+    total = math.prod(dcn.values())
+    if total > 1 and total != n_granules(devices):
+        raise UserError(f"mesh.dcn_* multiply to {total} but the devices form {n_granules(devices)} "
+                        "slices or processes; they must be equal")
+    return dcn
 
 
 def describe(mesh: jax.sharding.Mesh) -> str:

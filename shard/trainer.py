@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from shard import checkpoint as ckpt_lib
 from shard import config as config_lib
+from shard import distributed
 from shard import data as data_lib
 from shard import losses, optim, registry
 from shard import mesh as mesh_lib
@@ -51,7 +52,7 @@ def run(cfg: config_lib.Config) -> Result:
     # ---- devices, mesh and rules
     if cfg.run.compile_cache:
         jax.config.update("jax_compilation_cache_dir", str(Path(cfg.run.compile_cache).expanduser()))
-    devices = mesh_lib.select_devices(cfg.run.cpu_devices)
+    devices = distributed.start(cfg.run)  # joins the other processes first, if there are any
     mesh = mesh_lib.build_mesh(cfg.mesh, devices)
     rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
     main = jax.process_index() == 0
@@ -60,6 +61,8 @@ def run(cfg: config_lib.Config) -> Result:
     # ---- model, data, loss, optimizer
     model_cls = registry.resolve(cfg.model.name)
     kwargs = registry.check_kwargs(model_cls, cfg.model.kwargs, cfg.model.name)
+    resolved = config_lib.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, kwargs))
+    distributed.check_same_config(cfg, resolved)
     data = data_lib.build(cfg.data, cfg.train.seed)
     loss_fn = losses.resolve(cfg.train.loss, data.task)
     tx, schedule = optim.build(cfg.optimizer, cfg.train.steps)
@@ -96,7 +99,6 @@ def run(cfg: config_lib.Config) -> Result:
     try:
         if main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            resolved = config_lib.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, kwargs))
             (run_dir / "config.yaml").write_text(resolved)
         checkpoints = None
         if cfg.checkpoint.enabled:
@@ -203,6 +205,8 @@ def train_loop(cfg, state, train_step, eval_step, data, batch_shardings, eval_sh
     pending: list = []  # (step, device metrics) not yet looked at: no host sync between log points
     skipped = 0
     jax.block_until_ready(state)
+    # Processes enter the first step together: its collectives give a late peer only 30 s (gloo).
+    distributed.barrier("first step", cfg.run.init_timeout_s)
     t_last, steps_since = time.perf_counter(), 0
     with StopSignal() as stop, contextlib.closing(batches):
         for step in range(start, cfg.train.steps):

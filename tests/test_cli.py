@@ -70,7 +70,8 @@ def test_print_config_resolves_preset_and_overrides():
     proc = run_cli("mesh=fsdp_tp", "mesh.tensor=4", "model.n_layers=2", "--print-config")
     assert proc.returncode == 0, proc.stderr
     cfg = yaml.safe_load(proc.stdout)
-    assert cfg["mesh"] == {"preset": "fsdp_tp", "data": 1, "fsdp": -1, "tensor": 4, "rules": {}}
+    assert cfg["mesh"] == {"preset": "fsdp_tp", "data": 1, "expert": 1, "fsdp": -1, "tensor": 4, "rules": {},
+                           "dcn_data": None, "dcn_expert": 1, "dcn_fsdp": 1, "dcn_tensor": 1}
     assert cfg["model"]["n_layers"] == 2 and cfg["model"]["vocab_size"] == 256  # signature default filled in
     assert cfg["train"]["steps"] == 320  # from configs/default.yaml
 

@@ -61,13 +61,16 @@ def test_bad_mesh_sizes(sizes, match):
 
 
 def test_logical_names_drop_size_one_and_reused_axes():
-    fsdp = {"data": 1, "fsdp": 8, "tensor": 1}
+    fsdp = {"data": 1, "expert": 1, "fsdp": 8, "tensor": 1}
     assert logical_to_spec(("embed", "mlp"), RULES, fsdp) == P("fsdp", None)
     assert logical_to_spec(("batch", "length", "embed"), RULES, fsdp) == P("fsdp", None, None)  # fsdp used by batch
-    hybrid = {"data": 4, "fsdp": 1, "tensor": 2}
+    hybrid = {"data": 4, "expert": 1, "fsdp": 1, "tensor": 2}
     assert logical_to_spec(("batch", "length", "heads", "head_dim"), RULES, hybrid) == P("data", None, "tensor", None)
-    both = {"data": 2, "fsdp": 2, "tensor": 2}
+    both = {"data": 2, "expert": 1, "fsdp": 2, "tensor": 2}
     assert logical_to_spec(("batch", "vocab"), RULES, both) == P(("data", "fsdp"), "tensor")
+    experts = {"data": 2, "expert": 4, "fsdp": 1, "tensor": 1}
+    assert logical_to_spec(("experts", "embed", "mlp"), RULES, experts) == P("expert", None, None)
+    assert logical_to_spec(("batch", "length"), RULES, experts) == P(("data", "expert"), None)
     with pytest.raises(UserError, match="logical axis 'widgets' has no rule"):
         logical_to_spec(("widgets",), RULES, both)
 

@@ -1,0 +1,175 @@
+"""Joining the processes of a multi-host job into one JAX runtime, before anything else touches JAX.
+
+One process runs per host (or per GPU under SLURM); `jax.distributed.initialize` connects them, after
+which `jax.devices()` lists every device of every process and one mesh spans them all. When to join:
+
+- `run.distributed=on`: always; JAX detects the cluster itself (Cloud TPU VM pods, GKE, SLURM, MPI).
+- `run.distributed=auto` (default): when the environment says the job has several processes: an
+  explicit coordinator (`run.coordinator` or `JAX_COORDINATOR_ADDRESS`, with `run.num_processes` /
+  `JAX_NUM_PROCESSES` and `run.process_id` / `JAX_PROCESS_ID`), a SLURM step with several tasks, or
+  a TPU pod or multislice environment.
+- `run.distributed=off`: never (one process, whatever the environment says).
+
+Simulated CPU devices (`run.cpu_devices`, per process) use the gloo collectives, so that several
+local processes form one mesh: that is how the multi-host path is tested on one machine.
+"""
+
+import contextlib
+import hashlib
+import os
+import sys
+import threading
+
+import jax
+
+from shard.errors import UserError
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+def explicit_settings(run) -> dict | None:
+    """coordinator_address / num_processes / process_id from the config or JAX's variables, or None."""
+    coordinator = run.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    num = run.num_processes if run.num_processes is not None else _env_int("JAX_NUM_PROCESSES")
+    pid = run.process_id if run.process_id is not None else _env_int("JAX_PROCESS_ID")
+    if coordinator is None and num is None and pid is None:
+        return None
+    if coordinator is None or num is None or pid is None:
+        raise UserError("run.coordinator, run.num_processes and run.process_id go together (or the variables "
+                        "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); "
+                        f"got coordinator={coordinator!r}, num_processes={num}, process_id={pid}")
+    if ":" not in coordinator:
+        raise UserError(f"run.coordinator={coordinator!r}: give host:port of process 0, e.g. 10.0.0.2:8476")
+    if not 0 <= pid < num:
+        raise UserError(f"run.process_id={pid} must be between 0 and run.num_processes-1={num - 1}")
+    return {"coordinator_address": coordinator, "num_processes": num, "process_id": pid}
+
+
+def detected_cluster() -> str | None:
+    """The multi-process environment JAX can configure itself from, if this is one."""
+    if "SLURM_JOB_ID" in os.environ and (_env_int("SLURM_STEP_NUM_TASKS") or _env_int("SLURM_NTASKS") or 1) > 1:
+        return "slurm"
+    if len([h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:
+        return "tpu pod"
+    if (_env_int("MEGASCALE_NUM_SLICES") or 1) > 1:
+        return "tpu multislice"
+    return None
+
+
+def start(run) -> list:
+    """Join the job's processes when there are several, and return the devices to lay the mesh over:
+    every device of every process (or, single-process, the first `run.cpu_devices` CPU devices)."""
+    if run.cpu_devices is not None:
+        try:
+            jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_num_cpu_devices", run.cpu_devices)
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        except RuntimeError:
+            pass  # backends already started (tests, notebooks): use what is there
+    settings = explicit_settings(run) if run.distributed != "off" else None
+    multi = settings is not None or run.distributed == "on" or (run.distributed == "auto" and detected_cluster())
+    if multi and not jax.distributed.is_initialized():
+        if settings and settings["num_processes"] == 1:
+            settings = None  # one process: nothing to join
+        else:
+            join(settings or {}, run)
+
+    if jax.process_count() > 1:
+        return jax.devices()
+    if run.cpu_devices is None:
+        return jax.devices()
+    devices = jax.devices("cpu")
+    if len(devices) < run.cpu_devices:
+        raise UserError(f"run.cpu_devices={run.cpu_devices} but JAX already started with {len(devices)} CPU "
+                        "devices; set it before JAX initialises (a fresh process)")
+    return devices[:run.cpu_devices]
+
+
+def join(settings: dict, run) -> None:
+    """jax.distributed.initialize, given run.init_timeout_s to succeed. JAX's own timeout aborts the
+    process with pages of C++ logs, so a watchdog ends it first with one line (exit status 1)."""
+    where = settings.get("coordinator_address", "the detected coordinator")
+    watchdog = threading.Timer(run.init_timeout_s, _die, args=(
+        f"not every process joined within run.init_timeout_s={run.init_timeout_s} s (coordinator {where}); "
+        "check that all were started with the same run.coordinator and run.num_processes",))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(**settings, initialization_timeout=run.init_timeout_s + 60,
+                                   heartbeat_timeout_seconds=run.heartbeat_timeout_s)
+    except Exception as e:  # e.g. a coordinator address that cannot be bound or resolved
+        watchdog.cancel()
+        raise UserError(f"could not start the distributed runtime at {where}: {_first_line(e)}") from None
+    watchdog.cancel()
+
+
+@contextlib.contextmanager
+def exit_cleanly_if_a_peer_fails():
+    """A collective that fails in a multi-process job almost always means another process died.
+    Say so in one line and exit at once (status 1): a normal exit would wait in JAX's shutdown
+    barrier for the dead peer and then abort with pages of runtime logs."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() == 1:
+            raise
+        _die(f"process {jax.process_index()}: a collective with the other processes failed, most likely "
+             f"because one of them died ({_first_line(e)})")
+
+
+def _die(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
+
+
+def _client():
+    """JAX's distributed-runtime client: barriers and a key-value store with timeouts, which need no
+    device collectives (gloo gives up on a peer after a fixed 30 s; these wait as long as we say)."""
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
+_barriers: dict[str, int] = {}
+
+
+def barrier(name: str, timeout_s: int) -> None:
+    """Wait until every process gets here, e.g. after compiling, so no process enters the first
+    collective while another is still compiling."""
+    if jax.process_count() == 1:
+        return
+    _barriers[name] = _barriers.get(name, 0) + 1
+    try:
+        _client().wait_at_barrier(f"shard/{name}/{_barriers[name]}", timeout_s * 1000)
+    except Exception as e:
+        _die(f"process {jax.process_index()}: not every process reached '{name}' within {timeout_s} s "
+             f"({_first_line(e)})")
+
+
+def check_same_config(cfg, resolved: str) -> None:
+    """Every process must run the same job: compare hashes of the resolved config (less the one key
+    that differs by design, run.process_id) across processes. On a mismatch every process raises,
+    naming the processes that differ from process 0."""
+    if jax.process_count() == 1:
+        return
+    resolved = "\n".join(line for line in resolved.splitlines() if not line.strip().startswith("process_id:"))
+    client, me = _client(), jax.process_index()
+    client.key_value_set(f"shard/config/{me}", hashlib.sha256(resolved.encode()).hexdigest())
+    try:
+        hashes = [client.blocking_key_value_get(f"shard/config/{i}", cfg.run.init_timeout_s * 1000)
+                  for i in range(jax.process_count())]
+    except Exception as e:
+        _die(f"process {me}: not every process reported its config within run.init_timeout_s ({_first_line(e)})")
+    differ = [i for i, h in enumerate(hashes) if h != hashes[0]]
+    if differ:
+        raise UserError(f"the resolved config differs between processes: processes {differ} disagree with "
+                        "process 0; start every process with the same config file and overrides")

@@ -1,0 +1,209 @@
+"""Multi-host for real: several local processes joined by JAX's distributed runtime (gloo
+collectives on CPU) into one mesh, started by the launcher as a user would start them."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, TINY_GPT, overrides
+
+STEPS = ["train.steps=6", "run.log_every=1"]
+
+
+def launch(*args, timeout=300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", "shard.launch", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def losses(run_dir: Path) -> np.ndarray:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return np.array([r["loss"] for r in records if "loss" in r and "eval_loss" not in r])
+
+
+def train_processes(run_dir, processes, *extra):
+    devices = 8 // processes
+    done = launch("local", f"--processes={processes}", "--", *overrides(run_dir, *TINY_GPT, *extra),
+                  f"run.cpu_devices={devices}")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.parametrize("preset", ["dp", "fsdp", "hybrid"])
+def test_processes_x_devices_give_the_loss_curve_of_one_process(train, tmp_path, preset):
+    one = train(*TINY_GPT, *STEPS, f"mesh={preset}")
+    expected = np.array([r["loss"] for r in one.history])
+    for processes in (2, 4):
+        extra = []
+        if preset == "hybrid" and processes == 2:
+            # a multi-node layout: the data axis (4) crosses the 2 processes, tensor stays inside each
+            extra = ["mesh.dcn_data=2"]
+        out = train_processes(tmp_path / str(processes), processes, *STEPS, f"mesh={preset}", *extra)
+        np.testing.assert_allclose(losses(tmp_path / str(processes)), expected, rtol=1e-5)
+        # only process 0 speaks (each line is prefixed with its process index)
+        assert "[0] model gpt" in out.stdout and "[1] model" not in out.stdout
+        assert f"{one.mesh.shape['data']} x expert=1" in out.stdout and "on 8 cpu device(s)" in out.stdout
+
+
+def test_checkpoints_move_between_process_layouts(train, tmp_path):
+    """4 processes write, 1 restores; 1 writes, 4 restore: both continue the uninterrupted curve."""
+    save = ["checkpoint.enabled=true", "checkpoint.async=false", "mesh=fsdp", "run.log_every=1"]
+    expected = np.array([r["loss"] for r in train(*TINY_GPT, *STEPS, "mesh=fsdp", subdir="whole").history])
+
+    train_processes(tmp_path / "four", 4, *save, "train.steps=3")
+    one = train(*TINY_GPT, *save, *STEPS, f"checkpoint.restore_from={tmp_path / 'four'}", subdir="four_then_one")
+    assert one.start_step == 3
+    np.testing.assert_allclose([r["loss"] for r in one.history], expected[3:], rtol=1e-5)
+
+    train(*TINY_GPT, *save, "train.steps=3", subdir="one")
+    train_processes(tmp_path / "one_then_four", 4, *save, *STEPS, f"checkpoint.restore_from={tmp_path / 'one'}")
+    np.testing.assert_allclose(losses(tmp_path / "one_then_four"), expected[3:], rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- failures
+
+def child_pids(parent: int) -> dict[int, str]:
+    """pid -> command line of each child of `parent` (from /proc)."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == parent:
+                out[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError):
+            pass
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_killing_one_process_stops_the_launch_and_leaves_nothing_behind(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "shard.launch", "local", "--processes=2", "--",
+         *overrides(tmp_path, *TINY_GPT, "train.steps=100000", "run.log_every=1"), "run.cpu_devices=4"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    metrics = tmp_path / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):  # both are training
+        assert launcher.poll() is None, launcher.communicate()
+        assert time.time() < deadline, "training did not start"
+        time.sleep(0.2)
+    children = child_pids(launcher.pid)
+    assert len(children) == 2, children
+    victim = next(pid for pid, cmd in children.items() if "run.process_id=1" in cmd)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.time()
+    out, err = launcher.communicate(timeout=60)
+    assert time.time() - killed < 60
+    assert launcher.returncode != 0
+    assert "process 1 was killed by SIGKILL" in err, err
+    assert not any(alive(pid) for pid in children)
+
+
+def start_process(tmp_path, port, index, *extra) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    args = [*overrides(tmp_path, *TINY_GPT, "train.steps=2"), "run.cpu_devices=4",
+            f"run.coordinator=127.0.0.1:{port}", "run.num_processes=2", f"run.process_id={index}", *extra]
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_processes_with_different_configs_refuse_to_start(tmp_path):
+    from shard.launch import free_port
+
+    port = free_port()
+    procs = [start_process(tmp_path, port, i, f"train.seed={i}") for i in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 2, err
+        assert "resolved config differs between processes" in err and "Traceback" not in err
+    assert not (tmp_path / "metrics.jsonl").exists()  # nothing written
+
+
+def test_a_peer_that_never_arrives_is_a_clear_error_in_bounded_time(tmp_path):
+    from shard.launch import free_port
+
+    started = time.time()
+    p = start_process(tmp_path, free_port(), 0, "run.init_timeout_s=3")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and time.time() - started < 60
+    assert "not every process joined within run.init_timeout_s=3" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run.coordinator=10.0.0.2", "run.num_processes=2", "run.process_id=0"], "give host:port"),
+    (["run.coordinator=10.0.0.2:1234"], "go together"),
+    (["run.coordinator=10.0.0.2:1234", "run.num_processes=2", "run.process_id=2"], "between 0 and"),
+])
+def test_bad_distributed_settings_are_one_line(args, message):
+    from conftest import run_cli
+
+    done = run_cli("train.steps=1", *args)
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- launch commands
+
+def test_tpu_dry_run_copies_the_code_and_runs_on_every_worker():
+    from shard.launch import CODE_TARBALL
+
+    done = launch("tpu", "--name=pod", "--zone=us-east5-a", "--project=proj", "--dry-run", "--",
+                  "configs/gpt_small.yaml", "mesh=fsdp")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        f"gcloud compute tpus tpu-vm scp {CODE_TARBALL} 'pod:~/' --worker=all --zone=us-east5-a --project=proj",
+        "gcloud compute tpus tpu-vm ssh pod --worker=all --zone=us-east5-a --project=proj "
+        "'--command=mkdir -p shard && tar -xzf shard-code.tar.gz -C shard && cd shard && "
+        "pip install -q -e '\"'\"'.[tpu]'\"'\"' && python3 train.py configs/gpt_small.yaml mesh=fsdp run.distributed=on'",
+    ]
+
+
+def test_slurm_dry_run_writes_one_task_per_node_or_per_gpu():
+    done = launch("slurm", "--nodes=4", "--gpus-per-node=8", "--partition=gpu", "--time=02:00:00", "--dry-run",
+                  "--", "configs/gpt_small.yaml")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --partition=gpu", "#SBATCH --time=02:00:00",
+                 "srun python3 train.py configs/gpt_small.yaml run.distributed=on", "# then: sbatch shard.sbatch"):
+        assert line in lines, done.stdout
+    per_gpu = launch("slurm", "--nodes=2", "--gpus-per-node=8", "--per-gpu", "--dry-run", "--", "mesh=fsdp")
+    assert "#SBATCH --ntasks-per-node=8" in per_gpu.stdout.splitlines()
+    assert not (ROOT / "shard.sbatch").exists()  # a dry run writes nothing
+
+
+def test_gke_prints_the_xpk_command():
+    done = launch("gke", "--cluster=c1", "--tpu-type=v5litepod-256", "--num-slices=2",
+                  "--docker-image=gcr.io/p/shard:1", "--", "mesh=fsdp")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ("xpk workload create --cluster=c1 --workload=shard-train --tpu-type=v5litepod-256 "
+                                   "--num-slices=2 --docker-image=gcr.io/p/shard:1 "
+                                   "'--command=python3 train.py mesh=fsdp run.distributed=on'")
+    gpu = launch("gke", "--cluster=c1", "--device-type=h100-80gb-8", "--num-nodes=4", "--docker-image=img")
+    assert "--device-type=h100-80gb-8 --num-nodes=4" in gpu.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["local"], "--processes"),
+    (["local", "--processes=0"], "positive"),
+    (["slurm", "--nodes=2", "--per-gpu"], "--per-gpu needs --gpus-per-node"),
+    (["gke", "--cluster=c"], "exactly one of --tpu-type"),
+    (["mars"], "invalid choice"),
+])
+def test_bad_launch_options_are_one_line_exit_2(args, message):
+    done = launch(*args)
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
