@@ -1,4 +1,7 @@
-"""Train a model: `python train.py [CONFIG.yaml] [key=value ...] [--print-config] [--help]`.
+"""Train a model: `python train.py [CONFIG.yaml] [key=value ...] [--print-config] [--dry-run] [--compare] [--help]`.
+
+--dry-run compiles the step and reports its memory and communication (plan.json) without training;
+--compare does that for every mesh the devices and the model allow.
 
 Parses the command line into one typed config and hands it to shard.trainer.run; that is all.
 """
@@ -11,7 +14,7 @@ from shard import config, registry
 from shard.errors import NonFiniteLoss, UserError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
-FLAGS = ("--help", "-h", "--print-config")
+FLAGS = ("--help", "-h", "--print-config", "--dry-run", "--compare")
 
 
 def main(argv: list[str]) -> int:
@@ -42,6 +45,23 @@ def main(argv: list[str]) -> int:
         return 0
 
     from shard import distributed, trainer  # JAX's machinery only once the config is known to be good
+
+    if "--dry-run" in flags or "--compare" in flags:
+        from shard import plan
+
+        devices = distributed.start(cfg.run)
+        if cfg.mesh.preset == "auto" and "--compare" not in flags:
+            cfg, why = plan.chosen_config(cfg, plan.compare(cfg, devices))
+            print(why)
+        if "--compare" in flags:
+            rows = plan.compare(cfg, devices)
+            print(plan.comparison_table(rows))
+            print(f"wrote {plan.write(cfg.run.dir, rows, 'compare.json')}")
+        else:
+            result = plan.analyse(cfg, devices)
+            print(plan.report(result))
+            print(f"wrote {plan.write(cfg.run.dir, result, 'plan.json')}")
+        return 0
 
     with distributed.exit_cleanly_if_a_peer_fails():
         trainer.run(cfg)

@@ -95,7 +95,8 @@ class CheckpointConfig:
 
 @dataclass
 class MeshConfig:
-    preset: str = option("dp", "mesh preset in meshes/ (also settable as mesh=NAME)")
+    preset: str = option("dp", "mesh preset in meshes/ (also settable as mesh=NAME); auto = the fastest "
+                         "estimated mesh that fits (see --compare)")
     data: Optional[int] = option(None, "data-parallel axis size; -1 = remaining devices; default: preset's, else 1")
     expert: Optional[int] = option(None, "expert-parallel axis size (experts split over it; it also splits the batch); "
                                    "-1 = remaining devices; default: preset's, else 1")
@@ -127,6 +128,10 @@ class RunConfig:
     heartbeat_timeout_s: int = option(30, "seconds without a heartbeat before a process counts as dead and the "
                                       "others stop", min=1)
     peak_tflops: Optional[float] = option(None, "device peak TFLOP/s for MFU; default: known accelerators only", min=0)
+    device_memory_gb: Optional[float] = option(None, "memory of one device for the plan's fits check; default: "
+                                               "known accelerators only", min=0)
+    link_gbps: Optional[float] = option(None, "bytes/s (GB) one device sends over its links, for the plan's step "
+                                        "estimate; default: known accelerators only", min=0)
     progress: bool = option(True, "show a progress bar")
     compile_cache: Optional[str] = option(None, "folder for JAX's persistent compilation cache: restarts skip compiling")
 
@@ -316,7 +321,7 @@ def _fill_mesh_from_preset(mesh: MeshConfig) -> None:
     """Axis sizes not set explicitly come from the preset, else 1; the preset's rules sit under ours."""
     from shard.mesh import AXES, load_preset  # local: mesh imports jax
 
-    preset = load_preset(mesh.preset)
+    preset = {} if mesh.preset == "auto" else load_preset(mesh.preset)  # auto: sizes chosen by the plan
     explicit_wild = any(getattr(mesh, axis) == -1 for axis in AXES)
     for axis in AXES:
         if getattr(mesh, axis) is None:

@@ -49,51 +49,26 @@ def run(cfg: config_lib.Config) -> Result:
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"run.dir={cfg.run.dir!r} is a file; it must be a directory (new or from an earlier run)")
 
-    # ---- devices, mesh and rules
+    # ---- devices, mesh, model, data, and the steps compiled (nothing allocated yet)
     if cfg.run.compile_cache:
         jax.config.update("jax_compilation_cache_dir", str(Path(cfg.run.compile_cache).expanduser()))
     devices = distributed.start(cfg.run)  # joins the other processes first, if there are any
-    mesh = mesh_lib.build_mesh(cfg.mesh, devices)
-    rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
     main = jax.process_index() == 0
     say = print if main else (lambda *a, **k: None)
+    if cfg.mesh.preset == "auto":
+        from shard import plan
 
-    # ---- model, data, loss, optimizer
+        cfg, why = plan.chosen_config(cfg, plan.compare(cfg, devices))
+        say(why)
     model_cls = registry.resolve(cfg.model.name)
-    kwargs = registry.check_kwargs(model_cls, cfg.model.kwargs, cfg.model.name)
-    resolved = config_lib.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, kwargs))
-    distributed.check_same_config(cfg, resolved)
-    data = data_lib.build(cfg.data, cfg.train.seed)
-    loss_fn = losses.resolve(cfg.train.loss, data.task)
-    tx, schedule = optim.build(cfg.optimizer, cfg.train.steps)
-    dtype = jnp.dtype(cfg.train.dtype)
-
-    # ---- abstract state, shardings, checkpoints to read, compiled steps (nothing allocated yet)
-    with partition.activate(mesh, rules, remat=cfg.train.remat):
-        graphdef, abstract, init = state_lib.abstract_state(model_cls, kwargs, tx, cfg.train.seed, cfg.model.name)
-        shardings = state_lib.state_shardings(abstract, mesh, rules)
-        batch = data.abstract_batch()
-        batch_shardings = state_lib.batch_shardings(batch, mesh, rules)
-        eval_batch = data.abstract_batch(eval=True)
-        eval_shardings = state_lib.batch_shardings(eval_batch, mesh, rules)
-        outputs = step_lib.model_outputs(graphdef, abstract, batch, cfg.model.name, data.num_classes)
-        # Checkpoints to read must fit this model: checked before the (slower) compile.
-        target = ckpt_lib.abstract_target(abstract, shardings)
-        checkpoint_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
-        if cfg.checkpoint.enabled:
-            ckpt_lib.check_resumable(checkpoint_dir, target)
-        for key, path in (("checkpoint.restore_from", cfg.checkpoint.restore_from),
-                          ("train.init_from", cfg.train.init_from)):
-            if path:
-                ckpt_lib.check_path(path, key, target)
-        context = (f"train.loss={loss_fn.__name__} does not fit outputs {tuple(outputs.shape)} and targets "
-                   f"{tuple(batch['targets'].shape)} {batch['targets'].dtype} (task {data.task})")
-        train_step = step_lib.compile_step(
-            step_lib.make_train_step(graphdef, tx, loss_fn, dtype, cfg.train.skip_nonfinite), abstract, shardings,
-            batch, batch_shardings, mesh, donate=True, returns_state=True, context=context)
-        eval_step = step_lib.compile_step(
-            step_lib.make_eval_step(graphdef, loss_fn, data.task, dtype), abstract, shardings, eval_batch,
-            eval_shardings, mesh, donate=False, returns_state=False, context=context)
+    resolved = config_lib.to_yaml(cfg, model_kwargs=registry.with_defaults(
+        model_cls, registry.check_kwargs(model_cls, cfg.model.kwargs, cfg.model.name)))
+    distributed.check_same_config(cfg, resolved)  # before compiling: every process the same job
+    job = prepare(cfg, devices)
+    mesh, data, graphdef, abstract, shardings = job.mesh, job.data, job.graphdef, job.abstract, job.shardings
+    schedule, init, target = job.schedule, job.init, job.target
+    train_step, eval_step, checkpoint_dir = job.train_step, job.eval_step, job.checkpoint_dir
+    batch_shardings, eval_shardings = job.batch_shardings, job.eval_shardings
 
     # ---- run directory: only now, with the input known to be good
     try:
@@ -139,6 +114,72 @@ def run(cfg: config_lib.Config) -> Result:
         result.sample = bytes(t % 256 for t in tokens).decode("utf-8", errors="replace")
         say(f"sample:\n{cfg.train.sample_prompt}{result.sample}")
     return result
+
+
+@dataclass
+class Job:
+    """Everything a run needs before it allocates anything: mesh, model, data, shardings, compiled steps."""
+    mesh: object
+    rules: dict
+    model_cls: type
+    kwargs: dict
+    data: object
+    schedule: object
+    graphdef: object
+    abstract: object     # the train state's shapes and dtypes
+    init: object
+    shardings: object
+    batch_shardings: dict
+    eval_shardings: dict
+    target: object
+    checkpoint_dir: Path
+    train_step: object
+    eval_step: object
+
+
+def prepare(cfg: config_lib.Config, devices: list, training: bool = True) -> Job:
+    """Mesh, model, data and the compiled steps for these devices. `training=False` (the plan)
+    compiles only the train step and leaves checkpoints alone."""
+    mesh = mesh_lib.build_mesh(cfg.mesh, devices)
+    rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
+
+    # ---- model, data, loss, optimizer
+    model_cls = registry.resolve(cfg.model.name)
+    kwargs = registry.check_kwargs(model_cls, cfg.model.kwargs, cfg.model.name)
+    data = data_lib.build(cfg.data, cfg.train.seed)
+    loss_fn = losses.resolve(cfg.train.loss, data.task)
+    tx, schedule = optim.build(cfg.optimizer, cfg.train.steps)
+    dtype = jnp.dtype(cfg.train.dtype)
+
+    # ---- abstract state, shardings, checkpoints to read, compiled steps (nothing allocated yet)
+    with partition.activate(mesh, rules, remat=cfg.train.remat):
+        graphdef, abstract, init = state_lib.abstract_state(model_cls, kwargs, tx, cfg.train.seed, cfg.model.name)
+        shardings = state_lib.state_shardings(abstract, mesh, rules)
+        batch = data.abstract_batch()
+        batch_shardings = state_lib.batch_shardings(batch, mesh, rules)
+        eval_batch = data.abstract_batch(eval=True)
+        eval_shardings = state_lib.batch_shardings(eval_batch, mesh, rules)
+        outputs = step_lib.model_outputs(graphdef, abstract, batch, cfg.model.name, data.num_classes)
+        # Checkpoints to read must fit this model: checked before the (slower) compile.
+        target = ckpt_lib.abstract_target(abstract, shardings)
+        checkpoint_dir = Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
+        if cfg.checkpoint.enabled and training:
+            ckpt_lib.check_resumable(checkpoint_dir, target)
+        for key, path in (("checkpoint.restore_from", cfg.checkpoint.restore_from),
+                          ("train.init_from", cfg.train.init_from)):
+            if path and training:
+                ckpt_lib.check_path(path, key, target)
+        context = (f"train.loss={loss_fn.__name__} does not fit outputs {tuple(outputs.shape)} and targets "
+                   f"{tuple(batch['targets'].shape)} {batch['targets'].dtype} (task {data.task})")
+        train_step = step_lib.compile_step(
+            step_lib.make_train_step(graphdef, tx, loss_fn, dtype, cfg.train.skip_nonfinite), abstract, shardings,
+            batch, batch_shardings, mesh, donate=True, returns_state=True, context=context)
+        eval_step = None if not training else step_lib.compile_step(
+            step_lib.make_eval_step(graphdef, loss_fn, data.task, dtype), abstract, shardings, eval_batch,
+            eval_shardings, mesh, donate=False, returns_state=False, context=context)
+
+    return Job(mesh, rules, model_cls, kwargs, data, schedule, graphdef, abstract, init, shardings,
+               batch_shardings, eval_shardings, target, checkpoint_dir, train_step, eval_step)
 
 
 def start_state(cfg, checkpoints, init, shardings, target, say) -> state_lib.TrainState:

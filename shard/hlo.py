@@ -1,0 +1,150 @@
+"""The collectives in a compiled per-device program, read from its HLO text.
+
+For each collective: its kind, the bytes of its result (every element of a tuple result), the size
+n of its replica groups, and how many times it runs per call. A collective inside a `while` body
+(a scanned layer stack) runs once per iteration: XLA records the trip count in the loop's
+backend_config (`known_trip_count`), and the counts multiply through nested loops.
+
+Bytes each device sends, by the ring model of each collective (n = group size, size = result bytes):
+  all-reduce 2(n-1)/n x size; all-gather (n-1)/n x size; reduce-scatter (n-1) x size (the result
+  is one of n pieces); all-to-all (n-1)/n x size; collective-permute: size.
+"""
+
+import math
+import re
+from dataclasses import dataclass
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+               "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+(" + "|".join(KINDS) + r")(-start|-done)?\((.*)$")
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
+_WHILE = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
+_TRIP = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_CALLED = re.compile(r"\b(?:calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+@dataclass
+class Collective:
+    kind: str
+    bytes: float      # result bytes per device
+    group: int        # replica group size n
+    count: int        # executions per call of the program
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one device sends for one execution, by the ring model."""
+        n, size = self.group, self.bytes
+        if n <= 1:
+            return 0.0
+        return {"all-reduce": 2 * (n - 1) / n * size, "all-gather": (n - 1) / n * size,
+                "reduce-scatter": (n - 1) * size, "all-to-all": (n - 1) / n * size,
+                "collective-permute": size}[self.kind]
+
+
+def shape_bytes(shape_text: str) -> float:
+    """Bytes of an HLO result type: an array `f32[16,32]{1,0}` or a tuple of them."""
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(shape_text):
+        if dtype in DTYPE_BYTES:
+            total += DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def group_size(line: str, n_devices: int) -> int:
+    """Size of the replica groups of a collective, in any of XLA's notations."""
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if mesh:  # mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: groups run along the named axes
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
+        return math.prod(sizes[a] for a in re.findall(r"'([^']+)'", mesh.group(2)))
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
+    if iota:  # [groups,size]<=[devices]
+        return int(iota.group(2))
+    listed = re.search(r"replica_groups=\{\{([^}]*)\}", line)
+    if listed:
+        return len(listed.group(1).split(","))
+    if "source_target_pairs" in line:
+        return 2
+    return n_devices  # replica_groups={}: every device
+
+
+def computations(text: str) -> tuple[dict[str, list[str]], str]:
+    """(computation name -> its lines, the entry computation's name)."""
+    out: dict[str, list[str]] = {}
+    current = entry = None
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header and not line.startswith(" "):
+            current = header.group(2)
+            out[current] = []
+            if header.group(1):
+                entry = current
+            continue
+        if line.startswith("}"):
+            current = None
+        elif current is not None:
+            out[current].append(line)
+    return out, entry
+
+
+def executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+    """How many times each computation runs per call: loop bodies x their trip counts."""
+    runs: dict[str, int] = {}
+
+    def visit(name: str, times: int) -> None:
+        if name not in comps or times == 0:
+            return
+        runs[name] = runs.get(name, 0) + times
+        for line in comps[name]:
+            body = _WHILE.search(line)
+            if body:
+                trip = _TRIP.search(line)
+                visit(body.group(1), times * (int(trip.group(1)) if trip else 1))
+                continue
+            for callee in _CALLED.findall(line):
+                visit(callee, times)
+            branches = _BRANCHES.search(line)
+            if branches:
+                for callee in re.findall(r"%?([\w.\-]+)", branches.group(1)):
+                    visit(callee, times)
+
+    visit(entry, 1)
+    return runs
+
+
+def collectives(text: str, n_devices: int) -> list[Collective]:
+    comps, entry = computations(text)
+    runs = executions(comps, entry)
+    found, started = [], {}
+    for name, lines in comps.items():
+        if not runs.get(name):
+            continue
+        for line in lines:
+            op = _OP.match(line)
+            if not op:
+                continue
+            result_name, shape, kind, phase, operands = op.groups()
+            if phase == "-start":  # async pair: the group is on the start, the result on the done
+                started[result_name] = group_size(line, n_devices)
+                continue
+            if phase == "-done":
+                operand = re.match(r"\s*%?([\w.\-]+)", operands)
+                group = started.get(operand.group(1), n_devices) if operand else n_devices
+            else:
+                group = group_size(line, n_devices)
+            found.append(Collective(kind, shape_bytes(shape), group, runs[name]))
+    return found
+
+
+def summary(ops: list[Collective]) -> tuple[dict, float]:
+    """({kind: {count, bytes}}, wire bytes per device), per call of the program."""
+    table = {kind: {"count": 0, "bytes": 0.0} for kind in KINDS}
+    wire = 0.0
+    for op in ops:
+        table[op.kind]["count"] += op.count
+        table[op.kind]["bytes"] += op.count * op.bytes
+        wire += op.count * op.wire_bytes
+    return table, wire

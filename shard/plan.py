@@ -1,0 +1,209 @@
+"""The plan: what a mesh costs in memory and communication, read from the compiled train step.
+
+`python train.py CONFIG --dry-run` compiles the step for the configured mesh (allocating nothing
+but what compiling needs), prints a short report and writes `<run.dir>/plan.json`; `--compare` does
+it for every preset and every factorization of the devices into the canonical axes that the model's
+dimensions allow; `mesh=auto` trains with the fastest estimate that fits.
+
+Every figure is per device and per step. Memory comes from XLA's memory analysis of the compiled
+program (arguments, outputs not aliased to donated inputs, temporaries) and from the shardings of the
+state; collectives and their bytes from the program's HLO (shard/hlo.py). The step-time estimate is
+compute + communication with no overlap (an upper bound for a well-overlapped step):
+  flops_per_device / peak FLOP/s  +  wire_bytes_per_device / link bandwidth.
+"""
+
+import itertools
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import jax
+
+from shard import hlo
+from shard import mesh as mesh_lib
+from shard.errors import UserError
+from shard.metrics import compiled_flops, peak_flops
+
+# Per-chip memory (GB) and the bandwidth one chip sends over its fastest links (GB/s, one direction),
+# from the vendors' data sheets; matched against device_kind like the peak FLOP/s table.
+DEVICE_MEMORY_GB = {"H200": 141, "H100": 80, "A100": 80, "L4": 24, "TPU v6": 32, "TPU v5p": 95,
+                    "TPU v5 lite": 16, "TPU v5e": 16, "TPU v4": 32}
+LINK_GBPS = {"H200": 450, "H100": 450, "A100": 300, "L4": 32, "TPU v6": 448, "TPU v5p": 600,
+             "TPU v5 lite": 200, "TPU v5e": 200, "TPU v4": 300}
+
+
+def _lookup(table: dict, device, override):
+    if override:
+        return override
+    kind = getattr(device, "device_kind", "")
+    return next((v for name, v in table.items() if name in kind), None)
+
+
+def _shard_bytes(tree) -> int:
+    """Bytes of one device's shards of an abstract tree (shape-dtype structs with shardings)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) else leaf.shape
+        total += math.prod(shape) * leaf.dtype.itemsize
+    return total
+
+
+def analyse(cfg, devices: list) -> dict:
+    """Compile the train step for cfg's mesh on these devices and read out its costs."""
+    from shard import state as state_lib
+    from shard.trainer import prepare
+
+    job = prepare(cfg, devices, training=False)
+    step = job.train_step
+    n = len(devices)
+    memory = step.memory_analysis()
+    sharded = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), job.abstract,
+                           job.shardings)
+    ops = hlo.collectives(step.as_text(), n)
+    table, wire = hlo.summary(ops)
+    flops_device = compiled_flops(step) or 0.0
+    total = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes \
+        + memory.temp_size_in_bytes
+    capacity = _lookup(DEVICE_MEMORY_GB, devices[0], cfg.run.device_memory_gb)
+    peak = peak_flops(devices[0], cfg.run.peak_tflops)
+    link = _lookup(LINK_GBPS, devices[0], cfg.run.link_gbps)
+    estimate = None
+    if peak and link:
+        estimate = flops_device / peak + wire / (link * 1e9)
+    return {
+        "devices": n,
+        "device_kind": getattr(devices[0], "device_kind", devices[0].platform),
+        "mesh": {a: int(job.mesh.shape[a]) for a in mesh_lib.AXES},
+        "param_count": state_lib.count_params(job.abstract.params),
+        "flops_per_step": flops_device * n,
+        "flops_per_device": flops_device,
+        "memory_per_device": {
+            "params": _shard_bytes(sharded.params) + _shard_bytes(sharded.rest),
+            "optimizer": _shard_bytes(sharded.opt_state),
+            "arguments": memory.argument_size_in_bytes,
+            "temp": memory.temp_size_in_bytes,
+            "total": total,
+            "capacity": int(capacity * 1e9) if capacity else None,
+            "fits": (total <= capacity * 1e9) if capacity else None,
+        },
+        "collectives": table,
+        "wire_bytes_per_device": wire,
+        "peak_tflops": peak / 1e12 if peak else None,
+        "link_gbps": link,
+        "estimated_step_s": estimate,
+    }
+
+
+def report(plan: dict) -> str:
+    mem = plan["memory_per_device"]
+    mesh = " x ".join(f"{a}={s}" for a, s in plan["mesh"].items())
+    lines = [f"plan: {plan['param_count']:,} parameters on {plan['devices']} {plan['device_kind']} device(s), "
+             f"mesh {mesh}",
+             f"  memory per device: params {_mb(mem['params'])}, optimizer {_mb(mem['optimizer'])}, "
+             f"arguments {_mb(mem['arguments'])}, temp {_mb(mem['temp'])}, total {_mb(mem['total'])}"
+             + (f" of {_mb(mem['capacity'])} ({'fits' if mem['fits'] else 'does NOT fit'})" if mem["capacity"] else ""),
+             f"  per step: {plan['flops_per_step']:.3g} FLOPs, each device sends {_mb(plan['wire_bytes_per_device'])}"]
+    used = {k: v for k, v in plan["collectives"].items() if v["count"]}
+    if used:
+        lines.append("  collectives: " + ", ".join(f"{k} x{v['count']} ({_mb(v['bytes'])})" for k, v in used.items()))
+    if plan["estimated_step_s"] is not None:
+        lines.append(f"  estimated step: {plan['estimated_step_s'] * 1e3:.2f} ms "
+                     f"({plan['peak_tflops']:.0f} TFLOP/s, {plan['link_gbps']:.0f} GB/s links)")
+    else:
+        lines.append("  estimated step: unknown device; set run.peak_tflops and run.link_gbps")
+    return "\n".join(lines)
+
+
+def _mb(n) -> str:
+    return f"{n / 2**20:.2f} MiB" if n is not None else "?"
+
+
+def candidate_meshes(n_devices: int) -> list[tuple[str, dict]]:
+    """Every preset, and every way to write n_devices as data x expert x fsdp x tensor."""
+    out, seen = [], set()
+    for name in mesh_lib.preset_names():
+        preset = mesh_lib.load_preset(name)
+        sizes = mesh_lib.resolve_sizes({a: preset.get(a, 1) for a in mesh_lib.AXES}, n_devices) \
+            if _fits_preset(preset, n_devices) else None
+        if sizes:
+            out.append((name, {"preset": name, **sizes}))
+            if not preset.get("rules"):
+                seen.add(tuple(sizes.values()))
+    divisors = [d for d in range(1, n_devices + 1) if n_devices % d == 0]
+    for shape in itertools.product(divisors, repeat=len(mesh_lib.AXES)):
+        if math.prod(shape) == n_devices and shape not in seen:
+            seen.add(shape)
+            out.append((" x ".join(f"{a}={s}" for a, s in zip(mesh_lib.AXES, shape) if s > 1) or "1 device",
+                        {"preset": "dp", **dict(zip(mesh_lib.AXES, shape))}))
+    return out
+
+
+def _fits_preset(preset: dict, n: int) -> bool:
+    try:
+        mesh_lib.resolve_sizes({a: preset.get(a, 1) for a in mesh_lib.AXES}, n)
+        return True
+    except UserError:
+        return False
+
+
+def compare(cfg, devices: list) -> list[dict]:
+    """analyse() for every candidate mesh the model's dimensions allow; the rest are skipped."""
+    rows = []
+    for label, sizes in candidate_meshes(len(devices)):
+        preset = sizes.pop("preset")
+        mesh_cfg = replace(cfg.mesh, preset=preset, rules=dict(mesh_lib.load_preset(preset).get("rules", {})),
+                           **sizes)
+        try:
+            plan = analyse(replace(cfg, mesh=mesh_cfg), devices)
+        except UserError as e:  # e.g. heads not divisible by the tensor axis
+            rows.append({"label": label, "skipped": str(e)})
+            continue
+        rows.append({"label": label, "preset": preset, **plan})
+    return rows
+
+
+def chosen_config(cfg, rows: list[dict]):
+    """cfg with mesh=auto replaced by the chosen mesh, and the one line that says why."""
+    best, why = choose(rows)
+    rules = {**mesh_lib.load_preset(best["preset"]).get("rules", {}), **cfg.mesh.rules}
+    return replace(cfg, mesh=replace(cfg.mesh, preset=best["preset"], rules=rules, **best["mesh"])), why
+
+
+def comparison_table(rows: list[dict]) -> str:
+    head = f"{'mesh':<36} {'memory/device':>14} {'sends/device':>14} {'est. step':>11}  fits"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "skipped" in r:
+            continue
+        est = f"{r['estimated_step_s'] * 1e3:.2f} ms" if r["estimated_step_s"] is not None else "?"
+        fits = {True: "yes", False: "no", None: "?"}[r["memory_per_device"]["fits"]]
+        lines.append(f"{r['label']:<36} {_mb(r['memory_per_device']['total']):>14} "
+                     f"{_mb(r['wire_bytes_per_device']):>14} {est:>11}  {fits}")
+    skipped = [r["label"] for r in rows if "skipped" in r]
+    if skipped:
+        lines.append(f"({len(skipped)} meshes the model's dimensions do not divide: {', '.join(skipped)})")
+    return "\n".join(lines)
+
+
+def choose(rows: list[dict]) -> tuple[dict, str]:
+    """The fastest estimated mesh that fits (unknown memory counts as fitting), and why, in one line."""
+    ok = [r for r in rows if "skipped" not in r and r["memory_per_device"]["fits"] is not False]
+    if not ok:
+        raise UserError("mesh=auto: no mesh fits the device memory; lower the batch size or the model size")
+    key = (lambda r: (r["estimated_step_s"], r["memory_per_device"]["total"])) \
+        if all(r["estimated_step_s"] is not None for r in ok) else \
+        (lambda r: (r["wire_bytes_per_device"], r["memory_per_device"]["total"]))
+    best = min(ok, key=key)
+    basis = "fastest estimated step" if all(r["estimated_step_s"] is not None for r in ok) else \
+        "fewest bytes sent per device (device speed unknown: set run.peak_tflops and run.link_gbps)"
+    why = (f"mesh=auto chose {best['label']}: {basis} of {len(ok)} meshes that fit "
+           f"({_mb(best['memory_per_device']['total'])} per device, sends {_mb(best['wire_bytes_per_device'])})")
+    return best, why
+
+
+def write(run_dir: str, plan, name: str) -> Path:
+    path = Path(run_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan, indent=2) + "\n")
+    return path
