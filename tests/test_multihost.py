@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, TINY_GPT, overrides
+from conftest import ROOT, subprocess_env, TINY_GPT, overrides
 
 STEPS = ["train.steps=6", "run.log_every=1"]
 
 
 def launch(*args, timeout=300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     return subprocess.run([sys.executable, "-m", "shard.launch", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -91,7 +91,7 @@ def alive(pid: int) -> bool:
 
 
 def test_killing_one_process_stops_the_launch_and_leaves_nothing_behind(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     launcher = subprocess.Popen(
         [sys.executable, "-m", "shard.launch", "local", "--processes=2", "--",
          *overrides(tmp_path, *TINY_GPT, "train.steps=100000", "run.log_every=1"), "run.cpu_devices=4"],
@@ -115,7 +115,7 @@ def test_killing_one_process_stops_the_launch_and_leaves_nothing_behind(tmp_path
 
 
 def start_process(tmp_path, port, index, *extra) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     args = [*overrides(tmp_path, *TINY_GPT, "train.steps=2"), "run.cpu_devices=4",
             f"run.coordinator=127.0.0.1:{port}", "run.num_processes=2", f"run.process_id={index}", *extra]
     return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env,

@@ -79,11 +79,11 @@ def test_dry_run_writes_plan_json_and_trains_nothing(tmp_path):
 
 
 def test_compare_and_auto_pick_the_fastest_mesh_that_fits(tmp_path):
-    cfg = config.load(None, overrides(tmp_path, *TINY_GPT, "run.cpu_devices=4", "run.peak_tflops=100",
+    cfg = config.load(None, overrides(tmp_path, *TINY_GPT, "run.cpu_devices=2", "run.peak_tflops=100",
                                       "run.link_gbps=50"))
-    rows = plan.compare(cfg, jax.devices()[:4])
+    rows = plan.compare(cfg, jax.devices()[:2])
     shapes = {tuple(r["mesh"].values()) for r in rows if "skipped" not in r}
-    assert {(4, 1, 1, 1), (1, 1, 4, 1), (1, 1, 1, 4), (2, 1, 1, 2), (1, 1, 2, 2)} <= shapes
+    assert shapes == {(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)}  # every factorization of 2
     chosen, why = plan.chosen_config(cfg, rows)
     fastest = min((r for r in rows if "skipped" not in r), key=lambda r: r["estimated_step_s"])
     assert tuple(getattr(chosen.mesh, a) for a in ("data", "expert", "fsdp", "tensor")) == \

@@ -1,7 +1,6 @@
 """Stopping at any moment: SIGTERM/SIGINT checkpoint and exit 0; SIGKILL mid-save loses nothing earlier;
 unreadable or half-written checkpoints are skipped with a warning that names them."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -10,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY_GPT, run_cli
+from conftest import ROOT, subprocess_env, TINY_GPT, run_cli
 
 QUIET = ["run.progress=false", "train.sample_len=0", "train.eval_batches=1"]
 
 
 def start(run_dir, *args) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *TINY_GPT, f"run.dir={run_dir}", *QUIET, *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
