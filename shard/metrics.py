@@ -30,18 +30,6 @@ def peak_flops(device, override_tflops: float | None) -> float | None:
     return None
 
 
-def compiled_flops(compiled) -> float | None:
-    """FLOPs of one call of a compiled program, per device, as XLA counts them."""
-    try:
-        analysis = compiled.cost_analysis()
-    except Exception:  # not every backend implements it
-        return None
-    if isinstance(analysis, (list, tuple)):
-        analysis = analysis[0] if analysis else {}
-    flops = (analysis or {}).get("flops")
-    return float(flops) if flops and flops > 0 else None
-
-
 class MetricsLog:
     """Appends records to metrics.jsonl; only process 0 writes."""
 

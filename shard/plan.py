@@ -23,7 +23,7 @@ import jax
 from shard import hlo
 from shard import mesh as mesh_lib
 from shard.errors import UserError
-from shard.metrics import compiled_flops, peak_flops
+from shard.metrics import peak_flops
 
 # Per-chip memory (GB) and the bandwidth one chip sends over its fastest links (GB/s, one direction),
 # from the vendors' data sheets; matched against device_kind like the peak FLOP/s table.
@@ -62,7 +62,7 @@ def analyse(cfg, devices: list) -> dict:
                            job.shardings)
     ops = hlo.collectives(step.as_text(), n)
     table, wire = hlo.summary(ops)
-    flops_device = compiled_flops(step) or 0.0
+    flops_device = job.flops_per_step / n  # the step's model FLOPs split evenly over the devices
     total = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes \
         + memory.temp_size_in_bytes
     capacity = _lookup(DEVICE_MEMORY_GB, devices[0], cfg.run.device_memory_gb)
@@ -76,7 +76,7 @@ def analyse(cfg, devices: list) -> dict:
         "device_kind": getattr(devices[0], "device_kind", devices[0].platform),
         "mesh": {a: int(job.mesh.shape[a]) for a in mesh_lib.AXES},
         "param_count": state_lib.count_params(job.abstract.params),
-        "flops_per_step": flops_device * n,
+        "flops_per_step": job.flops_per_step,
         "flops_per_device": flops_device,
         "memory_per_device": {
             "params": _shard_bytes(sharded.params) + _shard_bytes(sharded.rest),
@@ -147,10 +147,35 @@ def _fits_preset(preset: dict, n: int) -> bool:
         return False
 
 
+def split_axes(cfg) -> set[str]:
+    """The mesh axes some parameter dimension maps to under cfg's rules: the axes that split this model."""
+    from flax import nnx
+
+    from shard import optim, partition, registry
+    from shard import state as state_lib
+
+    model_cls = registry.resolve(cfg.model.name)
+    kwargs = registry.check_kwargs(model_cls, cfg.model.kwargs, cfg.model.name)
+    tx, _ = optim.build(cfg.optimizer, cfg.train.steps)
+    _, abstract, _ = state_lib.abstract_state(model_cls, kwargs, tx, cfg.train.seed, cfg.model.name)
+    rules = partition.merged_rules(cfg.mesh.rules, mesh_lib.AXES)
+    axes = set()
+    for var in jax.tree.leaves(abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        for name in var.get_metadata().get("out_sharding") or ():
+            axes.update(partition.axes_of(rules.get(name)) if name else ())
+    return axes
+
+
 def compare(cfg, devices: list) -> list[dict]:
-    """analyse() for every candidate mesh the model's dimensions allow; the rest are skipped."""
-    rows = []
+    """analyse() for every candidate mesh the model's dimensions allow. A mesh is skipped when the
+    model's dimensions do not divide it, or when it has an axis besides `data` that no parameter is
+    split on (e.g. `expert` for a model without experts: it would be data parallel under another name)."""
+    rows, splits = [], split_axes(cfg) | {"data"}
     for label, sizes in candidate_meshes(len(devices)):
+        idle = [a for a in mesh_lib.AXES if sizes.get(a, 1) > 1 and a not in splits]
+        if idle:
+            rows.append({"label": label, "skipped": f"no parameter is split on {', '.join(idle)}"})
+            continue
         preset = sizes.pop("preset")
         mesh_cfg = replace(cfg.mesh, preset=preset, rules=dict(mesh_lib.load_preset(preset).get("rules", {})),
                            **sizes)
@@ -176,13 +201,13 @@ def comparison_table(rows: list[dict]) -> str:
     for r in rows:
         if "skipped" in r:
             continue
-        est = f"{r['estimated_step_s'] * 1e3:.2f} ms" if r["estimated_step_s"] is not None else "?"
+        est = f"{r['estimated_step_s'] * 1e3:.3g} ms" if r["estimated_step_s"] is not None else "?"
         fits = {True: "yes", False: "no", None: "?"}[r["memory_per_device"]["fits"]]
         lines.append(f"{r['label']:<36} {_mb(r['memory_per_device']['total']):>14} "
                      f"{_mb(r['wire_bytes_per_device']):>14} {est:>11}  {fits}")
-    skipped = [r["label"] for r in rows if "skipped" in r]
+    skipped = [r for r in rows if "skipped" in r]
     if skipped:
-        lines.append(f"({len(skipped)} meshes the model's dimensions do not divide: {', '.join(skipped)})")
+        lines.append(f"skipped {len(skipped)}: " + "; ".join(f"{r['label']} ({r['skipped'][:80]})" for r in skipped))
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ from shard import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import distributed
 from shard import data as data_lib
+from shard import flops as flops_lib
 from shard import losses, optim, registry
 from shard import mesh as mesh_lib
 from shard import partition
@@ -26,7 +27,7 @@ from shard import state as state_lib
 from shard import step as step_lib
 from shard.errors import NonFiniteLoss, UserError
 from shard.generate import sample
-from shard.metrics import MetricsLog, compiled_flops, peak_flops
+from shard.metrics import MetricsLog, peak_flops
 
 
 @dataclass
@@ -92,7 +93,7 @@ def run(cfg: config_lib.Config) -> Result:
         result = Result(graphdef=graphdef, shardings=shardings, mesh=mesh, train_step=train_step,
                         start_step=int(state.step))
         state = train_loop(cfg, state, train_step, eval_step, data, batch_shardings, eval_shardings, schedule,
-                           checkpoints, log, result, devices, main)
+                           checkpoints, log, result, devices, main, job.flops_per_step)
     finally:
         if checkpoints:
             checkpoints.close()
@@ -135,6 +136,7 @@ class Job:
     checkpoint_dir: Path
     train_step: object
     eval_step: object
+    flops_per_step: float  # model FLOPs of one train step, all devices together (shard/flops.py)
 
 
 def prepare(cfg: config_lib.Config, devices: list, training: bool = True) -> Job:
@@ -171,15 +173,16 @@ def prepare(cfg: config_lib.Config, devices: list, training: bool = True) -> Job
                 ckpt_lib.check_path(path, key, target)
         context = (f"train.loss={loss_fn.__name__} does not fit outputs {tuple(outputs.shape)} and targets "
                    f"{tuple(batch['targets'].shape)} {batch['targets'].dtype} (task {data.task})")
-        train_step = step_lib.compile_step(
-            step_lib.make_train_step(graphdef, tx, loss_fn, dtype, cfg.train.skip_nonfinite), abstract, shardings,
-            batch, batch_shardings, mesh, donate=True, returns_state=True, context=context)
+        train_fn = step_lib.make_train_step(graphdef, tx, loss_fn, dtype, cfg.train.skip_nonfinite)
+        train_step = step_lib.compile_step(train_fn, abstract, shardings, batch, batch_shardings, mesh, donate=True,
+                                           returns_state=True, context=context)
+        flops_per_step = flops_lib.step_flops(train_fn, abstract, batch)
         eval_step = None if not training else step_lib.compile_step(
             step_lib.make_eval_step(graphdef, loss_fn, data.task, dtype), abstract, shardings, eval_batch,
             eval_shardings, mesh, donate=False, returns_state=False, context=context)
 
     return Job(mesh, rules, model_cls, kwargs, data, schedule, graphdef, abstract, init, shardings,
-               batch_shardings, eval_shardings, target, checkpoint_dir, train_step, eval_step)
+               batch_shardings, eval_shardings, target, checkpoint_dir, train_step, eval_step, flops_per_step)
 
 
 def start_state(cfg, checkpoints, init, shardings, target, say) -> state_lib.TrainState:
@@ -232,8 +235,8 @@ class StopSignal:
 
 
 def train_loop(cfg, state, train_step, eval_step, data, batch_shardings, eval_shardings, schedule, checkpoints,
-               log, result, devices, main) -> state_lib.TrainState:
-    flops = compiled_flops(train_step)
+               log, result, devices, main, flops_per_step) -> state_lib.TrainState:
+    flops = flops_per_step / len(devices)  # per device: the step's work is split evenly over the mesh
     peak = peak_flops(devices[0], cfg.run.peak_tflops)
     per_step = cfg.data.batch_size * (data.tokens_per_example or 1)
     rate_key = "tokens_per_s" if data.tokens_per_example else "examples_per_s"

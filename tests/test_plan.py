@@ -83,7 +83,9 @@ def test_compare_and_auto_pick_the_fastest_mesh_that_fits(tmp_path):
                                       "run.link_gbps=50"))
     rows = plan.compare(cfg, jax.devices()[:2])
     shapes = {tuple(r["mesh"].values()) for r in rows if "skipped" not in r}
-    assert shapes == {(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)}  # every factorization of 2
+    # every factorization of 2 but expert=2: the GPT has no experts, so that is data parallel renamed
+    assert shapes == {(2, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)}
+    assert any(r.get("skipped") == "no parameter is split on expert" for r in rows)
     chosen, why = plan.chosen_config(cfg, rows)
     fastest = min((r for r in rows if "skipped" not in r), key=lambda r: r["estimated_step_s"])
     assert tuple(getattr(chosen.mesh, a) for a in ("data", "expert", "fsdp", "tensor")) == \
@@ -114,3 +116,35 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     table, wire = hlo.summary(list(ops.values()))
     assert table["all-reduce"] == {"count": 5, "bytes": 160}
     assert wire == pytest.approx(5 * 2 * 3 / 4 * 32 + 1 / 2 * 72 + 24 + 32)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_model_flops_are_the_textbook_count_and_xla_agrees_for_one_layer(tmp_path, layers):
+    """6 x (matmul parameters) x tokens + attention (forward 4 x layers x length x width per token,
+    backward twice that), counted on the jaxpr with scanned layers once per layer. XLA's cost
+    analysis counts a loop body once, so it agrees (within its elementwise extras) only for one layer."""
+    from shard.flops import xla_flops
+    from shard.trainer import prepare
+
+    cfg = config.load(None, overrides(tmp_path, *TINY_GPT, f"model.n_layers={layers}", "run.cpu_devices=1"))
+    job = prepare(cfg, jax.devices()[:1], training=False)
+    d, ff, vocab, length, batch = 32, 64, 256, 32, 16
+    tokens = batch * length
+    matmul_params = layers * (4 * d * d + 2 * d * ff) + d * vocab  # q, k, v, o; MLP in and out; output layer
+    expected = 3 * (2 * matmul_params * tokens + 4 * layers * length * d * tokens)
+    assert job.flops_per_step == expected
+    xla = xla_flops(job.train_step)
+    if layers == 1:
+        assert expected <= xla <= 1.25 * expected
+    else:
+        assert xla < expected  # one layer's worth of the loop
+
+
+def test_mesh_auto_trains_with_the_chosen_mesh_and_says_why(tmp_path):
+    done = run_cli(*TINY_GPT, "run.cpu_devices=2", "mesh=auto", f"run.dir={tmp_path}", "train.steps=2",
+                   "run.progress=false", "train.sample_len=0", "checkpoint.enabled=false")
+    assert done.returncode == 0, done.stderr
+    why = [line for line in done.stdout.splitlines() if line.startswith("mesh=auto chose")]
+    assert len(why) == 1 and "fewest bytes sent per device" in why[0]  # a CPU: speed unknown
+    saved = (tmp_path / "config.yaml").read_text()
+    assert "preset: auto" not in saved
