@@ -51,7 +51,9 @@ class DataConfig:
     features: list = option([16], "synthetic: shape of one input example")
     classes: int = option(10, "synthetic: number of classes (classification)", min=2)
     size: int = option(65536, "synthetic: examples in the train split", min=1)
-    prefetch: int = option(2, "batches kept on the devices ahead of the step", min=0)
+    prefetch: Optional[int] = option(None, "batches a background thread keeps on the devices ahead of the step; "
+                                     "default: 2 on accelerators, 0 on CPU (where the thread competes with "
+                                     "XLA for the cores: bench/overhead.py)", min=0)
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """Metrics: one JSON line per log step in <run.dir>/metrics.jsonl, and model FLOPs utilisation."""
 
 import json
+import os
+import time
 from pathlib import Path
 
 import jax
@@ -28,6 +30,15 @@ def peak_flops(device, override_tflops: float | None) -> float | None:
         if name in kind:
             return tflops * 1e12
     return None
+
+
+def seconds_since_process_start() -> float | None:
+    """Wall seconds since this process started (Linux /proc; None elsewhere): start-up cost, imports included."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 class MetricsLog:

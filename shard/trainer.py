@@ -27,7 +27,7 @@ from shard import state as state_lib
 from shard import step as step_lib
 from shard.errors import NonFiniteLoss, UserError
 from shard.generate import sample
-from shard.metrics import MetricsLog, peak_flops
+from shard.metrics import MetricsLog, peak_flops, seconds_since_process_start
 
 
 @dataclass
@@ -93,7 +93,7 @@ def run(cfg: config_lib.Config) -> Result:
         result = Result(graphdef=graphdef, shardings=shardings, mesh=mesh, train_step=train_step,
                         start_step=int(state.step))
         state = train_loop(cfg, state, train_step, eval_step, data, batch_shardings, eval_shardings, schedule,
-                           checkpoints, log, result, devices, main, job.flops_per_step)
+                           checkpoints, log, result, devices, main, job)
     finally:
         if checkpoints:
             checkpoints.close()
@@ -137,6 +137,7 @@ class Job:
     train_step: object
     eval_step: object
     flops_per_step: float  # model FLOPs of one train step, all devices together (shard/flops.py)
+    compile_s: float       # seconds to lower and compile the train step
 
 
 def prepare(cfg: config_lib.Config, devices: list, training: bool = True) -> Job:
@@ -174,15 +175,18 @@ def prepare(cfg: config_lib.Config, devices: list, training: bool = True) -> Job
         context = (f"train.loss={loss_fn.__name__} does not fit outputs {tuple(outputs.shape)} and targets "
                    f"{tuple(batch['targets'].shape)} {batch['targets'].dtype} (task {data.task})")
         train_fn = step_lib.make_train_step(graphdef, tx, loss_fn, dtype, cfg.train.skip_nonfinite)
+        compile_start = time.perf_counter()
         train_step = step_lib.compile_step(train_fn, abstract, shardings, batch, batch_shardings, mesh, donate=True,
                                            returns_state=True, context=context)
+        compile_s = time.perf_counter() - compile_start
         flops_per_step = flops_lib.step_flops(train_fn, abstract, batch)
         eval_step = None if not training else step_lib.compile_step(
             step_lib.make_eval_step(graphdef, loss_fn, data.task, dtype), abstract, shardings, eval_batch,
             eval_shardings, mesh, donate=False, returns_state=False, context=context)
 
     return Job(mesh, rules, model_cls, kwargs, data, schedule, graphdef, abstract, init, shardings,
-               batch_shardings, eval_shardings, target, checkpoint_dir, train_step, eval_step, flops_per_step)
+               batch_shardings, eval_shardings, target, checkpoint_dir, train_step, eval_step, flops_per_step,
+               compile_s)
 
 
 def start_state(cfg, checkpoints, init, shardings, target, say) -> state_lib.TrainState:
@@ -235,13 +239,14 @@ class StopSignal:
 
 
 def train_loop(cfg, state, train_step, eval_step, data, batch_shardings, eval_shardings, schedule, checkpoints,
-               log, result, devices, main, flops_per_step) -> state_lib.TrainState:
-    flops = flops_per_step / len(devices)  # per device: the step's work is split evenly over the mesh
+               log, result, devices, main, job) -> state_lib.TrainState:
+    flops = job.flops_per_step / len(devices)  # per device: the step's work is split evenly over the mesh
     peak = peak_flops(devices[0], cfg.run.peak_tflops)
     per_step = cfg.data.batch_size * (data.tokens_per_example or 1)
     rate_key = "tokens_per_s" if data.tokens_per_example else "examples_per_s"
     start = int(state.step)
-    batches = data_lib.device_batches(data.train, batch_shardings, start=start, prefetch=cfg.data.prefetch)
+    prefetch = prefetch_depth(cfg, devices)
+    batches = data_lib.device_batches(data.train, batch_shardings, start=start, prefetch=prefetch)
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not (cfg.run.progress and main), mininterval=1.0,
                dynamic_ncols=True, leave=False)
     saved = checkpoints.steps() if checkpoints else []
@@ -288,6 +293,8 @@ def train_loop(cfg, state, train_step, eval_step, data, batch_shardings, eval_sh
                     record["mfu"] = flops / step_time / peak
                 if skipped:
                     record["skipped_steps"] = skipped
+                if done == start + 1:  # start-up costs, once: process start to the end of the first step
+                    record |= {"compile_s": job.compile_s, "startup_s": seconds_since_process_start()}
                 log.write(record)
                 result.history.append(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", **{rate_key: f"{record[rate_key]:,.0f}"})
@@ -308,10 +315,19 @@ def train_loop(cfg, state, train_step, eval_step, data, batch_shardings, eval_sh
     return state
 
 
+def prefetch_depth(cfg, devices) -> int:
+    """data.prefetch, or by default 2 on accelerators and 0 on CPU: there JAX's asynchronous dispatch
+    already reads the next batch while the step runs, and a thread would compete with XLA's."""
+    if cfg.data.prefetch is not None:
+        return cfg.data.prefetch
+    return 0 if devices[0].platform == "cpu" else 2
+
+
 def evaluate(eval_step, state, data: data_lib.Data, shardings: dict, cfg) -> dict:
     """Each eval metric over the eval split (its first `train.eval_batches` batches; 0 = all of it)."""
     n = len(data.eval) if cfg.train.eval_batches == 0 else min(cfg.train.eval_batches, len(data.eval))
-    batches = data_lib.device_batches(data.eval, shardings, start=0, prefetch=min(2, cfg.data.prefetch))
+    batches = data_lib.device_batches(data.eval, shardings, start=0,
+                                      prefetch=min(2, prefetch_depth(cfg, jax.devices())))
     totals: dict = {}
     for _ in range(n):
         for k, v in jax.device_get(eval_step(state, next(batches))).items():
