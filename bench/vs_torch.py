@@ -1,0 +1,142 @@
+"""Tokens per second: our GPT under train.py's loop against the same GPT written in plain PyTorch.
+
+Same shapes (configs/default.yaml unless given: width, depth, heads, 4x GELU MLP, learned positions,
+pre-norm LayerNorm, untied output layer, no biases in the matrices), the same AdamW with warmup,
+cosine decay, global-norm clipping and decay on matrices only, the same batch. The two alternate for
+ROUNDS rounds; each reports the median of blocks of LOG_EVERY steps after warm-up. With `--compile`
+the PyTorch model also runs under torch.compile, as a PyTorch user would.
+
+Run: `pip install torch` then `python bench/vs_torch.py [CONFIG.yaml] [key=value ...] [--compile]`.
+"""
+
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from overhead import LOG_EVERY, QUIET, ROUNDS, STEPS, framework_round  # noqa: E402
+
+
+def torch_gpt(cfg):
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    k = cfg.model.kwargs
+    d, layers, heads = k.get("d_model", 128), k.get("n_layers", 4), k.get("n_heads", 4)
+    vocab, max_len, d_ff = k.get("vocab_size", 256), k.get("max_len", 512), k.get("d_ff", 0) or 4 * k.get("d_model", 128)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv = nn.Linear(d, 3 * d, bias=False)
+            self.out = nn.Linear(d, d, bias=False)
+            self.w_in, self.w_out = nn.Linear(d, d_ff, bias=False), nn.Linear(d_ff, d, bias=False)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k_, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+            q, k_, v = (y.view(b, t, heads, d // heads).transpose(1, 2) for y in (q, k_, v))
+            y = F.scaled_dot_product_attention(q, k_, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+            x = x + self.out(y)
+            return x + self.w_out(F.gelu(self.w_in(self.ln2(x)), approximate="tanh"))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.zeros(max_len, d))
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+        def forward(self, tokens):
+            x = self.tok(tokens) + self.pos[: tokens.shape[1]]
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x))
+
+    return GPT()
+
+
+def torch_round(model, opt, sched, step_fn, batches) -> list[float]:
+    times, t = [], time.perf_counter()
+    for i in range(STEPS):
+        loss = step_fn(*batches[i % len(batches)])
+        if (i + 1) % LOG_EVERY == 0:
+            float(loss)
+            now = time.perf_counter()
+            times.append((now - t) / LOG_EVERY)
+            t = now
+    return times[2:]
+
+
+def main(argv: list[str]) -> int:
+    import numpy as np
+    import torch
+    from torch.nn import functional as F
+
+    compile_ = "--compile" in argv
+    argv = [a for a in argv if a != "--compile"]
+    cfg_path = Path(argv[0]) if argv and "=" not in argv[0] else ROOT / "configs" / "default.yaml"
+    args = [a for a in argv if "=" in a]
+    args = args if any(a.startswith("run.cpu_devices=") for a in args) else [*args, "run.cpu_devices=1"]
+
+    from shard import config, registry
+
+    cfg = config.load(cfg_path, [*args, *QUIET])
+    kw = registry.with_defaults(registry.resolve(cfg.model.name), cfg.model.kwargs)
+    if cfg.model.name != "gpt" or kw.get("position") != "learned" or kw.get("mlp") != "gelu" or kw.get("n_kv_heads"):
+        print("vs_torch.py mirrors the GPT-2 style gpt (learned positions, GELU MLP, full attention heads)")
+        return 2
+    cfg.model.kwargs = kw
+    torch.manual_seed(0)
+    model = torch_gpt(cfg)
+    o = cfg.optimizer
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0}],
+                            lr=o.lr, betas=(o.b1, o.b2), eps=o.eps)
+    warm = o.warmup_steps
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: s / max(warm, 1) if s < warm else o.min_lr_ratio + (
+        1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warm) / max(STEPS - warm, 1)))))
+    forward = torch.compile(model) if compile_ else model
+
+    def step_fn(x, y):
+        opt.zero_grad(set_to_none=True)
+        logits = forward(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_norm)
+        opt.step()
+        sched.step()
+        return loss.detach()
+
+    rng = np.random.default_rng(0)
+    shape = (cfg.data.batch_size, cfg.data.seq_len)
+    batches = [(torch.from_numpy(rng.integers(0, 256, shape)), torch.from_numpy(rng.integers(0, 256, shape)))
+               for _ in range(8)]
+    n_torch = sum(p.numel() for p in model.parameters())
+    torch_round(model, opt, sched, step_fn, batches)  # warm-up (and compile)
+    ours, theirs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(ROUNDS):
+            ours += framework_round(cfg_path, args, Path(tmp) / str(r))
+            theirs += torch_round(model, opt, sched, step_fn, batches)
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    a, b = tokens / statistics.median(ours), tokens / statistics.median(theirs)
+    import jax
+
+    print(f"device: {jax.devices()[0].device_kind} | jax {jax.__version__} | torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads{', torch.compile' if compile_ else ', eager'}) | "
+          f"{n_torch:,} torch parameters | batch {shape[0]}x{shape[1]}")
+    print(f"tokens/s: ours {a:,.0f}, PyTorch {b:,.0f}, ratio {a / b:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
