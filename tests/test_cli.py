@@ -73,7 +73,7 @@ def test_print_config_resolves_preset_and_overrides():
     assert cfg["mesh"] == {"preset": "fsdp_tp", "data": 1, "expert": 1, "fsdp": -1, "tensor": 4, "rules": {},
                            "dcn_data": None, "dcn_expert": 1, "dcn_fsdp": 1, "dcn_tensor": 1}
     assert cfg["model"]["n_layers"] == 2 and cfg["model"]["vocab_size"] == 256  # signature default filled in
-    assert cfg["train"]["steps"] == 320  # from configs/default.yaml
+    assert cfg["train"]["steps"] == 640  # from configs/default.yaml
 
 
 def test_a_short_run_writes_config_metrics_eval_and_sample(tmp_path):
