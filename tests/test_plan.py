@@ -67,12 +67,12 @@ def test_plan_memory_is_what_the_trained_step_uses(train, tmp_path):
 
 def test_dry_run_writes_plan_json_and_trains_nothing(tmp_path):
     done = run_cli(*TINY_GPT, "run.cpu_devices=8", "mesh=hybrid", f"run.dir={tmp_path}", "--dry-run",
-                   "run.peak_tflops=100", "run.link_gbps=50", "run.device_memory_gb=0.001")
+                   "run.peak_tflops=100", "run.link_gbps=50", "run.device_memory_gb=0.0001")
     assert done.returncode == 0, done.stderr
     p = json.loads((tmp_path / "plan.json").read_text())
     assert p["mesh"] == {"data": 4, "expert": 1, "fsdp": 1, "tensor": 2} and p["devices"] == 8
     assert set(p["memory_per_device"]) >= {"params", "optimizer", "arguments", "temp", "total", "fits"}
-    assert p["memory_per_device"]["fits"] is False  # 1 MB is too little
+    assert p["memory_per_device"]["fits"] is False  # 100 kB is too little
     assert p["estimated_step_s"] == pytest.approx(p["flops_per_device"] / 100e12 + p["wire_bytes_per_device"] / 50e9)
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
     assert "does NOT fit" in done.stdout
