@@ -50,14 +50,12 @@ def main(argv: list[str]) -> int:
         from shard import plan
 
         devices = distributed.start(cfg.run)
-        if cfg.mesh.preset == "auto" and "--compare" not in flags:
-            cfg, why = plan.chosen_config(cfg, plan.compare(cfg, devices))
-            print(why)
         if "--compare" in flags:
             rows = plan.compare(cfg, devices)
             print(plan.comparison_table(rows))
             print(f"wrote {plan.write(cfg.run.dir, rows, 'compare.json')}")
         else:
+            cfg = plan.apply_auto(cfg, devices)
             result = plan.analyse(cfg, devices)
             print(plan.report(result))
             print(f"wrote {plan.write(cfg.run.dir, result, 'plan.json')}")

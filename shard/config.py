@@ -356,7 +356,7 @@ def to_yaml(cfg: Config, model_kwargs: dict | None = None) -> str:
 
 
 def help_text(model_signature: list[tuple[str, str, Any]] | None = None, model_name: str = "") -> str:
-    lines = ["usage: python train.py [CONFIG.yaml] [key=value ...] [--print-config] [--help]", "",
+    lines = ["usage: python train.py [CONFIG.yaml] [key=value ...] [--print-config] [--dry-run] [--compare] [--help]", "",
              "Keys (type, default): set them in the YAML file or as key=value; the command line wins.", ""]
     for section in SECTIONS:
         lines.append(f"{section}:")

@@ -15,6 +15,7 @@ local processes form one mesh: that is how the multi-host path is tested on one 
 """
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import sys
@@ -155,13 +156,16 @@ def barrier(name: str, timeout_s: int) -> None:
              f"({_first_line(e)})")
 
 
-def check_same_config(cfg, resolved: str) -> None:
-    """Every process must run the same job: compare hashes of the resolved config (less the one key
-    that differs by design, run.process_id) across processes. On a mismatch every process raises,
-    naming the processes that differ from process 0."""
+def check_same_config(cfg, model_kwargs: dict) -> None:
+    """Every process must run the same job: compare hashes of the resolved config (with the one key
+    that differs by design, run.process_id, left out) across processes. On a mismatch every process
+    raises, naming the processes that differ from process 0."""
     if jax.process_count() == 1:
         return
-    resolved = "\n".join(line for line in resolved.splitlines() if not line.strip().startswith("process_id:"))
+    from shard import config as config_lib
+
+    shared = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, process_id=None))
+    resolved = config_lib.to_yaml(shared, model_kwargs=model_kwargs)
     client, me = _client(), jax.process_index()
     client.key_value_set(f"shard/config/{me}", hashlib.sha256(resolved.encode()).hexdigest())
     try:

@@ -11,7 +11,6 @@ activation checkpointing the recomputed forward is counted too (it is work the d
 
 import math
 
-import jax
 
 try:  # the jaxpr types moved between JAX versions
     from jax.extend.core import ClosedJaxpr, Jaxpr
@@ -51,14 +50,9 @@ def jaxpr_flops(jaxpr: Jaxpr) -> float:
     return total
 
 
-def step_flops(fn, *abstract_args) -> float:
-    """Model FLOPs of one call of fn on arguments of these shapes (all devices together)."""
-    return jaxpr_flops(jax.make_jaxpr(fn)(*abstract_args).jaxpr)
-
-
 def xla_flops(compiled) -> float | None:
     """FLOPs of one call of a compiled program, per device, as XLA's cost analysis counts them
-    (loop bodies once; elementwise work included): the cross-check for step_flops."""
+    (loop bodies once; elementwise work included): the cross-check for jaxpr_flops."""
     try:
         analysis = compiled.cost_analysis()
     except Exception:  # not every backend implements it

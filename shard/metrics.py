@@ -21,15 +21,19 @@ PEAK_TFLOPS = {
 }
 
 
+def device_spec(table: dict, device, override):
+    """A per-device figure: the user's override if given, else the table entry whose name is in the
+    device's kind (e.g. "H100" in "NVIDIA H100 80GB HBM3"), else unknown (None)."""
+    if override:
+        return override
+    kind = getattr(device, "device_kind", "")
+    return next((value for name, value in table.items() if name in kind), None)
+
+
 def peak_flops(device, override_tflops: float | None) -> float | None:
     """Peak FLOP/s of one device: `run.peak_tflops` if given, else the table, else unknown (None)."""
-    if override_tflops:
-        return override_tflops * 1e12
-    kind = getattr(device, "device_kind", "")
-    for name, tflops in PEAK_TFLOPS.items():
-        if name in kind:
-            return tflops * 1e12
-    return None
+    tflops = device_spec(PEAK_TFLOPS, device, override_tflops)
+    return tflops * 1e12 if tflops else None
 
 
 def seconds_since_process_start() -> float | None:

@@ -23,7 +23,7 @@ import jax
 from shard import hlo
 from shard import mesh as mesh_lib
 from shard.errors import UserError
-from shard.metrics import peak_flops
+from shard.metrics import device_spec, peak_flops
 
 # Per-chip memory (GB) and the bandwidth one chip sends over its fastest links (GB/s, one direction),
 # from the vendors' data sheets; matched against device_kind like the peak FLOP/s table.
@@ -31,13 +31,6 @@ DEVICE_MEMORY_GB = {"H200": 141, "H100": 80, "A100": 80, "L4": 24, "TPU v6": 32,
                     "TPU v5 lite": 16, "TPU v5e": 16, "TPU v4": 32}
 LINK_GBPS = {"H200": 450, "H100": 450, "A100": 300, "L4": 32, "TPU v6": 448, "TPU v5p": 600,
              "TPU v5 lite": 200, "TPU v5e": 200, "TPU v4": 300}
-
-
-def _lookup(table: dict, device, override):
-    if override:
-        return override
-    kind = getattr(device, "device_kind", "")
-    return next((v for name, v in table.items() if name in kind), None)
 
 
 def _shard_bytes(tree) -> int:
@@ -65,9 +58,9 @@ def analyse(cfg, devices: list) -> dict:
     flops_device = job.flops_per_step / n  # the step's model FLOPs split evenly over the devices
     total = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes \
         + memory.temp_size_in_bytes
-    capacity = _lookup(DEVICE_MEMORY_GB, devices[0], cfg.run.device_memory_gb)
+    capacity = device_spec(DEVICE_MEMORY_GB, devices[0], cfg.run.device_memory_gb)
     peak = peak_flops(devices[0], cfg.run.peak_tflops)
-    link = _lookup(LINK_GBPS, devices[0], cfg.run.link_gbps)
+    link = device_spec(LINK_GBPS, devices[0], cfg.run.link_gbps)
     estimate = None
     if peak and link:
         estimate = flops_device / peak + wire / (link * 1e9)
@@ -124,12 +117,13 @@ def candidate_meshes(n_devices: int) -> list[tuple[str, dict]]:
     out, seen = [], set()
     for name in mesh_lib.preset_names():
         preset = mesh_lib.load_preset(name)
-        sizes = mesh_lib.resolve_sizes({a: preset.get(a, 1) for a in mesh_lib.AXES}, n_devices) \
-            if _fits_preset(preset, n_devices) else None
-        if sizes:
-            out.append((name, {"preset": name, **sizes}))
-            if not preset.get("rules"):
-                seen.add(tuple(sizes.values()))
+        try:
+            sizes = mesh_lib.resolve_sizes({a: preset.get(a, 1) for a in mesh_lib.AXES}, n_devices)
+        except UserError:  # e.g. hybrid's tensor=2 on an odd device count
+            continue
+        out.append((name, {"preset": name, **sizes}))
+        if not preset.get("rules"):
+            seen.add(tuple(sizes.values()))
     divisors = [d for d in range(1, n_devices + 1) if n_devices % d == 0]
     for shape in itertools.product(divisors, repeat=len(mesh_lib.AXES)):
         if math.prod(shape) == n_devices and shape not in seen:
@@ -137,14 +131,6 @@ def candidate_meshes(n_devices: int) -> list[tuple[str, dict]]:
             out.append((" x ".join(f"{a}={s}" for a, s in zip(mesh_lib.AXES, shape) if s > 1) or "1 device",
                         {"preset": "dp", **dict(zip(mesh_lib.AXES, shape))}))
     return out
-
-
-def _fits_preset(preset: dict, n: int) -> bool:
-    try:
-        mesh_lib.resolve_sizes({a: preset.get(a, 1) for a in mesh_lib.AXES}, n)
-        return True
-    except UserError:
-        return False
 
 
 def split_axes(cfg) -> set[str]:
@@ -186,6 +172,15 @@ def compare(cfg, devices: list) -> list[dict]:
             continue
         rows.append({"label": label, "preset": preset, **plan})
     return rows
+
+
+def apply_auto(cfg, devices: list, say=print):
+    """mesh=auto: cfg with the chosen mesh, saying which and why; any other mesh: cfg as it is."""
+    if cfg.mesh.preset != "auto":
+        return cfg
+    cfg, why = chosen_config(cfg, compare(cfg, devices))
+    say(why)
+    return cfg
 
 
 def chosen_config(cfg, rows: list[dict]):

@@ -92,13 +92,15 @@ def model_outputs(graphdef: nnx.GraphDef, abstract_state, abstract_batch: dict, 
 
 def compile_step(fn: Callable, abstract_state, state_shardings, abstract_batch, batch_shardings,
                  mesh, *, donate: bool, returns_state: bool, context: str):
-    """jit with explicit shardings, lowered and compiled now (errors surface before training starts)."""
+    """jit with explicit shardings, traced, lowered and compiled now (errors surface before training
+    starts). Returns the compiled step and its jaxpr (for counting its FLOPs without tracing again)."""
     replicated = NamedSharding(mesh, PartitionSpec())
     out_shardings = (state_shardings, replicated) if returns_state else replicated
     jitted = jax.jit(fn, in_shardings=(state_shardings, batch_shardings), out_shardings=out_shardings,
                      donate_argnums=(0,) if donate else ())
     try:
-        lowered = jitted.lower(abstract_state, abstract_batch)
+        traced = jitted.trace(abstract_state, abstract_batch)
+        lowered = traced.lower()
     except (TypeError, ValueError) as e:  # the model ran (model_outputs), so the loss or targets did not fit
         raise UserError(f"{context}: {str(e).strip().splitlines()[0]}") from None
-    return lowered.compile()
+    return lowered.compile(), traced.jaxpr

@@ -22,7 +22,7 @@ from shard import data as data_lib
 from shard import flops as flops_lib
 from shard import losses, optim, registry
 from shard import mesh as mesh_lib
-from shard import partition
+from shard import partition, plan
 from shard import state as state_lib
 from shard import step as step_lib
 from shard.errors import NonFiniteLoss, UserError
@@ -56,20 +56,13 @@ def run(cfg: config_lib.Config) -> Result:
     devices = distributed.start(cfg.run)  # joins the other processes first, if there are any
     main = jax.process_index() == 0
     say = print if main else (lambda *a, **k: None)
-    if cfg.mesh.preset == "auto":
-        from shard import plan
-
-        cfg, why = plan.chosen_config(cfg, plan.compare(cfg, devices))
-        say(why)
+    cfg = plan.apply_auto(cfg, devices, say)  # mesh=auto: the fastest estimated mesh that fits
     model_cls = registry.resolve(cfg.model.name)
-    resolved = config_lib.to_yaml(cfg, model_kwargs=registry.with_defaults(
-        model_cls, registry.check_kwargs(model_cls, cfg.model.kwargs, cfg.model.name)))
-    distributed.check_same_config(cfg, resolved)  # before compiling: every process the same job
+    model_kwargs = registry.with_defaults(model_cls, registry.check_kwargs(model_cls, cfg.model.kwargs, cfg.model.name))
+    distributed.check_same_config(cfg, model_kwargs)  # before compiling: every process the same job
+    resolved = config_lib.to_yaml(cfg, model_kwargs=model_kwargs)
     job = prepare(cfg, devices)
-    mesh, data, graphdef, abstract, shardings = job.mesh, job.data, job.graphdef, job.abstract, job.shardings
-    schedule, init, target = job.schedule, job.init, job.target
-    train_step, eval_step, checkpoint_dir = job.train_step, job.eval_step, job.checkpoint_dir
-    batch_shardings, eval_shardings = job.batch_shardings, job.eval_shardings
+    data, graphdef = job.data, job.graphdef
 
     # ---- run directory: only now, with the input known to be good
     try:
@@ -78,22 +71,21 @@ def run(cfg: config_lib.Config) -> Result:
             (run_dir / "config.yaml").write_text(resolved)
         checkpoints = None
         if cfg.checkpoint.enabled:
-            checkpoints = ckpt_lib.Checkpoints(checkpoint_dir, keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
+            checkpoints = ckpt_lib.Checkpoints(job.checkpoint_dir, keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
     except OSError as e:
         raise UserError(f"run.dir={cfg.run.dir!r}: cannot write there ({e.strerror or e})") from None
     log = MetricsLog(run_dir)
 
-    say(f"model {cfg.model.name}: {state_lib.count_params(abstract.params):,} parameters | mesh "
-        f"{mesh_lib.describe(mesh)} on {len(devices)} {devices[0].platform} device(s) | task {data.task} | "
+    say(f"model {cfg.model.name}: {state_lib.count_params(job.abstract.params):,} parameters | mesh "
+        f"{mesh_lib.describe(job.mesh)} on {len(devices)} {devices[0].platform} device(s) | task {data.task} | "
         f"{cfg.train.dtype}")
 
     # ---- state: resumed, restored from another run, or freshly initialised (always sharded)
     try:
-        state = start_state(cfg, checkpoints, init, shardings, target, say)
-        result = Result(graphdef=graphdef, shardings=shardings, mesh=mesh, train_step=train_step,
+        state = start_state(cfg, checkpoints, job.init, job.shardings, job.target, say)
+        result = Result(graphdef=graphdef, shardings=job.shardings, mesh=job.mesh, train_step=job.train_step,
                         start_step=int(state.step))
-        state = train_loop(cfg, state, train_step, eval_step, data, batch_shardings, eval_shardings, schedule,
-                           checkpoints, log, result, devices, main, job)
+        state = train_loop(cfg, state, job, checkpoints, log, result, devices, main)
     finally:
         if checkpoints:
             checkpoints.close()
@@ -102,7 +94,7 @@ def run(cfg: config_lib.Config) -> Result:
         return result
 
     # ---- final eval and sample
-    result.eval = evaluate(eval_step, state, data, eval_shardings, cfg)
+    result.eval = evaluate(job.eval_step, state, data, job.eval_shardings, cfg)
     log.write({"step": cfg.train.steps, **result.eval})
     summary = " | ".join(f"{k} {v:.4f}" for k, v in result.eval.items())
     if result.history:
@@ -137,7 +129,7 @@ class Job:
     train_step: object
     eval_step: object
     flops_per_step: float  # model FLOPs of one train step, all devices together (shard/flops.py)
-    compile_s: float       # seconds to lower and compile the train step
+    compile_s: float       # seconds to trace, lower and compile the train step
 
 
 def prepare(cfg: config_lib.Config, devices: list, training: bool = True) -> Job:
@@ -176,13 +168,13 @@ def prepare(cfg: config_lib.Config, devices: list, training: bool = True) -> Job
                    f"{tuple(batch['targets'].shape)} {batch['targets'].dtype} (task {data.task})")
         train_fn = step_lib.make_train_step(graphdef, tx, loss_fn, dtype, cfg.train.skip_nonfinite)
         compile_start = time.perf_counter()
-        train_step = step_lib.compile_step(train_fn, abstract, shardings, batch, batch_shardings, mesh, donate=True,
-                                           returns_state=True, context=context)
+        train_step, train_jaxpr = step_lib.compile_step(train_fn, abstract, shardings, batch, batch_shardings, mesh,
+                                                        donate=True, returns_state=True, context=context)
         compile_s = time.perf_counter() - compile_start
-        flops_per_step = flops_lib.step_flops(train_fn, abstract, batch)
+        flops_per_step = flops_lib.jaxpr_flops(train_jaxpr.jaxpr)
         eval_step = None if not training else step_lib.compile_step(
             step_lib.make_eval_step(graphdef, loss_fn, data.task, dtype), abstract, shardings, eval_batch,
-            eval_shardings, mesh, donate=False, returns_state=False, context=context)
+            eval_shardings, mesh, donate=False, returns_state=False, context=context)[0]
 
     return Job(mesh, rules, model_cls, kwargs, data, schedule, graphdef, abstract, init, shardings,
                batch_shardings, eval_shardings, target, checkpoint_dir, train_step, eval_step, flops_per_step,
@@ -238,15 +230,15 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
-def train_loop(cfg, state, train_step, eval_step, data, batch_shardings, eval_shardings, schedule, checkpoints,
-               log, result, devices, main, job) -> state_lib.TrainState:
+def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main) -> state_lib.TrainState:
+    data, train_step, schedule = job.data, job.train_step, job.schedule
     flops = job.flops_per_step / len(devices)  # per device: the step's work is split evenly over the mesh
     peak = peak_flops(devices[0], cfg.run.peak_tflops)
     per_step = cfg.data.batch_size * (data.tokens_per_example or 1)
     rate_key = "tokens_per_s" if data.tokens_per_example else "examples_per_s"
     start = int(state.step)
     prefetch = prefetch_depth(cfg, devices)
-    batches = data_lib.device_batches(data.train, batch_shardings, start=start, prefetch=prefetch)
+    batches = data_lib.device_batches(data.train, job.batch_shardings, start=start, prefetch=prefetch)
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not (cfg.run.progress and main), mininterval=1.0,
                dynamic_ncols=True, leave=False)
     saved = checkpoints.steps() if checkpoints else []
@@ -309,7 +301,7 @@ def train_loop(cfg, state, train_step, eval_step, data, batch_shardings, eval_sh
                 result.preempted = True
                 return state
             if eval_now:
-                log.write({"step": done, **evaluate(eval_step, state, data, eval_shardings, cfg)})
+                log.write({"step": done, **evaluate(job.eval_step, state, data, job.eval_shardings, cfg)})
             t_last, steps_since = time.perf_counter(), 0
     bar.close()
     return state
