@@ -44,7 +44,7 @@ class MinimalLoop:
         import optax
         from flax import nnx
 
-        from shard import registry
+        from shard import partition, registry
 
         model_cls = registry.resolve(cfg.model.name)
         kwargs = registry.check_kwargs(model_cls, cfg.model.kwargs, cfg.model.name)
@@ -56,11 +56,15 @@ class MinimalLoop:
         tx = optax.chain(optax.clip_by_global_norm(o.clip_norm),
                          optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                                      mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
-        graphdef = self.graphdef
+        graphdef, dtype, t = self.graphdef, jnp.dtype(cfg.train.dtype), cfg.train
 
         def step(params, rest, opt_state, x, y):
             def loss_fn(p):
-                logits = nnx.merge(graphdef, p, rest, copy=True)(x)
+                # Mixed precision as the config says: float32 parameters, matrices computed in `dtype`.
+                p_compute = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, p)
+                # The model's own hooks for activation checkpointing and the attention kernel, no sharding.
+                with partition.activate(None, None, remat=t.remat, attention=t.attention):
+                    logits = nnx.merge(graphdef, p_compute, rest, copy=True)(x)
                 return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
 
             loss, grads = jax.value_and_grad(loss_fn)(params)

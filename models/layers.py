@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.partition import constrain, layer
+from shard.partition import attention, constrain, layer
 
 
 def param(rngs: nnx.Rngs, shape: tuple, names: tuple, std: float) -> nnx.Param:
@@ -60,7 +60,7 @@ class Attention(nnx.Module):
                 for t in jnp.einsum("bte,eshd->sbthd", x, self.kv[...]))
         if self.rope_theta:
             q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=self.causal)  # handles grouped K/V heads itself
+        y = attention(q, k, v, is_causal=self.causal)  # handles grouped K/V heads itself
         return jnp.einsum("bthd,hde->bte", y, self.out[...])
 
 

@@ -77,6 +77,8 @@ class TrainConfig:
     loss: str = option("auto", "loss name (see shard/losses.py); auto = the task's default")
     remat: str = option("none", "activation checkpointing of each scanned layer: keep all, recompute all, "
                         "or keep matmul outputs", choices=("none", "full", "dots"))
+    attention: str = option("xla", "attention kernel: xla (any device) or cudnn (fused flash attention; NVIDIA "
+                            "GPU, bfloat16, head size <= 128)", choices=("xla", "cudnn"))
     init_from: Optional[str] = option(None, "load parameters only from this checkpoint (run, checkpoints or step folder), e.g. to fine-tune")
     skip_nonfinite: bool = option(False, "skip an update whose loss or gradients are not finite, instead of stopping")
     eval_every: int = option(0, "evaluate every N steps; 0 = only at the end", min=0)

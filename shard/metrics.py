@@ -36,6 +36,14 @@ def peak_flops(device, override_tflops: float | None) -> float | None:
     return tflops * 1e12 if tflops else None
 
 
+def peak_memory_gb() -> float | None:
+    """Most device memory this process's first device has held so far, in GB (10^9 bytes), where the
+    runtime reports it (GPUs and TPUs; not the CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return peak / 1e9 if peak is not None else None
+
+
 def seconds_since_process_start() -> float | None:
     """Wall seconds since this process started (Linux /proc; None elsewhere): start-up cost, imports included."""
     try:

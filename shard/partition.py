@@ -80,6 +80,7 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("shard_active_rules", d
 
 
 _REMAT: contextvars.ContextVar = contextvars.ContextVar("shard_remat", default="none")
+_ATTENTION: contextvars.ContextVar = contextvars.ContextVar("shard_attention", default="xla")
 
 # train.remat -> what a layer keeps for the backward pass (everything, nothing, or matmul outputs).
 REMAT_POLICIES = {
@@ -89,15 +90,16 @@ REMAT_POLICIES = {
 
 
 @contextlib.contextmanager
-def activate(mesh: jax.sharding.Mesh, rules: dict, remat: str = "none"):
-    """While tracing: `constrain` maps names through these rules onto this mesh, and `layer` applies
-    this activation-checkpointing policy."""
-    tokens = _ACTIVE.set((mesh, rules)), _REMAT.set(remat)
+def activate(mesh: jax.sharding.Mesh | None, rules: dict | None, remat: str = "none", attention: str = "xla"):
+    """While tracing: `constrain` maps names through these rules onto this mesh (no mesh: no
+    constraints), `layer` applies this activation-checkpointing policy and `attention` this kernel."""
+    tokens = _ACTIVE.set(None if mesh is None else (mesh, rules)), _REMAT.set(remat), _ATTENTION.set(attention)
     try:
         yield
     finally:
         _ACTIVE.reset(tokens[0])
         _REMAT.reset(tokens[1])
+        _ATTENTION.reset(tokens[2])
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -125,3 +127,26 @@ def layer(fn):
     from flax import nnx
 
     return nnx.remat(fn, policy=policy)
+
+
+# cuDNN's fused (flash) attention: NVIDIA GPUs, half-precision inputs, head sizes up to 128 in steps of 8.
+CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+def check_attention(attention: str, device, dtype) -> None:
+    """Fail early, in one line, when `train.attention` cannot run on this device and compute dtype."""
+    if attention == "cudnn" and (device.platform != "gpu" or str(dtype) not in CUDNN_DTYPES):
+        raise UserError(f"train.attention=cudnn needs an NVIDIA GPU and train.dtype=bfloat16, got a "
+                        f"{device.platform} device and {dtype}; use train.attention=xla")
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool) -> jax.Array:
+    """Scaled dot-product attention over (batch, length, heads, head_dim) arrays with the active kernel
+    (`train.attention`): XLA's own (any device), or cuDNN's fused flash attention. A model calls this
+    instead of choosing a kernel; outside the framework it is XLA's."""
+    implementation = _ATTENTION.get()
+    head_dim = q.shape[-1]
+    if implementation == "cudnn" and (head_dim > 128 or head_dim % 8):
+        raise UserError(f"train.attention=cudnn needs a head size <= 128 and a multiple of 8, got {head_dim}; "
+                        "use train.attention=xla")
+    return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, implementation=implementation)

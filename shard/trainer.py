@@ -27,7 +27,7 @@ from shard import state as state_lib
 from shard import step as step_lib
 from shard.errors import NonFiniteLoss, UserError
 from shard.generate import sample
-from shard.metrics import MetricsLog, peak_flops, seconds_since_process_start
+from shard.metrics import MetricsLog, peak_flops, peak_memory_gb, seconds_since_process_start
 
 
 @dataclass
@@ -145,9 +145,10 @@ def prepare(cfg: config_lib.Config, devices: list, training: bool = True) -> Job
     loss_fn = losses.resolve(cfg.train.loss, data.task)
     tx, schedule = optim.build(cfg.optimizer, cfg.train.steps)
     dtype = jnp.dtype(cfg.train.dtype)
+    partition.check_attention(cfg.train.attention, devices[0], dtype)
 
     # ---- abstract state, shardings, checkpoints to read, compiled steps (nothing allocated yet)
-    with partition.activate(mesh, rules, remat=cfg.train.remat):
+    with partition.activate(mesh, rules, remat=cfg.train.remat, attention=cfg.train.attention):
         graphdef, abstract, init = state_lib.abstract_state(model_cls, kwargs, tx, cfg.train.seed, cfg.model.name)
         shardings = state_lib.state_shardings(abstract, mesh, rules)
         batch = data.abstract_batch()
@@ -172,6 +173,11 @@ def prepare(cfg: config_lib.Config, devices: list, training: bool = True) -> Job
                                                         donate=True, returns_state=True, context=context)
         compile_s = time.perf_counter() - compile_start
         flops_per_step = flops_lib.jaxpr_flops(train_jaxpr.jaxpr)
+        if cfg.train.remat != "none":  # MFU counts the model's FLOPs, not a recomputed forward: trace without.
+            # A new function object: JAX caches traces by function, and the remat policy is not in its key.
+            with partition.activate(mesh, rules, attention=cfg.train.attention):
+                jaxpr = jax.make_jaxpr(lambda state, b: train_fn(state, b))(abstract, batch)
+            flops_per_step = flops_lib.jaxpr_flops(jaxpr.jaxpr)
         eval_step = None if not training else step_lib.compile_step(
             step_lib.make_eval_step(graphdef, loss_fn, data.task, dtype), abstract, shardings, eval_batch,
             eval_shardings, mesh, donate=False, returns_state=False, context=context)[0]
@@ -281,8 +287,12 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main) ->
                 record = {"step": done, "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
                           "lr": float(schedule(step)), "step_time_s": step_time, rate_key: per_step / step_time}
                 record |= {k: float(v) for k, v in out.items() if k not in ("loss", "grad_norm", "finite")}
+                if flops:
+                    record["tflops_per_device"] = flops / step_time / 1e12  # model FLOPs achieved
                 if flops and peak:
                     record["mfu"] = flops / step_time / peak
+                if (memory := peak_memory_gb()) is not None:
+                    record["peak_memory_gb"] = memory
                 if skipped:
                     record["skipped_steps"] = skipped
                 if done == start + 1:  # start-up costs, once: process start to the end of the first step

@@ -34,6 +34,7 @@ BAD_INPUTS = {
     "missing data path": (["data.path=no/such/dir"], "data.path"),
     "missing CSV": (["model.name=mlp", "data.name=tabular", "data.path=no/such.csv"], "no/such.csv"),
     "batch larger than the data": (["model.name=mlp", "data.name=digits", "data.batch_size=4096"], "4096"),
+    "cudnn attention on CPU": (["train.attention=cudnn", "train.dtype=bfloat16"], "train.attention=cudnn"),
     "lm task on tables": (["model.name=mlp", "data.name=digits", "data.task=lm"], "data.task=lm"),
 }
 
@@ -86,8 +87,11 @@ def test_a_short_run_writes_config_metrics_eval_and_sample(tmp_path):
     records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == [1, 2, 4]
-    for key in ("step", "loss", "lr", "step_time_s", "tokens_per_s", "mfu"):
+    for key in ("step", "loss", "lr", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu"):
         assert key in train[-1]
+    last = train[-1]  # peak 1 TFLOP/s: MFU is the achieved rate in TFLOP/s
+    assert last["mfu"] == pytest.approx(last["tflops_per_device"])
+    assert "peak_memory_gb" not in last  # the CPU does not report device memory
     assert "eval_loss" in records[-1] and "eval_accuracy" in records[-1]
 
 

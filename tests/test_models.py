@@ -56,6 +56,29 @@ def test_layers_are_scanned_and_remat_policies_change_memory_not_results(train):
     assert temp["full"] < temp["none"]  # recomputing the layer keeps fewer activations
 
 
+def test_attention_kernel_is_the_configured_one(monkeypatch):
+    from shard import partition
+    from shard.errors import UserError
+
+    seen = []
+    real = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, implementation=None, **kw: seen.append(implementation) or real(*a, **kw))
+    axes = ("data", "expert", "fsdp", "tensor")
+    mesh = jax.make_mesh((1,) * 4, axes, axis_types=(jax.sharding.AxisType.Auto,) * 4, devices=jax.devices()[:1])
+    with nnx.use_eager_sharding(False):
+        model = GPT(vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_len=8, rngs=nnx.Rngs(0))
+    tokens, rules = jnp.zeros((1, 8), jnp.int32), partition.merged_rules(None, mesh.axis_names)
+    model(tokens)
+    with partition.activate(mesh, rules, attention="cudnn"):
+        graphdef, state = nnx.split(model)
+        jax.eval_shape(lambda s, t: nnx.merge(graphdef, s)(t), state, tokens)  # traced only: cuDNN needs a GPU
+    assert seen == ["xla", "cudnn"]  # outside the framework XLA's; inside, train.attention's
+    q = jnp.zeros((1, 8, 2, 12), jnp.bfloat16)
+    with partition.activate(mesh, rules, attention="cudnn"), pytest.raises(UserError, match="head size"):
+        partition.attention(q, q, q, is_causal=True)
+
+
 # ----------------------------------------------------------------------------- mixture of experts
 
 def moe_layer(top_k=2, capacity_factor=8.0, n_experts=4):

@@ -118,15 +118,17 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert wire == pytest.approx(5 * 2 * 3 / 4 * 32 + 1 / 2 * 72 + 24 + 32)
 
 
-@pytest.mark.parametrize("layers", [1, 3])
-def test_model_flops_are_the_textbook_count_and_xla_agrees_for_one_layer(tmp_path, layers):
+@pytest.mark.parametrize("layers,remat", [(1, "none"), (3, "none"), (3, "full")])
+def test_model_flops_are_the_textbook_count_and_xla_agrees_for_one_layer(tmp_path, layers, remat):
     """6 x (matmul parameters) x tokens + attention (forward 4 x layers x length x width per token,
-    backward twice that), counted on the jaxpr with scanned layers once per layer. XLA's cost
+    backward twice that), counted on the jaxpr with scanned layers once per layer, and without the
+    forward that activation checkpointing recomputes (MFU, not hardware utilisation). XLA's cost
     analysis counts a loop body once, so it agrees (within its elementwise extras) only for one layer."""
     from shard.flops import xla_flops
     from shard.trainer import prepare
 
-    cfg = config.load(None, overrides(tmp_path, *TINY_GPT, f"model.n_layers={layers}", "run.cpu_devices=1"))
+    cfg = config.load(None, overrides(tmp_path, *TINY_GPT, f"model.n_layers={layers}", "run.cpu_devices=1",
+                                      f"train.remat={remat}"))
     job = prepare(cfg, jax.devices()[:1], training=False)
     d, ff, vocab, length, batch = 32, 64, 256, 32, 16
     tokens = batch * length
