@@ -96,7 +96,8 @@ def better(a: dict | None, b: dict) -> bool:
     return b["status"] == "ok" and (a is None or b["tokens_per_s"] > a["tokens_per_s"])
 
 
-def sweep(config, overrides, start: dict, knobs: list[str], device: dict, steps, deadline, say) -> list[dict]:
+def sweep(config, overrides, start: dict, knobs: list[str], device: dict, bf16: bool, steps, deadline,
+          say) -> list[dict]:
     """One knob at a time from `start`, each from the best setting so far; returns every run."""
     done: dict[tuple, dict] = {}
     best: dict | None = None
@@ -115,7 +116,7 @@ def sweep(config, overrides, start: dict, knobs: list[str], device: dict, steps,
         return result
 
     trial(start)
-    gpu_bf16 = device["platform"] == "gpu" and any(o == "train.dtype=bfloat16" for o in overrides)
+    gpu_bf16 = device["platform"] == "gpu" and bf16
     for knob in knobs:
         base = dict(best or start)
         if knob == "attention":
@@ -167,10 +168,11 @@ def main(argv: list[str]) -> int:
         args.config = str(ROOT / "configs" / "gpt_350m.yaml")
     knobs = [k for k in args.knobs.split(",") if k]
     unknown = set(knobs) - {"attention", "remat", "batch", "flags"}
-    if unknown or args.steps < 4 * LOG_EVERY:
-        print(f"error: --knobs takes attention,remat,batch,flags (got {','.join(sorted(unknown))}); "
-              f"--steps at least {4 * LOG_EVERY}" if unknown else f"error: --steps must be at least {4 * LOG_EVERY}",
-              file=sys.stderr)
+    if unknown:
+        print(f"error: --knobs takes attention,remat,batch,flags, got {','.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    if args.steps < 4 * LOG_EVERY:
+        print(f"error: --steps must be at least {4 * LOG_EVERY}, got {args.steps}", file=sys.stderr)
         return 2
 
     from shard import config as config_lib
@@ -182,7 +184,6 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     device = device_info()
-    overrides = [*args.overrides, f"train.dtype={cfg.train.dtype}"]
     start = {"attention": cfg.train.attention, "remat": cfg.train.remat, "batch": cfg.data.batch_size,
              "flags": os.environ.get("XLA_FLAGS", "")}
     print(f"device: {device['kind']} ({device['platform']}) | jax {device['jax']} | {Path(args.config).name} "
@@ -191,9 +192,10 @@ def main(argv: list[str]) -> int:
     deadline = time.monotonic() + args.budget_s
     say = lambda line: print(line, flush=True)  # noqa: E731
     if args.sweep:
-        runs = sweep(args.config, overrides, start, knobs, device, args.steps, deadline, say)
+        runs = sweep(args.config, args.overrides, start, knobs, device, cfg.train.dtype == "bfloat16", args.steps,
+                     deadline, say)
     else:
-        runs = [run_setting(args.config, overrides, start, args.steps, max(60.0, args.budget_s))]
+        runs = [run_setting(args.config, args.overrides, start, args.steps, max(60.0, args.budget_s))]
         say(row(runs[0]))
     if args.out:
         with open(args.out, "a") as f:

@@ -45,6 +45,7 @@ class MinimalLoop:
         from flax import nnx
 
         from shard import partition, registry
+        from shard.step import cast_floats
 
         model_cls = registry.resolve(cfg.model.name)
         kwargs = registry.check_kwargs(model_cls, cfg.model.kwargs, cfg.model.name)
@@ -60,8 +61,7 @@ class MinimalLoop:
 
         def step(params, rest, opt_state, x, y):
             def loss_fn(p):
-                # Mixed precision as the config says: float32 parameters, matrices computed in `dtype`.
-                p_compute = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, p)
+                p_compute = cast_floats(p, dtype)  # mixed precision: float32 parameters, compute in `dtype`
                 # The model's own hooks for activation checkpointing and the attention kernel, no sharding.
                 with partition.activate(None, None, remat=t.remat, attention=t.attention):
                     logits = nnx.merge(graphdef, p_compute, rest, copy=True)(x)

@@ -289,8 +289,8 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main) ->
                 record |= {k: float(v) for k, v in out.items() if k not in ("loss", "grad_norm", "finite")}
                 if flops:
                     record["tflops_per_device"] = flops / step_time / 1e12  # model FLOPs achieved
-                if flops and peak:
-                    record["mfu"] = flops / step_time / peak
+                    if peak:
+                        record["mfu"] = flops / step_time / peak
                 if (memory := peak_memory_gb()) is not None:
                     record["peak_memory_gb"] = memory
                 if skipped:
