@@ -35,7 +35,10 @@ class MoELayer(nnx.Module):
                  aux_loss_weight: float, swiglu: bool, out_std: float, rngs: nnx.Rngs):
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_loss_weight = aux_loss_weight
-        self.router = param(rngs, (d_model, n_experts), ("embed", None), 0.02)
+        # The router stays float32 under bfloat16 training (the step does not cast it), and its logits and
+        # softmax are computed in float32: top-k must not choose from rounded scores (Switch Transformer).
+        self.router = nnx.Param(0.02 * jax.random.normal(rngs.params(), (d_model, n_experts)),
+                                out_sharding=("embed", None), full_precision=True)
         self.w_in = param(rngs, (n_experts, d_model, d_ff), ("experts", "embed", "mlp"), 0.02)
         self.w_gate = param(rngs, (n_experts, d_model, d_ff), ("experts", "embed", "mlp"), 0.02) if swiglu else None
         self.w_out = param(rngs, (n_experts, d_ff, d_model), ("experts", "mlp", "embed"), out_std)
@@ -49,7 +52,7 @@ class MoELayer(nnx.Module):
     def __call__(self, x):  # (batch, length, d_model)
         b, t, _ = x.shape
         n, k, cap = self.n_experts, self.top_k, self.capacity(t)
-        probs = jax.nn.softmax(jnp.einsum("btd,de->bte", x, self.router[...]).astype(jnp.float32), axis=-1)
+        probs = jax.nn.softmax(jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...]), axis=-1)
         top_p, top_e = jax.lax.top_k(probs, k)                     # (b, t, k)
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)     # the chosen experts' weights sum to 1
         chosen = jax.nn.one_hot(top_e, n, dtype=jnp.float32)       # (b, t, k, n)

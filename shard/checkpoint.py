@@ -126,8 +126,16 @@ def _shapes(tree) -> dict:
     out = {}
     for path, leaf in leaves:
         name = jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
-        out[name] = getattr(leaf, "shape", ())
+        out[name] = _stored_shape(leaf)
     return out
+
+
+def _stored_shape(leaf) -> tuple:
+    """The shape as saved: a typed random key (e.g. a Dropout's nnx.Rngs) is stored as its key data."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return tuple(jax.eval_shape(jax.random.key_data, leaf).shape)
+    return tuple(getattr(leaf, "shape", ()))
 
 
 def open_path(path: str, key: str) -> tuple[ocp.CheckpointManager, int]:

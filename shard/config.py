@@ -107,6 +107,11 @@ class MeshConfig:
     fsdp: Optional[int] = option(None, "fully-sharded (ZeRO-3) axis size; -1 = remaining devices; default: preset's, else 1")
     tensor: Optional[int] = option(None, "tensor (Megatron) axis size; -1 = remaining devices; default: preset's, else 1")
     rules: dict = option({}, "logical axis -> mesh axis or list of axes (null = replicated), over the preset's")
+    auto_shard: bool = option(True, "split parameters that logical names leave whole: unnamed ones over fsdp, "
+                              "tensor and expert, named ones over fsdp (ZeRO-3), each on its largest divisible free "
+                              "dimension")
+    auto_shard_min_size: int = option(16384, "parameters with fewer elements stay whole under auto_shard "
+                                      "(biases, norm scales: gathering them costs more than they save)", min=1)
     # Multi-slice / multi-node: how many of an axis's devices lie across the slow network between
     # slices (TPU) or processes (GPU nodes). Each divides its axis; all of them together multiply
     # to the number of slices or processes.

@@ -2,6 +2,7 @@
 
 import jax
 import optax
+from flax import nnx
 
 
 def build(cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -9,9 +10,27 @@ def build(cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Sc
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
         decay_steps=max(total_steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
-    # Decay matrices only: biases, norm scales and other vectors keep their values.
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay, mask=decay_mask)
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw
     return tx, schedule
+
+
+def decays(var) -> bool:
+    """Whether weight decay applies: to matrices, not to biases, norm scales or other vectors.
+
+    Decided from the parameter's own dimensions. With logical names, those named other than `layers`
+    count (stacking scanned layers adds a dimension, not a matrix), and an unnamed axis inside a
+    named parameter (the k/v pair, an LSTM's four gates, a router's experts, learned positions) is a
+    grouping, not a matrix's rows or columns. Without names, every dimension counts.
+    """
+    names = var.get_metadata().get("out_sharding") if isinstance(var, nnx.Variable) else None
+    if names is None:
+        return jax.tree.leaves(var)[0].ndim >= 2
+    return sum(1 for n in names if n is not None and n != "layers") >= 2
+
+
+def decay_mask(params):
+    """The mask optax.adamw applies weight decay through: `decays` for every parameter."""
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    return jax.tree.map(lambda v: v.replace(decays(v)) if is_var(v) else decays(v), params, is_leaf=is_var)

@@ -12,6 +12,7 @@ embed: one table serves both, without a second vocabulary for activations.
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Sequence
 
 import jax
@@ -72,6 +73,45 @@ def logical_to_spec(names: Sequence[str | None], rules: dict, mesh_shape: dict[s
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*spec)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+# Mesh axes that split parameters, in the order the automatic split offers them a dimension
+# (`data` only ever splits the batch).
+MODEL_AXES = ("fsdp", "tensor", "expert")
+
+
+def param_spec(shape: Sequence[int], names: Sequence[str | None] | None, rules: dict, mesh_shape: dict[str, int],
+               auto_min_size: int | None) -> tuple[PartitionSpec, str]:
+    """A parameter's PartitionSpec and how it was decided: "named" (its logical names alone split it),
+    "auto" (the fallback below split some dimension) or "replicated".
+
+    The fallback, for any model (`mesh.auto_shard`): a parameter with at least `auto_min_size`
+    elements that carries no names gets, from each model axis larger than 1 in turn (fsdp, then
+    tensor, then expert only if nothing else split it), the largest dimension that axis divides and
+    no other axis splits yet. A named parameter that no rule splits over fsdp gets the same from
+    fsdp alone, as ZeRO-3 shards every tensor; its `layers` dimension is never taken (scanned layers
+    are sliced one at a time). `auto_min_size=None` turns the fallback off.
+    """
+    spec = list(logical_to_spec(names, rules, mesh_shape)) if names is not None else [None] * len(shape)
+    used = {a for entry in spec for a in axes_of(entry)}
+    kind = "named" if used else "replicated"
+    if auto_min_size is None or math.prod(shape) < auto_min_size:
+        return PartitionSpec(*spec), kind
+    for axis in MODEL_AXES:
+        if mesh_shape.get(axis, 1) == 1 or axis in used or (names is not None and axis != "fsdp"):
+            continue
+        if axis == "expert" and used:  # expert is the last resort: it also splits the batch
+            continue
+        free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % mesh_shape[axis] == 0
+                and (names is None or names[d] != "layers")]
+        if free:
+            dim = max(free, key=lambda d: (shape[d], -d))  # the largest; the first of equals
+            spec[dim] = axis
+            used.add(axis)
+            kind = "auto"
+    return PartitionSpec(*spec), kind
 
 
 # ----------------------------------------------------------------------------- active rules

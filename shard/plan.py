@@ -20,7 +20,7 @@ from pathlib import Path
 
 import jax
 
-from shard import hlo
+from shard import hlo, partition
 from shard import mesh as mesh_lib
 from shard.errors import UserError
 from shard.metrics import device_spec, peak_flops
@@ -80,6 +80,9 @@ def analyse(cfg, devices: list) -> dict:
             "capacity": int(capacity * 1e9) if capacity else None,
             "fits": (total <= capacity * 1e9) if capacity else None,
         },
+        "sharding": state_lib.split_summary(job.split),
+        "auto_split": [{"param": r["param"], "shape": list(r["shape"]), "spec": _spec_text(r["spec"])}
+                       for r in job.split if r["kind"] == "auto"],
         "collectives": table,
         "wire_bytes_per_device": wire,
         "peak_tflops": peak / 1e12 if peak else None,
@@ -97,6 +100,11 @@ def report(plan: dict) -> str:
              f"arguments {_mb(mem['arguments'])}, temp {_mb(mem['temp'])}, total {_mb(mem['total'])}"
              + (f" of {_mb(mem['capacity'])} ({'fits' if mem['fits'] else 'does NOT fit'})" if mem["capacity"] else ""),
              f"  per step: {plan['flops_per_step']:.3g} FLOPs, each device sends {_mb(plan['wire_bytes_per_device'])}"]
+    lines.append(f"  {plan['sharding']}")
+    for r in plan["auto_split"][:AUTO_SHOWN]:
+        lines.append(f"    auto: {r['param']} {tuple(r['shape'])} -> {r['spec']}")
+    if len(plan["auto_split"]) > AUTO_SHOWN:
+        lines.append(f"    ... and {len(plan['auto_split']) - AUTO_SHOWN} more in plan.json")
     used = {k: v for k, v in plan["collectives"].items() if v["count"]}
     if used:
         lines.append("  collectives: " + ", ".join(f"{k} x{v['count']} ({_mb(v['bytes'])})" for k, v in used.items()))
@@ -106,6 +114,13 @@ def report(plan: dict) -> str:
     else:
         lines.append("  estimated step: unknown device; set run.peak_tflops and run.link_gbps")
     return "\n".join(lines)
+
+
+AUTO_SHOWN = 20  # auto-split parameters listed in the printed report (plan.json has them all)
+
+
+def _spec_text(spec) -> str:
+    return "(" + ", ".join("None" if e is None else "+".join(partition.axes_of(e)) for e in spec) + ")"
 
 
 def _mb(n) -> str:
@@ -133,39 +148,36 @@ def candidate_meshes(n_devices: int) -> list[tuple[str, dict]]:
     return out
 
 
-def split_axes(cfg) -> set[str]:
-    """The mesh axes some parameter dimension maps to under cfg's rules: the axes that split this model."""
-    from flax import nnx
-
-    from shard import optim, partition, registry
+def abstract_params(cfg):
+    """The model's parameters as shapes (nothing allocated), with their logical names."""
+    from shard import optim, registry
     from shard import state as state_lib
 
     model_cls = registry.resolve(cfg.model.name)
     kwargs = registry.check_kwargs(model_cls, cfg.model.kwargs, cfg.model.name)
     tx, _ = optim.build(cfg.optimizer, cfg.train.steps)
-    _, abstract, _ = state_lib.abstract_state(model_cls, kwargs, tx, cfg.train.seed, cfg.model.name)
-    rules = partition.merged_rules(cfg.mesh.rules, mesh_lib.AXES)
-    axes = set()
-    for var in jax.tree.leaves(abstract.params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-        for name in var.get_metadata().get("out_sharding") or ():
-            axes.update(partition.axes_of(rules.get(name)) if name else ())
-    return axes
+    return state_lib.abstract_state(model_cls, kwargs, tx, cfg.train.seed, cfg.model.name)[1].params
 
 
 def compare(cfg, devices: list) -> list[dict]:
     """analyse() for every candidate mesh the model's dimensions allow. A mesh is skipped when the
-    model's dimensions do not divide it, or when it has an axis besides `data` that no parameter is
-    split on (e.g. `expert` for a model without experts: it would be data parallel under another name)."""
-    rows, splits = [], split_axes(cfg) | {"data"}
+    model's dimensions do not divide it, or when it has an axis besides `data` that splits no
+    parameter (e.g. `expert` for a small model without experts: data parallel under another name)."""
+    from shard import state as state_lib
+
+    params = abstract_params(cfg)
+    auto_min = cfg.mesh.auto_shard_min_size if cfg.mesh.auto_shard else None
+    rows = []
     for label, sizes in candidate_meshes(len(devices)):
-        idle = [a for a in mesh_lib.AXES if sizes.get(a, 1) > 1 and a not in splits]
-        if idle:
-            rows.append({"label": label, "skipped": f"no parameter is split on {', '.join(idle)}"})
-            continue
         preset = sizes.pop("preset")
         mesh_cfg = replace(cfg.mesh, preset=preset, rules=dict(mesh_lib.load_preset(preset).get("rules", {})),
                            **sizes)
         try:
+            rules = partition.merged_rules(mesh_cfg.rules, mesh_lib.AXES)
+            idle = state_lib.idle_axes(state_lib.split_report(params, sizes, rules, auto_min), sizes)
+            if idle:
+                rows.append({"label": label, "skipped": f"no parameter is split on {', '.join(idle)}"})
+                continue
             plan = analyse(replace(cfg, mesh=mesh_cfg), devices)
         except UserError as e:  # e.g. heads not divisible by the tensor axis
             rows.append({"label": label, "skipped": str(e)})

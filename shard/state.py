@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.errors import UserError
-from shard.partition import axes_of, logical_to_spec
+from shard.partition import MODEL_AXES, axes_of, logical_to_spec, param_spec
 
 
 @flax.struct.dataclass
@@ -72,38 +72,85 @@ def path_name(path) -> str:
     return name.removeprefix("params/")
 
 
-def state_shardings(abstract, mesh: jax.sharding.Mesh, rules: dict):
+def state_shardings(abstract, mesh: jax.sharding.Mesh, rules: dict, auto_min_size: int | None):
     """A NamedSharding for every array of `abstract`, checked for divisibility.
 
-    Variables map their logical names through the rules; arrays without names (step counters,
-    Adam's count) are replicated.
+    Variables map their logical names through the rules, with the automatic split for what the
+    names leave whole (`partition.param_spec`); optimizer moments carry their parameter's names and
+    shape, so they land on the same devices. Arrays outside Variables (step counters, Adam's count)
+    are replicated.
     """
 
     def one(path, leaf):
-        names = logical_names(leaf)
-        value = jax.tree.leaves(leaf)[0] if _is_variable(leaf) else leaf
-        if names is None:
-            spec = PartitionSpec()
-        else:
-            if len(names) != len(value.shape):
-                raise UserError(f"parameter {path_name(path)} has shape {tuple(value.shape)} but "
-                                f"{len(names)} logical axis names {tuple(names)}")
-            spec = logical_to_spec(names, rules, mesh.shape)
-            check_divisible(f"parameter {path_name(path)}", value.shape, names, spec, mesh)
-        sharding = NamedSharding(mesh, spec)
-        return leaf.replace(sharding) if _is_variable(leaf) else sharding
+        if not _is_variable(leaf):
+            return NamedSharding(mesh, PartitionSpec())
+        spec, _ = variable_spec(path, leaf, dict(mesh.shape), rules, auto_min_size)
+        return leaf.replace(NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map_with_path(one, abstract, is_leaf=_is_variable)
 
 
-def check_divisible(what: str, shape, names, spec: PartitionSpec, mesh) -> None:
+def variable_spec(path, var, mesh_shape: dict, rules: dict, auto_min_size: int | None) -> tuple[PartitionSpec, str]:
+    names, shape = logical_names(var), tuple(jax.tree.leaves(var)[0].shape)
+    if names is not None:
+        if len(names) != len(shape):
+            raise UserError(f"parameter {path_name(path)} has shape {shape} but "
+                            f"{len(names)} logical axis names {tuple(names)}")
+        check_divisible(f"parameter {path_name(path)}", shape, names,
+                        logical_to_spec(names, rules, mesh_shape), mesh_shape)
+    return param_spec(shape, names, rules, mesh_shape, auto_min_size)
+
+
+def split_report(abstract_params, mesh_shape: dict, rules: dict, auto_min_size: int | None) -> list[dict]:
+    """Per parameter: its path, shape, bytes, PartitionSpec and how it was split (named, auto, replicated)."""
+    rows = []
+    for path, var in jax.tree_util.tree_flatten_with_path(abstract_params, is_leaf=_is_variable)[0]:
+        if not _is_variable(var):
+            continue
+        value = jax.tree.leaves(var)[0]
+        spec, kind = variable_spec(path, var, mesh_shape, rules, auto_min_size)
+        rows.append({"param": path_name(path), "shape": tuple(value.shape), "kind": kind,
+                     "bytes": math.prod(value.shape) * value.dtype.itemsize, "spec": spec})
+    return rows
+
+
+def split_summary(rows: list[dict]) -> str:
+    """One line: how many parameters (and what share of their bytes) each way of splitting covers."""
+    total = sum(r["bytes"] for r in rows) or 1
+    parts = []
+    for kind, words in (("named", "split by logical names"), ("auto", "split automatically"),
+                        ("replicated", "replicated")):
+        chosen = [r for r in rows if r["kind"] == kind]
+        share = sum(r["bytes"] for r in chosen) / total
+        parts.append(f"{len(chosen)} {words} ({share:.0%} of bytes)")
+    return "parameters: " + ", ".join(parts)
+
+
+def idle_axes(rows: list[dict], mesh_shape: dict) -> list[str]:
+    """Model axes larger than 1 that split no parameter: devices that only repeat work."""
+    used = {a for r in rows for entry in r["spec"] for a in axes_of(entry)}
+    return [a for a in MODEL_AXES if mesh_shape[a] > 1 and a not in used]
+
+
+def idle_axis_warning(axes: list[str], rows: list[dict], mesh_shape: dict, auto: bool) -> str:
+    largest = sorted((r for r in rows if r["kind"] == "replicated"), key=lambda r: -r["bytes"])[:3]
+    shown = ", ".join(f"{r['param']} {r['shape']}" for r in largest) or "none"
+    fix = ("set mesh.auto_shard=true to split them automatically" if not auto else
+           "lower mesh.auto_shard_min_size (none is both that large and divisible by the axis)")
+    return (f"mesh axis {', '.join(f'{a}={mesh_shape[a]}' for a in axes)} splits no parameter, so its devices "
+            f"hold whole copies; largest unsplit: {shown}. Name their dimensions, e.g. "
+            f"nnx.with_partitioning(init, ('embed', 'mlp')) or nnx.Param(..., out_sharding=('embed', 'mlp')), "
+            f"or {fix}")
+
+
+def check_divisible(what: str, shape, names, spec: PartitionSpec, mesh_shape: dict) -> None:
     for dim, (size, name, entry) in enumerate(zip(shape, names, spec)):
         axes = axes_of(entry)
         if not axes:
             continue
-        ways = math.prod(mesh.shape[a] for a in axes)
+        ways = math.prod(mesh_shape[a] for a in axes)
         if size % ways:
-            shown = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+            shown = " x ".join(f"{a}={mesh_shape[a]}" for a in axes)
             raise UserError(f"{what} of shape {tuple(shape)}: dimension {dim} ({name}) has size {size}, "
                             f"not divisible by mesh axis {shown}; use sizes divisible by {ways} or a smaller "
                             f"{'/'.join(axes)} axis")

@@ -20,8 +20,19 @@ from shard.state import TrainState
 
 
 def cast_floats(tree, dtype):
-    """Mixed precision: floating arrays to the compute dtype; parameters themselves stay float32."""
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+    """Mixed precision: floating arrays to the compute dtype; parameters themselves stay float32.
+
+    A variable created with `full_precision=True` metadata is left as it is: a model asks for it where
+    rounding would change a discrete choice (a mixture of experts' router, as in Switch Transformer)."""
+    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    is_var = lambda x: isinstance(x, nnx.Variable)
+
+    def one(x):
+        if not is_var(x):
+            return cast(x)
+        return x if x.get_metadata().get("full_precision") else jax.tree.map(cast, x)
+
+    return jax.tree.map(one, tree, is_leaf=is_var)
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable,

@@ -79,6 +79,9 @@ def run(cfg: config_lib.Config) -> Result:
     say(f"model {cfg.model.name}: {state_lib.count_params(job.abstract.params):,} parameters | mesh "
         f"{mesh_lib.describe(job.mesh)} on {len(devices)} {devices[0].platform} device(s) | task {data.task} | "
         f"{cfg.train.dtype}")
+    say(state_lib.split_summary(job.split))
+    if idle := state_lib.idle_axes(job.split, dict(job.mesh.shape)):
+        ckpt_lib.warn(state_lib.idle_axis_warning(idle, job.split, dict(job.mesh.shape), cfg.mesh.auto_shard))
 
     # ---- state: resumed, restored from another run, or freshly initialised (always sharded)
     try:
@@ -130,6 +133,7 @@ class Job:
     eval_step: object
     flops_per_step: float  # model FLOPs of one train step, all devices together (shard/flops.py)
     compile_s: float       # seconds to trace, lower and compile the train step
+    split: list            # per parameter: shape, spec and how it was split (state.split_report)
 
 
 def prepare(cfg: config_lib.Config, devices: list, training: bool = True) -> Job:
@@ -150,7 +154,9 @@ def prepare(cfg: config_lib.Config, devices: list, training: bool = True) -> Job
     # ---- abstract state, shardings, checkpoints to read, compiled steps (nothing allocated yet)
     with partition.activate(mesh, rules, remat=cfg.train.remat, attention=cfg.train.attention):
         graphdef, abstract, init = state_lib.abstract_state(model_cls, kwargs, tx, cfg.train.seed, cfg.model.name)
-        shardings = state_lib.state_shardings(abstract, mesh, rules)
+        auto_min = cfg.mesh.auto_shard_min_size if cfg.mesh.auto_shard else None
+        shardings = state_lib.state_shardings(abstract, mesh, rules, auto_min)
+        split = state_lib.split_report(abstract.params, dict(mesh.shape), rules, auto_min)
         batch = data.abstract_batch()
         batch_shardings = state_lib.batch_shardings(batch, mesh, rules)
         eval_batch = data.abstract_batch(eval=True)
@@ -184,7 +190,7 @@ def prepare(cfg: config_lib.Config, devices: list, training: bool = True) -> Job
 
     return Job(mesh, rules, model_cls, kwargs, data, schedule, graphdef, abstract, init, shardings,
                batch_shardings, eval_shardings, target, checkpoint_dir, train_step, eval_step, flops_per_step,
-               compile_s)
+               compile_s, split)
 
 
 def start_state(cfg, checkpoints, init, shardings, target, say) -> state_lib.TrainState:

@@ -108,3 +108,20 @@ def test_bad_checkpoint_paths_are_one_line_errors(tmp_path, uninterrupted, case)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0] and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_model_with_dropout_resumes_bitwise(train, tmp_path):
+    """Random state inside the model (nnx.Dropout's nnx.Rngs) is saved and restored like any other."""
+    run = ["model.name=stock_models:DropoutMLP", "data.name=synthetic", "data.features=[16]", "data.classes=8",
+           "data.batch_size=16", "train.steps=30", "run.log_every=1", "checkpoint.enabled=true",
+           "checkpoint.every=10", "run.cpu_devices=2", "mesh=fsdp"]
+    whole = train(*run, subdir="whole")
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "30")
+    resumed = train(*run, subdir="resumed")
+    assert resumed.start_step == 20
+    tail = {s: l for s, l in curve(whole).items() if s > 20}
+    assert curve(resumed) == tail  # bitwise: the dropout masks of steps 21-30 are the same ones
+    assert len(set(tail.values())) > 1
+    key = lambda r: jax.random.key_data(r.state.rest["drop"]["rngs"]["key"].get_value())
+    np.testing.assert_array_equal(key(resumed), key(whole))

@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from conftest import TINY_GPT, TINY_MODELS
-from shard.partition import RULES, axes_of, logical_to_spec
+from shard.config import MeshConfig
+from shard.partition import RULES, axes_of, param_spec
 
 PRESETS = ["dp", "fsdp", "tp", "hybrid", "fsdp_tp"]
 CASES = [(model, preset) for model in TINY_MODELS for preset in PRESETS] + [("moe", "ep")]
@@ -67,8 +68,9 @@ def test_every_model_matches_one_device_and_is_split_by_every_preset(train, refe
     total = sum(var.get_value().size for _, var in params)
     for tree in (result.state.params, result.state.opt_state):  # Adam's moments are sharded like their parameters
         for path, var in variables(tree):
-            want = logical_to_spec(var.get_metadata()["out_sharding"], RULES, mesh.shape)
             array = var.get_value()
+            want, _ = param_spec(array.shape, var.get_metadata()["out_sharding"], RULES, dict(mesh.shape),
+                                 MeshConfig().auto_shard_min_size)
             assert array.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, want), array.ndim), path
     for path, var in params:
         array, names = var.get_value(), var.get_metadata()["out_sharding"]

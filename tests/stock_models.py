@@ -1,0 +1,59 @@
+"""Models a user might bring, written with Flax's stock layers and default initializers: no logical
+names, nothing about meshes. Tests train them as `model.name=stock_models:Class`."""
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class StockMLP(nnx.Module):
+    def __init__(self, in_features: int = 64, hidden: int = 256, classes: int = 10, *, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(in_features, hidden, rngs=rngs)
+        self.l2 = nnx.Linear(hidden, hidden, rngs=rngs)
+        self.l3 = nnx.Linear(hidden, classes, rngs=rngs)
+
+    def __call__(self, x):
+        x = jax.nn.relu(self.l1(x.reshape(x.shape[0], -1)))
+        return self.l3(jax.nn.relu(self.l2(x)))
+
+
+class StockBlock(nnx.Module):
+    def __init__(self, d: int, heads: int, rngs: nnx.Rngs):
+        self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=d, decode=False, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+        self.up = nnx.Linear(d, 4 * d, rngs=rngs)
+        self.down = nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x, mask):
+        x = x + self.attn(self.ln1(x), mask=mask)
+        return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
+
+
+class StockTransformer(nnx.Module):
+    def __init__(self, vocab: int = 256, d: int = 128, heads: int = 4, layers: int = 2, max_len: int = 32, *,
+                 rngs: nnx.Rngs):
+        self.tok = nnx.Embed(vocab, d, rngs=rngs)
+        self.pos = nnx.Embed(max_len, d, rngs=rngs)
+        self.blocks = nnx.List([StockBlock(d, heads, rngs) for _ in range(layers)])
+        self.ln = nnx.LayerNorm(d, rngs=rngs)
+        self.head = nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.tok(tokens) + self.pos(jnp.arange(tokens.shape[1]))[None]
+        mask = nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.ln(x))
+
+
+class DropoutMLP(nnx.Module):
+    """Random state inside the model: nnx.Dropout draws from the model's own nnx.Rngs stream."""
+
+    def __init__(self, in_features: int = 16, hidden: int = 64, classes: int = 8, rate: float = 0.2, *,
+                 rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(in_features, hidden, rngs=rngs)
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+        self.l2 = nnx.Linear(hidden, classes, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(jax.nn.relu(self.l1(x.reshape(x.shape[0], -1)))))
