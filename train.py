@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     if "--dry-run" in flags or "--compare" in flags:
         from shard import plan
 
-        devices = distributed.start(cfg.run)
+        devices = distributed.start(cfg.run, deterministic=cfg.train.deterministic)
         if "--compare" in flags:
             rows = plan.compare(cfg, devices)
             print(plan.comparison_table(rows))

@@ -10,21 +10,16 @@ skipped with a warning (resume) or refused (an explicit path), never loaded in p
 """
 
 import contextlib
-import sys
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 
-from shard.errors import UserError
+from shard import paths
+from shard.errors import UserError, warn
 from shard.state import TrainState
 
 TMP_MARK = ".orbax-checkpoint-tmp"
-
-
-def warn(message: str) -> None:
-    if jax.process_index() == 0:
-        print(f"warning: {message}", file=sys.stderr)
 
 
 def _handlers() -> dict:
@@ -46,7 +41,7 @@ class Checkpoints:
     """This run's checkpoint folder: save every so often, find and restore the newest readable one."""
 
     def __init__(self, directory: str | Path, keep: int, use_async: bool):
-        self.directory = Path(directory).absolute()
+        self.directory = paths.resolve(directory)
         for partial in sorted(self.directory.glob(f"*{TMP_MARK}*")) if self.directory.is_dir() else []:
             warn(f"skipping incomplete checkpoint {partial} (a save was interrupted); it will be removed")
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=use_async,
@@ -56,12 +51,15 @@ class Checkpoints:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, state: TrainState, step: int, data_position: int, seed: int, wait: bool = False) -> None:
+    def save(self, state: TrainState, step: int, data_position: int, seed: int, train_steps: int,
+             wait: bool = False) -> None:
         """`data_position` (global batches consumed) and `seed` fix the data order; training itself
-        draws no other random numbers, and a model's own RNG variables are part of `state.rest`."""
+        draws no other random numbers, and a model's own RNG variables are part of `state.rest`.
+        `train_steps` (the run's planned length) fixes the learning-rate schedule."""
         if step not in self.manager.all_steps():
             items = {k: ocp.args.StandardSave(v) for k, v in _items(state).items()}
-            meta = ocp.args.JsonSave({"step": step, "data_position": data_position, "seed": seed})
+            meta = ocp.args.JsonSave({"step": step, "data_position": data_position, "seed": seed,
+                                      "train_steps": train_steps})
             self.manager.save(step, args=ocp.args.Composite(**items, meta=meta), force=True)
         if wait:
             self.manager.wait_until_finished()
@@ -107,7 +105,7 @@ def restore_step(manager: ocp.CheckpointManager, step: int, target: TrainState,
 
 def check_shapes(manager: ocp.CheckpointManager, step: int, target: TrainState) -> None:
     """Name the first parameter whose saved shape differs from the model's, before reading anything."""
-    where = Path(manager.directory) / str(step)
+    where = paths.resolve(manager.directory) / str(step)
     saved = _shapes(manager.item_metadata(step)["model"].tree)
     wanted = _shapes(_items(target)["model"])
     for path, shape in wanted.items():
@@ -140,7 +138,7 @@ def _stored_shape(leaf) -> tuple:
 
 def open_path(path: str, key: str) -> tuple[ocp.CheckpointManager, int]:
     """A user-given checkpoint: a run folder, its checkpoints folder, or one step folder in it."""
-    p = Path(path).absolute()
+    p = paths.resolve(path)
     if not p.exists():
         raise UserError(f"{key}={path!r} does not exist")
     step = None
@@ -159,7 +157,7 @@ def open_path(path: str, key: str) -> tuple[ocp.CheckpointManager, int]:
 
 def check_resumable(directory: str | Path, target: TrainState) -> None:
     """Before the run folder is touched: this run's own newest checkpoint must fit the model."""
-    directory = Path(directory).absolute()
+    directory = paths.resolve(directory)
     if not directory.is_dir():
         return
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False),

@@ -80,6 +80,8 @@ class TrainConfig:
     attention: str = option("xla", "attention kernel: xla (any device) or cudnn (fused flash attention; NVIDIA "
                             "GPU, bfloat16, head size <= 128)", choices=("xla", "cudnn"))
     init_from: Optional[str] = option(None, "load parameters only from this checkpoint (run, checkpoints or step folder), e.g. to fine-tune")
+    deterministic: bool = option(False, "bitwise-reproducible GPU kernels (XLA's --xla_gpu_deterministic_ops; "
+                                 "slower); CPU runs are deterministic anyway")
     skip_nonfinite: bool = option(False, "skip an update whose loss or gradients are not finite, instead of stopping")
     eval_every: int = option(0, "evaluate every N steps; 0 = only at the end", min=0)
     eval_batches: int = option(8, "batches per evaluation; 0 = the whole eval split", min=0)

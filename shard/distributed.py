@@ -60,9 +60,12 @@ def detected_cluster() -> str | None:
     return None
 
 
-def start(run) -> list:
+def start(run, deterministic: bool = False) -> list:
     """Join the job's processes when there are several, and return the devices to lay the mesh over:
-    every device of every process (or, single-process, the first `run.cpu_devices` CPU devices)."""
+    every device of every process (or, single-process, the first `run.cpu_devices` CPU devices).
+    `deterministic` (train.deterministic) asks XLA for deterministic GPU kernels, before it starts."""
+    if deterministic and "--xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
     if run.cpu_devices is not None:
         try:
             jax.config.update("jax_platforms", "cpu")

@@ -11,3 +11,13 @@ class UserError(Exception):
 
 class NonFiniteLoss(Exception):
     """Training produced a NaN or infinite loss or gradient; no checkpoint of that state is written."""
+
+
+def warn(message: str) -> None:
+    """One line on stderr, from process 0 only."""
+    import sys
+
+    import jax
+
+    if jax.process_index() == 0:
+        print(f"warning: {message}", file=sys.stderr)

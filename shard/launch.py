@@ -5,7 +5,9 @@
   slurm --nodes N        an sbatch script: one process per node (or per GPU) started by srun
   gke --cluster          prints the xpk command for a GKE TPU or GPU cluster
 
-ARGS are train.py's own arguments (a config file and key=value overrides). `--dry-run` (local, tpu,
+ARGS are train.py's own arguments (a config file and key=value overrides). On several hosts, give
+a run.dir that every host reaches (a bucket such as gs://BUCKET/RUN, or a shared file system): each
+host writes only its own shards of a checkpoint. `--dry-run` (local, tpu,
 slurm) prints the commands (or the script) instead of running them. Bad options end with one line and exit status 2.
 """
 
@@ -252,6 +254,8 @@ def main(argv: list[str]) -> int:
         if opts.processes < 1:
             raise LaunchError(f"--processes={opts.processes}: give a positive number of processes")
         return run_local(opts.processes, args, opts.dry_run)
+    if opts.target in ("tpu", "slurm"):
+        warn_if_local_run_dir(args, opts.target)
     if opts.target == "tpu":
         commands = tpu_commands(opts.name, opts.zone, opts.project, args, install=not opts.no_install)
         if not opts.dry_run:
@@ -274,6 +278,26 @@ def main(argv: list[str]) -> int:
     print(shlex.join(gke_command(opts.cluster, opts.workload, opts.tpu_type, opts.device_type, opts.num_slices,
                                  opts.num_nodes, opts.docker_image, opts.project, opts.zone, args)))
     return 0
+
+
+def warn_if_local_run_dir(args: list[str], target: str) -> None:
+    """Each host writes only its own shards of a checkpoint: with a run.dir on each host's local disk,
+    no host holds a whole checkpoint and a restart on other hosts cannot resume."""
+    from shard import config
+    from shard.errors import UserError
+
+    path = args[0] if args and "=" not in args[0] and not args[0].startswith("-") else None
+    try:
+        cfg = config.load(path, [a for a in args if "=" in a])
+    except UserError:
+        return  # train.py says what is wrong, on every host
+    local = [f"{key}={value}" for key, value in (("run.dir", cfg.run.dir), ("checkpoint.dir", cfg.checkpoint.dir))
+             if value and "://" not in value]
+    if local:
+        shared = "a file system every node mounts" if target == "slurm" else "a bucket"
+        print(f"warning: {', '.join(local)} is a local path: each host writes only its own shards of every "
+              f"checkpoint there, so no disk holds a whole one; unless it is on {shared}, use a shared or "
+              "remote folder, e.g. run.dir=gs://BUCKET/RUN", file=sys.stderr)
 
 
 def cli() -> None:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import jax
 
+from shard import paths
+
 # Peak dense bf16 TFLOP/s per chip, from the vendors' data sheets; matched against device_kind.
 PEAK_TFLOPS = {
     "H200": 989.0,
@@ -54,13 +56,22 @@ def seconds_since_process_start() -> float | None:
 
 
 class MetricsLog:
-    """Appends records to metrics.jsonl; only process 0 writes."""
+    """Appends records to metrics.jsonl; only process 0 writes. Object stores (gs://, s3://) cannot
+    append, so there the file is rewritten whole at each record (it stays small: one line a log step)."""
 
-    def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / "metrics.jsonl"
+    def __init__(self, run_dir):
+        self.path = paths.resolve(run_dir) / "metrics.jsonl"
         self.enabled = jax.process_index() == 0
+        self.remote = paths.is_remote(self.path)
+        self.text = self.path.read_text() if self.enabled and self.remote and self.path.exists() else ""
 
     def write(self, record: dict) -> None:
-        if self.enabled:
+        if not self.enabled:
+            return
+        line = json.dumps(record) + "\n"
+        if self.remote:
+            self.text += line
+            self.path.write_text(self.text)
+        else:
             with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(line)

@@ -16,11 +16,10 @@ import itertools
 import json
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import jax
 
-from shard import hlo, partition
+from shard import hlo, partition, paths
 from shard import mesh as mesh_lib
 from shard.errors import UserError
 from shard.metrics import device_spec, peak_flops
@@ -105,6 +104,9 @@ def report(plan: dict) -> str:
         lines.append(f"    auto: {r['param']} {tuple(r['shape'])} -> {r['spec']}")
     if len(plan["auto_split"]) > AUTO_SHOWN:
         lines.append(f"    ... and {len(plan['auto_split']) - AUTO_SHOWN} more in plan.json")
+    if any("tensor" in r["spec"] for r in plan["auto_split"]):
+        lines.append("    (split over tensor without logical names: correct, but only names let Megatron pair a "
+                     "column split with the next row split and share one all-reduce)")
     used = {k: v for k, v in plan["collectives"].items() if v["count"]}
     if used:
         lines.append("  collectives: " + ", ".join(f"{k} x{v['count']} ({_mb(v['bytes'])})" for k, v in used.items()))
@@ -234,8 +236,8 @@ def choose(rows: list[dict]) -> tuple[dict, str]:
     return best, why
 
 
-def write(run_dir: str, plan, name: str) -> Path:
-    path = Path(run_dir) / name
+def write(run_dir: str, plan, name: str):
+    path = paths.resolve(run_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan, indent=2) + "\n")
     return path

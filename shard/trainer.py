@@ -6,7 +6,6 @@ directory is touched, so a bad config never overwrites anything.
 
 import contextlib
 import math
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +21,10 @@ from shard import data as data_lib
 from shard import flops as flops_lib
 from shard import losses, optim, registry
 from shard import mesh as mesh_lib
-from shard import partition, plan
+from shard import partition, paths, plan, stopping
 from shard import state as state_lib
 from shard import step as step_lib
-from shard.errors import NonFiniteLoss, UserError
+from shard.errors import NonFiniteLoss, UserError, warn
 from shard.generate import sample
 from shard.metrics import MetricsLog, peak_flops, peak_memory_gb, seconds_since_process_start
 
@@ -46,15 +45,21 @@ class Result:
 
 
 def run(cfg: config_lib.Config) -> Result:
-    run_dir = Path(cfg.run.dir)
-    if run_dir.exists() and not run_dir.is_dir():
+    """The whole run. SIGTERM/SIGINT are honoured in every phase (shard/stopping.py)."""
+    with stopping.StopRequest() as stop:
+        return _run(cfg, stop)
+
+
+def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
+    run_dir = paths.resolve(cfg.run.dir)
+    if not paths.is_remote(run_dir) and run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"run.dir={cfg.run.dir!r} is a file; it must be a directory (new or from an earlier run)")
 
     # ---- devices, mesh, model, data, and the steps compiled (nothing allocated yet)
     if cfg.run.compile_cache:
         jax.config.update("jax_compilation_cache_dir", str(Path(cfg.run.compile_cache).expanduser()))
-    devices = distributed.start(cfg.run)  # joins the other processes first, if there are any
-    main = jax.process_index() == 0
+    devices = distributed.start(cfg.run, deterministic=cfg.train.deterministic)  # joins the other processes first
+    main = stop.main = jax.process_index() == 0
     say = print if main else (lambda *a, **k: None)
     cfg = plan.apply_auto(cfg, devices, say)  # mesh=auto: the fastest estimated mesh that fits
     model_cls = registry.resolve(cfg.model.name)
@@ -81,14 +86,19 @@ def run(cfg: config_lib.Config) -> Result:
         f"{cfg.train.dtype}")
     say(state_lib.split_summary(job.split))
     if idle := state_lib.idle_axes(job.split, dict(job.mesh.shape)):
-        ckpt_lib.warn(state_lib.idle_axis_warning(idle, job.split, dict(job.mesh.shape), cfg.mesh.auto_shard))
+        warn(state_lib.idle_axis_warning(idle, job.split, dict(job.mesh.shape), cfg.mesh.auto_shard))
 
     # ---- state: resumed, restored from another run, or freshly initialised (always sharded)
     try:
         state = start_state(cfg, checkpoints, job.init, job.shardings, job.target, say)
         result = Result(graphdef=graphdef, shardings=job.shardings, mesh=job.mesh, train_step=job.train_step,
                         start_step=int(state.step))
-        state = train_loop(cfg, state, job, checkpoints, log, result, devices, main)
+        if result.start_step >= cfg.train.steps:
+            say(f"the model is at step {result.start_step}, already past train.steps={cfg.train.steps}: nothing "
+                f"to train; evaluating the step-{result.start_step} model (raise train.steps to train on)")
+        else:
+            stop.enter_phase("loop", "")
+            state = train_loop(cfg, state, job, checkpoints, log, result, devices, main, stop)
     finally:
         if checkpoints:
             checkpoints.close()
@@ -96,14 +106,17 @@ def run(cfg: config_lib.Config) -> Result:
     if result.preempted:
         return result
 
-    # ---- final eval and sample
+    # ---- final eval and sample; every process takes part (the arrays are split across them)
+    step = int(state.step)
+    kept = f"checkpoint at step {step} is written" if checkpoints else "checkpoints are disabled"
+    stop.enter_phase("the final eval and sample", f"{kept}; the final eval and sample were skipped", exit_code=0)
     result.eval = evaluate(job.eval_step, state, data, job.eval_shardings, cfg)
-    log.write({"step": cfg.train.steps, **result.eval})
+    log.write({"step": step, **result.eval})
     summary = " | ".join(f"{k} {v:.4f}" for k, v in result.eval.items())
     if result.history:
         summary = f"loss {result.history[0]['loss']:.4f} -> {result.history[-1]['loss']:.4f} | " + summary
-    say(f"step {cfg.train.steps}: {summary}")
-    if data.task == "lm" and cfg.train.sample_len > 0 and main:
+    say(f"step {step}: {summary}")
+    if data.task == "lm" and cfg.train.sample_len > 0:
         prompt = list(cfg.train.sample_prompt.encode())
         tokens = sample(graphdef, state.params, state.rest, prompt, cfg.train.sample_len,
                         window=cfg.data.seq_len, seed=cfg.train.seed)
@@ -128,7 +141,7 @@ class Job:
     batch_shardings: dict
     eval_shardings: dict
     target: object
-    checkpoint_dir: Path
+    checkpoint_dir: object  # an etils.epath.Path: local, or a URL such as gs://
     train_step: object
     eval_step: object
     flops_per_step: float  # model FLOPs of one train step, all devices together (shard/flops.py)
@@ -164,7 +177,7 @@ def prepare(cfg: config_lib.Config, devices: list, training: bool = True) -> Job
         outputs = step_lib.model_outputs(graphdef, abstract, batch, cfg.model.name, data.num_classes)
         # Checkpoints to read must fit this model: checked before the (slower) compile.
         target = ckpt_lib.abstract_target(abstract, shardings)
-        checkpoint_dir = Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
+        checkpoint_dir = paths.resolve(cfg.checkpoint.dir or paths.resolve(cfg.run.dir) / "checkpoints")
         if cfg.checkpoint.enabled and training:
             ckpt_lib.check_resumable(checkpoint_dir, target)
         for key, path in (("checkpoint.restore_from", cfg.checkpoint.restore_from),
@@ -200,8 +213,13 @@ def start_state(cfg, checkpoints, init, shardings, target, say) -> state_lib.Tra
     if resumed:
         state, meta = resumed
         say(f"resuming from step {meta['step']} of {checkpoints.directory}")
+        planned = meta.get("train_steps", cfg.train.steps)
+        if planned != cfg.train.steps and meta["step"] < cfg.train.steps:
+            warn(f"train.steps={cfg.train.steps} but this run was started with {planned}: the learning-rate "
+                 f"schedule (warmup, cosine decay) now spans {cfg.train.steps} steps, so from step {meta['step']} "
+                 "on it differs from both runs; a bitwise resume needs the same train.steps")
         if meta.get("seed", cfg.train.seed) != cfg.train.seed:
-            ckpt_lib.warn(f"train.seed={cfg.train.seed} but the checkpoint was trained with seed {meta['seed']}: "
+            warn(f"train.seed={cfg.train.seed} but the checkpoint was trained with seed {meta['seed']}: "
                           "the data order from here on differs from the original run's")
         return state
     if cfg.checkpoint.restore_from:
@@ -217,32 +235,7 @@ def start_state(cfg, checkpoints, init, shardings, target, say) -> state_lib.Tra
     return state
 
 
-class StopSignal:
-    """SIGTERM/SIGINT ask the loop to finish its step, checkpoint and exit; a second signal acts as usual."""
-
-    def __init__(self):
-        self.received = None
-        self.previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self.previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main) -> state_lib.TrainState:
+def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, stop) -> state_lib.TrainState:
     data, train_step, schedule = job.data, job.train_step, job.schedule
     flops = job.flops_per_step / len(devices)  # per device: the step's work is split evenly over the mesh
     peak = peak_flops(devices[0], cfg.run.peak_tflops)
@@ -255,16 +248,20 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main) ->
                dynamic_ncols=True, leave=False)
     saved = checkpoints.steps() if checkpoints else []
     last_saved = saved[-1] if saved else None
-    pending: list = []  # (step, device metrics) not yet looked at: no host sync between log points
+    pending: list = []  # (step, device metrics) not yet looked at: no host transfer between log points
     skipped = 0
     jax.block_until_ready(state)
     # Processes enter the first step together: its collectives give a late peer only 30 s (gloo).
     distributed.barrier("first step", cfg.run.init_timeout_s)
     t_last, steps_since = time.perf_counter(), 0
-    with StopSignal() as stop, contextlib.closing(batches):
+    with contextlib.closing(batches):
         for step in range(start, cfg.train.steps):
             state, out = train_step(state, next(batches))
             done = step + 1
+            # At most one step waits behind the running one: the device never idles, and a stop request
+            # is seen (and the state checkpointed) within a step or two, not after a queue of them.
+            if pending:
+                jax.block_until_ready(pending[-1][1]["loss"])
             pending.append((done, out))
             steps_since += 1
             bar.update(1)
@@ -307,13 +304,14 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main) ->
                 result.history.append(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", **{rate_key: f"{record[rate_key]:,.0f}"})
             if save_now:
-                checkpoints.save(state, done, data_position=done, seed=cfg.train.seed, wait=bool(stopping))
+                checkpoints.save(state, done, data_position=done, seed=cfg.train.seed, train_steps=cfg.train.steps,
+                                 wait=bool(stopping))
                 last_saved = done
             if stopping:
                 bar.close()
                 where = f"checkpoint at step {done} in {checkpoints.directory}" if checkpoints else "no checkpoint (disabled)"
                 if main:
-                    print(f"{stopping}: stopped after step {done}; {where}; run again to resume")
+                    print(f"{stopping}: stopped after step {done}; {where}; run again to resume", flush=True)
                 result.preempted = True
                 return state
             if eval_now:

@@ -1,5 +1,7 @@
 """Models a user might bring, written with Flax's stock layers and default initializers: no logical
 names, nothing about meshes. Tests train them as `model.name=stock_models:Class`."""
+import time
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -57,3 +59,33 @@ class DropoutMLP(nnx.Module):
 
     def __call__(self, x):
         return self.l2(self.drop(jax.nn.relu(self.l1(x.reshape(x.shape[0], -1)))))
+
+
+class SlowMLP(nnx.Module):
+    """A deliberately slow model for the stop-request tests. Building it takes `init_seconds`; each
+    forward pass does `work` chained 512 x 512 matrix products (device time, dispatched asynchronously
+    like any real step) and, if `seconds` > 0, sleeps on the host in a callback that appends "train"
+    or "eval" to `trace` (as does "init" when the model is built), so a test knows the run's phase."""
+
+    def __init__(self, in_features: int = 16, classes: int = 8, work: int = 0, seconds: float = 0.0,
+                 init_seconds: float = 0.0, trace: str = "", *, rngs: nnx.Rngs):
+        self.l = nnx.Linear(in_features, classes, rngs=rngs)
+        self.work, self.seconds, self.trace = work, seconds, trace
+        self.deterministic = False  # model.eval() sets it: the forward passes of eval say "eval"
+        self._event("init")
+        time.sleep(init_seconds)
+
+    def _event(self, what: str) -> None:
+        if self.trace:
+            with open(self.trace, "a") as f:
+                f.write(what + "\n")
+
+    def __call__(self, x):
+        x = x.reshape(x.shape[0], -1)
+        if self.seconds:
+            what = "eval" if self.deterministic else "train"
+            jax.debug.callback(lambda: (self._event(what), time.sleep(self.seconds)))
+        busy = jnp.full((512, 512), 1e-3) * jnp.mean(x)  # depends on the input: not folded at compile time
+        for _ in range(self.work):
+            busy = jnp.tanh(busy @ busy)
+        return self.l(x) + 0 * jnp.sum(busy)

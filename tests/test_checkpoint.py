@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, restore onto other meshes, params-only init, and bad paths."""
 
+import json
 import shutil
 
 import jax
@@ -125,3 +126,27 @@ def test_a_model_with_dropout_resumes_bitwise(train, tmp_path):
     assert len(set(tail.values())) > 1
     key = lambda r: jax.random.key_data(r.state.rest["drop"]["rngs"]["key"].get_value())
     np.testing.assert_array_equal(key(resumed), key(whole))
+
+
+def test_a_run_already_past_train_steps_says_so_and_logs_its_true_step(tmp_path, uninterrupted, capsys):
+    from shard import config, trainer
+    from conftest import overrides
+
+    run_dir = tmp_path / "done"
+    shutil.copytree(uninterrupted[0], run_dir)
+    args = [a for a in RUN if not a.startswith("train.steps")]
+    trainer.run(config.load(None, overrides(run_dir, *args, "train.steps=20", "run.cpu_devices=8", "mesh=fsdp")))
+    assert "the model is at step 30, already past train.steps=20: nothing to train" in capsys.readouterr().out
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 30 and "eval_loss" in last
+
+
+def test_raising_train_steps_on_resume_warns_that_the_schedule_changes(tmp_path, uninterrupted, capfd):
+    from shard import config, trainer
+    from conftest import overrides
+
+    run_dir = resume_from_step_20(tmp_path, uninterrupted)
+    args = [a for a in RUN if not a.startswith("train.steps")]
+    trainer.run(config.load(None, overrides(run_dir, *args, "train.steps=22", "run.cpu_devices=8", "mesh=fsdp")))
+    err = capfd.readouterr().err
+    assert "train.steps=22 but this run was started with 30" in err and "learning-rate schedule" in err

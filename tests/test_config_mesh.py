@@ -96,3 +96,14 @@ def test_every_shipped_config_loads_and_names_real_model_arguments(path):
 
     cfg = config.load(path, [])
     registry.check_kwargs(registry.resolve(cfg.model.name), cfg.model.kwargs, cfg.model.name)
+
+
+def test_deterministic_asks_xla_for_deterministic_gpu_kernels(monkeypatch):
+    import os
+
+    from shard import config, distributed
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    cfg = config.load(None, ["train.deterministic=true"])
+    distributed.start(cfg.run, deterministic=cfg.train.deterministic)
+    assert os.environ["XLA_FLAGS"] == "--xla_backend_optimization_level=0 --xla_gpu_deterministic_ops=true"

@@ -185,3 +185,21 @@ def test_lstm_classifier_learns_an_order_dependent_task():
         step(model, opt, *batch(jax.random.key(i)))
     x, y = batch(jax.random.key(10_000))
     assert float(jnp.mean(jnp.argmax(model(x), -1) == y)) >= 0.9
+
+
+def test_weight_decay_reaches_matrices_only_in_scanned_and_recurrent_models():
+    from models.lstm import LSTM
+    from shard.optim import decay_mask
+
+    with nnx.use_eager_sharding(False):
+        gpt = GPT(vocab_size=64, d_model=32, n_layers=2, n_heads=4, rngs=nnx.Rngs(0))
+        lstm = LSTM(d_model=16, n_layers=2, rngs=nnx.Rngs(0))
+    decayed = lambda model: {jax.tree_util.keystr(p, simple=True, separator="/").removesuffix("/value"): bool(v)
+                             for p, v in jax.tree_util.tree_flatten_with_path(decay_mask(nnx.state(model, nnx.Param)))[0]}
+    g, l = decayed(gpt), decayed(lstm)
+    # Stacked over layers, a norm scale is (layers, embed): still a vector per layer, not decayed.
+    assert gpt.blocks.ln1.scale.get_value().ndim == 2
+    assert not any(g[k] for k in ("blocks/ln1/scale", "blocks/ln1/bias", "blocks/ln2/scale", "ln_f/scale"))
+    assert all(g[k] for k in ("blocks/attn/q", "blocks/attn/kv", "blocks/ffn/w_in", "blocks/ffn/w_out", "head"))
+    assert not l["layers/b"] and not l["head_bias"]  # (layers, 4 gates, width): a bias
+    assert l["layers/w_x"] and l["layers/w_h"] and l["head"]

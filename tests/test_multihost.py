@@ -38,18 +38,22 @@ def train_processes(run_dir, processes, *extra):
 
 @pytest.mark.parametrize("preset", ["dp", "fsdp", "hybrid"])
 def test_processes_x_devices_give_the_loss_curve_of_one_process(train, tmp_path, preset):
-    one = train(*TINY_GPT, *STEPS, f"mesh={preset}")
+    # A sample and an eval at the end: every process must take part in both (the arrays are split
+    # across them), or the run hangs at its end.
+    one = train(*TINY_GPT, *STEPS, f"mesh={preset}", "train.sample_len=8")
     expected = np.array([r["loss"] for r in one.history])
     for processes in (2, 4):
-        extra = []
+        extra = ["train.sample_len=8"]
         if preset == "hybrid" and processes == 2:
             # a multi-node layout: the data axis (4) crosses the 2 processes, tensor stays inside each
-            extra = ["mesh.dcn_data=2"]
+            extra += ["mesh.dcn_data=2"]
         out = train_processes(tmp_path / str(processes), processes, *STEPS, f"mesh={preset}", *extra)
         np.testing.assert_allclose(losses(tmp_path / str(processes)), expected, rtol=1e-5)
         # only process 0 speaks (each line is prefixed with its process index)
         assert "[0] model gpt" in out.stdout and "[1] model" not in out.stdout
         assert f"{one.mesh.shape['data']} x expert=1" in out.stdout and "on 8 cpu device(s)" in out.stdout
+        assert f"[0] def {one.sample}" in out.stdout and out.stdout.count("sample:") == 1
+        assert '"eval_loss"' in (tmp_path / str(processes) / "metrics.jsonl").read_text()
 
 
 def test_checkpoints_move_between_process_layouts(train, tmp_path):
@@ -184,6 +188,10 @@ def test_slurm_dry_run_writes_one_task_per_node_or_per_gpu():
     per_gpu = launch("slurm", "--nodes=2", "--gpus-per-node=8", "--per-gpu", "--dry-run", "--", "mesh=fsdp")
     assert "#SBATCH --ntasks-per-node=8" in per_gpu.stdout.splitlines()
     assert not (ROOT / "shard.sbatch").exists()  # a dry run writes nothing
+    # Each node writes its own shards of a checkpoint: a node-local run.dir is a warning, a bucket is not.
+    assert "warning: run.dir=runs/default is a local path" in per_gpu.stderr
+    remote = launch("slurm", "--nodes=2", "--dry-run", "--", "run.dir=gs://bucket/run")
+    assert remote.returncode == 0 and "warning" not in remote.stderr, remote.stderr
 
 
 def test_gke_prints_the_xpk_command():

@@ -1,6 +1,7 @@
 """Stopping at any moment: SIGTERM/SIGINT checkpoint and exit 0; SIGKILL mid-save loses nothing earlier;
 unreadable or half-written checkpoints are skipped with a warning that names them."""
 
+import json
 import signal
 import subprocess
 import sys
@@ -100,3 +101,61 @@ def test_explicitly_named_corrupt_checkpoint_is_refused(tmp_path):
                    f"checkpoint.restore_from={tmp_path / 'a'}")
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "checkpoint" in proc.stderr, proc.stderr
+
+
+SLOW = ["model.name=stock_models:SlowMLP", "data.name=synthetic", "data.features=[16]", "data.classes=8",
+        "data.batch_size=8", "run.cpu_devices=1", *QUIET]
+
+
+def start_slow(run_dir, trace, *args) -> subprocess.Popen:
+    """The slow model in a fresh process, importable from tests/ (the working directory)."""
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *SLOW, f"run.dir={run_dir}",
+                             f"model.trace={trace}", *args], cwd=ROOT / "tests", env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def events(trace: Path) -> list[str]:
+    return trace.read_text().split() if trace.exists() else []
+
+
+def test_a_stop_in_the_loop_lands_within_a_step_even_between_log_points(tmp_path):
+    """No log point, checkpoint or eval for 1000 steps: the loop must still not run ahead of the device
+    (dispatch is asynchronous: it would queue all 1000 steps and see the stop only after them)."""
+    run = tmp_path / "run"
+    proc = start_slow(run, "", "model.work=40", "train.steps=1000", "run.log_every=1000", "checkpoint.every=1000")
+    wait_for(lambda: logged_steps(run) >= 1, proc)  # step 1 is always logged
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    stopped = int(out.split("SIGTERM: stopped after step ")[1].split(";")[0])
+    assert 1 < stopped < 1000 and checkpoints(run) == [stopped]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    step_time = metrics[0]["step_time_s"]
+    # Steps run in the second before the signal, plus the one running and the one queued behind it.
+    assert stopped <= 1 + 1.0 / step_time + 3, (stopped, step_time)
+
+
+def test_a_stop_during_start_up_exits_at_once_without_a_checkpoint(tmp_path):
+    trace = tmp_path / "trace"
+    proc = start_slow(tmp_path / "run", trace, "model.init_seconds=600", "train.steps=5")
+    wait_for(lambda: "init" in events(trace), proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)  # not the 600 s the model takes to build
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM: stopped during start; no checkpoint was written by this run" in out
+    assert checkpoints(tmp_path / "run") == []
+
+
+def test_a_stop_during_the_final_eval_keeps_the_last_checkpoint_and_exits_zero(tmp_path):
+    trace = tmp_path / "trace"
+    proc = start_slow(tmp_path / "run", trace, "model.seconds=0.2", "train.steps=2", "train.eval_batches=0",
+                      "data.size=512")
+    wait_for(lambda: "eval" in events(trace), proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "SIGTERM: stopped during the final eval and sample; checkpoint at step 2 is written" in out
+    assert checkpoints(tmp_path / "run") == [2]
+    records = [line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert not any("eval_loss" in r for r in records)  # the eval did not finish
