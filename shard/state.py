@@ -110,6 +110,7 @@ def split_report(abstract_params, mesh_shape: dict, rules: dict, auto_min_size: 
         value = jax.tree.leaves(var)[0]
         spec, kind = variable_spec(path, var, mesh_shape, rules, auto_min_size)
         rows.append({"param": path_name(path), "shape": tuple(value.shape), "kind": kind,
+                     "named": logical_names(var) is not None,
                      "bytes": math.prod(value.shape) * value.dtype.itemsize, "spec": spec})
     return rows
 
@@ -135,12 +136,15 @@ def idle_axes(rows: list[dict], mesh_shape: dict) -> list[str]:
 def idle_axis_warning(axes: list[str], rows: list[dict], mesh_shape: dict, auto: bool) -> str:
     largest = sorted((r for r in rows if r["kind"] == "replicated"), key=lambda r: -r["bytes"])[:3]
     shown = ", ".join(f"{r['param']} {r['shape']}" for r in largest) or "none"
-    fix = ("set mesh.auto_shard=true to split them automatically" if not auto else
-           "lower mesh.auto_shard_min_size (none is both that large and divisible by the axis)")
+    if not auto:
+        fix = ", or set mesh.auto_shard=true to split them automatically"
+    elif any(not r["named"] for r in largest):
+        fix = ", or lower mesh.auto_shard_min_size (none is both that large and divisible by the axis)"
+    else:  # named parameters: the automatic split adds only fsdp to them
+        fix = " with names whose rules map to this axis, or leave the axis out of the mesh"
     return (f"mesh axis {', '.join(f'{a}={mesh_shape[a]}' for a in axes)} splits no parameter, so its devices "
             f"hold whole copies; largest unsplit: {shown}. Name their dimensions, e.g. "
-            f"nnx.with_partitioning(init, ('embed', 'mlp')) or nnx.Param(..., out_sharding=('embed', 'mlp')), "
-            f"or {fix}")
+            f"nnx.with_partitioning(init, ('embed', 'mlp')) or nnx.Param(..., out_sharding=('embed', 'mlp')){fix}")
 
 
 def check_divisible(what: str, shape, names, spec: PartitionSpec, mesh_shape: dict) -> None:
