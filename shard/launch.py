@@ -254,9 +254,8 @@ def main(argv: list[str]) -> int:
         if opts.processes < 1:
             raise LaunchError(f"--processes={opts.processes}: give a positive number of processes")
         return run_local(opts.processes, args, opts.dry_run)
-    if opts.target in ("tpu", "slurm"):
-        warn_if_local_run_dir(args, opts.target)
     if opts.target == "tpu":
+        warn_if_local_run_dir(args, opts.target)
         commands = tpu_commands(opts.name, opts.zone, opts.project, args, install=not opts.no_install)
         if not opts.dry_run:
             pack_code()
@@ -266,6 +265,8 @@ def main(argv: list[str]) -> int:
             raise LaunchError("--nodes and --gpus-per-node must be positive")
         if opts.per_gpu and not opts.gpus_per_node:
             raise LaunchError("--per-gpu needs --gpus-per-node")
+        if opts.nodes > 1:
+            warn_if_local_run_dir(args, opts.target)
         script = slurm_script(opts.nodes, opts.gpus_per_node, opts.per_gpu, opts.partition, opts.time_limit,
                               opts.job_name, args)
         path = Path(opts.script or f"{opts.job_name}.sbatch")

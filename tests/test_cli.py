@@ -72,6 +72,7 @@ def test_print_config_resolves_preset_and_overrides():
     assert proc.returncode == 0, proc.stderr
     cfg = yaml.safe_load(proc.stdout)
     assert cfg["mesh"] == {"preset": "fsdp_tp", "data": 1, "expert": 1, "fsdp": -1, "tensor": 4, "rules": {},
+                           "auto_shard": True, "auto_shard_min_size": 16384,
                            "dcn_data": None, "dcn_expert": 1, "dcn_fsdp": 1, "dcn_tensor": 1}
     assert cfg["model"]["n_layers"] == 2 and cfg["model"]["vocab_size"] == 256  # signature default filled in
     assert cfg["train"]["steps"] == 640  # from configs/default.yaml
