@@ -168,7 +168,7 @@ def compare(cfg, devices: list) -> list[dict]:
     from shard import state as state_lib
 
     params = abstract_params(cfg)
-    auto_min = cfg.mesh.auto_shard_min_size if cfg.mesh.auto_shard else None
+    auto_min = state_lib.auto_min_size(cfg.mesh)
     rows = []
     for label, sizes in candidate_meshes(len(devices)):
         preset = sizes.pop("preset")

@@ -72,6 +72,11 @@ def path_name(path) -> str:
     return name.removeprefix("params/")
 
 
+def auto_min_size(mesh_cfg) -> int | None:
+    """The automatic split's size threshold as the config sets it; None when `mesh.auto_shard=false`."""
+    return mesh_cfg.auto_shard_min_size if mesh_cfg.auto_shard else None
+
+
 def state_shardings(abstract, mesh: jax.sharding.Mesh, rules: dict, auto_min_size: int | None):
     """A NamedSharding for every array of `abstract`, checked for divisibility.
 

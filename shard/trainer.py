@@ -167,7 +167,7 @@ def prepare(cfg: config_lib.Config, devices: list, training: bool = True) -> Job
     # ---- abstract state, shardings, checkpoints to read, compiled steps (nothing allocated yet)
     with partition.activate(mesh, rules, remat=cfg.train.remat, attention=cfg.train.attention):
         graphdef, abstract, init = state_lib.abstract_state(model_cls, kwargs, tx, cfg.train.seed, cfg.model.name)
-        auto_min = cfg.mesh.auto_shard_min_size if cfg.mesh.auto_shard else None
+        auto_min = state_lib.auto_min_size(cfg.mesh)
         shardings = state_lib.state_shardings(abstract, mesh, rules, auto_min)
         split = state_lib.split_report(abstract.params, dict(mesh.shape), rules, auto_min)
         batch = data.abstract_batch()
@@ -220,7 +220,7 @@ def start_state(cfg, checkpoints, init, shardings, target, say) -> state_lib.Tra
                  "on it differs from both runs; a bitwise resume needs the same train.steps")
         if meta.get("seed", cfg.train.seed) != cfg.train.seed:
             warn(f"train.seed={cfg.train.seed} but the checkpoint was trained with seed {meta['seed']}: "
-                          "the data order from here on differs from the original run's")
+                 "the data order from here on differs from the original run's")
         return state
     if cfg.checkpoint.restore_from:
         state, meta = ckpt_lib.restore_path(cfg.checkpoint.restore_from, "checkpoint.restore_from", target,

@@ -66,6 +66,21 @@ def train(tmp_path):
     return go
 
 
+def one_device_runs(tmp_path_factory, configs: dict, *extra):
+    """get(name): configs[name] trained on one device, once per module that asks (the reference curves)."""
+    from shard import config, trainer
+
+    out = {}
+
+    def get(name):
+        if name not in out:
+            args = overrides(tmp_path_factory.mktemp(name), *configs[name], *extra, "run.cpu_devices=1")
+            out[name] = trainer.run(config.load(None, args))
+        return out[name]
+
+    return get
+
+
 def subprocess_env() -> dict:
     """This environment for a child process, less the 8-device flag."""
     return {**os.environ, "XLA_FLAGS": FAST_COMPILE}

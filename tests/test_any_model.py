@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, one_device_runs, run_cli
 
 STOCK = {
     "mlp": ["model.name=stock_models:StockMLP", "data.name=synthetic", "data.features=[64]", "data.classes=10",
@@ -30,18 +30,7 @@ def share_per_device(params) -> float:
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
-    from shard import config, trainer
-    from conftest import overrides
-
-    out = {}
-
-    def get(model):
-        if model not in out:
-            args = overrides(tmp_path_factory.mktemp(model), *STOCK[model], *STEPS, "run.cpu_devices=1")
-            out[model] = trainer.run(config.load(None, args))
-        return out[model]
-
-    return get
+    return one_device_runs(tmp_path_factory, STOCK, *STEPS)
 
 
 @pytest.mark.parametrize("model", STOCK)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import TINY_GPT, TINY_MODELS
+from conftest import TINY_GPT, TINY_MODELS, one_device_runs
 from shard.config import MeshConfig
 from shard.partition import RULES, axes_of, param_spec
 
@@ -34,18 +34,7 @@ def variables(tree):
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """Each model trained on one device, computed once for the module."""
-    from shard import config, trainer
-    from conftest import overrides
-
-    out = {}
-
-    def get(model):
-        if model not in out:
-            args = overrides(tmp_path_factory.mktemp(model), *TINY_MODELS[model], *STEPS, "run.cpu_devices=1")
-            out[model] = trainer.run(config.load(None, args))
-        return out[model]
-
-    return get
+    return one_device_runs(tmp_path_factory, TINY_MODELS, *STEPS)
 
 
 @pytest.mark.parametrize("model,preset", CASES)

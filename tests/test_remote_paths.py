@@ -39,7 +39,7 @@ def test_checkpoints_hand_the_url_to_orbax_unchanged(local_bucket, monkeypatch):
     assert seen == ["gs://bucket/run/checkpoints"]
 
 
-def test_a_run_writes_its_files_under_a_url_run_dir(train, local_bucket):
+def test_a_run_writes_its_files_under_a_url_run_dir(local_bucket):
     from shard import config, trainer
     from conftest import TINY_MLP
 
