@@ -29,40 +29,52 @@ def main(argv: list[str]) -> int:
         path, args = Path(args[0]), args[1:]
 
     if "--help" in flags or "-h" in flags:
+        import os
+        import shutil
+
+        # The values this config and these overrides resolve to; the built-in defaults if they do not load.
+        # What is wrong with them follows the help as the usual one-line error (exit status 2).
+        cfg, signature, problem = None, None, None
+        source = config.shown_path(Path(path)) + (f" + {len(args)} override(s)" if args else "")
         try:
-            name = config.load(path, args).model.name
-            signature = registry.arguments(registry.resolve(name))
-        except UserError:
-            name, signature = "", None
-        print(config.help_text(signature, name))
+            cfg = config.load(path, args)
+            signature = registry.arguments(registry.resolve(cfg.model.name))
+        except UserError as e:
+            problem = e
+        if cfg is None:
+            source = f"{source} did not load: the error follows"
+        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None  # piped: one line a key
+        try:
+            print(config.help_text(cfg, signature, source, width))
+            sys.stdout.flush()
+        except BrokenPipeError:  # `--help | head`: the reader has all it wants
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if problem is not None:
+            raise problem
         return 0
 
     cfg = config.load(path, args)
-    model_cls = registry.resolve(cfg.model.name)
-    registry.check_kwargs(model_cls, cfg.model.kwargs, cfg.model.name)
+    model_cls, kwargs = registry.load(cfg.model)
     if "--print-config" in flags:
-        print(config.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, cfg.model.kwargs)), end="")
+        print(config.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, kwargs)), end="")
         return 0
 
-    from shard import distributed, trainer  # JAX's machinery only once the config is known to be good
+    from shard import distributed, plan, trainer  # JAX's machinery only once the config is known to be good
 
-    if "--dry-run" in flags or "--compare" in flags:
-        from shard import plan
-
-        devices = distributed.start(cfg.run, deterministic=cfg.train.deterministic)
-        if "--compare" in flags:
-            rows = plan.compare(cfg, devices)
-            print(plan.comparison_table(rows))
-            print(f"wrote {plan.write(cfg.run.dir, rows, 'compare.json')}")
-        else:
-            cfg = plan.apply_auto(cfg, devices)
+    devices = distributed.start(cfg.run, deterministic=cfg.train.deterministic)
+    if "--compare" in flags:
+        rows = plan.compare(cfg, devices)
+        print(plan.comparison_table(rows))
+        print(f"wrote {plan.write(cfg.run.dir, rows, 'compare.json')}")
+        return 0
+    with distributed.exit_cleanly_if_a_peer_fails():
+        cfg = plan.apply_auto(cfg, devices)  # mesh=auto: resolved here, once, for the dry run and training alike
+        if "--dry-run" in flags:
             result = plan.analyse(cfg, devices)
             print(plan.report(result))
             print(f"wrote {plan.write(cfg.run.dir, result, 'plan.json')}")
-        return 0
-
-    with distributed.exit_cleanly_if_a_peer_fails():
-        trainer.run(cfg)
+        else:
+            trainer.run(cfg)
     return 0
 
 

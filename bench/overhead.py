@@ -44,11 +44,10 @@ class MinimalLoop:
         import optax
         from flax import nnx
 
-        from shard import partition, registry
+        from shard import hooks, registry
         from shard.step import cast_floats
 
-        model_cls = registry.resolve(cfg.model.name)
-        kwargs = registry.check_kwargs(model_cls, cfg.model.kwargs, cfg.model.name)
+        model_cls, kwargs = registry.load(cfg.model)
         with nnx.use_eager_sharding(False):
             model = model_cls(**kwargs, rngs=nnx.Rngs(cfg.train.seed))
         self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -63,7 +62,7 @@ class MinimalLoop:
             def loss_fn(p):
                 p_compute = cast_floats(p, dtype)  # mixed precision: float32 parameters, compute in `dtype`
                 # The model's own hooks for activation checkpointing and the attention kernel, no sharding.
-                with partition.activate(None, None, remat=t.remat, attention=t.attention):
+                with hooks.use(remat=t.remat, attention=t.attention):
                     logits = nnx.merge(graphdef, p_compute, rest, copy=True)(x)
                 return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
 

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.partition import attention, constrain, layer
+from shard.hooks import attention, layer
+from shard.partition import constrain
 
 
 def param(rngs: nnx.Rngs, shape: tuple, names: tuple, std: float) -> nnx.Param:

@@ -16,7 +16,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from shard import paths
-from shard.errors import UserError, warn
+from shard.errors import UserError, first_line, warn
 from shard.state import TrainState
 
 TMP_MARK = ".orbax-checkpoint-tmp"
@@ -51,15 +51,13 @@ class Checkpoints:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, state: TrainState, step: int, data_position: int, seed: int, train_steps: int,
-             wait: bool = False) -> None:
-        """`data_position` (global batches consumed) and `seed` fix the data order; training itself
-        draws no other random numbers, and a model's own RNG variables are part of `state.rest`.
-        `train_steps` (the run's planned length) fixes the learning-rate schedule."""
+    def save(self, state: TrainState, step: int, seed: int, train_steps: int, wait: bool = False) -> None:
+        """The step (one global batch per step, so also the position in the data) and `seed` fix the
+        data order; training itself draws no other random numbers, and a model's own RNG variables are
+        part of `state.rest`. `train_steps` (the run's planned length) fixes the learning-rate schedule."""
         if step not in self.manager.all_steps():
             items = {k: ocp.args.StandardSave(v) for k, v in _items(state).items()}
-            meta = ocp.args.JsonSave({"step": step, "data_position": data_position, "seed": seed,
-                                      "train_steps": train_steps})
+            meta = ocp.args.JsonSave({"step": step, "seed": seed, "train_steps": train_steps})
             self.manager.save(step, args=ocp.args.Composite(**items, meta=meta), force=True)
         if wait:
             self.manager.wait_until_finished()
@@ -73,7 +71,7 @@ class Checkpoints:
             except UserError:
                 raise
             except Exception as e:  # a corrupt or truncated checkpoint
-                warn(f"skipping unreadable checkpoint {self.directory / str(step)}: {_first_line(e)}")
+                warn(f"skipping unreadable checkpoint {self.directory / str(step)}: {first_line(e)}")
         if steps:
             raise UserError(f"no readable checkpoint in {self.directory}; move it away to start afresh")
         return None
@@ -81,11 +79,6 @@ class Checkpoints:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def restore_step(manager: ocp.CheckpointManager, step: int, target: TrainState,
@@ -183,7 +176,7 @@ def _named_checkpoint(path: str, key: str):
     except UserError:
         raise
     except Exception as e:
-        raise UserError(f"{key}: checkpoint {manager.directory / str(step)} is unreadable: {_first_line(e)}") from None
+        raise UserError(f"{key}: checkpoint {manager.directory / str(step)} is unreadable: {first_line(e)}") from None
     finally:
         manager.close()
 

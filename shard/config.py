@@ -7,6 +7,10 @@ class signature is their schema (checked in `shard.registry`).
 """
 
 import dataclasses
+import difflib
+import hashlib
+import json
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -126,7 +130,12 @@ class MeshConfig:
 
 @dataclass
 class RunConfig:
-    dir: str = option("runs/default", "run directory: resolved config, metrics.jsonl")
+    dir: Optional[str] = option(None, "run folder: resolved config, metrics.jsonl, checkpoints. null (the default): "
+                                "runs/<config file name>, plus -<8 hex digits> when the command line changes what "
+                                "is trained (model, data, optimizer, train.seed/dtype/loss/init_from, "
+                                "checkpoint.restore_from; not train.steps, eval, sample, log, mesh, run or checkpoint "
+                                "keys), so the same command resumes its own run and another job gets another folder; "
+                                "a config file outside configs/ always gets the suffix")
     log_every: int = option(10, "log metrics every N steps", min=1)
     cpu_devices: Optional[int] = option(None, "run on N simulated CPU devices per process (set before JAX starts)", min=1)
     distributed: str = option("auto", "join several processes into one mesh: auto = when the environment says so "
@@ -139,8 +148,8 @@ class RunConfig:
     heartbeat_timeout_s: int = option(30, "seconds without a heartbeat before a process counts as dead and the "
                                       "others stop", min=1)
     peak_tflops: Optional[float] = option(None, "device peak TFLOP/s for MFU; default: known accelerators only", min=0)
-    device_memory_gb: Optional[float] = option(None, "memory of one device for the plan's fits check; default: "
-                                               "known accelerators only", min=0)
+    device_memory_gb: Optional[float] = option(None, "memory of one device for the plan's fits check; default: what "
+                                               "the runtime lets JAX use (GPU, TPU), unknown on CPU", min=0)
     link_gbps: Optional[float] = option(None, "bytes/s (GB) one device sends over its links, for the plan's step "
                                         "estimate; default: known accelerators only", min=0)
     progress: bool = option(True, "show a progress bar")
@@ -189,14 +198,25 @@ def _renamed(layer: dict, to_field: bool) -> dict:
 
 
 def load(path: "str | Path | None", overrides: list[str]) -> "Config":
-    """YAML file (optional) + `key=value` overrides -> a validated Config. Raises UserError."""
+    """YAML file (optional) + `key=value` overrides -> a validated Config. Raises UserError.
+
+    `run.dir`, unless the file or an override sets it, is derived from what the job trains (`default_run_dir`)."""
     layers = []
     if path is not None:
         layers.append(_read_yaml(Path(path)))
     layers.append(_parse_overrides(overrides))
     for layer in layers:
         _check_keys(layer)
+    cfg = _merge(layers)
+    _check_values(cfg)
+    if cfg.run.dir is None:
+        cfg.run.dir = default_run_dir(path, _merge(layers[:-1]), cfg)
+    _fill_mesh_from_preset(cfg.mesh)
+    return cfg
 
+
+def _merge(layers: list[dict]) -> "Config":
+    """The layers over the schema's defaults, later ones winning; model arguments kept in model.kwargs."""
     model_kwargs: dict = {}
     merged = OmegaConf.structured(Config)
     for layer in layers:
@@ -211,14 +231,66 @@ def load(path: "str | Path | None", overrides: list[str]) -> "Config":
             raise UserError(_omegaconf_message(e)) from None
     cfg: Config = OmegaConf.to_object(merged)
     cfg.model.kwargs = model_kwargs
-    _check_values(cfg)
-    _fill_mesh_from_preset(cfg.mesh)
     return cfg
+
+
+# What a run trains: the keys that decide the model, the data it sees, the loss and the optimizer's math, and
+# where its starting state comes from. Every other key may change between a run and its resumption (train.steps,
+# eval, sample and log settings, the mesh: a checkpoint restores onto any mesh, speed knobs such as remat,
+# attention, prefetch and deterministic kernels, skip_nonfinite: the NaN error suggests rerunning with it, which
+# changes nothing until a step is not finite), so those keys do not pick the run folder. None: the whole section.
+JOB_KEYS: dict[str, "tuple[str, ...] | None"] = {
+    "model": None,
+    "data": ("name", "task", "path", "target", "batch_size", "seq_len", "eval_fraction", "features", "classes", "size"),
+    "optimizer": None,
+    "train": ("seed", "dtype", "loss", "init_from"),
+    "checkpoint": ("restore_from",),
+}
+RUNS = "runs"
+
+
+def job_values(cfg: "Config") -> dict[str, Any]:
+    """The JOB_KEYS of `cfg`, flat (`model.d_model`, `train.dtype`, ...), model arguments included."""
+    data = to_dict(cfg)
+    out = {}
+    for section, keys in JOB_KEYS.items():
+        for key, value in data[section].items():
+            if keys is None or key in keys:
+                out[f"{section}.{key}"] = value
+    return out
+
+
+def default_run_dir(path: "str | Path | None", file_cfg: "Config", cfg: "Config") -> str:
+    """`runs/<config file name>` for a config in configs/ as it is; with `-<8 hex digits>` after it, a
+    fingerprint of the job values (JOB_KEYS) that the overrides change, resolved and keyed by name (so their
+    order, or restating the file's own value, changes nothing). A file elsewhere (two may share a name) is
+    fingerprinted by its job values that differ from the built-in defaults, so it always has the suffix;
+    with no file at all the name is `builtin`. The same command always gives the same folder: a preempted
+    job started again resumes, and a job that trains something else never lands in another's folder."""
+    own = path is not None and Path(path).resolve().parent == CONFIGS
+    if own:
+        name, base, changed = Path(path).stem, file_cfg, {}
+    else:
+        name, base = (Path(path).stem if path is not None else "builtin"), Config()
+        changed = {"from": "built-in defaults"} if path is not None else {}
+    before, after = job_values(base), job_values(cfg)
+    for key in sorted(before.keys() | after.keys()):
+        old, new = (_canonical(d[key]) if key in d else None for d in (before, after))
+        if old != new:
+            changed[key] = "unset" if new is None else "=" + new
+    if not changed:
+        return f"{RUNS}/{name}"
+    digest = hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{RUNS}/{name}-{digest}"
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
-        raise UserError(f"config file {str(path)!r} does not exist")
+        raise UserError(_missing_config_message(path))
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -226,6 +298,32 @@ def _read_yaml(path: Path) -> dict:
     if not isinstance(data, dict):
         raise UserError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
     return _normalize(data, f"config file {str(path)!r}")
+
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _missing_config_message(path: Path) -> str:
+    """One line: the file is missing; the config in configs/ it probably means, and which there are."""
+    what = "is a folder, not a file" if path.is_dir() else "does not exist"
+    available = sorted(p.name for p in CONFIGS.glob("*.yaml")) if CONFIGS.is_dir() else []
+    if not available:
+        return f"config file {str(path)!r} {what}"
+    name = path.name if path.suffix in (".yaml", ".yml") else path.name + ".yaml"
+    candidates = [c for c in (path.with_name(name), CONFIGS / name) if c.is_file()] if path.name else []
+    if not candidates and path.name:  # a typo: the closest name in configs/
+        close = difflib.get_close_matches(name, available, n=1, cutoff=0.75)
+        candidates = [CONFIGS / close[0]] if close else []
+    hint = f"; did you mean {shown_path(candidates[0])}?" if candidates else ""
+    return f"config file {str(path)!r} {what}{hint} ({shown_path(CONFIGS)}/ holds: {', '.join(available)})"
+
+
+def shown_path(path: Path) -> str:
+    """A path as the user would type it from here: relative to the working directory when inside it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def _parse_overrides(overrides: list[str]) -> dict:
@@ -364,21 +462,107 @@ def to_yaml(cfg: Config, model_kwargs: dict | None = None) -> str:
     return yaml.safe_dump(to_dict(cfg, model_kwargs), sort_keys=False)
 
 
-def help_text(model_signature: list[tuple[str, str, Any]] | None = None, model_name: str = "") -> str:
-    lines = ["usage: python train.py [CONFIG.yaml] [key=value ...] [--print-config] [--dry-run] [--compare] [--help]", "",
-             "Keys (type, default): set them in the YAML file or as key=value; the command line wins.", ""]
+USAGE = "usage: python train.py [CONFIG.yaml] [key=value ...] [--print-config] [--dry-run] [--compare] [--help]"
+VALUE_WIDTH = 24  # a longer value puts its key's help on the next line, in the help column
+MIN_HELP_WIDTH = 40  # narrower than this beside the values: help goes under each key instead
+
+
+def help_text(cfg: "Config | None" = None, model_signature: list[tuple[str, str, Any]] | None = None,
+              source: str = "", width: int | None = None) -> str:
+    """Every key with its type, its value in `cfg` (the built-in default after it where they differ) and help.
+
+    `source` says in a few words where the values come from; `width` wraps the help to a terminal
+    (None: one line per key, for grep). Column widths come from the longest key, type and value."""
+    shown_cfg = cfg if cfg is not None else Config()
+    # Mesh axis sizes and rules left unset come from the preset: theirs is the default to compare with.
+    preset_mesh = MeshConfig(preset=shown_cfg.mesh.preset)
+    try:
+        if cfg is not None:  # (the bare schema's are not filled from the preset either)
+            _fill_mesh_from_preset(preset_mesh)
+    except UserError:  # an unknown preset: compare with the schema's defaults
+        preset_mesh = MeshConfig()
+    from_preset = {"data", "expert", "fsdp", "tensor", "rules"}
+    rows: list[tuple[str, str, str, str] | str] = []  # (key, type, value, help) or a heading
     for section in SECTIONS:
-        lines.append(f"{section}:")
+        rows.append(f"{section}:")
+        obj = getattr(shown_cfg, section)
         for f in schema_fields(section):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if section == "mesh" and f.name in from_preset:
+                default = getattr(preset_mesh, f.name)
             choices = f.metadata.get("choices")
             low, high = f.metadata.get("min"), f.metadata.get("max")
             extra = f" [{'|'.join(choices)}]" if choices else ""
             extra += f" [{low}..{high}]" if high is not None else f" [>={low}]" if low is not None else ""
-            lines.append(f"  {section}.{key_of(f):<15} {type_name(f.type):<14} {default!r:<16} {f.metadata['help']}{extra}")
+            rows.append((f"{section}.{key_of(f)}", type_name(f.type), _value_text(getattr(obj, f.name), default),
+                         f.metadata["help"] + extra))
+        if section == "model" and model_signature is None and cfg is not None:
+            rows.append(f"  constructor arguments of {shown_cfg.model.name!r}: unknown (the class did not load)")
         if section == "model" and model_signature is not None:
-            lines.append(f"  constructor arguments of {model_name!r} (model.<arg>=value):")
+            rows.append(f"  constructor arguments of {shown_cfg.model.name!r} (model.<arg>=value):")
+            kwargs = shown_cfg.model.kwargs
             for name, tname, default in model_signature:
-                lines.append(f"  model.{name:<15} {tname:<14} {default!r}")
-        lines.append("")
-    return "\n".join(lines)
+                value = kwargs.get(name, default)
+                rows.append((f"model.{name}", tname, _value_text(value, default), ""))
+            named = {name for name, _, _ in model_signature}
+            for name, value in kwargs.items():  # a class that takes **kwargs
+                if name not in named:
+                    rows.append((f"model.{name}", "any", _value_text(value, value), "not a named constructor argument"))
+        rows.append("")
+
+    table = [r for r in rows if isinstance(r, tuple)]
+    key_w = max(len(r[0]) for r in table)
+    type_w = max(len(r[1]) for r in table)
+    value_w = min(VALUE_WIDTH, max(len(r[2]) for r in table))
+    help_col = 2 + key_w + 2 + type_w + 2 + value_w + 2
+    beside = width is None or width - help_col >= MIN_HELP_WIDTH
+    indent = help_col if beside else 6
+
+    def wrapped(text: str) -> list[str]:
+        if width is None or not text:
+            return [text] if text else []
+        return textwrap.wrap(text, max(width - indent, 20), break_long_words=False, break_on_hyphens=False)
+
+    values = (f"Values are what {source} resolves to" if source and cfg is not None else
+              "Values are the built-in defaults" + (f" ({source})" if source else ""))
+    header = [f"Each key with its type, value and help. {values}; where a value differs from the built-in "
+              "default, \"(default X)\" follows it (for mesh axis sizes and rules: the preset's). Set keys in the "
+              "YAML file or as key=value; the command line wins.",
+              "Allowed values are in [ ]; the model.* keys after model.name are the model class's constructor "
+              "arguments."]
+    lines = (textwrap.wrap(USAGE, width, subsequent_indent=" " * 6, break_on_hyphens=False) if width else [USAGE])
+    lines.append("")
+    for paragraph in header:
+        lines += textwrap.wrap(paragraph, width) if width else [paragraph]
+    lines.append("")
+    for row in rows:
+        if isinstance(row, str):
+            lines.append(row)
+            continue
+        key, tname, value, help_ = row
+        first = f"  {key:<{key_w}}  {tname:<{type_w}}  {value}"
+        help_lines = wrapped(help_)
+        if beside and help_lines and len(value) <= value_w:
+            first = f"  {key:<{key_w}}  {tname:<{type_w}}  {value:<{value_w}}  {help_lines.pop(0)}"
+        lines.append(first.rstrip())
+        lines += [" " * indent + line for line in help_lines]
+    return "\n".join(lines).rstrip()
+
+
+def _value_text(value: Any, default: Any) -> str:
+    """A value as one would write it in YAML or key=value; the default after it where they differ."""
+    text = _yaml_text(value)
+    if isinstance(default, str) and default == "(required)":  # the signature's marker: no default
+        return text
+    try:
+        same = bool(_plain(value) == _plain(default))
+    except Exception:  # values whose == is not a plain answer (arrays)
+        same = value is default
+    return text if same else f"{text} (default {_yaml_text(default)})"
+
+
+def _yaml_text(value: Any) -> str:
+    try:
+        return yaml.safe_dump(_plain(value), default_flow_style=True, width=10**9).removesuffix("\n...\n").strip()
+    except yaml.YAMLError:  # not plain data (a dtype, a function): Python's own spelling
+        return repr(value)

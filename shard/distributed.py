@@ -23,7 +23,7 @@ import threading
 
 import jax
 
-from shard.errors import UserError
+from shard.errors import UserError, first_line
 
 
 def _env_int(name: str) -> int | None:
@@ -106,7 +106,7 @@ def join(settings: dict, run) -> None:
                                    heartbeat_timeout_seconds=run.heartbeat_timeout_s)
     except Exception as e:  # e.g. a coordinator address that cannot be bound or resolved
         watchdog.cancel()
-        raise UserError(f"could not start the distributed runtime at {where}: {_first_line(e)}") from None
+        raise UserError(f"could not start the distributed runtime at {where}: {first_line(e)}") from None
     watchdog.cancel()
 
 
@@ -121,7 +121,7 @@ def exit_cleanly_if_a_peer_fails():
         if jax.process_count() == 1:
             raise
         _die(f"process {jax.process_index()}: a collective with the other processes failed, most likely "
-             f"because one of them died ({_first_line(e)})")
+             f"because one of them died ({first_line(e)})")
 
 
 def _die(message: str) -> None:
@@ -130,17 +130,24 @@ def _die(message: str) -> None:
     os._exit(1)
 
 
-def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else type(e).__name__
-
-
 def _client():
     """JAX's distributed-runtime client: barriers and a key-value store with timeouts, which need no
-    device collectives (gloo gives up on a peer after a fixed 30 s; these wait as long as we say)."""
-    from jax._src import distributed as jax_distributed
+    device collectives (gloo gives up on a peer after a fixed 30 s; these wait as long as we say).
 
-    return jax_distributed.global_state.client
+    JAX has no public accessor for it (multihost_utils' barrier is a device collective), so this is
+    the one place that reaches into JAX's internals; if they move, it says so instead of failing
+    somewhere deep in a barrier."""
+    try:
+        from jax._src import distributed as jax_distributed
+
+        client = jax_distributed.global_state.client
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(f"jax {jax.__version__} moved its distributed-runtime client "
+                           f"(jax._src.distributed.global_state.client: {first_line(e)}); shard/distributed.py "
+                           "needs updating for this JAX version") from None
+    if client is None:
+        raise RuntimeError("the distributed runtime is not initialised (jax.distributed.initialize)")
+    return client
 
 
 _barriers: dict[str, int] = {}
@@ -156,7 +163,7 @@ def barrier(name: str, timeout_s: int) -> None:
         _client().wait_at_barrier(f"shard/{name}/{_barriers[name]}", timeout_s * 1000)
     except Exception as e:
         _die(f"process {jax.process_index()}: not every process reached '{name}' within {timeout_s} s "
-             f"({_first_line(e)})")
+             f"({first_line(e)})")
 
 
 def check_same_config(cfg, model_kwargs: dict) -> None:
@@ -175,7 +182,7 @@ def check_same_config(cfg, model_kwargs: dict) -> None:
         hashes = [client.blocking_key_value_get(f"shard/config/{i}", cfg.run.init_timeout_s * 1000)
                   for i in range(jax.process_count())]
     except Exception as e:
-        _die(f"process {me}: not every process reported its config within run.init_timeout_s ({_first_line(e)})")
+        _die(f"process {me}: not every process reported its config within run.init_timeout_s ({first_line(e)})")
     differ = [i for i, h in enumerate(hashes) if h != hashes[0]]
     if differ:
         raise UserError(f"the resolved config differs between processes: processes {differ} disagree with "

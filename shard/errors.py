@@ -13,6 +13,13 @@ class NonFiniteLoss(Exception):
     """Training produced a NaN or infinite loss or gradient; no checkpoint of that state is written."""
 
 
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """An exception's message cut to its first line (at most `limit` characters), for one-line errors
+    that quote what a library said; its type name when it says nothing."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else type(e).__name__
+
+
 def warn(message: str) -> None:
     """One line on stderr, from process 0 only."""
     import sys

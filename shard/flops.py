@@ -1,15 +1,24 @@
-"""Model FLOPs of a step, counted on its jaxpr: every matrix multiply and convolution, with the
-body of a `scan` (a stack of layers) counted once per iteration.
+"""Model FLOPs of a train step, counted on its jaxpr: every matrix multiply and convolution, with
+the body of a `scan` (a stack of layers) counted once per iteration, and attention counted from its
+shapes.
 
 Why not XLA's cost analysis: it counts a while loop's body once, so a model whose layers run in a
 scan reports the FLOPs of one layer (and it also counts elementwise work, which MFU conventionally
 leaves out). For a transformer this count is the textbook one: 2 FLOPs per multiply-add, i.e.
-6 x (parameters in matrix multiplies) x tokens for forward and backward, plus the attention scores
-and weighted sums (forward 4 x layers x length x width per token, backward twice that). With
-activation checkpointing the recomputed forward is counted too (it is work the device does).
+6 x (parameters in matrix multiplies) x tokens for forward and backward, plus attention.
+
+Attention (every call through shard.hooks.attention, whatever the kernel: XLA's matrix products or
+cuDNN's fused primitive, which has no dot_general to count) is counted from the query, key and
+value shapes: forward 2 x (query, key) pairs x (head_dim + value dim) per head, backward twice that.
+Causal attention counts the pairs on or below the diagonal, about half the square: the work actually
+needed (the convention of MaxText's and PaLM's MFU), not the masked square XLA's kernel computes.
+With activation checkpointing the recomputed forward is counted too (it is work the device does);
+MFU and the plan count a trace without it (shard/job.py).
 """
 
 import math
+
+from shard import hooks
 
 
 try:  # the jaxpr types moved between JAX versions
@@ -28,25 +37,69 @@ def _sub_jaxprs(value):
             yield from _sub_jaxprs(v)
 
 
+ATTENTION_CALLS = {hooks.CAUSAL_NAME: True, hooks.FULL_NAME: False}  # jitted call's name -> causal
+
+
+def train_step_flops(train_jaxpr: Jaxpr, forward_jaxpr: Jaxpr) -> float:
+    """Model FLOPs of one train step: its matrix products and convolutions, plus attention counted
+    from the forward pass's calls, three times (forward, and backward twice that). The forward pass
+    is traced on its own because autodiff splits each attention call into pieces whose inputs are
+    residuals, not (q, k, v)."""
+    return jaxpr_flops(train_jaxpr) + 3 * attention_flops(forward_jaxpr)
+
+
 def jaxpr_flops(jaxpr: Jaxpr) -> float:
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "dot_general":
+    """Matrix products and convolutions; attention calls (and the pieces autodiff made of them) count 0."""
+    def eqn_flops(eqn) -> float:
+        if _attention_call(eqn) is not None:
+            return 0.0
+        if eqn.primitive.name == "dot_general":
             (lhs_contract, _), _ = eqn.params["dimension_numbers"]
             lhs = eqn.invars[0].aval.shape
-            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
-        elif name == "conv_general_dilated":
+            return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
+        if eqn.primitive.name == "conv_general_dilated":
             rhs, spec = eqn.invars[1].aval.shape, eqn.params["dimension_numbers"].rhs_spec
             # rhs_spec: (output features, input features per group, spatial...)
             per_output = math.prod(rhs[d] for d in spec[1:])
-            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * per_output
+            return 2.0 * math.prod(eqn.outvars[0].aval.shape) * per_output
+        return None
+
+    return _walk(jaxpr, eqn_flops)
+
+
+def attention_flops(jaxpr: Jaxpr) -> float:
+    """Forward FLOPs of the attention calls in a forward (not differentiated) jaxpr, from their shapes."""
+    def eqn_flops(eqn) -> float:
+        causal = _attention_call(eqn)
+        if causal is None:
+            return None
+        return hooks.attention_flops(*(v.aval.shape for v in eqn.invars), causal)
+
+    return _walk(jaxpr, eqn_flops)
+
+
+def _attention_call(eqn) -> bool | None:
+    """Whether this equation is a call of shard.hooks.attention (causal or not), else None."""
+    if eqn.primitive.name not in ("pjit", "jit"):
+        return None
+    return ATTENTION_CALLS.get(eqn.params.get("name"))
+
+
+def _walk(jaxpr: Jaxpr, eqn_flops) -> float:
+    """Sum eqn_flops over the equations; where it returns None, descend into sub-jaxprs: a scan's
+    body counts once per iteration, a cond's costliest branch once, any other call once."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        own = eqn_flops(eqn)
+        if own is not None:
+            total += own
+            continue
         subs = [s for v in eqn.params.values() for s in _sub_jaxprs(v)]
-        if name == "cond":  # one branch runs: count the costliest
-            total += max((jaxpr_flops(s) for s in subs), default=0.0)
+        if eqn.primitive.name == "cond":  # one branch runs: count the costliest
+            total += max((_walk(s, eqn_flops) for s in subs), default=0.0)
         else:
-            times = eqn.params.get("length", 1) if name == "scan" else 1
-            total += times * sum(jaxpr_flops(s) for s in subs)
+            times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+            total += times * sum(_walk(s, eqn_flops) for s in subs)
     return total
 
 

@@ -5,10 +5,12 @@
   slurm --nodes N        an sbatch script: one process per node (or per GPU) started by srun
   gke --cluster          prints the xpk command for a GKE TPU or GPU cluster
 
-ARGS are train.py's own arguments (a config file and key=value overrides). On several hosts, give
-a run.dir that every host reaches (a bucket such as gs://BUCKET/RUN, or a shared file system): each
-host writes only its own shards of a checkpoint. `--dry-run` (local, tpu,
-slurm) prints the commands (or the script) instead of running them. Bad options end with one line and exit status 2.
+ARGS are train.py's own arguments (a config file and key=value overrides); the launcher runs
+train.py itself, so a leading `train.py` (or a path ending in train.py, the torchrun habit) is
+dropped from them. On several hosts, give a run.dir that every host reaches (a bucket such as
+gs://BUCKET/RUN, or a shared file system): each host writes only its own shards of a checkpoint.
+`--dry-run` (local, tpu, slurm) prints the commands (or the script) instead of running them. Bad
+options end with one line and exit status 2.
 """
 
 import argparse
@@ -148,6 +150,7 @@ def tpu_commands(name: str, zone: str, project: str | None, args: list[str], wor
     remote = f"mkdir -p {workdir} && tar -xzf {CODE_TARBALL.name} -C {workdir} && cd {workdir}"
     if install:
         remote += " && pip install -q -e '.[tpu]'"
+    # The workers' own python3, which the line above installs the project into (not this machine's path).
     remote += " && " + shlex.join(["python3", "train.py", *args, "run.distributed=on"])
     return [
         ["gcloud", "compute", "tpus", "tpu-vm", "scp", str(CODE_TARBALL), f"{name}:~/", "--worker=all", *where],
@@ -170,7 +173,14 @@ def run_commands(commands: list[list[str]], dry_run: bool) -> int:
 # ----------------------------------------------------------------------------- SLURM
 
 def slurm_script(nodes: int, gpus_per_node: int | None, per_gpu: bool, partition: str | None, time_limit: str | None,
-                 job_name: str, args: list[str]) -> str:
+                 job_name: str, args: list[str], python: str | None = None) -> str:
+    """The sbatch script. Every node runs `python` (default: the interpreter running this, sys.executable)
+    in ROOT: both paths must be the same on the compute nodes, as they are when the project and its
+    virtualenv lie on the cluster's shared file system. Unlike tpu and gke, whose workers run their own
+    python3 (on a copy of the code, or in an image), SLURM nodes run the project where it is, so the
+    launching interpreter is the one known to have it (and its JAX build) installed. --python names
+    another, e.g. `python3` for an environment the nodes load themselves."""
+    python = python or sys.executable
     tasks = gpus_per_node if per_gpu and gpus_per_node else 1
     lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}",
              f"#SBATCH --ntasks-per-node={tasks}"]
@@ -183,8 +193,11 @@ def slurm_script(nodes: int, gpus_per_node: int | None, per_gpu: bool, partition
     lines += [f"#SBATCH --output={job_name}-%j.out", "",
               "# JAX reads the job's layout from SLURM's variables: process ids, the coordinator (the first",
               "# node) and, with one task per GPU, which GPU each process owns.",
+              "# Every node runs the interpreter that ran the launcher (or --python's) in the project folder:",
+              "# both must exist at these paths there, as they do on a shared file system with the project's",
+              "# virtualenv.",
               f"cd {shlex.quote(str(ROOT))}",
-              "srun " + shlex.join(["python3", "train.py", *args, "run.distributed=on"]), ""]
+              "srun " + shlex.join([python, "train.py", *args, "run.distributed=on"]), ""]
     return "\n".join(lines)
 
 
@@ -211,20 +224,26 @@ def gke_command(cluster: str, workload: str, tpu_type: str | None, device_type: 
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and status 2, not the usage text
+        if message.startswith("unrecognized arguments"):
+            message += " (train.py's arguments go after --)"
         raise LaunchError(f"{self.prog}: {message}")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m shard.launch", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="target", required=True)
-    local = sub.add_parser("local", help="N processes on this machine")
+    p = Parser(prog="python -m shard.launch", usage="%(prog)s TARGET [options] -- [CONFIG.yaml] [key=value ...]",
+               description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="target", required=True, metavar="TARGET")
+    add = lambda name, help: sub.add_parser(name, help=help, description=help, epilog=ARGS_HELP,
+                                            prog=f"python -m shard.launch {name}",
+                                            usage="%(prog)s [options] -- [CONFIG.yaml] [key=value ...]")
+    local = add("local", "N processes on this machine")
     local.add_argument("--processes", type=int, required=True)
-    tpu = sub.add_parser("tpu", help="every worker of a Cloud TPU VM pod slice")
+    tpu = add("tpu", "every worker of a Cloud TPU VM pod slice")
     tpu.add_argument("--name", required=True)
     tpu.add_argument("--zone", required=True)
     tpu.add_argument("--project")
     tpu.add_argument("--no-install", action="store_true", help="skip pip install on the workers")
-    slurm = sub.add_parser("slurm", help="an sbatch script, submitted")
+    slurm = add("slurm", "an sbatch script, submitted")
     slurm.add_argument("--nodes", type=int, required=True)
     slurm.add_argument("--gpus-per-node", type=int)
     slurm.add_argument("--per-gpu", action="store_true", help="one process per GPU instead of per node")
@@ -232,7 +251,11 @@ def parser() -> argparse.ArgumentParser:
     slurm.add_argument("--time", dest="time_limit", help="wall-clock limit, e.g. 04:00:00")
     slurm.add_argument("--job-name", default="shard")
     slurm.add_argument("--script", help="where to write the sbatch script (default: JOB_NAME.sbatch here)")
-    gke = sub.add_parser("gke", help="print the xpk command for a GKE cluster")
+    slurm.add_argument("--python", metavar="PATH",
+                       help=f"the interpreter srun starts on every node (default: this one, {sys.executable}); it "
+                            "must exist at that path on the compute nodes, as a virtualenv on the shared file "
+                            "system does; otherwise name the nodes' own, e.g. --python=python3")
+    gke = add("gke", "print the xpk command for a GKE cluster")
     gke.add_argument("--cluster", required=True)
     gke.add_argument("--workload", default="shard-train")
     gke.add_argument("--tpu-type")
@@ -247,9 +270,25 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+ARGS_HELP = ("ARGS after -- are train.py's own: [CONFIG.yaml] [key=value ...]. The launcher runs train.py "
+             "itself, so a leading train.py (or a path ending in train.py, as torchrun takes it) is dropped.")
+
+
+def without_train_py(args: list[str]) -> list[str]:
+    """ARGS less a leading `train.py` (`torchrun ... train.py CONFIG` habit): the launcher starts train.py itself."""
+    if not args or "=" in args[0] or Path(args[0]).name != "train.py":
+        return args
+    given = Path(args[0])
+    if given.is_file() and given.resolve() != (ROOT / "train.py").resolve():  # another project's script
+        raise LaunchError(f"{args[0]!r} is not this project's train.py ({ROOT / 'train.py'}), which the launcher "
+                          "always runs; give only its arguments after --")
+    return args[1:]
+
+
 def main(argv: list[str]) -> int:
     own, args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     opts = parser().parse_args(own)
+    args = without_train_py(args)
     if opts.target == "local":
         if opts.processes < 1:
             raise LaunchError(f"--processes={opts.processes}: give a positive number of processes")
@@ -268,7 +307,7 @@ def main(argv: list[str]) -> int:
         if opts.nodes > 1:
             warn_if_local_run_dir(args, opts.target)
         script = slurm_script(opts.nodes, opts.gpus_per_node, opts.per_gpu, opts.partition, opts.time_limit,
-                              opts.job_name, args)
+                              opts.job_name, args, opts.python)
         path = Path(opts.script or f"{opts.job_name}.sbatch")
         if opts.dry_run:
             print(f"# {path}\n{script}\n# then: sbatch {path}")
@@ -287,8 +326,8 @@ def warn_if_local_run_dir(args: list[str], target: str) -> None:
     from shard import config
     from shard.errors import UserError
 
-    path = args[0] if args and "=" not in args[0] and not args[0].startswith("-") else None
-    try:
+    path = args[0] if args and "=" not in args[0] and not args[0].startswith("-") else config.CONFIGS / "default.yaml"
+    try:  # the config train.py will load (configs/default.yaml when none is given), so the same run.dir
         cfg = config.load(path, [a for a in args if "=" in a])
     except UserError:
         return  # train.py says what is wrong, on every host

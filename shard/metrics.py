@@ -1,4 +1,4 @@
-"""Metrics: one JSON line per log step in <run.dir>/metrics.jsonl, and model FLOPs utilisation."""
+"""Metrics: one JSON line per log step in <run.dir>/metrics.jsonl, and the memory and time a run has used."""
 
 import json
 import os
@@ -8,35 +8,6 @@ from pathlib import Path
 import jax
 
 from shard import paths
-
-# Peak dense bf16 TFLOP/s per chip, from the vendors' data sheets; matched against device_kind.
-PEAK_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "A100": 312.0,
-    "L4": 121.0,
-    "TPU v6": 918.0,
-    "TPU v5p": 459.0,
-    "TPU v5 lite": 197.0,
-    "TPU v5e": 197.0,
-    "TPU v4": 275.0,
-}
-
-
-def device_spec(table: dict, device, override):
-    """A per-device figure: the user's override if given, else the table entry whose name is in the
-    device's kind (e.g. "H100" in "NVIDIA H100 80GB HBM3"), else unknown (None)."""
-    if override:
-        return override
-    kind = getattr(device, "device_kind", "")
-    return next((value for name, value in table.items() if name in kind), None)
-
-
-def peak_flops(device, override_tflops: float | None) -> float | None:
-    """Peak FLOP/s of one device: `run.peak_tflops` if given, else the table, else unknown (None)."""
-    tflops = device_spec(PEAK_TFLOPS, device, override_tflops)
-    return tflops * 1e12 if tflops else None
-
 
 def peak_memory_gb() -> float | None:
     """Most device memory this process's first device has held so far, in GB (10^9 bytes), where the

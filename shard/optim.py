@@ -4,6 +4,8 @@ import jax
 import optax
 from flax import nnx
 
+from shard.partition import logical_names
+
 
 def build(cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))  # a warmup longer than the run is cut to fit
@@ -24,7 +26,7 @@ def decays(var) -> bool:
     named parameter (the k/v pair, an LSTM's four gates, a router's experts, learned positions) is a
     grouping, not a matrix's rows or columns. Without names, every dimension counts.
     """
-    names = var.get_metadata().get("out_sharding") if isinstance(var, nnx.Variable) else None
+    names = logical_names(var)
     if names is None:
         return jax.tree.leaves(var)[0].ndim >= 2
     return sum(1 for n in names if n is not None and n != "layers") >= 2

@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 
 import jax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.errors import UserError
@@ -57,6 +58,14 @@ def axes_of(target) -> tuple:
     if isinstance(target, (list, tuple)):
         return tuple(target)
     return (target,)
+
+
+def logical_names(leaf) -> tuple | None:
+    """The logical names a variable carries (Flax's `out_sharding` metadata, which
+    `nnx.with_partitioning` and `sharding_names` also set), or None."""
+    if isinstance(leaf, nnx.Variable):
+        return leaf.get_metadata().get("out_sharding")
+    return None
 
 
 def logical_to_spec(names: Sequence[str | None], rules: dict, mesh_shape: dict[str, int]) -> PartitionSpec:
@@ -119,27 +128,14 @@ def param_spec(shape: Sequence[int], names: Sequence[str | None] | None, rules: 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("shard_active_rules", default=None)
 
 
-_REMAT: contextvars.ContextVar = contextvars.ContextVar("shard_remat", default="none")
-_ATTENTION: contextvars.ContextVar = contextvars.ContextVar("shard_attention", default="xla")
-
-# train.remat -> what a layer keeps for the backward pass (everything, nothing, or matmul outputs).
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
 @contextlib.contextmanager
-def activate(mesh: jax.sharding.Mesh | None, rules: dict | None, remat: str = "none", attention: str = "xla"):
-    """While tracing: `constrain` maps names through these rules onto this mesh (no mesh: no
-    constraints), `layer` applies this activation-checkpointing policy and `attention` this kernel."""
-    tokens = _ACTIVE.set(None if mesh is None else (mesh, rules)), _REMAT.set(remat), _ATTENTION.set(attention)
+def activate(mesh: jax.sharding.Mesh | None, rules: dict | None):
+    """While tracing, `constrain` maps names through these rules onto this mesh (no mesh: no constraints)."""
+    token = _ACTIVE.set(None if mesh is None else (mesh, rules))
     try:
         yield
     finally:
-        _ACTIVE.reset(tokens[0])
-        _REMAT.reset(tokens[1])
-        _ATTENTION.reset(tokens[2])
+        _ACTIVE.reset(token)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -155,38 +151,3 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if len(names) != x.ndim:
         raise ValueError(f"constrain: {len(names)} names {tuple(names)} for an array of shape {x.shape}")
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules, mesh.shape)))
-
-
-def layer(fn):
-    """Wrap the function that applies one (scanned) layer with the active activation-checkpointing
-    policy (`train.remat`): none keeps every activation, full recomputes the layer in the backward
-    pass, dots keeps only matrix-product outputs. A model calls this instead of choosing a policy."""
-    policy = REMAT_POLICIES.get(_REMAT.get())
-    if policy is None:
-        return fn
-    from flax import nnx
-
-    return nnx.remat(fn, policy=policy)
-
-
-# cuDNN's fused (flash) attention: NVIDIA GPUs, half-precision inputs, head sizes up to 128 in steps of 8.
-CUDNN_DTYPES = ("bfloat16", "float16")
-
-
-def check_attention(attention: str, device, dtype) -> None:
-    """Fail early, in one line, when `train.attention` cannot run on this device and compute dtype."""
-    if attention == "cudnn" and (device.platform != "gpu" or str(dtype) not in CUDNN_DTYPES):
-        raise UserError(f"train.attention=cudnn needs an NVIDIA GPU and train.dtype=bfloat16, got a "
-                        f"{device.platform} device and {dtype}; use train.attention=xla")
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool) -> jax.Array:
-    """Scaled dot-product attention over (batch, length, heads, head_dim) arrays with the active kernel
-    (`train.attention`): XLA's own (any device), or cuDNN's fused flash attention. A model calls this
-    instead of choosing a kernel; outside the framework it is XLA's."""
-    implementation = _ATTENTION.get()
-    head_dim = q.shape[-1]
-    if implementation == "cudnn" and (head_dim > 128 or head_dim % 8):
-        raise UserError(f"train.attention=cudnn needs a head size <= 128 and a multiple of 8, got {head_dim}; "
-                        "use train.attention=xla")
-    return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, implementation=implementation)

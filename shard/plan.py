@@ -19,17 +19,10 @@ from dataclasses import replace
 
 import jax
 
-from shard import hlo, partition, paths
+from shard import hardware, hlo, job, partition, paths
 from shard import mesh as mesh_lib
+from shard import state as state_lib
 from shard.errors import UserError
-from shard.metrics import device_spec, peak_flops
-
-# Per-chip memory (GB) and the bandwidth one chip sends over its fastest links (GB/s, one direction),
-# from the vendors' data sheets; matched against device_kind like the peak FLOP/s table.
-DEVICE_MEMORY_GB = {"H200": 141, "H100": 80, "A100": 80, "L4": 24, "TPU v6": 32, "TPU v5p": 95,
-                    "TPU v5 lite": 16, "TPU v5e": 16, "TPU v4": 32}
-LINK_GBPS = {"H200": 450, "H100": 450, "A100": 300, "L4": 32, "TPU v6": 448, "TPU v5p": 600,
-             "TPU v5 lite": 200, "TPU v5e": 200, "TPU v4": 300}
 
 
 def _shard_bytes(tree) -> int:
@@ -41,34 +34,33 @@ def _shard_bytes(tree) -> int:
     return total
 
 
-def analyse(cfg, devices: list) -> dict:
-    """Compile the train step for cfg's mesh on these devices and read out its costs."""
-    from shard import state as state_lib
-    from shard.trainer import prepare
-
-    job = prepare(cfg, devices, training=False)
-    step = job.train_step
+def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
+    """Compile the train step for cfg's mesh on these devices and read out its costs (the workload
+    is built here unless given: --compare builds it once for every mesh)."""
+    prepared = job.prepare(cfg, devices, work, training=False)
+    work = prepared.work
+    step = prepared.train_step
     n = len(devices)
     memory = step.memory_analysis()
-    sharded = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), job.abstract,
-                           job.shardings)
+    sharded = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), work.abstract,
+                           prepared.shardings)
     ops = hlo.collectives(step.as_text(), n)
     table, wire = hlo.summary(ops)
-    flops_device = job.flops_per_step / n  # the step's model FLOPs split evenly over the devices
+    flops_device = work.flops_per_step / n  # the step's model FLOPs split evenly over the devices
     total = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes \
         + memory.temp_size_in_bytes
-    capacity = device_spec(DEVICE_MEMORY_GB, devices[0], cfg.run.device_memory_gb)
-    peak = peak_flops(devices[0], cfg.run.peak_tflops)
-    link = device_spec(LINK_GBPS, devices[0], cfg.run.link_gbps)
+    capacity = hardware.memory_bytes(devices[0], cfg.run.device_memory_gb)
+    peak = hardware.peak_flops(devices[0], cfg.run.peak_tflops)
+    link = hardware.link_gbps(devices[0], cfg.run.link_gbps)
     estimate = None
     if peak and link:
         estimate = flops_device / peak + wire / (link * 1e9)
     return {
         "devices": n,
         "device_kind": getattr(devices[0], "device_kind", devices[0].platform),
-        "mesh": {a: int(job.mesh.shape[a]) for a in mesh_lib.AXES},
-        "param_count": state_lib.count_params(job.abstract.params),
-        "flops_per_step": job.flops_per_step,
+        "mesh": {a: int(prepared.mesh.shape[a]) for a in mesh_lib.AXES},
+        "param_count": state_lib.count_params(work.abstract.params),
+        "flops_per_step": work.flops_per_step,
         "flops_per_device": flops_device,
         "memory_per_device": {
             "params": _shard_bytes(sharded.params) + _shard_bytes(sharded.rest),
@@ -76,12 +68,12 @@ def analyse(cfg, devices: list) -> dict:
             "arguments": memory.argument_size_in_bytes,
             "temp": memory.temp_size_in_bytes,
             "total": total,
-            "capacity": int(capacity * 1e9) if capacity else None,
-            "fits": (total <= capacity * 1e9) if capacity else None,
+            "capacity": capacity,
+            "fits": (total <= capacity) if capacity else None,
         },
-        "sharding": state_lib.split_summary(job.split),
+        "sharding": state_lib.split_summary(prepared.split),
         "auto_split": [{"param": r["param"], "shape": list(r["shape"]), "spec": _spec_text(r["spec"])}
-                       for r in job.split if r["kind"] == "auto"],
+                       for r in prepared.split if r["kind"] == "auto"],
         "collectives": table,
         "wire_bytes_per_device": wire,
         "peak_tflops": peak / 1e12 if peak else None,
@@ -130,44 +122,38 @@ def _mb(n) -> str:
 
 
 def candidate_meshes(n_devices: int) -> list[tuple[str, dict]]:
-    """Every preset, and every way to write n_devices as data x expert x fsdp x tensor."""
-    out, seen = [], set()
+    """Every preset, and every way to write n_devices as data x expert x fsdp x tensor; a mesh that
+    is the same as an earlier one (axis sizes and rules) is listed once, under all its names."""
+    out, seen = [], {}  # seen: (sizes, rules) -> index in out
     for name in mesh_lib.preset_names():
         preset = mesh_lib.load_preset(name)
         try:
             sizes = mesh_lib.resolve_sizes({a: preset.get(a, 1) for a in mesh_lib.AXES}, n_devices)
         except UserError:  # e.g. hybrid's tensor=2 on an odd device count
             continue
+        key = (tuple(sizes.values()), repr(sorted(preset.get("rules", {}).items())))
+        if key in seen:  # e.g. on one device every preset is the same mesh
+            label, mesh = out[seen[key]]
+            out[seen[key]] = (f"{label} = {name}", mesh)
+            continue
+        seen[key] = len(out)
         out.append((name, {"preset": name, **sizes}))
-        if not preset.get("rules"):
-            seen.add(tuple(sizes.values()))
     divisors = [d for d in range(1, n_devices + 1) if n_devices % d == 0]
     for shape in itertools.product(divisors, repeat=len(mesh_lib.AXES)):
-        if math.prod(shape) == n_devices and shape not in seen:
-            seen.add(shape)
+        if math.prod(shape) == n_devices and (shape, "[]") not in seen:
+            seen[(shape, "[]")] = len(out)
             out.append((" x ".join(f"{a}={s}" for a, s in zip(mesh_lib.AXES, shape) if s > 1) or "1 device",
                         {"preset": "dp", **dict(zip(mesh_lib.AXES, shape))}))
     return out
 
 
-def abstract_params(cfg):
-    """The model's parameters as shapes (nothing allocated), with their logical names."""
-    from shard import optim, registry
-    from shard import state as state_lib
-
-    model_cls = registry.resolve(cfg.model.name)
-    kwargs = registry.check_kwargs(model_cls, cfg.model.kwargs, cfg.model.name)
-    tx, _ = optim.build(cfg.optimizer, cfg.train.steps)
-    return state_lib.abstract_state(model_cls, kwargs, tx, cfg.train.seed, cfg.model.name)[1].params
-
-
 def compare(cfg, devices: list) -> list[dict]:
-    """analyse() for every candidate mesh the model's dimensions allow. A mesh is skipped when the
-    model's dimensions do not divide it, or when it has an axis besides `data` that splits no
-    parameter (e.g. `expert` for a small model without experts: data parallel under another name)."""
-    from shard import state as state_lib
-
-    params = abstract_params(cfg)
+    """analyse() for every candidate mesh the model's dimensions allow, with one workload (model,
+    data, optimizer, FLOPs) built once. A mesh is skipped when the model's dimensions do not divide
+    it, or when it has an axis besides `data` that splits no parameter (e.g. `expert` for a small
+    model without experts: data parallel under another name)."""
+    work = job.workload(cfg, devices)
+    params = work.abstract.params
     auto_min = state_lib.auto_min_size(cfg.mesh)
     rows = []
     for label, sizes in candidate_meshes(len(devices)):
@@ -180,7 +166,7 @@ def compare(cfg, devices: list) -> list[dict]:
             if idle:
                 rows.append({"label": label, "skipped": f"no parameter is split on {', '.join(idle)}"})
                 continue
-            plan = analyse(replace(cfg, mesh=mesh_cfg), devices)
+            plan = analyse(replace(cfg, mesh=mesh_cfg), devices, work)
         except UserError as e:  # e.g. heads not divisible by the tensor axis
             rows.append({"label": label, "skipped": str(e)})
             continue
@@ -188,12 +174,14 @@ def compare(cfg, devices: list) -> list[dict]:
     return rows
 
 
-def apply_auto(cfg, devices: list, say=print):
-    """mesh=auto: cfg with the chosen mesh, saying which and why; any other mesh: cfg as it is."""
+def apply_auto(cfg, devices: list):
+    """mesh=auto: cfg with the chosen mesh, saying which and why (process 0); any other mesh: cfg as it is.
+    The one place mesh=auto is resolved (train.py calls it before the dry run or the trainer)."""
     if cfg.mesh.preset != "auto":
         return cfg
     cfg, why = chosen_config(cfg, compare(cfg, devices))
-    say(why)
+    if jax.process_index() == 0:
+        print(why)
     return cfg
 
 
@@ -216,7 +204,8 @@ def comparison_table(rows: list[dict]) -> str:
                      f"{_mb(r['wire_bytes_per_device']):>14} {est:>11}  {fits}")
     skipped = [r for r in rows if "skipped" in r]
     if skipped:
-        lines.append(f"skipped {len(skipped)}: " + "; ".join(f"{r['label']} ({r['skipped'][:80]})" for r in skipped))
+        lines.append(f"skipped {len(skipped)}:")
+        lines += [f"  {r['label']}: {r['skipped']}" for r in skipped]
     return "\n".join(lines)
 
 
@@ -231,7 +220,12 @@ def choose(rows: list[dict]) -> tuple[dict, str]:
     best = min(ok, key=key)
     basis = "fastest estimated step" if all(r["estimated_step_s"] is not None for r in ok) else \
         "fewest bytes sent per device (device speed unknown: set run.peak_tflops and run.link_gbps)"
-    why = (f"mesh=auto chose {best['label']}: {basis} of {len(ok)} meshes that fit "
+    if all(r["memory_per_device"]["fits"] is None for r in ok):
+        among = (f"of {len(ok)} meshes (whether they fit is unknown: this device reports no memory limit; "
+                 "set run.device_memory_gb)")
+    else:
+        among = f"of {len(ok)} meshes that fit"
+    why = (f"mesh=auto chose {best['label']}: {basis} {among} "
            f"({_mb(best['memory_per_device']['total'])} per device, sends {_mb(best['wire_bytes_per_device'])})")
     return best, why
 

@@ -13,6 +13,12 @@ import typing
 from shard.errors import UserError
 
 
+def load(model_cfg) -> tuple[type, dict]:
+    """The class `model.name` names and the `model.*` arguments, checked against its signature."""
+    cls = resolve(model_cfg.name)
+    return cls, check_kwargs(cls, model_cfg.kwargs, model_cfg.name)
+
+
 def resolve(name: str) -> type:
     from models import REGISTRY
 

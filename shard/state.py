@@ -17,8 +17,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard.errors import UserError
-from shard.partition import MODEL_AXES, axes_of, logical_to_spec, param_spec
+from shard.errors import UserError, first_line
+from shard.partition import MODEL_AXES, axes_of, logical_names, logical_to_spec, param_spec
 
 
 @flax.struct.dataclass
@@ -48,18 +48,8 @@ def abstract_state(model_cls: type, kwargs: dict, tx: optax.GradientTransformati
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(model_cls, kwargs, seed)))
         abstract = jax.eval_shape(init)
     except (TypeError, ValueError) as e:
-        raise UserError(f"model {model_name!r} could not be built with {kwargs}: {_first_line(e)}") from None
+        raise UserError(f"model {model_name!r} could not be built with {kwargs}: {first_line(e)}") from None
     return graphdef, abstract, init
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
-def logical_names(leaf) -> tuple | None:
-    if isinstance(leaf, nnx.Variable):
-        return leaf.get_metadata().get("out_sharding")
-    return None
 
 
 def _is_variable(x) -> bool:

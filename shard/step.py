@@ -6,6 +6,7 @@ The train step donates the old state: its buffers are reused for the new one.
 """
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard import recorded
-from shard.errors import UserError
+from shard.errors import UserError, first_line
 from shard.losses import accuracy
 from shard.state import TrainState
 
@@ -84,34 +85,40 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable, task: str, dtype) 
     return eval_step
 
 
-def model_outputs(graphdef: nnx.GraphDef, abstract_state, abstract_batch: dict, model_name: str, num_classes: int):
-    """The model's output shape on one batch, traced abstractly; it must cover the data's classes."""
+class Forward(NamedTuple):
+    outputs: jax.ShapeDtypeStruct  # the model's output on one batch
+    jaxpr: object                  # its forward pass (shard/flops.py counts attention there)
+
+
+def model_forward(graphdef: nnx.GraphDef, abstract_state, abstract_batch: dict, dtype, model_name: str,
+                  num_classes: int) -> Forward:
+    """The model's forward pass on one batch in the compute dtype (as the train step runs it, e.g. for
+    kernels that only take half precision), traced abstractly; its outputs must cover the data's classes."""
     def forward(state, inputs):
-        return nnx.merge(graphdef, state.params, state.rest)(inputs)
+        return nnx.merge(graphdef, cast_floats(state.params, dtype), state.rest)(cast_floats(inputs, dtype))
 
     try:
-        outputs = jax.eval_shape(forward, abstract_state, abstract_batch["inputs"])
+        jaxpr, outputs = jax.make_jaxpr(forward, return_shape=True)(abstract_state, abstract_batch["inputs"])
     except (TypeError, ValueError) as e:
         shapes = {k: (tuple(v.shape), str(v.dtype)) for k, v in abstract_batch.items()}
-        raise UserError(f"model {model_name!r} failed on a batch {shapes}: {str(e).strip().splitlines()[0]}") from None
+        raise UserError(f"model {model_name!r} failed on a batch {shapes}: {first_line(e)}") from None
     if num_classes and outputs.shape[-1] < num_classes:
         raise UserError(f"model {model_name!r} outputs {outputs.shape[-1]} scores per prediction but the targets "
                         f"range over {num_classes} classes; make its output width (vocab_size, out_features, ...) "
                         f"at least {num_classes}")
-    return outputs
+    return Forward(outputs, jaxpr)
 
 
 def compile_step(fn: Callable, abstract_state, state_shardings, abstract_batch, batch_shardings,
-                 mesh, *, donate: bool, returns_state: bool, context: str):
+                 mesh, *, donate: bool, returns_state: bool, what: str):
     """jit with explicit shardings, traced, lowered and compiled now (errors surface before training
-    starts). Returns the compiled step and its jaxpr (for counting its FLOPs without tracing again)."""
+    starts, named by `what`)."""
     replicated = NamedSharding(mesh, PartitionSpec())
     out_shardings = (state_shardings, replicated) if returns_state else replicated
     jitted = jax.jit(fn, in_shardings=(state_shardings, batch_shardings), out_shardings=out_shardings,
                      donate_argnums=(0,) if donate else ())
     try:
-        traced = jitted.trace(abstract_state, abstract_batch)
-        lowered = traced.lower()
-    except (TypeError, ValueError) as e:  # the model ran (model_outputs), so the loss or targets did not fit
-        raise UserError(f"{context}: {str(e).strip().splitlines()[0]}") from None
-    return lowered.compile(), traced.jaxpr
+        lowered = jitted.lower(abstract_state, abstract_batch)
+    except (TypeError, ValueError) as e:  # the workload traced without a mesh, so: this mesh's layout
+        raise UserError(f"{what} does not compile on mesh {dict(mesh.shape)}: {first_line(e)}") from None
+    return lowered.compile()

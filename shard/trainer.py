@@ -16,17 +16,14 @@ from tqdm import tqdm
 
 from shard import checkpoint as ckpt_lib
 from shard import config as config_lib
-from shard import distributed
 from shard import data as data_lib
-from shard import flops as flops_lib
-from shard import losses, optim, registry
+from shard import distributed, hardware, paths, stopping
 from shard import mesh as mesh_lib
-from shard import partition, paths, plan, stopping
 from shard import state as state_lib
-from shard import step as step_lib
 from shard.errors import NonFiniteLoss, UserError, warn
 from shard.generate import sample
-from shard.metrics import MetricsLog, peak_flops, peak_memory_gb, seconds_since_process_start
+from shard.job import Job, prepare
+from shard.metrics import MetricsLog, peak_memory_gb, seconds_since_process_start
 
 
 @dataclass
@@ -61,19 +58,14 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
     devices = distributed.start(cfg.run, deterministic=cfg.train.deterministic)  # joins the other processes first
     main = stop.main = jax.process_index() == 0
     say = print if main else (lambda *a, **k: None)
-    cfg = plan.apply_auto(cfg, devices, say)  # mesh=auto: the fastest estimated mesh that fits
-    model_cls = registry.resolve(cfg.model.name)
-    model_kwargs = registry.with_defaults(model_cls, registry.check_kwargs(model_cls, cfg.model.kwargs, cfg.model.name))
-    distributed.check_same_config(cfg, model_kwargs)  # before compiling: every process the same job
-    resolved = config_lib.to_yaml(cfg, model_kwargs=model_kwargs)
     job = prepare(cfg, devices)
-    data, graphdef = job.data, job.graphdef
+    work, data = job.work, job.work.data
 
     # ---- run directory: only now, with the input known to be good
     try:
         if main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(resolved)
+            (run_dir / "config.yaml").write_text(work.resolved)
         checkpoints = None
         if cfg.checkpoint.enabled:
             checkpoints = ckpt_lib.Checkpoints(job.checkpoint_dir, keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
@@ -81,17 +73,18 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
         raise UserError(f"run.dir={cfg.run.dir!r}: cannot write there ({e.strerror or e})") from None
     log = MetricsLog(run_dir)
 
-    say(f"model {cfg.model.name}: {state_lib.count_params(job.abstract.params):,} parameters | mesh "
+    say(f"model {cfg.model.name}: {state_lib.count_params(work.abstract.params):,} parameters | mesh "
         f"{mesh_lib.describe(job.mesh)} on {len(devices)} {devices[0].platform} device(s) | task {data.task} | "
         f"{cfg.train.dtype}")
+    say(f"run folder: {run_dir}")
     say(state_lib.split_summary(job.split))
     if idle := state_lib.idle_axes(job.split, dict(job.mesh.shape)):
         warn(state_lib.idle_axis_warning(idle, job.split, dict(job.mesh.shape), cfg.mesh.auto_shard))
 
     # ---- state: resumed, restored from another run, or freshly initialised (always sharded)
     try:
-        state = start_state(cfg, checkpoints, job.init, job.shardings, job.target, say)
-        result = Result(graphdef=graphdef, shardings=job.shardings, mesh=job.mesh, train_step=job.train_step,
+        state = start_state(cfg, checkpoints, work.init, job.shardings, job.target, say)
+        result = Result(graphdef=work.graphdef, shardings=job.shardings, mesh=job.mesh, train_step=job.train_step,
                         start_step=int(state.step))
         if result.start_step >= cfg.train.steps:
             say(f"the model is at step {result.start_step}, already past train.steps={cfg.train.steps}: nothing "
@@ -118,92 +111,11 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
     say(f"step {step}: {summary}")
     if data.task == "lm" and cfg.train.sample_len > 0:
         prompt = list(cfg.train.sample_prompt.encode())
-        tokens = sample(graphdef, state.params, state.rest, prompt, cfg.train.sample_len,
+        tokens = sample(work.graphdef, state.params, state.rest, prompt, cfg.train.sample_len,
                         window=cfg.data.seq_len, seed=cfg.train.seed)
         result.sample = bytes(t % 256 for t in tokens).decode("utf-8", errors="replace")
         say(f"sample:\n{cfg.train.sample_prompt}{result.sample}")
     return result
-
-
-@dataclass
-class Job:
-    """Everything a run needs before it allocates anything: mesh, model, data, shardings, compiled steps."""
-    mesh: object
-    rules: dict
-    model_cls: type
-    kwargs: dict
-    data: object
-    schedule: object
-    graphdef: object
-    abstract: object     # the train state's shapes and dtypes
-    init: object
-    shardings: object
-    batch_shardings: dict
-    eval_shardings: dict
-    target: object
-    checkpoint_dir: object  # an etils.epath.Path: local, or a URL such as gs://
-    train_step: object
-    eval_step: object
-    flops_per_step: float  # model FLOPs of one train step, all devices together (shard/flops.py)
-    compile_s: float       # seconds to trace, lower and compile the train step
-    split: list            # per parameter: shape, spec and how it was split (state.split_report)
-
-
-def prepare(cfg: config_lib.Config, devices: list, training: bool = True) -> Job:
-    """Mesh, model, data and the compiled steps for these devices. `training=False` (the plan)
-    compiles only the train step and leaves checkpoints alone."""
-    mesh = mesh_lib.build_mesh(cfg.mesh, devices)
-    rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
-
-    # ---- model, data, loss, optimizer
-    model_cls = registry.resolve(cfg.model.name)
-    kwargs = registry.check_kwargs(model_cls, cfg.model.kwargs, cfg.model.name)
-    data = data_lib.build(cfg.data, cfg.train.seed)
-    loss_fn = losses.resolve(cfg.train.loss, data.task)
-    tx, schedule = optim.build(cfg.optimizer, cfg.train.steps)
-    dtype = jnp.dtype(cfg.train.dtype)
-    partition.check_attention(cfg.train.attention, devices[0], dtype)
-
-    # ---- abstract state, shardings, checkpoints to read, compiled steps (nothing allocated yet)
-    with partition.activate(mesh, rules, remat=cfg.train.remat, attention=cfg.train.attention):
-        graphdef, abstract, init = state_lib.abstract_state(model_cls, kwargs, tx, cfg.train.seed, cfg.model.name)
-        auto_min = state_lib.auto_min_size(cfg.mesh)
-        shardings = state_lib.state_shardings(abstract, mesh, rules, auto_min)
-        split = state_lib.split_report(abstract.params, dict(mesh.shape), rules, auto_min)
-        batch = data.abstract_batch()
-        batch_shardings = state_lib.batch_shardings(batch, mesh, rules)
-        eval_batch = data.abstract_batch(eval=True)
-        eval_shardings = state_lib.batch_shardings(eval_batch, mesh, rules)
-        outputs = step_lib.model_outputs(graphdef, abstract, batch, cfg.model.name, data.num_classes)
-        # Checkpoints to read must fit this model: checked before the (slower) compile.
-        target = ckpt_lib.abstract_target(abstract, shardings)
-        checkpoint_dir = paths.resolve(cfg.checkpoint.dir or paths.resolve(cfg.run.dir) / "checkpoints")
-        if cfg.checkpoint.enabled and training:
-            ckpt_lib.check_resumable(checkpoint_dir, target)
-        for key, path in (("checkpoint.restore_from", cfg.checkpoint.restore_from),
-                          ("train.init_from", cfg.train.init_from)):
-            if path and training:
-                ckpt_lib.check_path(path, key, target)
-        context = (f"train.loss={loss_fn.__name__} does not fit outputs {tuple(outputs.shape)} and targets "
-                   f"{tuple(batch['targets'].shape)} {batch['targets'].dtype} (task {data.task})")
-        train_fn = step_lib.make_train_step(graphdef, tx, loss_fn, dtype, cfg.train.skip_nonfinite)
-        compile_start = time.perf_counter()
-        train_step, train_jaxpr = step_lib.compile_step(train_fn, abstract, shardings, batch, batch_shardings, mesh,
-                                                        donate=True, returns_state=True, context=context)
-        compile_s = time.perf_counter() - compile_start
-        flops_per_step = flops_lib.jaxpr_flops(train_jaxpr.jaxpr)
-        if cfg.train.remat != "none":  # MFU counts the model's FLOPs, not a recomputed forward: trace without.
-            # A new function object: JAX caches traces by function, and the remat policy is not in its key.
-            with partition.activate(mesh, rules, attention=cfg.train.attention):
-                jaxpr = jax.make_jaxpr(lambda state, b: train_fn(state, b))(abstract, batch)
-            flops_per_step = flops_lib.jaxpr_flops(jaxpr.jaxpr)
-        eval_step = None if not training else step_lib.compile_step(
-            step_lib.make_eval_step(graphdef, loss_fn, data.task, dtype), abstract, shardings, eval_batch,
-            eval_shardings, mesh, donate=False, returns_state=False, context=context)[0]
-
-    return Job(mesh, rules, model_cls, kwargs, data, schedule, graphdef, abstract, init, shardings,
-               batch_shardings, eval_shardings, target, checkpoint_dir, train_step, eval_step, flops_per_step,
-               compile_s, split)
 
 
 def start_state(cfg, checkpoints, init, shardings, target, say) -> state_lib.TrainState:
@@ -236,9 +148,9 @@ def start_state(cfg, checkpoints, init, shardings, target, say) -> state_lib.Tra
 
 
 def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, stop) -> state_lib.TrainState:
-    data, train_step, schedule = job.data, job.train_step, job.schedule
-    flops = job.flops_per_step / len(devices)  # per device: the step's work is split evenly over the mesh
-    peak = peak_flops(devices[0], cfg.run.peak_tflops)
+    data, train_step, schedule = job.work.data, job.train_step, job.work.schedule
+    flops = job.work.flops_per_step / len(devices)  # per device: the step's work is split evenly over the mesh
+    peak = hardware.peak_flops(devices[0], cfg.run.peak_tflops)
     per_step = cfg.data.batch_size * (data.tokens_per_example or 1)
     rate_key = "tokens_per_s" if data.tokens_per_example else "examples_per_s"
     start = int(state.step)
@@ -248,8 +160,37 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                dynamic_ncols=True, leave=False)
     saved = checkpoints.steps() if checkpoints else []
     last_saved = saved[-1] if saved else None
-    pending: list = []  # (step, device metrics) not yet looked at: no host transfer between log points
+    # Steps whose outputs (on the device) the host has not looked at yet, and the log records waiting
+    # for them. A log point's record is written at the next sync point, once its step is long done,
+    # so logging never waits for the step just dispatched and the device never runs dry.
+    pending: list = []   # (step, device outputs)
+    records: dict = {}   # step -> the host-side part of its log record (timing)
     skipped = 0
+
+    def look_at(upto: int) -> None:
+        """Fetch the outputs of the pending steps up to `upto`; stop (or count skips) at the first
+        non-finite loss, before any checkpoint of that state is written; write their due log records."""
+        nonlocal pending, skipped
+        ready = [(s, o) for s, o in pending if s <= upto]
+        pending = [(s, o) for s, o in pending if s > upto]
+        for (s, _), o in zip(ready, jax.device_get([o for _, o in ready])):
+            if not o["finite"]:
+                if not cfg.train.skip_nonfinite:
+                    kept = f"the last checkpoint is step {last_saved}" if last_saved else "no checkpoint was written"
+                    raise NonFiniteLoss(f"loss is {float(o['loss'])} (gradient norm {float(o['grad_norm'])}) at "
+                                        f"step {s}; stopped, {kept}. Lower optimizer.lr, or set "
+                                        "train.skip_nonfinite=true to skip such updates")
+                skipped += 1
+            if s in records:
+                record = {"step": s, "loss": float(o["loss"]), "grad_norm": float(o["grad_norm"]),
+                          **records.pop(s)}
+                record |= {k: float(v) for k, v in o.items() if k not in ("loss", "grad_norm", "finite")}
+                if skipped:
+                    record["skipped_steps"] = skipped
+                log.write(record)
+                result.history.append(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", **{rate_key: f"{record[rate_key]:,.0f}"})
+
     jax.block_until_ready(state)
     # Processes enter the first step together: its collectives give a late peer only 30 s (gloo).
     distributed.barrier("first step", cfg.run.init_timeout_s)
@@ -270,42 +211,27 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
             save_now = checkpoints is not None and (
                 done == cfg.train.steps or stopping or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0))
             eval_now = cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != cfg.train.steps
-            if not (log_now or save_now or eval_now or stopping):
-                continue
-            # Look at every step's loss since the last sync: stop (or count skips) at the first non-finite one,
-            # before any checkpoint of that state could be written.
-            fetched = jax.device_get([o for _, o in pending])
-            for (s, _), o in zip(pending, fetched):
-                if not o["finite"]:
-                    if not cfg.train.skip_nonfinite:
-                        kept = f"the last checkpoint is step {last_saved}" if last_saved else "no checkpoint was written"
-                        raise NonFiniteLoss(f"loss is {float(o['loss'])} (gradient norm {float(o['grad_norm'])}) at "
-                                            f"step {s}; stopped, {kept}. Lower optimizer.lr, or set "
-                                            "train.skip_nonfinite=true to skip such updates")
-                    skipped += 1
-            pending.clear()
             if log_now:
-                out = fetched[-1]
+                # Every step before `done` has finished: the time since the last log point is device time.
                 step_time = (time.perf_counter() - t_last) / steps_since
-                record = {"step": done, "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"]),
-                          "lr": float(schedule(step)), "step_time_s": step_time, rate_key: per_step / step_time}
-                record |= {k: float(v) for k, v in out.items() if k not in ("loss", "grad_norm", "finite")}
+                record = {"lr": float(schedule(step)), "step_time_s": step_time, rate_key: per_step / step_time}
                 if flops:
                     record["tflops_per_device"] = flops / step_time / 1e12  # model FLOPs achieved
                     if peak:
                         record["mfu"] = flops / step_time / peak
                 if (memory := peak_memory_gb()) is not None:
                     record["peak_memory_gb"] = memory
-                if skipped:
-                    record["skipped_steps"] = skipped
                 if done == start + 1:  # start-up costs, once: process start to the end of the first step
                     record |= {"compile_s": job.compile_s, "startup_s": seconds_since_process_start()}
-                log.write(record)
-                result.history.append(record)
-                bar.set_postfix(loss=f"{record['loss']:.4f}", **{rate_key: f"{record[rate_key]:,.0f}"})
+                records[done] = record
+                t_last, steps_since = time.perf_counter(), 0
+            if not (save_now or eval_now or stopping or done == cfg.train.steps):
+                if log_now:
+                    look_at(done - 1)  # the finished steps only: no wait for the one just dispatched
+                continue
+            look_at(done)  # a checkpoint, an eval or the end needs this step's state anyway
             if save_now:
-                checkpoints.save(state, done, data_position=done, seed=cfg.train.seed, train_steps=cfg.train.steps,
-                                 wait=bool(stopping))
+                checkpoints.save(state, done, seed=cfg.train.seed, train_steps=cfg.train.steps, wait=bool(stopping))
                 last_saved = done
             if stopping:
                 bar.close()
@@ -316,7 +242,7 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 return state
             if eval_now:
                 log.write({"step": done, **evaluate(job.eval_step, state, data, job.eval_shardings, cfg)})
-            t_last, steps_since = time.perf_counter(), 0
+            t_last, steps_since = time.perf_counter(), 0  # checkpoints and evals are not step time
     bar.close()
     return state
 
@@ -330,15 +256,16 @@ def prefetch_depth(cfg, devices) -> int:
 
 
 def evaluate(eval_step, state, data: data_lib.Data, shardings: dict, cfg) -> dict:
-    """Each eval metric over the eval split (its first `train.eval_batches` batches; 0 = all of it)."""
-    n = len(data.eval) if cfg.train.eval_batches == 0 else min(cfg.train.eval_batches, len(data.eval))
-    batches = data_lib.device_batches(data.eval, shardings, start=0,
-                                      prefetch=min(2, prefetch_depth(cfg, jax.devices())))
-    totals: dict = {}
-    for _ in range(n):
-        for k, v in jax.device_get(eval_step(state, next(batches))).items():
-            totals[k] = totals.get(k, 0.0) + float(v)
-    batches.close()
+    """Each eval metric over the eval split: all of it (`train.eval_batches=0`), or that many batches
+    spread evenly over it. The sums stay on the devices until the last batch; one fetch at the end."""
+    batches = eval_selection(data.eval, cfg.train.eval_batches)
+    feed = data_lib.device_batches(batches, shardings, start=0, prefetch=min(2, prefetch_depth(cfg, jax.devices())))
+    totals = None
+    with contextlib.closing(feed):
+        for _ in range(len(batches)):
+            sums = eval_step(state, next(feed))
+            totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    totals = {k: float(v) for k, v in jax.device_get(totals).items()}
     count = totals.pop("count")
     metrics = {"eval_loss": totals["loss"] / count}
     if "accuracy" in totals:
@@ -349,3 +276,20 @@ def evaluate(eval_step, state, data: data_lib.Data, shardings: dict, cfg) -> dic
     if data.task == "lm":
         metrics["eval_bits_per_byte"] = metrics["eval_loss"] / math.log(2)
     return metrics
+
+
+class eval_selection:
+    """The eval batches an evaluation reads: every one (n=0, or n >= their number), else n of them
+    spread evenly over the split (the middle batch of each of n equal parts), so that a partial eval
+    samples the whole held-out text rather than its first files."""
+
+    def __init__(self, batches, n: int):
+        total = len(batches)
+        self.batches = batches
+        self.indices = range(total) if n == 0 or n >= total else [(2 * i + 1) * total // (2 * n) for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int):
+        return self.batches[self.indices[i]]

@@ -1,11 +1,13 @@
 """train.py as a user meets it: help, printed config, a short real run, and one-line errors."""
 
+import importlib.util
 import json
 
 import pytest
 import yaml
 
-from conftest import TINY_GPT, run_cli
+from conftest import ROOT, TINY_GPT, run_cli
+from shard.errors import UserError
 
 QUICK = ["train.steps=4", "run.log_every=2", "run.progress=false", "train.eval_batches=1"]
 
@@ -24,6 +26,7 @@ BAD_INPUTS = {
     "model argument type": (["model.d_model=wide"], "model.d_model"),
     "unknown preset": (["mesh=zero5"], "zero5"),
     "missing config file": (["no/such/config.yaml"], "no/such/config.yaml"),
+    "config named without configs/": (["digits_cnn.yaml"], "did you mean configs/digits_cnn.yaml?"),
     "not key=value": (["train.steps=3", "steps"], "steps"),
     "run.dir is a file": (["run.dir=RUN/config.yaml"], "run.dir"),
     "out of range": (["data.prefetch=-1"], "data.prefetch"),
@@ -58,13 +61,77 @@ def test_bad_input_is_one_line_exit_2_and_touches_nothing(tmp_path, case):
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "metrics.jsonl"]
 
 
-def test_help_lists_keys_with_types_and_defaults():
-    proc = run_cli("--help")
-    assert proc.returncode == 0
+def help_rows(text: str) -> dict[str, str]:
+    """key -> its line (key lines are indented by two; wrapped help by more)."""
+    return {line.split()[0]: line for line in text.splitlines()
+            if line.startswith("  ") and line[2] != " " and "." in line.split()[0]}
+
+
+def test_help_lists_keys_with_types_and_the_configs_values():
+    proc = run_cli("--help")  # configs/default.yaml, whose values differ from the schema's here and there
+    assert proc.returncode == 0, proc.stderr
+    rows = help_rows(proc.stdout)
     for expected in ("train.steps", "data.batch_size", "mesh.tensor", "run.cpu_devices", "model.n_layers"):
-        assert expected in proc.stdout
-    line = next(l for l in proc.stdout.splitlines() if "train.steps" in l)
-    assert "int" in line and "300" in line  # type and the schema default
+        assert expected in rows
+    assert rows["train.steps"].split()[1:5] == ["int", "640", "(default", "300)"]  # type, value, schema default
+    assert "dots (default none)" in rows["train.remat"] and "96 (default 128)" in rows["model.d_model"]
+    assert "(default" not in rows["train.seed"] and "(default" not in rows["model.vocab_size"]  # unchanged
+    assert "configs/default.yaml" in proc.stdout
+
+
+def train_main(*argv):
+    """train.py's main(), in this process: --help only reads configs, no need for a new interpreter."""
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(list(argv))
+
+
+def test_help_after_a_config_shows_that_configs_values(capsys):
+    assert train_main("configs/digits_cnn.yaml", "mesh=fsdp_tp", "mesh.tensor=4", "--help") == 0
+    out = capsys.readouterr().out
+    rows = help_rows(out)
+    assert "cnn (default gpt)" in rows["model.name"] and "64 (default 32)" in rows["data.batch_size"]
+    assert "[32, 64]" in rows["model.widths"] and "(default" not in rows["model.widths"]  # the cnn's own default
+    assert "model.d_model" not in rows  # the gpt's arguments are not the cnn's
+    assert "4 (default 2)" in rows["mesh.tensor"]  # mesh axes: compared with the preset's
+    assert rows["mesh.fsdp"].split()[4] == "-1" and "(default" not in rows["mesh.fsdp"]  # fsdp_tp's own -1
+    assert "configs/digits_cnn.yaml + 2 override(s)" in out
+
+
+def test_help_with_a_config_that_does_not_load_shows_defaults_then_the_error(capsys):
+    with pytest.raises(UserError, match="did you mean configs/digits_cnn.yaml"):
+        train_main("digits_cnn", "--help")
+    out = capsys.readouterr().out
+    assert "built-in defaults" in out and "train.steps" in help_rows(out)
+
+
+@pytest.mark.parametrize("width", [None, 160, 100, 72])
+def test_help_columns_line_up_and_fit_the_width(width):
+    from shard import config, registry
+
+    cfg = config.load(ROOT / "configs" / "default.yaml", ["run.dir=a/rather/long/run/folder/name", "model.d_model=64"])
+    signature = [*registry.arguments(registry.resolve("gpt")), ("a_constructor_argument_with_a_long_name", "int", 1)]
+    text = config.help_text(cfg, signature, "test", width)
+    lines = text.splitlines()
+    rows = help_rows(text)
+    key_w = max(len(k) for k in rows)
+    type_col = 2 + key_w + 2
+    helps = {f"{s}.{config.key_of(f)}": f.metadata["help"] for s in config.SECTIONS for f in config.schema_fields(s)}
+    value_cols, help_cols = set(), set()
+    for key, line in rows.items():
+        assert line[:type_col] == f"  {key}".ljust(type_col) and line[type_col] != " ", line
+        type_end = line.index("  ", type_col)
+        value_cols.add(type_end + len(line[type_end:]) - len(line[type_end:].lstrip()))
+        if key in helps and helps[key][:20] in line:
+            help_cols.add(line.index(helps[key][:20]))
+    assert len(value_cols) == 1  # every value starts in the same column
+    # Help beside the values starts in one column, and so does every wrapped line of it.
+    continued = {len(l) - len(l.lstrip()) for l in lines if l.startswith("      ") and l.split()[0] not in rows}
+    assert len(help_cols | continued) <= 1 if width is None or width >= 160 else continued == {6}
+    if width is not None:  # help and header wrap to the width; key, type and value only when they fit it
+        too_wide = [l for l in lines if len(l) > width and (width >= 100 or l not in rows.values())]
+        assert all("rather/long" in l for l in too_wide), too_wide
 
 
 def test_print_config_resolves_preset_and_overrides():

@@ -107,3 +107,17 @@ def test_deterministic_asks_xla_for_deterministic_gpu_kernels(monkeypatch):
     cfg = config.load(None, ["train.deterministic=true"])
     distributed.start(cfg.run, deterministic=cfg.train.deterministic)
     assert os.environ["XLA_FLAGS"] == "--xla_backend_optimization_level=0 --xla_gpu_deterministic_ops=true"
+
+
+@pytest.mark.parametrize("given,suggested", [("digits_cnn", "configs/digits_cnn.yaml"),
+                                             ("digits_cnn.yaml", "configs/digits_cnn.yaml"),
+                                             ("digit_cnn", "configs/digits_cnn.yaml"),  # a typo: the closest
+                                             ("no/such/thing.yaml", None)])
+def test_a_missing_config_file_suggests_one_in_configs(monkeypatch, given, suggested):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(UserError) as error:
+        config.load(given, [])
+    message = str(error.value)
+    assert len(message.splitlines()) == 1 and f"config file {given!r} does not exist" in message
+    assert (f"did you mean {suggested}?" in message) if suggested else "did you mean" not in message
+    assert "configs/ holds: " in message and "default.yaml, digits_cnn.yaml, digits_mlp.yaml" in message

@@ -57,7 +57,7 @@ def test_layers_are_scanned_and_remat_policies_change_memory_not_results(train):
 
 
 def test_attention_kernel_is_the_configured_one(monkeypatch):
-    from shard import partition
+    from shard import hooks, partition
     from shard.errors import UserError
 
     seen = []
@@ -70,13 +70,13 @@ def test_attention_kernel_is_the_configured_one(monkeypatch):
         model = GPT(vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_len=8, rngs=nnx.Rngs(0))
     tokens, rules = jnp.zeros((1, 8), jnp.int32), partition.merged_rules(None, mesh.axis_names)
     model(tokens)
-    with partition.activate(mesh, rules, attention="cudnn"):
+    with partition.activate(mesh, rules), hooks.use(attention="cudnn"):
         graphdef, state = nnx.split(model)
         jax.eval_shape(lambda s, t: nnx.merge(graphdef, s)(t), state, tokens)  # traced only: cuDNN needs a GPU
     assert seen == ["xla", "cudnn"]  # outside the framework XLA's; inside, train.attention's
     q = jnp.zeros((1, 8, 2, 12), jnp.bfloat16)
-    with partition.activate(mesh, rules, attention="cudnn"), pytest.raises(UserError, match="head size"):
-        partition.attention(q, q, q, is_causal=True)
+    with hooks.use(attention="cudnn"), pytest.raises(UserError, match="head size"):
+        hooks.attention(q, q, q, is_causal=True)
 
 
 # ----------------------------------------------------------------------------- mixture of experts

@@ -1,0 +1,107 @@
+"""The per-layer choices a model leaves to the framework: activation checkpointing and the attention kernel.
+
+A model applies each of its stacked layers through `layer(fn)` and computes attention with
+`attention(q, k, v, is_causal=...)`; what those do is set by the run (`train.remat`,
+`train.attention`) while its step is traced, under `use(...)`. Outside the framework they are plain
+JAX (no remat, XLA's attention), so a model stays an ordinary Flax module.
+"""
+
+import contextlib
+import contextvars
+
+import jax
+
+from shard.errors import UserError
+
+_REMAT: contextvars.ContextVar = contextvars.ContextVar("shard_remat", default="none")
+_ATTENTION: contextvars.ContextVar = contextvars.ContextVar("shard_attention", default="xla")
+
+# train.remat -> what a layer keeps for the backward pass (everything, nothing, or matmul outputs).
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@contextlib.contextmanager
+def use(remat: str = "none", attention: str = "xla"):
+    """While tracing: `layer` applies this activation-checkpointing policy and `attention` this kernel."""
+    tokens = _REMAT.set(remat), _ATTENTION.set(attention)
+    try:
+        yield
+    finally:
+        _REMAT.reset(tokens[0])
+        _ATTENTION.reset(tokens[1])
+
+
+def layer(fn):
+    """Wrap the function that applies one (scanned) layer with the active activation-checkpointing
+    policy (`train.remat`): none keeps every activation, full recomputes the layer in the backward
+    pass, dots keeps only matrix-product outputs. A model calls this instead of choosing a policy."""
+    policy = REMAT_POLICIES.get(_REMAT.get())
+    if policy is None:
+        return fn
+    from flax import nnx
+
+    return nnx.remat(fn, policy=policy)
+
+
+# ----------------------------------------------------------------------------- attention
+
+# cuDNN's fused (flash) attention: NVIDIA GPUs, half-precision inputs, head sizes up to 128 in steps of 8.
+CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+def check_attention(attention: str, device, dtype) -> None:
+    """Fail early, in one line, when `train.attention` cannot run on this device and compute dtype."""
+    if attention == "cudnn" and (device.platform != "gpu" or str(dtype) not in CUDNN_DTYPES):
+        raise UserError(f"train.attention=cudnn needs an NVIDIA GPU and train.dtype=bfloat16, got a "
+                        f"{device.platform} device and {dtype}; use train.attention=xla")
+
+
+# Every attention call is a jitted function of exactly (q, k, v) with one of these names, so that
+# shard/flops.py finds it in a step's jaxpr and counts its FLOPs from the shapes, whichever kernel
+# runs inside (XLA's matrix products, or cuDNN's fused primitive that no FLOP count sees).
+CAUSAL_NAME, FULL_NAME = "shard_attention_causal", "shard_attention_full"
+
+
+def _kernel(q, k, v, implementation, is_causal):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, implementation=implementation)
+
+
+def _named(name: str, is_causal: bool):
+    def fn(q, k, v, implementation):
+        return _kernel(q, k, v, implementation, is_causal)
+
+    fn.__name__ = fn.__qualname__ = name
+    return jax.jit(fn, static_argnames="implementation")
+
+
+_CALLS = {True: _named(CAUSAL_NAME, True), False: _named(FULL_NAME, False)}
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool) -> jax.Array:
+    """Scaled dot-product attention over (batch, length, heads, head_dim) arrays with the active kernel
+    (`train.attention`): XLA's own (any device), or cuDNN's fused flash attention. A model calls this
+    instead of choosing a kernel; outside the framework it is XLA's."""
+    implementation = _ATTENTION.get()
+    head_dim = q.shape[-1]
+    if implementation == "cudnn" and (head_dim > 128 or head_dim % 8):
+        raise UserError(f"train.attention=cudnn needs a head size <= 128 and a multiple of 8, got {head_dim}; "
+                        "use train.attention=xla")
+    return _CALLS[bool(is_causal)](q, k, v, implementation=implementation)
+
+
+def attention_flops(q_shape, k_shape, v_shape, is_causal: bool) -> float:
+    """Forward FLOPs of one attention call: the scores Q.K^T and the weighted sum P.V, 2 FLOPs per
+    multiply-add, over the (query, key) pairs the output depends on. Causal attention counts only the
+    pairs on or below the diagonal (L(L+1)/2 of L^2 for equal lengths): the work actually needed,
+    which is what a fused kernel does; XLA's own computes the full square and masks half of it."""
+    batch, q_len, heads, head_dim = q_shape
+    k_len, v_dim = k_shape[1], v_shape[-1]
+    if is_causal:  # query i sees keys 0..i (JAX's mask is aligned at the top left)
+        m = min(q_len, k_len)
+        pairs = m * (m + 1) // 2 + (q_len - m) * k_len
+    else:
+        pairs = q_len * k_len
+    return 2.0 * batch * heads * pairs * (head_dim + v_dim)

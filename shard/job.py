@@ -1,0 +1,134 @@
+"""The prepared job: everything a run (or the plan) needs before it allocates anything.
+
+Two parts. The workload is what the mesh does not change: model class and arguments, data, loss,
+optimizer, the state's shapes and the step's model FLOPs. The job adds what the mesh decides: the
+mesh itself, every array's sharding and the compiled steps. `--compare` builds the workload once and
+a job per candidate mesh; a training run builds one of each (shard/trainer.py).
+"""
+
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from shard import checkpoint as ckpt_lib
+from shard import config as config_lib
+from shard import data as data_lib
+from shard import distributed, hooks, losses, optim, partition, paths, registry
+from shard import flops as flops_lib
+from shard import mesh as mesh_lib
+from shard import state as state_lib
+from shard import step as step_lib
+from shard.errors import UserError
+
+
+@dataclass
+class Workload:
+    """The model, data, loss and optimizer: what every candidate mesh shares."""
+    model_cls: type
+    kwargs: dict          # model arguments, as given (checked against the class's signature)
+    resolved: str         # the resolved config as YAML, model defaults filled in (config.yaml)
+    data: data_lib.Data
+    loss_fn: object
+    tx: object
+    schedule: object
+    dtype: object         # the compute dtype (train.dtype)
+    graphdef: object
+    abstract: object      # the train state's shapes and dtypes
+    init: object          # builds the train state (jitted with its shardings by state.init_state)
+    batch: dict           # one global batch's shapes, train and eval
+    eval_batch: dict
+    flops_per_step: float  # model FLOPs of one train step, all devices together (shard/flops.py)
+
+
+@dataclass
+class Job:
+    """A workload laid out on a mesh: shardings and compiled steps."""
+    work: Workload
+    mesh: object
+    rules: dict
+    shardings: object
+    batch_shardings: dict
+    eval_shardings: dict
+    target: object          # the state's shapes with their shardings: what checkpoints restore into
+    checkpoint_dir: object  # an etils.epath.Path: local, or a URL such as gs://
+    train_step: object
+    eval_step: object       # None for the plan
+    compile_s: float        # seconds to trace, lower and compile the train step
+    split: list             # per parameter: shape, spec and how it was split (state.split_report)
+
+
+def workload(cfg: config_lib.Config, devices: list) -> Workload:
+    """Model, data, loss and optimizer for cfg, checked against each other and the devices (nothing
+    allocated)."""
+    hooks.check_attention(cfg.train.attention, devices[0], jnp.dtype(cfg.train.dtype))
+    model_cls, kwargs = registry.load(cfg.model)
+    resolved = config_lib.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, kwargs))
+    data = data_lib.build(cfg.data, cfg.train.seed)
+    loss_fn = losses.resolve(cfg.train.loss, data.task)
+    tx, schedule = optim.build(cfg.optimizer, cfg.train.steps)
+    dtype = jnp.dtype(cfg.train.dtype)
+    graphdef, abstract, init = state_lib.abstract_state(model_cls, kwargs, tx, cfg.train.seed, cfg.model.name)
+    batch, eval_batch = data.abstract_batch(), data.abstract_batch(eval=True)
+    # The model's FLOPs do not depend on the mesh: traced once, without rules and without remat (MFU
+    # counts the model's work, not a recomputed forward), with the configured attention kernel.
+    with hooks.use(attention=cfg.train.attention):
+        forward = step_lib.model_forward(graphdef, abstract, batch, dtype, cfg.model.name, data.num_classes)
+        train_fn = step_lib.make_train_step(graphdef, tx, loss_fn, dtype, cfg.train.skip_nonfinite)
+        try:
+            train_jaxpr = jax.make_jaxpr(train_fn)(abstract, batch)
+        except (TypeError, ValueError) as e:
+            raise UserError(f"{_loss_context(cfg, loss_fn, data, forward, batch)}: "
+                            f"{str(e).strip().splitlines()[0]}") from None
+    flops = flops_lib.train_step_flops(train_jaxpr.jaxpr, forward.jaxpr)
+    return Workload(model_cls, kwargs, resolved, data, loss_fn, tx, schedule, dtype, graphdef, abstract, init,
+                    batch, eval_batch, flops)
+
+
+def _loss_context(cfg, loss_fn, data, forward, batch) -> str:
+    targets = batch["targets"]
+    return (f"train.loss={loss_fn.__name__} does not fit outputs {tuple(forward.outputs.shape)} and targets "
+            f"{tuple(targets.shape)} {targets.dtype} (task {data.task})")
+
+
+def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None, training: bool = True) -> Job:
+    """cfg's workload (built here unless given) on cfg's mesh over these devices, compiled.
+    `training=False` (the plan) compiles only the train step and leaves checkpoints alone."""
+    if cfg.mesh.preset == "auto":
+        raise UserError("mesh=auto is resolved before a job is prepared (shard.plan.apply_auto, as train.py does)")
+    work = work or workload(cfg, devices)
+    if training:  # before compiling: every process runs the same job
+        distributed.check_same_config(cfg, registry.with_defaults(work.model_cls, work.kwargs))
+    mesh = mesh_lib.build_mesh(cfg.mesh, devices)
+    rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
+    abstract = work.abstract
+
+    with partition.activate(mesh, rules), hooks.use(remat=cfg.train.remat, attention=cfg.train.attention):
+        auto_min = state_lib.auto_min_size(cfg.mesh)
+        shardings = state_lib.state_shardings(abstract, mesh, rules, auto_min)
+        split = state_lib.split_report(abstract.params, dict(mesh.shape), rules, auto_min)
+        batch_shardings = state_lib.batch_shardings(work.batch, mesh, rules)
+        eval_shardings = state_lib.batch_shardings(work.eval_batch, mesh, rules)
+        # Checkpoints to read must fit this model: checked before the (slower) compile.
+        target = ckpt_lib.abstract_target(abstract, shardings)
+        checkpoint_dir = paths.resolve(cfg.checkpoint.dir or paths.resolve(cfg.run.dir) / "checkpoints")
+        if training:
+            if cfg.checkpoint.enabled:
+                ckpt_lib.check_resumable(checkpoint_dir, target)
+            for key, path in (("checkpoint.restore_from", cfg.checkpoint.restore_from),
+                              ("train.init_from", cfg.train.init_from)):
+                if path:
+                    ckpt_lib.check_path(path, key, target)
+        train_fn = step_lib.make_train_step(work.graphdef, work.tx, work.loss_fn, work.dtype,
+                                            cfg.train.skip_nonfinite)
+        compile_start = time.perf_counter()
+        train_step = step_lib.compile_step(train_fn, abstract, shardings, work.batch, batch_shardings, mesh,
+                                           donate=True, returns_state=True, what="the train step")
+        compile_s = time.perf_counter() - compile_start
+        eval_step = None if not training else step_lib.compile_step(
+            step_lib.make_eval_step(work.graphdef, work.loss_fn, work.data.task, work.dtype), abstract, shardings,
+            work.eval_batch, eval_shardings, mesh, donate=False, returns_state=False, what="the eval step")
+
+    return Job(work, mesh, rules, shardings, batch_shardings, eval_shardings, target, checkpoint_dir, train_step,
+               eval_step, compile_s, split)

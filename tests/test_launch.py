@@ -1,0 +1,60 @@
+"""The launcher's command line, in-process through its dry runs (no processes start, nothing is written).
+Real multi-process runs, and the launch commands as a subprocess sees them, are in test_multihost.py."""
+
+import sys
+
+import pytest
+
+from conftest import ROOT
+from shard import launch
+
+TARGETS = {
+    "local": ["local", "--processes=2", "--dry-run"],
+    "tpu": ["tpu", "--name=pod", "--zone=us-east5-a", "--dry-run"],
+    "slurm": ["slurm", "--nodes=2", "--gpus-per-node=8", "--dry-run"],
+    "gke": ["gke", "--cluster=c1", "--tpu-type=v5litepod-8", "--docker-image=img"],
+}
+ARGS = ["configs/gpt_small.yaml", "mesh=fsdp", "run.dir=gs://bucket/run"]
+
+
+def dry_run(capsys, monkeypatch, *argv) -> str:
+    monkeypatch.setattr(launch, "free_port", lambda: 12345)  # the same commands on every call
+    assert launch.main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_a_leading_train_py_is_dropped_for_every_target(capsys, monkeypatch, target):
+    """`-- train.py CONFIG ...` (the torchrun habit) launches what `-- CONFIG ...` does."""
+    expected = dry_run(capsys, monkeypatch, *TARGETS[target], "--", *ARGS)
+    assert "configs/gpt_small.yaml mesh=fsdp" in expected
+    for script in ("train.py", str(ROOT / "train.py"), "./train.py"):
+        assert dry_run(capsys, monkeypatch, *TARGETS[target], "--", script, *ARGS) == expected
+
+
+def test_another_projects_train_py_is_one_clear_error(tmp_path):
+    other = tmp_path / "train.py"
+    other.write_text("print('not ours')\n")
+    with pytest.raises(launch.LaunchError, match="is not this project's train.py"):
+        launch.main(["local", "--processes=2", "--dry-run", "--", str(other), "train.steps=1"])
+    with pytest.raises(launch.LaunchError, match="go after --"):  # forgot the --
+        launch.main(["local", "--processes=2", "train.py", "train.steps=1"])
+
+
+def test_slurm_runs_the_launching_interpreter_or_the_one_given(capsys, monkeypatch):
+    out = dry_run(capsys, monkeypatch, *TARGETS["slurm"], "--", "train.py", *ARGS).splitlines()
+    srun = f"srun {sys.executable} train.py configs/gpt_small.yaml mesh=fsdp run.dir=gs://bucket/run run.distributed=on"
+    assert srun in out and any("every node" in line.lower() for line in out if line.startswith("#"))
+    out = dry_run(capsys, monkeypatch, *TARGETS["slurm"], "--python=/shared/env/bin/python", "--", "mesh=fsdp")
+    assert "srun /shared/env/bin/python train.py mesh=fsdp run.distributed=on" in out.splitlines()
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["local", "--help"], ["slurm", "--help"]])
+def test_help_says_train_py_is_dropped(capsys, argv):
+    with pytest.raises(SystemExit) as done:
+        launch.main(argv)
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal
+    assert "leading train.py" in text.replace("`", "") and "-- [CONFIG.yaml] [key=value ...]" in text
+    if "slurm" in argv:
+        assert "--python PATH" in text and "shared file system" in text
