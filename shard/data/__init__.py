@@ -1,12 +1,15 @@
 """Input: a source picked by `data.name`, a Grain pipeline, and batches placed on the devices ahead of the step.
 
-Pipeline: source -> shuffle (seeded) -> transforms -> batch. Global batch `s` is a pure function of
+Pipeline: source -> shuffle (seeded) -> batch -> transforms. Global batch `s` is a pure function of
 (seed, s), so a run that restarts at step s sees exactly the batches it would have seen, and each
-process reads only its own rows of each global batch. A background thread keeps `data.prefetch`
-batches already on the devices, so reading and transferring overlap the step.
+process reads only its own rows of each global batch, with one batched read from the source (not one
+read per example). A background thread keeps `data.prefetch` batches already on the devices, so
+reading and transferring overlap the step.
 """
 
+import functools
 import queue
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -67,13 +70,15 @@ def build(cfg, seed: int) -> Data:
     if len(train_src) < cfg.batch_size:
         raise UserError(f"data.batch_size={cfg.batch_size} is larger than the train split "
                         f"({len(train_src)} examples of data.name={cfg.name})")
-    local = cfg.batch_size // n_proc
-    cast = lambda ex: {"inputs": ex["inputs"], "targets": np.asarray(ex["targets"], TARGET_DTYPES[task])}
-    # Rows of global batch s are examples [s*B, (s+1)*B) of the shuffled, repeated stream;
-    # local batch s*n_proc + proc holds this process's contiguous block of them.
-    train = (grain.MapDataset.source(train_src).seed(seed).shuffle().map(cast).repeat()
-             .batch(local)[proc::n_proc])
-    eval_batches = EvalBatches(grain.MapDataset.source(eval_src).map(cast), cfg.batch_size, n_proc, proc)
+    dtype = TARGET_DTYPES[task]
+    cast = lambda batch: {"inputs": batch["inputs"], "targets": np.asarray(batch["targets"], dtype)}
+    # Grain's index shuffle costs 10-60 us an index, most of what reading an in-memory example used to cost:
+    # those sources are ordered by a numpy permutation of each epoch instead. Records on disk keep Grain's
+    # shuffle (and their order): there may be more of them than a permutation array should hold, and
+    # decoding a record costs more than shuffling its index.
+    order = (GrainOrder if cfg.name == "array_record" else EpochOrder)(len(train_src), seed)
+    train = grain.MapDataset.source(TrainBatches(train_src, order, cfg.batch_size, n_proc, proc)).map(cast)
+    eval_batches = EvalBatches(eval_src, cast, cfg.batch_size, n_proc, proc)
     tokens = cfg.seq_len if task == "lm" else 0
     classes = {"lm": 256, "classification": _num_classes(cfg, train_src, task)}.get(task, 0)
     return Data(task=task, train=train, eval=eval_batches, batch_size=cfg.batch_size, tokens_per_example=tokens,
@@ -87,23 +92,75 @@ def _num_classes(cfg, train_src, task: str) -> int:
     return int(np.max(targets)) + 1 if targets is not None else 0
 
 
+class EpochOrder:
+    """Stream position -> example: the examples repeated endlessly, epoch `e` in the order of a numpy
+    permutation drawn from (seed, e): any position's example is known without reading the ones before it."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        epochs, within = np.divmod(positions, self.n)
+        indices = np.empty_like(positions)
+        for epoch in np.unique(epochs):  # a batch spans at most two epochs
+            rows = epochs == epoch
+            indices[rows] = _permutation(self.n, self.seed, int(epoch))[within[rows]]
+        return indices
+
+
+SHUFFLE_STREAM = 0x5348_5546  # "SHUF": keeps the shuffle's draws apart from the sources' (seed, ...) streams
+
+
+@functools.lru_cache(maxsize=2)  # the epoch being read and the next: a batch may cross into it
+def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed, SHUFFLE_STREAM, epoch]).permutation(n)
+
+
+class GrainOrder:
+    """Stream position -> example by Grain's `MapDataset.shuffle` (a fresh shuffle each epoch): constant
+    memory however many examples there are, one Grain lookup per position."""
+
+    def __init__(self, n: int, seed: int):
+        self.stream = grain.MapDataset.range(n).seed(seed).shuffle().repeat()
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        return np.array([self.stream[int(p)] for p in positions], np.int64)
+
+
+class TrainBatches:
+    """This process's rows of global batch `s` at index `s`, endlessly (Grain's source protocol). Global batch
+    s is positions [s*B, (s+1)*B) of the shuffled stream; each process reads its contiguous block of them,
+    in one `read_batch` from the source."""
+
+    def __init__(self, source, order, batch_size: int, n_proc: int, proc: int):
+        self.source, self.order, self.batch_size = source, order, batch_size
+        self.local = batch_size // n_proc
+        self.offset = proc * self.local  # this process's first row in each global batch
+
+    def __len__(self) -> int:
+        return sys.maxsize  # endless, as a repeated Grain dataset is
+
+    def __getitem__(self, s: int) -> dict:
+        start = s * self.batch_size + self.offset
+        return self.source.read_batch(self.order(np.arange(start, start + self.local)))
+
+
 class EvalBatches:
     """Every example of the eval split exactly once, in global batches; the last is padded and carries
     `mask` 0 on its padding so metrics count only real examples."""
 
-    def __init__(self, dataset: grain.MapDataset, batch_size: int, n_proc: int, proc: int):
-        self.dataset, self.batch_size, self.n_proc, self.proc = dataset, batch_size, n_proc, proc
+    def __init__(self, source, cast, batch_size: int, n_proc: int, proc: int):
+        self.source, self.cast, self.batch_size, self.n_proc, self.proc = source, cast, batch_size, n_proc, proc
 
     def __len__(self) -> int:
-        return -(-len(self.dataset) // self.batch_size)
+        return -(-len(self.source) // self.batch_size)
 
     def __getitem__(self, i: int) -> dict:
         local = self.batch_size // self.n_proc
-        start = i * self.batch_size + self.proc * local
-        rows = [start + j for j in range(local)]
-        examples = [self.dataset[r if r < len(self.dataset) else 0] for r in rows]
-        batch = {k: np.stack([ex[k] for ex in examples]) for k in examples[0]}
-        batch["mask"] = np.array([r < len(self.dataset) for r in rows], np.float32)
+        rows = i * self.batch_size + self.proc * local + np.arange(local)
+        real = rows < len(self.source)
+        batch = self.cast(self.source.read_batch(np.where(real, rows, 0)))  # padding: example 0, masked out
+        batch["mask"] = real.astype(np.float32)
         return batch
 
 

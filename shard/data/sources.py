@@ -1,4 +1,7 @@
-"""Random-access data sources (len + getitem, Grain's source protocol) that need no download."""
+"""Random-access data sources (len + getitem, Grain's source protocol) that need no download.
+
+Each also reads many examples at once: `read_batch(indices)` returns the examples stacked, exactly the
+arrays that stacking `source[i]` for each index would give, with one vectorised read where it can."""
 
 import glob
 import io
@@ -24,6 +27,11 @@ class ByteWindows:
         start = i * self.seq_len
         window = self.tokens[start:start + self.seq_len + 1].astype(np.int32)
         return {"inputs": window[:-1], "targets": window[1:]}
+
+    def read_batch(self, indices: np.ndarray) -> dict:
+        positions = np.asarray(indices, np.int64)[:, None] * self.seq_len + np.arange(self.seq_len)
+        return {"inputs": self.tokens[positions].astype(np.int32),
+                "targets": self.tokens[positions + 1].astype(np.int32)}
 
 
 def text_files(path: str | None) -> list[Path]:
@@ -87,6 +95,11 @@ class Synthetic:
             y = score.astype(np.float32)
         return {"inputs": x, "targets": y}
 
+    def read_batch(self, indices: np.ndarray) -> dict:
+        # Every example draws from its own seeded stream, and one matrix product for the whole batch would
+        # round the teacher's scores differently from the per-example one: so example by example.
+        return stack([self[int(i)] for i in indices])
+
 
 class Arrays:
     """Examples held in memory as aligned arrays (first dimension = example)."""
@@ -100,6 +113,9 @@ class Arrays:
     def __getitem__(self, i: int) -> dict:
         return {"inputs": self.inputs[i], "targets": self.targets[i]}
 
+    def read_batch(self, indices: np.ndarray) -> dict:
+        return {"inputs": self.inputs[indices], "targets": self.targets[indices]}
+
 
 class Subset:
     """Some examples of a source, by index."""
@@ -112,6 +128,14 @@ class Subset:
 
     def __getitem__(self, i: int) -> dict:
         return self.source[int(self.indices[i])]
+
+    def read_batch(self, indices: np.ndarray) -> dict:
+        return self.source.read_batch(self.indices[indices])
+
+
+def stack(examples: list[dict]) -> dict:
+    """Examples (dicts of arrays) as one batch: each array gains a leading example dimension."""
+    return {k: np.stack([ex[k] for ex in examples]) for k in examples[0]}
 
 
 SPLIT_SEED = 1234  # the held-out split is a property of the data set, not of a run's seed
@@ -232,7 +256,15 @@ class Records:
         return len(self.records)
 
     def __getitem__(self, i: int) -> dict:
-        with np.load(io.BytesIO(self.records[i])) as npz:
+        return self._decode(self.records[i])
+
+    def read_batch(self, indices: np.ndarray) -> dict:
+        # One lookup for the whole batch (the ArrayRecord source's batched read); decoding stays per record.
+        return stack([self._decode(r) for r in self.records.__getitems__([int(i) for i in indices])])
+
+    @staticmethod
+    def _decode(record: bytes) -> dict:
+        with np.load(io.BytesIO(record)) as npz:
             return {"inputs": npz["inputs"], "targets": npz["targets"]}
 
 
