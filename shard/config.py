@@ -8,6 +8,7 @@ class signature is their schema (checked in `shard.registry`).
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import textwrap
@@ -88,7 +89,7 @@ class TrainConfig:
                                  "slower); CPU runs are deterministic anyway")
     skip_nonfinite: bool = option(False, "skip an update whose loss or gradients are not finite, instead of stopping")
     eval_every: int = option(0, "evaluate every N steps; 0 = only at the end", min=0)
-    eval_batches: int = option(8, "batches per evaluation; 0 = the whole eval split", min=0)
+    eval_batches: int = option(8, "batches per evaluation, spread evenly over the eval split; 0 = all of it", min=0)
     sample_len: int = option(200, "lm: bytes to generate after training; 0 disables", min=0)
     sample_prompt: str = option("def ", "lm: prompt for the generated sample")
 
@@ -218,7 +219,7 @@ def load(path: "str | Path | None", overrides: list[str]) -> "Config":
 def _merge(layers: list[dict]) -> "Config":
     """The layers over the schema's defaults, later ones winning; model arguments kept in model.kwargs."""
     model_kwargs: dict = {}
-    merged = OmegaConf.structured(Config)
+    merged = _schema()
     for layer in layers:
         model = layer.get("model") or {}
         if model.get("name", merged.model.name) != merged.model.name:
@@ -234,35 +235,37 @@ def _merge(layers: list[dict]) -> "Config":
     return cfg
 
 
-# What a run trains: the keys that decide the model, the data it sees, the loss and the optimizer's math, and
-# where its starting state comes from. Every other key may change between a run and its resumption (train.steps,
-# eval, sample and log settings, the mesh: a checkpoint restores onto any mesh, speed knobs such as remat,
-# attention, prefetch and deterministic kernels, skip_nonfinite: the NaN error suggests rerunning with it, which
-# changes nothing until a step is not finite), so those keys do not pick the run folder. None: the whole section.
-JOB_KEYS: dict[str, "tuple[str, ...] | None"] = {
-    "model": None,
-    "data": ("name", "task", "path", "target", "batch_size", "seq_len", "eval_fraction", "features", "classes", "size"),
-    "optimizer": None,
-    "train": ("seed", "dtype", "loss", "init_from"),
-    "checkpoint": ("restore_from",),
-}
+@functools.cache
+def _schema():
+    """The schema as OmegaConf's structured config: built once (it is slow), never changed (merge copies)."""
+    return OmegaConf.structured(Config)
+
+
+# What a run trains, which picks its folder: every key of these sections (but NOT_JOB) and JOB_KEYS. Every other
+# key may change between a run and its resumption, so it keeps the folder: train.steps, eval, sample and log
+# settings, the mesh (a checkpoint restores onto any mesh), speed knobs (remat, attention, prefetch, deterministic
+# kernels) and skip_nonfinite (the NaN error says to rerun with it; it changes nothing until a step is not finite).
+# A new train.* or checkpoint.* key that changes what is trained belongs in JOB_KEYS.
+JOB_SECTIONS = ("model", "data", "optimizer")
+NOT_JOB = {"data.prefetch"}
+JOB_KEYS = {"train.seed", "train.dtype", "train.loss", "train.init_from", "checkpoint.restore_from"}
 RUNS = "runs"
 
 
 def job_values(cfg: "Config") -> dict[str, Any]:
-    """The JOB_KEYS of `cfg`, flat (`model.d_model`, `train.dtype`, ...), model arguments included."""
-    data = to_dict(cfg)
+    """What `cfg` trains, flat (`model.d_model`, `train.dtype`, ...), model arguments included."""
     out = {}
-    for section, keys in JOB_KEYS.items():
-        for key, value in data[section].items():
-            if keys is None or key in keys:
-                out[f"{section}.{key}"] = value
+    for section, values in to_dict(cfg).items():
+        for key, value in values.items():
+            name = f"{section}.{key}"
+            if (section in JOB_SECTIONS and name not in NOT_JOB) or name in JOB_KEYS:
+                out[name] = value
     return out
 
 
 def default_run_dir(path: "str | Path | None", file_cfg: "Config", cfg: "Config") -> str:
     """`runs/<config file name>` for a config in configs/ as it is; with `-<8 hex digits>` after it, a
-    fingerprint of the job values (JOB_KEYS) that the overrides change, resolved and keyed by name (so their
+    fingerprint of the values of what is trained (`job_values`) that the overrides change, resolved and keyed by name (so their
     order, or restating the file's own value, changes nothing). A file elsewhere (two may share a name) is
     fingerprinted by its job values that differ from the built-in defaults, so it always has the suffix;
     with no file at all the name is `builtin`. The same command always gives the same folder: a preempted

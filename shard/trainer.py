@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 from tqdm import tqdm
 
 from shard import checkpoint as ckpt_lib
@@ -257,15 +256,19 @@ def prefetch_depth(cfg, devices) -> int:
 
 def evaluate(eval_step, state, data: data_lib.Data, shardings: dict, cfg) -> dict:
     """Each eval metric over the eval split: all of it (`train.eval_batches=0`), or that many batches
-    spread evenly over it. The sums stay on the devices until the last batch; one fetch at the end."""
+    spread evenly over it. Each batch's sums stay on the devices until the last batch has run, then one
+    fetch brings them all (no host transfer per batch), added up on the host in float64. As in the train
+    loop, at most one batch waits behind the running one: a deep queue of programs with collectives
+    deadlocks on CPU (gloo) across processes, and the device never idles with one queued."""
     batches = eval_selection(data.eval, cfg.train.eval_batches)
     feed = data_lib.device_batches(batches, shardings, start=0, prefetch=min(2, prefetch_depth(cfg, jax.devices())))
-    totals = None
+    sums: list = []
     with contextlib.closing(feed):
         for _ in range(len(batches)):
-            sums = eval_step(state, next(feed))
-            totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-    totals = {k: float(v) for k, v in jax.device_get(totals).items()}
+            sums.append(eval_step(state, next(feed)))
+            if len(sums) > 1:
+                jax.block_until_ready(sums[-2])
+    totals = {k: math.fsum(float(s[k]) for s in jax.device_get(sums)) for k in sums[0]}
     count = totals.pop("count")
     metrics = {"eval_loss": totals["loss"] / count}
     if "accuracy" in totals:

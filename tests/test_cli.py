@@ -145,6 +145,18 @@ def test_print_config_resolves_preset_and_overrides():
     assert cfg["train"]["steps"] == 640  # from configs/default.yaml
 
 
+def test_help_and_print_config_show_the_run_folder_a_command_gets(capsys):
+    from shard import config
+
+    assert train_main("model.n_layers=8", "--help") == 0
+    row = help_rows(capsys.readouterr().out)["run.dir"]
+    assert " runs/default-" in row and "(default null)" in row  # this job's folder, derived
+    help_ = next(f.metadata["help"] for f in config.schema_fields("run") if f.name == "dir")
+    assert "runs/<config file name>" in help_ and "train.steps" in help_  # the rule, in words
+    assert train_main(str(ROOT / "configs" / "digits_cnn.yaml"), "mesh=fsdp", "--print-config") == 0
+    assert yaml.safe_load(capsys.readouterr().out)["run"]["dir"] == "runs/digits_cnn"
+
+
 def test_a_short_run_writes_config_metrics_eval_and_sample(tmp_path):
     proc = run_cli(*TINY_GPT, "run.cpu_devices=2", "mesh=fsdp", f"run.dir={tmp_path}", "train.sample_len=20",
                    "run.peak_tflops=1", *QUICK)

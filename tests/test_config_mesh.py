@@ -31,6 +31,69 @@ def test_defaults_come_from_the_schema_alone():
     assert cfg.train.dtype == "float32" and cfg.mesh.preset == "dp" and cfg.mesh.data == -1
 
 
+DEFAULT = ROOT / "configs" / "default.yaml"
+
+
+def run_dir(*overrides, path=DEFAULT) -> str:
+    return config.load(path, list(overrides)).run.dir
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_each_shipped_config_runs_in_a_folder_named_after_it(path):
+    assert "dir" not in ((config._read_yaml(path).get("run")) or {})  # the folder is derived, not written down
+    assert run_dir(path=path) == f"runs/{path.stem}"
+
+
+def test_what_is_trained_picks_the_folder_and_nothing_else_does():
+    deeper = run_dir("model.n_layers=8", "train.dtype=bfloat16")
+    assert deeper.startswith("runs/default-") and len(deeper) == len("runs/default-") + 8
+    assert deeper == run_dir("train.dtype=bfloat16", "model.n_layers=8")  # order does not matter
+    assert deeper == run_dir("model.n_layers=8", "train.dtype=bfloat16", "model.n_heads=4")  # the file's own value
+    # Continuing or inspecting the same job, on any mesh: the same folder.
+    same = ["train.steps=5000", "train.eval_every=5", "train.sample_len=0", "train.remat=none", "train.attention=xla",
+            "train.skip_nonfinite=true", "train.deterministic=true", "data.prefetch=2", "mesh=fsdp", "mesh.tensor=2",
+            "run.cpu_devices=8", "run.log_every=1", "checkpoint.every=5", "checkpoint.keep=1", "optimizer.lr=3e-3"]
+    assert all(run_dir(o) == "runs/default" for o in same)
+    assert run_dir(*same) == "runs/default"
+    # Another job: another folder, each its own.
+    other = ["model.n_layers=8", "model.d_ff=128", "model.name=mlp", "data.batch_size=16", "data.name=digits",
+             "optimizer.lr=1e-3", "optimizer.clip_norm=0", "train.seed=1", "train.dtype=bfloat16", "train.loss=mse",
+             "train.init_from=runs/x", "checkpoint.restore_from=runs/default"]
+    folders = [run_dir(o) for o in other]
+    assert len(set(folders)) == len(other) and "runs/default" not in folders
+    assert run_dir("model.n_layers=8") == run_dir("model.n_layers=8")  # the same command, the same folder
+
+
+def test_every_train_and_checkpoint_key_is_decided_one_way_or_the_other():
+    """A new key must be placed: what is trained (its own folder) or a way to continue the same job."""
+    continuing = {"train.steps", "train.remat", "train.attention", "train.deterministic", "train.skip_nonfinite",
+                  "train.eval_every", "train.eval_batches", "train.sample_len", "train.sample_prompt",
+                  "checkpoint.enabled", "checkpoint.every", "checkpoint.keep", "checkpoint.async", "checkpoint.dir"}
+    keys = {f"{s}.{config.key_of(f)}" for s in ("train", "checkpoint") for f in config.schema_fields(s)}
+    assert keys == continuing | (config.JOB_KEYS & keys) and not continuing & config.JOB_KEYS
+
+
+def test_an_explicit_run_dir_wins_and_null_asks_for_the_derived_one(tmp_path):
+    assert run_dir("model.n_layers=8", "run.dir=runs/mine") == "runs/mine"
+    assert run_dir("run.dir=null", "model.n_layers=8") == run_dir("model.n_layers=8")
+    path = tmp_path / "fixed.yaml"
+    path.write_text("model: {name: gpt, d_model: 64}\nrun: {dir: somewhere}\n")
+    assert run_dir("model.n_layers=2", path=path) == "somewhere"
+
+
+def test_a_config_outside_configs_is_told_apart_by_what_it_trains(tmp_path):
+    """Two files of one name (experiments/a/config.yaml, experiments/b/config.yaml) never share a folder;
+    the same file always gives the same one, and one like configs/default.yaml is not runs/default."""
+    for name in "ab":
+        (tmp_path / name).mkdir()
+    (tmp_path / "a" / "default.yaml").write_text(DEFAULT.read_text())
+    (tmp_path / "b" / "default.yaml").write_text(DEFAULT.read_text().replace("n_layers: 4", "n_layers: 2"))
+    a, b = (run_dir(path=tmp_path / x / "default.yaml") for x in "ab")
+    assert a.startswith("runs/default-") and b.startswith("runs/default-") and len({a, b, "runs/default"}) == 3
+    assert a == run_dir(path=tmp_path / "a" / "default.yaml") == run_dir("mesh=fsdp", path=tmp_path / "a" / "default.yaml")
+    assert config.load(None, []).run.dir == "runs/builtin"
+
+
 def test_preset_rules_sit_under_user_rules():
     cfg = config.load(None, ["mesh.rules.embed=null", "mesh.rules.mlp=[fsdp,tensor]"])
     assert cfg.mesh.rules == {"embed": None, "mlp": ["fsdp", "tensor"]}

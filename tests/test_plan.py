@@ -104,6 +104,23 @@ def test_compare_and_auto_pick_the_fastest_mesh_that_fits(tmp_path):
     assert "mesh" in plan.comparison_table(rows)
 
 
+def test_identical_meshes_are_one_candidate_and_unknown_memory_is_said():
+    """On one device every preset is the same mesh: one candidate under all its names. Where the
+    device reports no memory limit, mesh=auto does not claim the meshes fit."""
+    candidates = plan.candidate_meshes(1)
+    assert len(candidates) == 1 and candidates[0][0].startswith("dp = ")
+    assert candidates[0][0] == "dp = ep = fsdp = tp"  # hybrid and fsdp_tp fix tensor=2: not on one device
+    assert len({label for label, _ in plan.candidate_meshes(8)}) == len(plan.candidate_meshes(8))
+    row = {"label": "dp", "preset": "dp", "mesh": {}, "estimated_step_s": None, "wire_bytes_per_device": 0,
+           "memory_per_device": {"total": 1, "fits": None}}
+    _, why = plan.choose([row])
+    assert "meshes that fit" not in why and "set run.device_memory_gb" in why
+    _, why = plan.choose([{**row, "memory_per_device": {"total": 1, "fits": True}}])
+    assert "of 1 meshes that fit" in why
+    skipped = {"label": "x", "skipped": "y" * 200}
+    assert "y" * 200 in plan.comparison_table([row, skipped])  # a reason is never cut
+
+
 def test_collective_bytes_and_groups_in_every_hlo_notation():
     text = """HloModule m
 
