@@ -225,8 +225,8 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 records[done] = record
                 t_last, steps_since = time.perf_counter(), 0
             if not (save_now or eval_now or stopping or done == cfg.train.steps):
-                if log_now:
-                    look_at(done - 1)  # the finished steps only: no wait for the one just dispatched
+                if log_now:  # the finished steps only (no wait for the one just dispatched), but step 1's
+                    look_at(done if done == start + 1 else done - 1)  # record at once: the run is alive
                 continue
             look_at(done)  # a checkpoint, an eval or the end needs this step's state anyway
             if save_now:

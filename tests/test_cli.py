@@ -176,6 +176,6 @@ def test_a_short_run_writes_config_metrics_eval_and_sample(tmp_path):
 
 
 def test_default_config_trains(tmp_path):
-    proc = run_cli("train.steps=3", "train.sample_len=5", f"run.dir={tmp_path}", "run.progress=false")
+    proc = run_cli("train.steps=3", "train.sample_len=5", "train.eval_batches=2", f"run.dir={tmp_path}", "run.progress=false")
     assert proc.returncode == 0, proc.stderr
     assert "model gpt" in proc.stdout and "sample:" in proc.stdout
