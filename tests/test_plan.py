@@ -147,7 +147,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 
 def test_mesh_auto_trains_with_the_chosen_mesh_and_says_why(tmp_path):
     done = run_cli(*TINY_GPT, "run.cpu_devices=2", "mesh=auto", f"run.dir={tmp_path}", "train.steps=2",
-                   "run.progress=false", "train.sample_len=0", "checkpoint.enabled=false")
+                   "run.progress=false", "train.sample_len=0", "train.eval_batches=1", "checkpoint.enabled=false")
     assert done.returncode == 0, done.stderr
     why = [line for line in done.stdout.splitlines() if line.startswith("mesh=auto chose")]
     assert len(why) == 1 and "fewest bytes sent per device" in why[0]  # a CPU: speed unknown
