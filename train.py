@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from shard import config, registry
-from shard.errors import NonFiniteLoss, UserError
+from shard.errors import NonFiniteLoss, UserError, exit_from
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 FLAGS = ("--help", "-h", "--print-config", "--dry-run", "--compare")
@@ -65,7 +65,8 @@ def main(argv: list[str]) -> int:
     if "--compare" in flags:
         rows = plan.compare(cfg, devices)
         print(plan.comparison_table(rows))
-        print(f"wrote {plan.write(cfg.run.dir, rows, 'compare.json')}")
+        for path in plan.write_comparison(cfg.run.dir, rows):
+            print(f"wrote {path}")
         return 0
     with distributed.exit_cleanly_if_a_peer_fails():
         cfg = plan.apply_auto(cfg, devices)  # mesh=auto: resolved here, once, for the dry run and training alike
@@ -79,13 +80,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except NonFiniteLoss as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    exit_from(main, sys.argv[1:], {UserError: 2, NonFiniteLoss: 1})

@@ -153,7 +153,11 @@ class RunConfig:
                                                "the runtime lets JAX use (GPU, TPU), unknown on CPU", min=0)
     link_gbps: Optional[float] = option(None, "bytes/s (GB) one device sends over its links, for the plan's step "
                                         "estimate; default: known accelerators only", min=0)
-    progress: bool = option(True, "show a progress bar")
+    progress: bool = option(True, "show progress: a bar on a terminal, else a line every log_every steps")
+    tensorboard: bool = option(True, "write TensorBoard event files to <run.dir>/tensorboard (process 0)")
+    plot: bool = option(True, "draw <run.dir>/curves.png when the run ends (loss, eval loss, throughput)")
+    profile_steps: Optional[str] = option(None, "START:END traces steps START..END-1 with jax.profiler into "
+                                          "<run.dir>/profile (TensorBoard's profile plugin, XProf, Perfetto)")
     compile_cache: Optional[str] = option(None, "folder for JAX's persistent compilation cache: restarts skip compiling")
 
 
@@ -427,6 +431,24 @@ def _check_values(cfg: Config) -> None:
                     raise UserError(f"{section}.{key_of(f)}={value} is out of range; it must be {allowed}")
     if not isinstance(cfg.model.name, str) or not cfg.model.name:
         raise UserError("model.name must be a registered model name or package.module:Class")
+    step_range(cfg.run.profile_steps, cfg.train.steps)
+
+
+def step_range(spec: str | None, train_steps: int) -> range | None:
+    """'10:15' -> range(10, 15); None -> None. Raises UserError naming what is allowed."""
+    if spec is None:
+        return None
+    start, sep, end = str(spec).partition(":")
+    try:
+        first, stop = int(start), int(end)
+    except ValueError:
+        first = stop = None
+    if not sep or first is None or not 1 <= first < stop:
+        raise UserError(f"run.profile_steps={spec!r} must be START:END with 1 <= START < END, the steps as the log "
+                        "numbers them (10:15 traces steps 10 to 14; quote it in YAML: '10:15')")
+    if first > train_steps:
+        raise UserError(f"run.profile_steps={spec} starts after the last step (train.steps={train_steps})")
+    return range(first, min(stop, train_steps + 1))
 
 
 def _fill_mesh_from_preset(mesh: MeshConfig) -> None:

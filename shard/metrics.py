@@ -27,18 +27,22 @@ def seconds_since_process_start() -> float | None:
 
 
 class MetricsLog:
-    """Appends records to metrics.jsonl; only process 0 writes. Object stores (gs://, s3://) cannot
-    append, so there the file is rewritten whole at each record (it stays small: one line a log step)."""
+    """Appends records to metrics.jsonl, and hands each to the TensorBoard writer when there is one;
+    only process 0 writes. Object stores (gs://, s3://) cannot append, so there the file is rewritten
+    whole at each record (it stays small: one line a log step)."""
 
-    def __init__(self, run_dir):
+    def __init__(self, run_dir, board=None):
         self.path = paths.resolve(run_dir) / "metrics.jsonl"
         self.enabled = jax.process_index() == 0
+        self.board = board if self.enabled else None
         self.remote = paths.is_remote(self.path)
         self.text = self.path.read_text() if self.enabled and self.remote and self.path.exists() else ""
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
+        if self.board:
+            self.board.write(record)
         line = json.dumps(record) + "\n"
         if self.remote:
             self.text += line
@@ -46,3 +50,7 @@ class MetricsLog:
         else:
             with self.path.open("a") as f:
                 f.write(line)
+
+    def close(self) -> None:
+        if self.board:
+            self.board.close()

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import jax
 
-from shard import hardware, hlo, job, partition, paths
+from shard import hardware, hlo, job, partition, paths, plot
 from shard import mesh as mesh_lib
 from shard import state as state_lib
 from shard.errors import UserError
@@ -235,3 +235,15 @@ def write(run_dir: str, plan, name: str):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan, indent=2) + "\n")
     return path
+
+
+def write_comparison(run_dir: str, rows: list[dict]) -> list:
+    """compare.json, and compare.png beside it: memory per device against estimated step per mesh,
+    the one mesh=auto would take marked (none when none fits)."""
+    try:
+        chosen = choose(rows)[0]["label"]
+    except UserError:
+        chosen = None
+    picture = paths.resolve(run_dir) / "compare.png"
+    plot.save(plot.draw_comparison(rows, chosen), picture)
+    return [write(run_dir, rows, "compare.json"), picture]

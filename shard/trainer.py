@@ -6,6 +6,7 @@ directory is touched, so a bad config never overwrites anything.
 
 import contextlib
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,9 +17,10 @@ from tqdm import tqdm
 from shard import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
-from shard import distributed, hardware, paths, stopping
+from shard import distributed, hardware, paths, plot, profiling, stopping
 from shard import mesh as mesh_lib
 from shard import state as state_lib
+from shard.board import Board
 from shard.errors import NonFiniteLoss, UserError, warn
 from shard.generate import sample
 from shard.job import Job, prepare
@@ -70,7 +72,6 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
             checkpoints = ckpt_lib.Checkpoints(job.checkpoint_dir, keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
     except OSError as e:
         raise UserError(f"run.dir={cfg.run.dir!r}: cannot write there ({e.strerror or e})") from None
-    log = MetricsLog(run_dir)
 
     say(f"model {cfg.model.name}: {state_lib.count_params(work.abstract.params):,} parameters | mesh "
         f"{mesh_lib.describe(job.mesh)} on {len(devices)} {devices[0].platform} device(s) | task {data.task} | "
@@ -81,29 +82,37 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
         warn(state_lib.idle_axis_warning(idle, job.split, dict(job.mesh.shape), cfg.mesh.auto_shard))
 
     # ---- state: resumed, restored from another run, or freshly initialised (always sharded)
+    log = None
     try:
-        state = start_state(cfg, checkpoints, work.init, job.shardings, job.target, say)
-        result = Result(graphdef=work.graphdef, shardings=job.shardings, mesh=job.mesh, train_step=job.train_step,
-                        start_step=int(state.step))
-        if result.start_step >= cfg.train.steps:
-            say(f"the model is at step {result.start_step}, already past train.steps={cfg.train.steps}: nothing "
-                f"to train; evaluating the step-{result.start_step} model (raise train.steps to train on)")
-        else:
-            stop.enter_phase("loop", "")
-            state = train_loop(cfg, state, job, checkpoints, log, result, devices, main, stop)
-    finally:
-        if checkpoints:
-            checkpoints.close()
-    result.state = state
-    if result.preempted:
-        return result
+        try:
+            state = start_state(cfg, checkpoints, work.init, job.shardings, job.target, say)
+            result = Result(graphdef=work.graphdef, shardings=job.shardings, mesh=job.mesh,
+                            train_step=job.train_step, start_step=int(state.step))
+            log = metrics_log(cfg, run_dir, result.start_step, work, main)
+            if result.start_step >= cfg.train.steps:
+                say(f"the model is at step {result.start_step}, already past train.steps={cfg.train.steps}: nothing "
+                    f"to train; evaluating the step-{result.start_step} model (raise train.steps to train on)")
+            else:
+                stop.enter_phase("loop", "")
+                state = train_loop(cfg, state, job, checkpoints, log, result, devices, main, stop)
+        finally:
+            if checkpoints:
+                checkpoints.close()  # waits for the last save: a stop from here on finds it written
+        result.state = state
+        if result.preempted:
+            return result
 
-    # ---- final eval and sample; every process takes part (the arrays are split across them)
-    step = int(state.step)
-    kept = f"checkpoint at step {step} is written" if checkpoints else "checkpoints are disabled"
-    stop.enter_phase("the final eval and sample", f"{kept}; the final eval and sample were skipped", exit_code=0)
-    result.eval = evaluate(job.eval_step, state, data, job.eval_shardings, cfg)
-    log.write({"step": step, **result.eval})
+        # ---- final eval and sample; every process takes part (the arrays are split across them)
+        step = int(state.step)
+        kept = f"checkpoint at step {step} is written" if checkpoints else "checkpoints are disabled"
+        stop.enter_phase("the final eval and sample", f"{kept}; the final eval and sample were skipped", exit_code=0)
+        result.eval = evaluate(job.eval_step, state, data, job.eval_shardings, cfg)
+        log.write({"step": step, **result.eval})
+    finally:
+        if log:
+            log.close()
+    if main and cfg.run.plot:
+        draw_curves(run_dir)
     summary = " | ".join(f"{k} {v:.4f}" for k, v in result.eval.items())
     if result.history:
         summary = f"loss {result.history[0]['loss']:.4f} -> {result.history[-1]['loss']:.4f} | " + summary
@@ -115,6 +124,23 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
         result.sample = bytes(t % 256 for t in tokens).decode("utf-8", errors="replace")
         say(f"sample:\n{cfg.train.sample_prompt}{result.sample}")
     return result
+
+
+def metrics_log(cfg, run_dir, start_step: int, work, main: bool) -> MetricsLog:
+    """metrics.jsonl, and TensorBoard's event files unless run.tensorboard=false (process 0 only)."""
+    board = None
+    if main and cfg.run.tensorboard:
+        board = Board(paths.resolve(run_dir) / "tensorboard", start_step)
+        board.describe(start_step, work.resolved, cfg.model.name, state_lib.count_params(work.abstract.params))
+    return MetricsLog(run_dir, board)
+
+
+def draw_curves(run_dir) -> None:
+    """<run.dir>/curves.png for the finished run. A picture that cannot be drawn costs a warning, not the run."""
+    try:
+        plot.curves_png(run_dir)
+    except (OSError, UserError, ValueError) as e:
+        warn(f"curves.png was not drawn: {e}")
 
 
 def start_state(cfg, checkpoints, init, shardings, target, say) -> state_lib.TrainState:
@@ -155,8 +181,14 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
     start = int(state.step)
     prefetch = prefetch_depth(cfg, devices)
     batches = data_lib.device_batches(data.train, job.batch_shardings, start=start, prefetch=prefetch)
-    bar = tqdm(total=cfg.train.steps, initial=start, disable=not (cfg.run.progress and main), mininterval=1.0,
-               dynamic_ncols=True, leave=False)
+    # A bar that redraws itself on a terminal; elsewhere (a log file, the launcher's prefixed pipes) a
+    # line per log record, since every redraw there would be a line of its own.
+    on_terminal = sys.stderr.isatty()
+    bar = tqdm(total=cfg.train.steps, initial=start, disable=not (cfg.run.progress and main and on_terminal),
+               mininterval=1.0, dynamic_ncols=True, leave=False)
+    progress_lines = cfg.run.progress and main and not on_terminal
+    profiler = profiling.StepProfiler(config_lib.step_range(cfg.run.profile_steps, cfg.train.steps), cfg.run.dir,
+                                      print if main else (lambda *a, **k: None))
     saved = checkpoints.steps() if checkpoints else []
     last_saved = saved[-1] if saved else None
     # Steps whose outputs (on the device) the host has not looked at yet, and the log records waiting
@@ -189,15 +221,22 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 log.write(record)
                 result.history.append(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", **{rate_key: f"{record[rate_key]:,.0f}"})
+                if progress_lines:
+                    print(progress_line(record, cfg.train.steps, rate_key), flush=True)
 
     jax.block_until_ready(state)
     # Processes enter the first step together: its collectives give a late peer only 30 s (gloo).
     distributed.barrier("first step", cfg.run.init_timeout_s)
-    t_last, steps_since = time.perf_counter(), 0
-    with contextlib.closing(batches):
+    t_last, steps_since, waited = time.perf_counter(), 0, 0.0
+    with contextlib.closing(batches), contextlib.closing(profiler):
         for step in range(start, cfg.train.steps):
-            state, out = train_step(state, next(batches))
             done = step + 1
+            with profiler.step(done, before=pending[-1][1] if pending else state):
+                t_wait = time.perf_counter()
+                batch = next(batches)  # the time the loop waits for input, apart from the step's own
+                waited += time.perf_counter() - t_wait
+                state, out = train_step(state, batch)
+            profiler.after(done, out)
             # At most one step waits behind the running one: the device never idles, and a stop request
             # is seen (and the state checkpointed) within a step or two, not after a queue of them.
             if pending:
@@ -212,8 +251,12 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
             eval_now = cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != cfg.train.steps
             if log_now:
                 # Every step before `done` has finished: the time since the last log point is device time.
+                # Step 1 (of this run) is timed to its end: with nothing before it, its dispatch alone says nothing.
+                if done == start + 1:
+                    jax.block_until_ready(out["loss"])
                 step_time = (time.perf_counter() - t_last) / steps_since
-                record = {"lr": float(schedule(step)), "step_time_s": step_time, rate_key: per_step / step_time}
+                record = {"lr": float(schedule(step)), "step_time_s": step_time, "data_wait_s": waited / steps_since,
+                          rate_key: per_step / step_time}
                 if flops:
                     record["tflops_per_device"] = flops / step_time / 1e12  # model FLOPs achieved
                     if peak:
@@ -223,7 +266,7 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 if done == start + 1:  # start-up costs, once: process start to the end of the first step
                     record |= {"compile_s": job.compile_s, "startup_s": seconds_since_process_start()}
                 records[done] = record
-                t_last, steps_since = time.perf_counter(), 0
+                t_last, steps_since, waited = time.perf_counter(), 0, 0.0
             if not (save_now or eval_now or stopping or done == cfg.train.steps):
                 if log_now:  # the finished steps only (no wait for the one just dispatched), but step 1's
                     look_at(done if done == start + 1 else done - 1)  # record at once: the run is alive
@@ -241,9 +284,15 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 return state
             if eval_now:
                 log.write({"step": done, **evaluate(job.eval_step, state, data, job.eval_shardings, cfg)})
-            t_last, steps_since = time.perf_counter(), 0  # checkpoints and evals are not step time
+            t_last, steps_since, waited = time.perf_counter(), 0, 0.0  # checkpoints and evals are not step time
     bar.close()
     return state
+
+
+def progress_line(record: dict, total: int, rate_key: str) -> str:
+    """The progress bar's content as one line, for output that is not a terminal."""
+    return (f"[{record['step']}/{total}] loss {record['loss']:.4f} | {record[rate_key]:,.0f} {rate_key} | "
+            f"{record['step_time_s'] * 1e3:.1f} ms/step")
 
 
 def prefetch_depth(cfg, devices) -> int:

@@ -51,8 +51,10 @@ TINY_MODELS = {
 
 
 def overrides(tmp_path, *extra) -> list[str]:
-    return [f"run.dir={tmp_path}", "run.progress=false", "train.sample_len=0", "train.eval_batches=1",
-            "optimizer.warmup_steps=2", "checkpoint.enabled=false", *extra]
+    # TensorBoard and the end-of-run picture cost a second a run; tests/test_observe.py turns them on.
+    return [f"run.dir={tmp_path}", "run.progress=false", "run.tensorboard=false", "run.plot=false",
+            "train.sample_len=0", "train.eval_batches=1", "optimizer.warmup_steps=2", "checkpoint.enabled=false",
+            *extra]
 
 
 @pytest.fixture

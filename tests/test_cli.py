@@ -39,6 +39,8 @@ BAD_INPUTS = {
     "batch larger than the data": (["model.name=mlp", "data.name=digits", "data.batch_size=4096"], "4096"),
     "cudnn attention on CPU": (["train.attention=cudnn", "train.dtype=bfloat16"], "train.attention=cudnn"),
     "lm task on tables": (["model.name=mlp", "data.name=digits", "data.task=lm"], "data.task=lm"),
+    "profile range not START:END": (["run.profile_steps=5"], "START:END"),
+    "profile range after the run": (["run.profile_steps=10:20"], "train.steps=4"),
 }
 
 
@@ -176,6 +178,9 @@ def test_a_short_run_writes_config_metrics_eval_and_sample(tmp_path):
 
 
 def test_default_config_trains(tmp_path):
-    proc = run_cli("train.steps=3", "train.sample_len=5", "train.eval_batches=2", f"run.dir={tmp_path}", "run.progress=false")
+    proc = run_cli("train.steps=3", "train.sample_len=5", "train.eval_batches=2", f"run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     assert "model gpt" in proc.stdout and "sample:" in proc.stdout
+    # piped, not a terminal: the progress is a line per log point, never a bar redrawn with \r
+    assert "[1/3] loss " in proc.stdout and "[3/3] loss " in proc.stdout and "\r" not in proc.stdout + proc.stderr
+    assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG") and any((tmp_path / "tensorboard").iterdir())

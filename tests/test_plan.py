@@ -102,6 +102,9 @@ def test_compare_and_auto_pick_the_fastest_mesh_that_fits(tmp_path):
         tuple(fastest["mesh"].values())
     assert why.startswith("mesh=auto chose ") and "fastest estimated step" in why
     assert "mesh" in plan.comparison_table(rows)
+    written = plan.write_comparison(str(tmp_path), rows)
+    assert [p.name for p in written] == ["compare.json", "compare.png"]
+    assert json.loads(written[0].read_text()) == rows and written[1].read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
 def test_identical_meshes_are_one_candidate_and_unknown_memory_is_said():

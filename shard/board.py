@@ -1,0 +1,46 @@
+"""TensorBoard event files for a run, written with tensorboardX (no TensorFlow needed).
+
+`tensorboard --logdir <run.dir>` then shows every metrics record as scalars grouped by kind
+(train/, eval/, perf/), the resolved config as text and the parameter count. A resumed run opens
+a new event file with `purge_step` set to its first new step, so TensorBoard drops what the old
+file logged past the checkpoint and no step appears twice.
+"""
+
+from tensorboardX import SummaryWriter
+
+# Record keys that describe the machine's speed and memory, not the model's learning.
+PERF_KEYS = frozenset({"step_time_s", "data_wait_s", "tokens_per_s", "examples_per_s", "tflops_per_device",
+                       "mfu", "peak_memory_gb", "compile_s", "startup_s"})
+
+
+def tag(key: str) -> str:
+    """The TensorBoard tag of a metrics record key: eval_loss -> eval/loss, mfu -> perf/mfu, loss -> train/loss."""
+    if key.startswith("eval_"):
+        return "eval/" + key.removeprefix("eval_")
+    return ("perf/" if key in PERF_KEYS else "train/") + key
+
+
+class Board:
+    """One run's TensorBoard writer (process 0 only; the trainer makes none elsewhere)."""
+
+    def __init__(self, directory, start_step: int):
+        # A fresh run starts at step 0 and has nothing to purge; a resumed one purges from start_step + 1.
+        self.writer = SummaryWriter(str(directory), purge_step=start_step + 1 if start_step else None)
+
+    def describe(self, step: int, config_yaml: str, model: str, parameters: int) -> None:
+        """The run's config and size, at the step the run (or its resume) begins."""
+        indented = "\n".join("    " + line for line in config_yaml.splitlines())  # Markdown code block
+        self.writer.add_text("config", indented, step)
+        self.writer.add_text("model", f"{model}: {parameters:,} parameters", step)
+        self.writer.add_scalar("model/parameters", parameters, step)
+        self.writer.flush()
+
+    def write(self, record: dict) -> None:
+        step = record["step"]
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(tag(key), value, step)
+        self.writer.flush()  # records are few (one a log step); a stop that ends the process loses none
+
+    def close(self) -> None:
+        self.writer.close()
