@@ -43,7 +43,7 @@ def test_processes_x_devices_give_the_loss_curve_of_one_process(train, tmp_path,
     one = train(*TINY_GPT, *STEPS, f"mesh={preset}", "train.sample_len=8")
     expected = np.array([r["loss"] for r in one.history])
     for processes in (2, 4):
-        extra = ["train.sample_len=8"]
+        extra = ["train.sample_len=8", "run.progress=true", "run.tensorboard=true", "run.plot=true"]
         if preset == "hybrid" and processes == 2:
             # a multi-node layout: the data axis (4) crosses the 2 processes, tensor stays inside each
             extra += ["mesh.dcn_data=2"]
@@ -54,6 +54,10 @@ def test_processes_x_devices_give_the_loss_curve_of_one_process(train, tmp_path,
         assert f"{one.mesh.shape['data']} x expert=1" in out.stdout and "on 8 cpu device(s)" in out.stdout
         assert f"[0] def {one.sample}" in out.stdout and out.stdout.count("sample:") == 1
         assert '"eval_loss"' in (tmp_path / str(processes) / "metrics.jsonl").read_text()
+        # process 0 alone writes TensorBoard's events, draws the curves and shows progress (as lines: piped)
+        assert len(list((tmp_path / str(processes) / "tensorboard").iterdir())) == 1
+        assert (tmp_path / str(processes) / "curves.png").exists()
+        assert f"[0] [{STEPS[0].split('=')[1]}/" in out.stdout and "[1] [" not in out.stdout
 
 
 def test_checkpoints_move_between_process_layouts(train, tmp_path):
