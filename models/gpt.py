@@ -11,7 +11,8 @@ import math
 from flax import nnx
 
 from models.layers import norm as make_norm
-from models.layers import Attention, Block, MLPBlock, check_choice, param, run_stacked, stacked
+from models.layers import Attention, Block, MLPBlock, check_choice, param, stacked
+from shard.hooks import stack
 from shard.partition import constrain
 
 
@@ -66,6 +67,6 @@ class GPT(nnx.Module):
         if self.pos is not None:
             x = x + self.pos[...][:length]
         x = constrain(x, ("batch", "length", "embed"))
-        x = self.ln_f(run_stacked(self.blocks, x))
+        x = self.ln_f(stack(self.blocks, x))
         logits = x @ self.tok[...].T if self.head is None else x @ self.head[...]
         return constrain(logits, ("batch", "length", "vocab"))

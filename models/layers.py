@@ -1,6 +1,6 @@
 """Building blocks shared by the transformers (gpt, vit, moe): parameters with logical names,
 normalisation, rotary positions, attention, the feed-forward block, and layers stacked on a
-`layers` axis and run with a scan.
+`layers` axis (run by the framework's `shard.hooks.stack`: a scan, or a pipeline).
 
 Logical names used here: embed (model width), heads / kv_heads / head_dim (attention), mlp
 (feed-forward width), vocab. Which mesh axes they map to is decided in `shard.partition`.
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.hooks import attention, layer
+from shard.hooks import attention
 from shard.partition import constrain
 
 
@@ -105,14 +105,3 @@ def stacked(n_layers: int, make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rng
         return make(rngs)
 
     return make_all(rngs)
-
-
-def run_stacked(layers: nnx.Module, x):
-    """Apply stacked layers in order with a scan (each under the `train.remat` policy). Variables
-    a layer updates in its call (normalisation statistics, auxiliary losses) are written back."""
-
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def run(x, one):
-        return layer(lambda one, x: one(x))(one, x)
-
-    return run(x, layers)

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import param, run_stacked, stacked
+from models.layers import param, stacked
+from shard.hooks import stack
 from shard.partition import constrain
 
 
@@ -74,7 +75,7 @@ class LSTM(nnx.Module):
             x = constrain(self.embed[...], ("vocab", None))[inputs]  # gather from whole rows (see gpt)
         else:
             x = inputs @ self.embed[...]
-        h = run_stacked(self.layers, constrain(x, ("batch", "length", "embed")))
+        h = stack(self.layers, constrain(x, ("batch", "length", "embed")))
         if self.num_classes:
             return h[:, -1] @ self.head[...] + self.head_bias[...]
         return constrain(h @ self.head[...] + self.head_bias[...], ("batch", "length", "vocab"))

@@ -8,7 +8,8 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import Attention, Block, MLPBlock, check_choice, norm, param, run_stacked, stacked
+from models.layers import Attention, Block, MLPBlock, check_choice, norm, param, stacked
+from shard.hooks import stack
 from shard.partition import constrain
 
 
@@ -46,5 +47,5 @@ class ViT(nnx.Module):
         p = self.patch
         patches = x.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5).reshape(b, -1, p * p * c)
         x = constrain(patches @ self.embed[...] + self.pos[...], ("batch", "length", "embed"))
-        x = self.ln_f(run_stacked(self.blocks, x))
+        x = self.ln_f(stack(self.blocks, x))
         return jnp.mean(x, axis=1) @ self.head[...]

@@ -108,6 +108,8 @@ class CheckpointConfig:
 class MeshConfig:
     preset: str = option("dp", "mesh preset in meshes/ (also settable as mesh=NAME); auto = the fastest "
                          "estimated mesh that fits (see --compare)")
+    stage: Optional[int] = option(None, "pipeline axis size: the stacked layers are cut into this many stages "
+                                  "(see pipeline.*); -1 = remaining devices; default: preset's, else 1")
     data: Optional[int] = option(None, "data-parallel axis size; -1 = remaining devices; default: preset's, else 1")
     expert: Optional[int] = option(None, "expert-parallel axis size (experts split over it; it also splits the batch); "
                                    "-1 = remaining devices; default: preset's, else 1")
@@ -124,9 +126,18 @@ class MeshConfig:
     # to the number of slices or processes.
     dcn_data: Optional[int] = option(None, "part of the data axis across slices/nodes; default: the number of "
                                      "TPU slices when there are several, else 1", min=1)
+    dcn_stage: int = option(1, "part of the stage axis across slices/nodes", min=1)
     dcn_expert: int = option(1, "part of the expert axis across slices/nodes", min=1)
     dcn_fsdp: int = option(1, "part of the fsdp axis across slices/nodes", min=1)
     dcn_tensor: int = option(1, "part of the tensor axis across slices/nodes", min=1)
+
+
+@dataclass
+class PipelineConfig:
+    microbatches: Optional[int] = option(None, "microbatches the global batch is cut into under mesh.stage > 1 "
+                                         "(M); default: twice the stages", min=1)
+    repeats: int = option(1, "layer groups each stage holds (R): 1 = GPipe; more = a circular schedule, each "
+                          "stage holding R non-adjacent groups, bubble (S-1)/(R*M+S-1)", min=1)
 
 
 @dataclass
@@ -168,6 +179,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 

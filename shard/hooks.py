@@ -1,20 +1,35 @@
-"""The per-layer choices a model leaves to the framework: activation checkpointing and the attention kernel.
+"""The choices a model leaves to the framework: how its stack of layers runs (a scan, or a pipeline
+over the `stage` mesh axis), activation checkpointing, and the attention kernel.
 
-A model applies each of its stacked layers through `layer(fn)` and computes attention with
-`attention(q, k, v, is_causal=...)`; what those do is set by the run (`train.remat`,
-`train.attention`) while its step is traced, under `use(...)`. Outside the framework they are plain
-JAX (no remat, XLA's attention), so a model stays an ordinary Flax module.
+A model runs its stacked layers with `stack(layers, x)`, applies a single layer through `layer(fn)`
+and computes attention with `attention(q, k, v, is_causal=...)`; what those do is set by the run
+(`mesh.stage` and `pipeline.*`, `train.remat`, `train.attention`) while its step is traced, under
+`use(...)`. Outside the framework they are plain JAX (a scan, no remat, XLA's attention), so a model
+stays an ordinary Flax module.
 """
 
 import contextlib
 import contextvars
+from dataclasses import dataclass
 
 import jax
+from flax import nnx
 
 from shard.errors import UserError
 
 _REMAT: contextvars.ContextVar = contextvars.ContextVar("shard_remat", default="none")
 _ATTENTION: contextvars.ContextVar = contextvars.ContextVar("shard_attention", default="xla")
+_PIPELINE: contextvars.ContextVar = contextvars.ContextVar("shard_pipeline", default=None)
+_STACKS: contextvars.ContextVar = contextvars.ContextVar("shard_stacks_seen", default=None)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """How `stack` runs under pipeline parallelism (shard/pipeline.py): S stages, R layer groups per
+    stage (1 = GPipe, more = circular), M microbatches."""
+    stages: int
+    repeats: int
+    microbatches: int
 
 # train.remat -> what a layer keeps for the backward pass (everything, nothing, or matmul outputs).
 REMAT_POLICIES = {
@@ -24,14 +39,53 @@ REMAT_POLICIES = {
 
 
 @contextlib.contextmanager
-def use(remat: str = "none", attention: str = "xla"):
-    """While tracing: `layer` applies this activation-checkpointing policy and `attention` this kernel."""
-    tokens = _REMAT.set(remat), _ATTENTION.set(attention)
+def use(remat: str = "none", attention: str = "xla", pipeline: Pipeline | None = None):
+    """While tracing: `layer` applies this activation-checkpointing policy, `attention` this kernel,
+    and `stack` this pipeline (None: a scan)."""
+    tokens = _REMAT.set(remat), _ATTENTION.set(attention), _PIPELINE.set(pipeline)
     try:
         yield
     finally:
         _REMAT.reset(tokens[0])
         _ATTENTION.reset(tokens[1])
+        _PIPELINE.reset(tokens[2])
+
+
+@contextlib.contextmanager
+def watch_stacks():
+    """Yields a list that gets the layer count of every `stack` call traced inside (the checks of
+    pipeline parallelism need to know whether, and how deep, a model stacks its layers)."""
+    seen: list[int] = []
+    token = _STACKS.set(seen)
+    try:
+        yield seen
+    finally:
+        _STACKS.reset(token)
+
+
+def stack(layers: nnx.Module, x):
+    """Apply stacked layers (a module whose arrays have a leading `layers` axis) to x, in order: a
+    scan, or under `mesh.stage > 1` a pipeline over the stages. A layer must map x to an array of
+    x's shape. Variables a layer updates in its call (normalisation statistics, auxiliary losses)
+    are written back (under a pipeline: their mean over the microbatches)."""
+    seen, pipeline = _STACKS.get(), _PIPELINE.get()
+    if seen is not None:
+        seen.append(jax.tree.leaves(nnx.state(layers))[0].shape[0])
+    if pipeline is None or pipeline.stages == 1:
+        return scan(layers, x)
+    from shard import pipeline as pipeline_lib  # local: it calls back into scan
+
+    return pipeline_lib.run(layers, x, pipeline)
+
+
+def scan(layers: nnx.Module, x):
+    """The stacked layers in order, one at a time (the compiled program holds one layer)."""
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def run(x, one):
+        return layer(lambda one, x: one(x))(one, x)
+
+    return run(x, layers)
 
 
 def layer(fn):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from shard import pipeline as pipeline_lib
 from shard import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
@@ -40,6 +41,7 @@ class Workload:
     batch: dict           # one global batch's shapes, train and eval
     eval_batch: dict
     flops_per_step: float  # model FLOPs of one train step, all devices together (shard/flops.py)
+    stacks: tuple = ()     # the layer count of each stack the model runs through shard.hooks.stack
 
 
 @dataclass
@@ -73,7 +75,7 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
     batch, eval_batch = data.abstract_batch(), data.abstract_batch(eval=True)
     # The model's FLOPs do not depend on the mesh: traced once, without rules and without remat (MFU
     # counts the model's work, not a recomputed forward), with the configured attention kernel.
-    with hooks.use(attention=cfg.train.attention):
+    with hooks.use(attention=cfg.train.attention), hooks.watch_stacks() as stacks:
         forward = step_lib.model_forward(graphdef, abstract, batch, dtype, cfg.model.name, data.num_classes)
         train_fn = step_lib.make_train_step(graphdef, tx, loss_fn, dtype, cfg.train.skip_nonfinite)
         try:
@@ -83,7 +85,7 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
                             f"{str(e).strip().splitlines()[0]}") from None
     flops = flops_lib.train_step_flops(train_jaxpr.jaxpr, forward.jaxpr)
     return Workload(model_cls, kwargs, resolved, data, loss_fn, tx, schedule, dtype, graphdef, abstract, init,
-                    batch, eval_batch, flops)
+                    batch, eval_batch, flops, tuple(stacks))
 
 
 def _loss_context(cfg, loss_fn, data, forward, batch) -> str:
@@ -104,7 +106,8 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
     rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
     abstract = work.abstract
 
-    with partition.activate(mesh, rules), hooks.use(remat=cfg.train.remat, attention=cfg.train.attention):
+    pipe = pipeline_lib.settings(cfg, dict(mesh.shape), work)
+    with partition.activate(mesh, rules), hooks.use(cfg.train.remat, cfg.train.attention, pipe):
         auto_min = state_lib.auto_min_size(cfg.mesh)
         shardings = state_lib.state_shardings(abstract, mesh, rules, auto_min)
         split = state_lib.split_report(abstract.params, dict(mesh.shape), rules, auto_min)

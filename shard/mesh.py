@@ -14,7 +14,8 @@ from jax.experimental import mesh_utils
 
 from shard.errors import UserError
 
-AXES = ("data", "expert", "fsdp", "tensor")  # mesh axis order, slowest-varying first
+AXES = ("stage", "data", "expert", "fsdp", "tensor")  # mesh axis order, slowest-varying first
+# (pipeline stages outermost: only activations at stage boundaries cross them, so they suit slow links)
 
 
 def preset_names() -> list[str]:

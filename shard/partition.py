@@ -33,7 +33,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "vocab": "tensor",          # vocabulary (embedding rows, output logits)
     "features": None,           # input features of non-sequence data
     "classes": None,            # output classes / targets
-    "layers": None,             # stacked (scanned) layers
+    "layers": "stage",          # stacked (scanned) layers: pipeline stages hold contiguous blocks of them
     "experts": "expert",        # the experts of a mixture-of-experts layer
 }
 
@@ -136,6 +136,11 @@ def activate(mesh: jax.sharding.Mesh | None, rules: dict | None):
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def active() -> tuple | None:
+    """(mesh, rules) while a step is traced under `activate`, else None."""
+    return _ACTIVE.get()
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

@@ -1,0 +1,144 @@
+"""Pipeline parallelism: a model's stacked layers cut into stages over the `stage` mesh axis.
+
+The whole schedule is one SPMD program. The L layers form S x R groups of L/(S R) layers; stage s
+holds groups s, s+S, ..., s+(R-1)S (R = 1: GPipe's contiguous blocks; R > 1: a circular schedule,
+whose bubble is R times smaller). The global batch is cut into M microbatches. At every iteration
+of a scan, all S stages run at once (a vmap over the stage-split dimension) on the microbatch each
+holds; their outputs then move one stage on (a roll over the stage dimension, which XLA compiles to
+a collective permute). Stage 0 takes a new microbatch, or one coming back from stage S-1 for its next
+repeat; stage S-1 keeps the microbatches that have passed every layer. After R M + S - 1 iterations
+every microbatch has passed all L layers in order; the S - 1 iterations in which some stages have
+nothing to do are the bubble, (S-1)/(R M + S - 1) of the time. Reverse-mode autodiff of the scan is
+the backward pipeline.
+
+Where the parameters live: the `layers` dimension maps to the `stage` axis (shard/partition.py),
+so each stage's devices hold L/S contiguous layers, the other axes splitting them further as usual.
+GPipe needs exactly those. The circular schedule needs every S-th group instead, so its step regroups
+the parameters with an all-to-all over `stage` (the plan shows it); checkpoints keep the model's own
+layer order either way, so they move freely between meshes.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shard import hooks, partition
+from shard.errors import UserError
+
+UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
+
+
+def bubble(stages: int, repeats: int, microbatches: int) -> float:
+    """The share of a pipelined step in which stages idle: (S-1)/(R M + S - 1)."""
+    return (stages - 1) / (repeats * microbatches + stages - 1)
+
+
+def settings(cfg, mesh_shape: dict, work) -> hooks.Pipeline | None:
+    """The pipeline cfg asks for on this mesh (None without a `stage` axis), checked against the model
+    and the batch: one line naming what is wrong and what is allowed."""
+    stages = mesh_shape["stage"]
+    if stages == 1:
+        return None
+    repeats = cfg.pipeline.repeats
+    micro = cfg.pipeline.microbatches or 2 * stages
+    where = f"mesh.stage={stages}"
+    if not work.stacks:
+        raise UserError(f"{where}: model {cfg.model.name!r} runs no stacked layers through shard.hooks.stack, so "
+                        "there is nothing to cut into stages; use a mesh without a stage axis (gpt, moe, vit and "
+                        "lstm stack theirs)")
+    for n in work.stacks:
+        if n % (stages * repeats):
+            raise UserError(f"{where} x pipeline.repeats={repeats}: the model's {n} stacked layers do not divide into "
+                            f"{stages * repeats} groups; use a stage count and repeats whose product divides {n}")
+    if repeats > 1 and micro < stages:
+        raise UserError(f"pipeline.microbatches={micro} with pipeline.repeats={repeats}: a circular schedule needs "
+                        f"at least as many microbatches as stages ({stages})")
+    batch_split = math.prod(mesh_shape[a] for a in ("data", "expert", "fsdp"))
+    for name, batch in (("data.batch_size", work.batch), ("the eval batch", work.eval_batch)):
+        size = jax.tree.leaves(batch)[0].shape[0]
+        if size % micro or (size // micro) % batch_split:
+            raise UserError(f"{name}={size} does not cut into pipeline.microbatches={micro} microbatches whose size "
+                            f"the batch axes (data x expert x fsdp = {batch_split}) divide; use a batch size that is a "
+                            f"multiple of {micro * batch_split}, or other microbatches")
+    return hooks.Pipeline(stages, repeats, micro)
+
+
+def run(layers: nnx.Module, x: jax.Array, p: hooks.Pipeline) -> jax.Array:
+    S, R, M = p.stages, p.repeats, p.microbatches
+    graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
+    n_layers = jax.tree.leaves(params)[0].shape[0]
+    per = n_layers // (S * R)
+    mesh, rules = partition.active()
+    batch_axes = partition.logical_to_spec(("batch",), rules, mesh.shape)[0]
+
+    def on_stages(a, extra_leading: int):
+        """Ask for a's first dimension on `stage`, the next `extra_leading` whole, the rest as they are."""
+        spec = PartitionSpec("stage", *([None] * extra_leading), *([UNCONSTRAINED] * (a.ndim - 1 - extra_leading)))
+        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+
+    # (L, ...) -> (R, S, per, ...) -> (S, R, per, ...): stage s's groups, in the order it runs them.
+    staged = jax.tree.map(lambda a: on_stages(a.reshape(R, S, per, *a.shape[1:]).swapaxes(0, 1), 2), params)
+    fixed = jax.tree.map(lambda a: a.reshape(R, S, per, *a.shape[1:]).swapaxes(0, 1), rest)
+
+    # Microbatch m holds examples m, m+M, m+2M, ...: each microbatch keeps the batch's split over the
+    # batch axes (a contiguous cut would put whole microbatches on single data-parallel devices).
+    batch, tail = x.shape[0], x.shape[1:]
+    micro = x.reshape(batch // M, M, *tail).swapaxes(0, 1)                       # (M, mb, ...)
+    io_spec = PartitionSpec("stage", None, batch_axes, *([None] * len(tail)))
+    io = jax.lax.with_sharding_constraint(jnp.broadcast_to(micro, (S, *micro.shape)), NamedSharding(mesh, io_spec))
+    shift_spec = NamedSharding(mesh, PartitionSpec("stage", batch_axes, *([None] * len(tail))))
+    shift = jax.lax.with_sharding_constraint(jnp.zeros((S, *micro.shape[1:]), x.dtype), shift_spec)
+    stage = jnp.arange(S)
+    first, last = (stage == 0).reshape(S, *[1] * (1 + len(tail))), (stage == S - 1).reshape(S, *[1] * (1 + len(tail)))
+
+    def one_stage(params_s, rest_s, x_s, r):
+        """Stage s at one iteration: its repeat r's layers applied to its microbatch."""
+        pick = lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False)
+        group = nnx.merge(graphdef, jax.tree.map(pick, params_s), jax.tree.map(pick, rest_s))
+        y = hooks.scan(group, x_s)
+        return y, nnx.state(group, nnx.Not(nnx.Param))
+
+    stages_at_once = jax.vmap(one_stage, spmd_axis_name="stage")
+    totals = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating)
+                          else a, fixed)
+
+    def iteration(carry, t):
+        io, shift, totals = carry
+        # What stage S-1 finished one iteration ago has just arrived at stage 0 (the roll): keep it
+        # there for its next repeat (it waits M - S iterations when M > S).
+        k_back = t - S
+        back = (k_back >= 0) & (k_back < (R - 1) * M)
+        slot = jnp.maximum(k_back, 0) % M
+        io = io.at[:, slot].set(jnp.where(first & back, shift, io[:, slot]))
+        # Stage s works on visit k = t - s: microbatch k mod M, repeat k div M, while 0 <= k < R M.
+        k = t - stage
+        valid = (k >= 0) & (k < R * M)
+        inputs = jnp.where(first, io[:, jnp.maximum(t, 0) % M], shift)
+        outputs, updated = stages_at_once(staged, fixed, inputs, jnp.clip(k, 0, R * M - 1) // M)
+        # Stage S-1's last repeat: the microbatch has passed every layer.
+        k_out = t - (S - 1)
+        done = (k_out >= (R - 1) * M) & (k_out < R * M)
+        slot = jnp.maximum(k_out, 0) % M
+        io = io.at[:, slot].set(jnp.where(last & done, outputs, io[:, slot]))
+        # Updated layer variables (statistics, auxiliary losses): summed over the stages' real work.
+        r = jnp.clip(k, 0, R * M - 1) // M
+
+        def add(total, new):
+            if not jnp.issubdtype(total.dtype, jnp.floating):
+                return total
+            mask = valid.reshape(S, *[1] * (new.ndim - 1))
+            return jax.vmap(lambda tot, rr, v: tot.at[rr].add(v))(total, r, jnp.where(mask, new, 0).astype(total.dtype))
+
+        totals = jax.tree.map(add, totals, updated)
+        return (io, jnp.roll(outputs, 1, axis=0), totals), None
+
+    (io, _, totals), _ = jax.lax.scan(iteration, (io, shift, totals), jnp.arange(R * M + S - 1))
+    if jax.tree.leaves(rest):  # each layer's variables: their mean over the microbatches, in layer order
+        means = jax.tree.map(lambda tot, old: (tot / M).astype(old.dtype) if jnp.issubdtype(old.dtype, jnp.floating)
+                             else old, totals, fixed)
+        nnx.update(layers, jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(n_layers, *a.shape[3:]), means))
+    out = io[S - 1]                                                                # (M, mb, ...)
+    return out.swapaxes(0, 1).reshape(batch, *tail)
