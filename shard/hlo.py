@@ -7,7 +7,8 @@ backend_config (`known_trip_count`), and the counts multiply through nested loop
 
 Bytes each device sends, by the ring model of each collective (n = group size, size = result bytes):
   all-reduce 2(n-1)/n x size; all-gather (n-1)/n x size; reduce-scatter (n-1) x size (the result
-  is one of n pieces); all-to-all (n-1)/n x size; collective-permute: size.
+  is one of n pieces); all-to-all (n-1)/n x size; collective-permute: size, averaged over the devices
+  (a permute whose pairs start at 2 of 8 devices sends size from each of those 2: size/4 a device).
 """
 
 import math
@@ -33,6 +34,7 @@ class Collective:
     bytes: float      # result bytes per device
     group: int        # replica group size n
     count: int        # executions per call of the program
+    senders: float = 1.0  # collective-permute: the share of devices that send (the others only receive)
 
     @property
     def wire_bytes(self) -> float:
@@ -42,7 +44,7 @@ class Collective:
             return 0.0
         return {"all-reduce": 2 * (n - 1) / n * size, "all-gather": (n - 1) / n * size,
                 "reduce-scatter": (n - 1) * size, "all-to-all": (n - 1) / n * size,
-                "collective-permute": size}[self.kind]
+                "collective-permute": size * self.senders}[self.kind]
 
 
 def shape_bytes(shape_text: str) -> float:
@@ -69,6 +71,14 @@ def group_size(line: str, n_devices: int) -> int:
     if "source_target_pairs" in line:
         return 2
     return n_devices  # replica_groups={}: every device
+
+
+def _senders(line: str, n_devices: int) -> float:
+    """A collective-permute's share of devices that send (1.0 for any other collective)."""
+    pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
+    if not pairs or not n_devices:
+        return 1.0
+    return len(set(re.findall(r"\{(\d+),", pairs.group(1) + "}"))) / n_devices
 
 
 def computations(text: str) -> tuple[dict[str, list[str]], str]:
@@ -127,15 +137,15 @@ def collectives(text: str, n_devices: int) -> list[Collective]:
             if not op:
                 continue
             result_name, shape, kind, phase, operands = op.groups()
-            if phase == "-start":  # async pair: the group is on the start, the result on the done
-                started[result_name] = group_size(line, n_devices)
+            if phase == "-start":  # async pair: the groups are on the start, the result on the done
+                started[result_name] = (group_size(line, n_devices), _senders(line, n_devices))
                 continue
             if phase == "-done":
                 operand = re.match(r"\s*%?([\w.\-]+)", operands)
-                group = started.get(operand.group(1), n_devices) if operand else n_devices
+                group, senders = started.get(operand.group(1) if operand else None, (n_devices, 1.0))
             else:
-                group = group_size(line, n_devices)
-            found.append(Collective(kind, shape_bytes(shape), group, runs[name]))
+                group, senders = group_size(line, n_devices), _senders(line, n_devices)
+            found.append(Collective(kind, shape_bytes(shape), group, runs[name], senders))
     return found
 
 

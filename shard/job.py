@@ -75,8 +75,9 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
     batch, eval_batch = data.abstract_batch(), data.abstract_batch(eval=True)
     # The model's FLOPs do not depend on the mesh: traced once, without rules and without remat (MFU
     # counts the model's work, not a recomputed forward), with the configured attention kernel.
-    with hooks.use(attention=cfg.train.attention), hooks.watch_stacks() as stacks:
-        forward = step_lib.model_forward(graphdef, abstract, batch, dtype, cfg.model.name, data.num_classes)
+    with hooks.use(attention=cfg.train.attention):
+        with hooks.watch_stacks() as stacks:  # one forward: each stack the model runs, once
+            forward = step_lib.model_forward(graphdef, abstract, batch, dtype, cfg.model.name, data.num_classes)
         train_fn = step_lib.make_train_step(graphdef, tx, loss_fn, dtype, cfg.train.skip_nonfinite)
         try:
             train_jaxpr = jax.make_jaxpr(train_fn)(abstract, batch)

@@ -20,6 +20,7 @@ from dataclasses import replace
 import jax
 
 from shard import hardware, hlo, job, partition, paths, plot
+from shard import pipeline as pipeline_lib
 from shard import mesh as mesh_lib
 from shard import state as state_lib
 from shard.errors import UserError
@@ -52,9 +53,11 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     capacity = hardware.memory_bytes(devices[0], cfg.run.device_memory_gb)
     peak = hardware.peak_flops(devices[0], cfg.run.peak_tflops)
     link = hardware.link_gbps(devices[0], cfg.run.link_gbps)
+    pipe = pipeline_lib.settings(cfg, dict(prepared.mesh.shape), work)
+    idle = pipeline_lib.bubble(pipe.stages, pipe.repeats, pipe.microbatches) if pipe else 0.0
     estimate = None
-    if peak and link:
-        estimate = flops_device / peak + wire / (link * 1e9)
+    if peak and link:  # a pipeline's stages idle through its bubble: the compute takes 1/(1 - bubble) longer
+        estimate = flops_device / peak / (1 - idle) + wire / (link * 1e9)
     return {
         "devices": n,
         "device_kind": getattr(devices[0], "device_kind", devices[0].platform),
@@ -75,6 +78,9 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "auto_split": [{"param": r["param"], "shape": list(r["shape"]), "spec": _spec_text(r["spec"])}
                        for r in prepared.split if r["kind"] == "auto"],
         "collectives": table,
+        "pipeline": None if pipe is None else {
+            "stages": pipe.stages, "repeats": pipe.repeats, "microbatches": pipe.microbatches,
+            "layers_per_stage": [n // pipe.stages for n in work.stacks], "bubble": idle},
         "wire_bytes_per_device": wire,
         "peak_tflops": peak / 1e12 if peak else None,
         "link_gbps": link,
@@ -99,6 +105,11 @@ def report(plan: dict) -> str:
     if any("tensor" in r["spec"] for r in plan["auto_split"]):
         lines.append("    (split over tensor without logical names: correct, but only names let Megatron pair a "
                      "column split with the next row split and share one all-reduce)")
+    if pipe := plan["pipeline"]:
+        lines.append(f"  pipeline: {pipe['stages']} stages x {pipe['repeats']} repeat(s) "
+                     f"({'GPipe' if pipe['repeats'] == 1 else 'circular'}), {pipe['microbatches']} microbatches, "
+                     f"{'/'.join(map(str, pipe['layers_per_stage']))} layers per stage; bubble "
+                     f"(S-1)/(R*M+S-1) = {pipe['bubble']:.1%} of the step")
     used = {k: v for k, v in plan["collectives"].items() if v["count"]}
     if used:
         lines.append("  collectives: " + ", ".join(f"{k} x{v['count']} ({_mb(v['bytes'])})" for k, v in used.items()))

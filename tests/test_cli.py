@@ -40,6 +40,11 @@ BAD_INPUTS = {
     "cudnn attention on CPU": (["train.attention=cudnn", "train.dtype=bfloat16"], "train.attention=cudnn"),
     "lm task on tables": (["model.name=mlp", "data.name=digits", "data.task=lm"], "data.task=lm"),
     "profile range not START:END": (["run.profile_steps=5"], "START:END"),
+    "layers not divisible into stages": (["run.cpu_devices=8", "mesh=pp"], "4 stacked layers do not divide into 8"),
+    "batch not into microbatches": (["run.cpu_devices=4", "mesh=pp", "mesh.stage=2", "pipeline.microbatches=5"],
+                                    "pipeline.microbatches=5"),
+    "stages without stacked layers": (["model.name=mlp", "data.name=digits", "run.cpu_devices=2", "mesh=pp"],
+                                      "no stacked layers"),
     "profile range after the run": (["run.profile_steps=10:20"], "train.steps=4"),
 }
 
@@ -140,9 +145,9 @@ def test_print_config_resolves_preset_and_overrides():
     proc = run_cli("mesh=fsdp_tp", "mesh.tensor=4", "model.n_layers=2", "--print-config")
     assert proc.returncode == 0, proc.stderr
     cfg = yaml.safe_load(proc.stdout)
-    assert cfg["mesh"] == {"preset": "fsdp_tp", "data": 1, "expert": 1, "fsdp": -1, "tensor": 4, "rules": {},
-                           "auto_shard": True, "auto_shard_min_size": 16384,
-                           "dcn_data": None, "dcn_expert": 1, "dcn_fsdp": 1, "dcn_tensor": 1}
+    assert cfg["mesh"] == {"preset": "fsdp_tp", "stage": 1, "data": 1, "expert": 1, "fsdp": -1, "tensor": 4,
+                           "rules": {}, "auto_shard": True, "auto_shard_min_size": 16384,
+                           "dcn_data": None, "dcn_stage": 1, "dcn_expert": 1, "dcn_fsdp": 1, "dcn_tensor": 1}
     assert cfg["model"]["n_layers"] == 2 and cfg["model"]["vocab_size"] == 256  # signature default filled in
     assert cfg["train"]["steps"] == 640  # from configs/default.yaml
 

@@ -93,8 +93,11 @@ def test_compare_and_auto_pick_the_fastest_mesh_that_fits(tmp_path):
                                       "run.link_gbps=50"))
     rows = plan.compare(cfg, jax.devices()[:2])
     shapes = {tuple(r["mesh"].values()) for r in rows if "skipped" not in r}
-    # every factorization of 2 but expert=2: the GPT has no experts, so that is data parallel renamed
-    assert shapes == {(2, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)}
+    # every factorization of 2 (stage, data, expert, fsdp, tensor) but expert=2: the GPT has no experts,
+    # so that is data parallel renamed; stage=2 cuts its 2 layers into 2 stages
+    assert shapes == {(2, 1, 1, 1, 1), (1, 2, 1, 1, 1), (1, 1, 1, 2, 1), (1, 1, 1, 1, 2)}
+    staged = next(r for r in rows if r.get("mesh", {}).get("stage") == 2)
+    assert staged["pipeline"]["stages"] == 2 and staged["pipeline"]["bubble"] == pytest.approx(1 / 5)
     assert any(r.get("skipped") == "no parameter is split on expert" for r in rows)
     chosen, why = plan.chosen_config(cfg, rows)
     fastest = min((r for r in rows if "skipped" not in r), key=lambda r: r["estimated_step_s"])
@@ -142,10 +145,10 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert (ops["all-reduce"].count, ops["all-reduce"].group, ops["all-reduce"].bytes) == (5, 4, 32)
     assert (ops["all-gather"].group, ops["all-gather"].bytes) == (2, 16 * 4 + 4 * 2)
     assert ops["reduce-scatter"].group == 4 and ops["reduce-scatter"].wire_bytes == 3 * 8
-    assert ops["collective-permute"].wire_bytes == 32
+    assert ops["collective-permute"].wire_bytes == 32 * 2 / 8  # devices 0 and 1 send, of 8: averaged per device
     table, wire = hlo.summary(list(ops.values()))
     assert table["all-reduce"] == {"count": 5, "bytes": 160}
-    assert wire == pytest.approx(5 * 2 * 3 / 4 * 32 + 1 / 2 * 72 + 24 + 32)
+    assert wire == pytest.approx(5 * 2 * 3 / 4 * 32 + 1 / 2 * 72 + 24 + 8)
 
 
 def test_mesh_auto_trains_with_the_chosen_mesh_and_says_why(tmp_path):

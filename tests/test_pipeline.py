@@ -1,0 +1,79 @@
+"""Pipeline parallelism (`stage` axis): the loss curve of one device under GPipe and circular
+schedules mixed with the other axes, checkpoints that move between pipelined and other meshes, and
+the plan's account of the schedule (bubble, memory per stage, bytes passed between stages)."""
+
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import TINY_GPT, one_device_runs, overrides
+from shard import config, hlo, plan
+
+DEEP = [*TINY_GPT, "model.n_layers=8"]  # 8 layers: 4 stages of 2, or 2 stages x 2 repeats of 2
+STEPS = ["train.steps=8", "run.log_every=1"]
+MESHES = {
+    "stage=4 x data=2": ["mesh=pp", "mesh.stage=4", "mesh.data=2"],
+    "stage=2 x fsdp=4": ["mesh=pp", "mesh.stage=2", "mesh.fsdp=4"],
+    "stage=2 x tensor=2 x data=2": ["mesh=pp", "mesh.stage=2", "mesh.tensor=2", "mesh.data=2"],
+    "stage=2 x data=4, circular": ["mesh=pp", "mesh.stage=2", "mesh.data=4", "pipeline.repeats=2"],
+}
+
+
+def losses(result) -> np.ndarray:
+    return np.array([r["loss"] for r in result.history])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return one_device_runs(tmp_path_factory, {"deep": DEEP}, *STEPS)("deep")
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_pipelined_runs_give_the_one_device_curve(train, reference, mesh):
+    result = train(*DEEP, *STEPS, "run.cpu_devices=8", *MESHES[mesh])
+    expected = losses(reference)
+    assert expected[-1] < expected[0]  # it learns, so the comparison means something
+    np.testing.assert_allclose(losses(result), expected, rtol=1e-5)
+    # the stacked layers are split over the stages: each stage's devices hold only theirs
+    w = result.state.params["blocks"]["ffn"]["w_in"].get_value()
+    stages = result.mesh.shape["stage"]
+    assert w.sharding.spec[0] == "stage" and w.addressable_shards[0].data.shape[0] == 8 // stages
+
+
+def test_checkpoints_move_between_pipelined_and_other_meshes(train, tmp_path, reference):
+    save = ["checkpoint.enabled=true", "checkpoint.async=false", "checkpoint.every=4"]
+    train(*DEEP, *STEPS, *save, "run.cpu_devices=8", *MESHES["stage=4 x data=2"], subdir="staged")
+    shutil.rmtree(tmp_path / "staged" / "checkpoints" / "8")  # as if it had stopped after step 4
+    expected = losses(reference)[4:]
+    for devices, mesh in (("8", ["mesh=fsdp"]), ("4", ["mesh=pp", "mesh.stage=2", "mesh.data=2"])):
+        result = train(*DEEP, *STEPS, *save, f"run.cpu_devices={devices}", *mesh,
+                       f"checkpoint.restore_from={tmp_path / 'staged'}", subdir=f"on{devices}")
+        assert result.start_step == 4
+        np.testing.assert_allclose(losses(result), expected, rtol=1e-4)
+
+
+def test_the_plan_shows_the_schedule_its_memory_and_what_stages_pass(tmp_path):
+    cfg = config.load(None, overrides(tmp_path, *DEEP, *MESHES["stage=4 x data=2"]))
+    devices = jax.devices()[:8]
+    p = plan.analyse(cfg, devices)
+    S, R, M = 4, 1, 8  # microbatches default to twice the stages
+    assert p["pipeline"] == {"stages": S, "repeats": R, "microbatches": M, "layers_per_stage": [2],
+                             "bubble": pytest.approx((S - 1) / (R * M + S - 1))}
+    assert "bubble (S-1)/(R*M+S-1) = 27.3%" in plan.report(p)
+    # parameters and Adam's moments per device: the stacked layers' 1/S, the rest whole (data only copies)
+    from shard import job
+
+    prepared = job.prepare(cfg, devices, training=False)
+    stacked = sum(a.size * 4 for path, a in jax.tree_util.tree_leaves_with_path(prepared.work.abstract.params)
+                  if "blocks" in jax.tree_util.keystr(path))
+    one = plan.analyse(config.load(None, overrides(tmp_path, *DEEP)), devices[:1])["memory_per_device"]
+    assert p["memory_per_device"]["params"] == one["params"] - stacked + stacked // S
+    assert p["memory_per_device"]["optimizer"] - 2 * (one["params"] - stacked + stacked // S) < 64  # Adam: m, v, counts
+    # What the stages pass: one microbatch's activations (per device: its data-parallel share) for each
+    # of the R*M+S-1 iterations, forward and backward.
+    micro_bytes = (16 // M // 2) * 32 * 32 * 4  # examples per device x length x width x float32
+    ops = [op for op in hlo.collectives(prepared.train_step.as_text(), 8)
+           if op.kind == "collective-permute" and op.bytes == micro_bytes]
+    assert sum(op.count * op.wire_bytes for op in ops) == pytest.approx(2 * (R * M + S - 1) * micro_bytes)
