@@ -9,9 +9,12 @@ the combine an all-to-all back. A token over its expert's capacity is dropped fr
 
 The load-balancing loss (Switch Transformer): n_experts x sum_e f_e x p_e, where f_e is the share
 of routing choices that picked expert e and p_e the mean router probability of e. It is 1 when
-the load is uniform. Each layer records it as an `AuxLoss` (added to the training loss by the
-framework, weighted by aux_loss_weight) and the model records `min_expert_share`: the least-loaded
-expert's share of tokens relative to a fair share (1 = perfectly balanced), over all layers.
+the load is uniform. Each layer records its f and p (means over the batch); the model turns them
+into one `AuxLoss` (summed over layers, weighted by aux_loss_weight, added to the training loss by
+the framework) after its stack has run. Recording the means rather than the product keeps the loss
+that of the whole batch wherever the batch is cut (a pipeline's microbatches average each layer's
+recorded variables). The model also records `min_expert_share`: the least-loaded expert's share of
+tokens relative to a fair share (1 = perfectly balanced), over all layers.
 """
 
 import math
@@ -30,6 +33,10 @@ class ExpertLoad(nnx.Variable):
     """Share of routing choices per expert in the last forward pass (not trained, not logged)."""
 
 
+class RouterMean(nnx.Variable):
+    """Mean router probability per expert in the last forward pass (not trained, not logged)."""
+
+
 class MoELayer(nnx.Module):
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, capacity_factor: float,
                  aux_loss_weight: float, swiglu: bool, out_std: float, rngs: nnx.Rngs):
@@ -42,8 +49,8 @@ class MoELayer(nnx.Module):
         self.w_in = param(rngs, (n_experts, d_model, d_ff), ("experts", "embed", "mlp"), 0.02)
         self.w_gate = param(rngs, (n_experts, d_model, d_ff), ("experts", "embed", "mlp"), 0.02) if swiglu else None
         self.w_out = param(rngs, (n_experts, d_ff, d_model), ("experts", "mlp", "embed"), out_std)
-        self.aux_loss = AuxLoss(jnp.zeros(()))
         self.load = ExpertLoad(jnp.zeros((n_experts,)))
+        self.router_mean = RouterMean(jnp.zeros((n_experts,)))
 
     def capacity(self, length: int) -> int:
         """Slots per expert per sequence: its fair share of the length x top_k choices, times the factor."""
@@ -76,9 +83,14 @@ class MoELayer(nnx.Module):
         y = jnp.einsum("nbcd,btnc->btd", ye, combine)
 
         share = jnp.mean(chosen, axis=(0, 1, 2))  # f_e: share of all routing choices
-        self.aux_loss.set_value(self.aux_loss_weight * n * jnp.sum(share * jnp.mean(probs, axis=(0, 1))))
         self.load.set_value(share)
+        self.router_mean.set_value(jnp.mean(probs, axis=(0, 1)))
         return constrain(y, ("batch", "length", "embed"))
+
+
+def balancing_loss(load, router_mean, weight: float):
+    """weight x n_experts x sum_e f_e p_e, summed over the layers of (layers, experts) arrays (or one layer's)."""
+    return weight * load.shape[-1] * jnp.sum(load * router_mean)
 
 
 class MoE(GPT):
@@ -103,6 +115,7 @@ class MoE(GPT):
         super().__init__(vocab_size, d_model, n_layers, n_heads, d_ff, max_len, n_kv_heads, position, norm, mlp,
                          tie_embeddings, rope_theta, rngs=rngs)
         self.min_expert_share = Stat(jnp.zeros(()))
+        self.aux_loss = AuxLoss(jnp.zeros(()))
 
     def feed_forward(self, d_model, d_ff, swiglu, out_std, rngs):
         return MoELayer(d_model, d_ff, self.n_experts, self.top_k, self.capacity_factor, self.aux_loss_weight,
@@ -110,6 +123,7 @@ class MoE(GPT):
 
     def __call__(self, tokens):
         logits = super().__call__(tokens)
-        load = self.blocks.ffn.load.get_value()  # (layers, experts), written back by the scan over blocks
+        load = self.blocks.ffn.load.get_value()  # (layers, experts), written back by the stack of blocks
         self.min_expert_share.set_value(jnp.min(load) * self.n_experts)
+        self.aux_loss.set_value(balancing_loss(load, self.blocks.ffn.router_mean.get_value(), self.aux_loss_weight))
         return logits

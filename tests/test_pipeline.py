@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import TINY_GPT, one_device_runs, overrides
+from conftest import TINY_GPT, TINY_MODELS, one_device_runs, overrides
 from shard import config, hlo, plan
 
 DEEP = [*TINY_GPT, "model.n_layers=8"]  # 8 layers: 4 stages of 2, or 2 stages x 2 repeats of 2
@@ -40,6 +40,17 @@ def test_pipelined_runs_give_the_one_device_curve(train, reference, mesh):
     w = result.state.params["blocks"]["ffn"]["w_in"].get_value()
     stages = result.mesh.shape["stage"]
     assert w.sharding.spec[0] == "stage" and w.addressable_shards[0].data.shape[0] == 8 // stages
+
+
+def test_a_mixture_of_experts_pipelined_over_expert_parallel_devices_gives_the_one_device_curve(train, tmp_path_factory):
+    """Its balancing loss is a product of batch means: each layer records the means, which a pipeline
+    averages over equal microbatches into the whole batch's, and the model multiplies them after."""
+    moe = [*TINY_MODELS["moe"], *STEPS]
+    reference = one_device_runs(tmp_path_factory, {"moe": moe})("moe")
+    result = train(*moe, "run.cpu_devices=8", "mesh=pp", "mesh.stage=2", "mesh.expert=4")
+    np.testing.assert_allclose(losses(result), losses(reference), rtol=1e-5)
+    np.testing.assert_allclose([r["aux_loss"] for r in result.history], [r["aux_loss"] for r in reference.history],
+                               rtol=1e-5)
 
 
 def test_checkpoints_move_between_pipelined_and_other_meshes(train, tmp_path, reference):
