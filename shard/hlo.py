@@ -158,3 +158,39 @@ def summary(ops: list[Collective]) -> tuple[dict, float]:
         table[op.kind]["bytes"] += op.count * op.bytes
         wire += op.count * op.wire_bytes
     return table, wire
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+?)\s+([\w\-]+)\((.*)$")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+
+
+def dot_flops(text: str) -> float:
+    """FLOPs of the matrix products the compiled program executes per call (2 per multiply-add), each
+    `dot` counted as often as its computation runs (loop trip counts multiplied through): what the
+    devices really compute, bubbles, recomputation and padding included. XLA's own cost analysis
+    counts a loop body once."""
+    comps, entry = computations(text)
+    runs = executions(comps, entry)
+    shapes, dots = {}, []
+    for name, lines in comps.items():
+        for line in lines:
+            ins = _INSTRUCTION.match(line)
+            if not ins:
+                continue
+            result, shape, op, rest = ins.groups()
+            shapes[result] = shape
+            if op == "dot" and runs.get(name):
+                dots.append((shape, rest, runs[name]))
+    total = 0.0
+    for shape, rest, times in dots:
+        lhs = re.match(r"\s*(?:([a-z]+\d*\[[\d,]*\])\S*\s+)?%?([\w.\-]+)", rest)
+        lhs_shape = lhs.group(1) or shapes.get(lhs.group(2), "")
+        dims = _ARRAY.search(lhs_shape)
+        contracting = _CONTRACTING.search(rest)
+        if not dims or not contracting:
+            continue
+        lhs_dims = [int(d) for d in dims.group(2).split(",") if d]
+        k = math.prod(lhs_dims[int(i)] for i in contracting.group(1).split(",") if i)
+        out = _ARRAY.search(shape)
+        total += 2.0 * math.prod(int(d) for d in out.group(2).split(",") if d) * k * times
+    return total

@@ -65,6 +65,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "param_count": state_lib.count_params(work.abstract.params),
         "flops_per_step": work.flops_per_step,
         "flops_per_device": flops_device,
+        "executed_flops_per_device": hlo.dot_flops(step.as_text()),
         "memory_per_device": {
             "params": _shard_bytes(sharded.params) + _shard_bytes(sharded.rest),
             "optimizer": _shard_bytes(sharded.opt_state),
@@ -96,7 +97,10 @@ def report(plan: dict) -> str:
              f"  memory per device: params {_mb(mem['params'])}, optimizer {_mb(mem['optimizer'])}, "
              f"arguments {_mb(mem['arguments'])}, temp {_mb(mem['temp'])}, total {_mb(mem['total'])}"
              + (f" of {_mb(mem['capacity'])} ({'fits' if mem['fits'] else 'does NOT fit'})" if mem["capacity"] else ""),
-             f"  per step: {plan['flops_per_step']:.3g} FLOPs, each device sends {_mb(plan['wire_bytes_per_device'])}"]
+             f"  per step: {plan['flops_per_step']:.3g} FLOPs, each device sends {_mb(plan['wire_bytes_per_device'])}",
+             f"  each device executes {plan['executed_flops_per_device']:.3g} matrix-product FLOPs per step, "
+             f"{plan['executed_flops_per_device'] / max(plan['flops_per_device'], 1):.2f}x its share of the model's "
+             "(recomputation, masked attention, pipeline bubbles, work repeated across stages)"]
     lines.append(f"  {plan['sharding']}")
     for r in plan["auto_split"][:AUTO_SHOWN]:
         lines.append(f"    auto: {r['param']} {tuple(r['shape'])} -> {r['spec']}")

@@ -88,3 +88,15 @@ def test_the_plan_shows_the_schedule_its_memory_and_what_stages_pass(tmp_path):
     ops = [op for op in hlo.collectives(prepared.train_step.as_text(), 8)
            if op.kind == "collective-permute" and op.bytes == micro_bytes]
     assert sum(op.count * op.wire_bytes for op in ops) == pytest.approx(2 * (R * M + S - 1) * micro_bytes)
+    # The bubble in the executed work: matrix-product FLOPs the compiled program runs (loops counted
+    # through their trip counts) against one device's, per layer (from 8 and 4 layers) and outside the
+    # stack. Each stage's devices run their layers' share stretched by 1/(1 - bubble), and what lies
+    # outside the stack (embedding, output layer) for their data-parallel share on every stage.
+    def executed(*args, devices=devices[:1]):
+        return hlo.dot_flops(job.prepare(config.load(None, overrides(tmp_path, *TINY_GPT, *args)), devices,
+                                         training=False).train_step.as_text())
+
+    per_layer = (executed("model.n_layers=8") - executed("model.n_layers=4")) / 4
+    outside = executed("model.n_layers=8") - 8 * per_layer
+    expected = outside / 2 + 8 * per_layer / 8 / (1 - p["pipeline"]["bubble"])  # data=2 copies of each stage
+    assert hlo.dot_flops(prepared.train_step.as_text()) == pytest.approx(expected, rel=0.03)
