@@ -3,10 +3,18 @@
 `tensorboard --logdir <run.dir>` then shows every metrics record as scalars grouped by kind
 (train/, eval/, perf/), the resolved config as text and the parameter count. A resumed run opens
 a new event file with `purge_step` set to its first new step, so TensorBoard drops what the old
-file logged past the checkpoint and no step appears twice.
+file logged past the checkpoint and no step appears twice. Under a URL run.dir (gs://, s3://) the
+event file is written locally and copied whole through the run's path type after every record, so
+any store that holds the run holds its events (they are small: a few scalars a log step).
 """
 
+import shutil
+import tempfile
+from pathlib import Path
+
 from tensorboardX import SummaryWriter
+
+from shard import paths
 
 # Record keys that describe the machine's speed and memory, not the model's learning.
 PERF_KEYS = frozenset({"step_time_s", "data_wait_s", "tokens_per_s", "examples_per_s", "tflops_per_device",
@@ -24,8 +32,10 @@ class Board:
     """One run's TensorBoard writer (process 0 only; the trainer makes none elsewhere)."""
 
     def __init__(self, directory, start_step: int):
+        self.remote = paths.resolve(directory) if paths.is_remote(directory) else None
+        self.local = tempfile.mkdtemp(prefix="shard-tensorboard-") if self.remote else str(directory)
         # A fresh run starts at step 0 and has nothing to purge; a resumed one purges from start_step + 1.
-        self.writer = SummaryWriter(str(directory), purge_step=start_step + 1 if start_step else None)
+        self.writer = SummaryWriter(self.local, purge_step=start_step + 1 if start_step else None)
 
     def describe(self, step: int, config_yaml: str, model: str, parameters: int) -> None:
         """The run's config and size, at the step the run (or its resume) begins."""
@@ -33,14 +43,24 @@ class Board:
         self.writer.add_text("config", indented, step)
         self.writer.add_text("model", f"{model}: {parameters:,} parameters", step)
         self.writer.add_scalar("model/parameters", parameters, step)
-        self.writer.flush()
+        self.flush()
 
     def write(self, record: dict) -> None:
         step = record["step"]
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.writer.add_scalar(tag(key), value, step)
-        self.writer.flush()  # records are few (one a log step); a stop that ends the process loses none
+        self.flush()  # records are few (one a log step); a stop that ends the process loses none
+
+    def flush(self) -> None:
+        self.writer.flush()
+        if self.remote:
+            self.remote.mkdir(parents=True, exist_ok=True)
+            for f in Path(self.local).iterdir():
+                (self.remote / f.name).write_bytes(f.read_bytes())
 
     def close(self) -> None:
+        self.flush()
         self.writer.close()
+        if self.remote:
+            shutil.rmtree(self.local, ignore_errors=True)

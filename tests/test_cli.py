@@ -41,9 +41,10 @@ BAD_INPUTS = {
     "lm task on tables": (["model.name=mlp", "data.name=digits", "data.task=lm"], "data.task=lm"),
     "profile range not START:END": (["run.profile_steps=5"], "START:END"),
     "layers not divisible into stages": (["run.cpu_devices=8", "mesh=pp"], "4 stacked layers do not divide into 8"),
-    "batch not into microbatches": (["run.cpu_devices=4", "mesh=pp", "mesh.stage=2", "pipeline.microbatches=5"],
+    "batch not into microbatches": (["run.cpu_devices=2", "mesh=pp", "pipeline.microbatches=5"],
                                     "pipeline.microbatches=5"),
-    "stages without stacked layers": (["model.name=mlp", "data.name=digits", "run.cpu_devices=2", "mesh=pp"],
+    "stages without stacked layers": (["model.name=mlp", "model.in_features=64", "data.name=digits",
+                                       "run.cpu_devices=2", "mesh=pp"],
                                       "no stacked layers"),
     "profile range after the run": (["run.profile_steps=10:20"], "train.steps=4"),
 }

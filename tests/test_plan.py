@@ -80,7 +80,7 @@ def test_dry_run_writes_plan_json_and_trains_nothing(tmp_path):
                    "run.peak_tflops=100", "run.link_gbps=50", "run.device_memory_gb=0.0001")
     assert done.returncode == 0, done.stderr
     p = json.loads((tmp_path / "plan.json").read_text())
-    assert p["mesh"] == {"data": 4, "expert": 1, "fsdp": 1, "tensor": 2} and p["devices"] == 8
+    assert p["mesh"] == {"stage": 1, "data": 4, "expert": 1, "fsdp": 1, "tensor": 2} and p["devices"] == 8
     assert set(p["memory_per_device"]) >= {"params", "optimizer", "arguments", "temp", "total", "fits"}
     assert p["memory_per_device"]["fits"] is False  # 100 kB is too little
     assert p["estimated_step_s"] == pytest.approx(p["flops_per_device"] / 100e12 + p["wire_bytes_per_device"] / 50e9)
@@ -101,7 +101,7 @@ def test_compare_and_auto_pick_the_fastest_mesh_that_fits(tmp_path):
     assert any(r.get("skipped") == "no parameter is split on expert" for r in rows)
     chosen, why = plan.chosen_config(cfg, rows)
     fastest = min((r for r in rows if "skipped" not in r), key=lambda r: r["estimated_step_s"])
-    assert tuple(getattr(chosen.mesh, a) for a in ("data", "expert", "fsdp", "tensor")) == \
+    assert tuple(getattr(chosen.mesh, a) for a in ("stage", "data", "expert", "fsdp", "tensor")) == \
         tuple(fastest["mesh"].values())
     assert why.startswith("mesh=auto chose ") and "fastest estimated step" in why
     assert "mesh" in plan.comparison_table(rows)
@@ -115,7 +115,7 @@ def test_identical_meshes_are_one_candidate_and_unknown_memory_is_said():
     device reports no memory limit, mesh=auto does not claim the meshes fit."""
     candidates = plan.candidate_meshes(1)
     assert len(candidates) == 1 and candidates[0][0].startswith("dp = ")
-    assert candidates[0][0] == "dp = ep = fsdp = tp"  # hybrid and fsdp_tp fix tensor=2: not on one device
+    assert candidates[0][0] == "dp = ep = fsdp = pp = tp"  # hybrid and fsdp_tp fix tensor=2: not on one device
     assert len({label for label, _ in plan.candidate_meshes(8)}) == len(plan.candidate_meshes(8))
     row = {"label": "dp", "preset": "dp", "mesh": {}, "estimated_step_s": None, "wire_bytes_per_device": 0,
            "memory_per_device": {"total": 1, "fits": None}}

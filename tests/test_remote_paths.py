@@ -51,3 +51,5 @@ def test_a_run_writes_its_files_under_a_url_run_dir(local_bucket):
     assert (run / "config.yaml").read_text().count("dir: gs://bucket/run") == 1
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 1, 2, 3]
+    assert len(list((run / "tensorboard").iterdir())) == 2  # one event file a run, copied through the URL
+    assert (run / "curves.png").read_bytes().startswith(b"\x89PNG")
