@@ -10,7 +10,6 @@ stays an ordinary Flax module.
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
 
 import jax
 from flax import nnx
@@ -23,14 +22,6 @@ _PIPELINE: contextvars.ContextVar = contextvars.ContextVar("shard_pipeline", def
 _STACKS: contextvars.ContextVar = contextvars.ContextVar("shard_stacks_seen", default=None)
 
 
-@dataclass(frozen=True)
-class Pipeline:
-    """How `stack` runs under pipeline parallelism (shard/pipeline.py): S stages, R layer groups per
-    stage (1 = GPipe, more = circular), M microbatches."""
-    stages: int
-    repeats: int
-    microbatches: int
-
 # train.remat -> what a layer keeps for the backward pass (everything, nothing, or matmul outputs).
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -39,9 +30,9 @@ REMAT_POLICIES = {
 
 
 @contextlib.contextmanager
-def use(remat: str = "none", attention: str = "xla", pipeline: Pipeline | None = None):
+def use(remat: str = "none", attention: str = "xla", pipeline=None):
     """While tracing: `layer` applies this activation-checkpointing policy, `attention` this kernel,
-    and `stack` this pipeline (None: a scan)."""
+    and `stack` hands its layers to `pipeline(layers, x)` (shard/pipeline.py's Schedule; None: a scan)."""
     tokens = _REMAT.set(remat), _ATTENTION.set(attention), _PIPELINE.set(pipeline)
     try:
         yield
@@ -71,11 +62,7 @@ def stack(layers: nnx.Module, x):
     seen, pipeline = _STACKS.get(), _PIPELINE.get()
     if seen is not None:
         seen.append(jax.tree.leaves(nnx.state(layers))[0].shape[0])
-    if pipeline is None or pipeline.stages == 1:
-        return scan(layers, x)
-    from shard import pipeline as pipeline_lib  # local: it calls back into scan
-
-    return pipeline_lib.run(layers, x, pipeline)
+    return scan(layers, x) if pipeline is None else pipeline(layers, x)
 
 
 def scan(layers: nnx.Module, x):

@@ -19,6 +19,7 @@ layer order either way, so they move freely between meshes.
 """
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +32,24 @@ from shard.errors import UserError
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """S stages, R layer groups per stage (1 = GPipe, more = circular), M microbatches; called by
+    `shard.hooks.stack` in place of its scan."""
+    stages: int
+    repeats: int
+    microbatches: int
+
+    def __call__(self, layers: nnx.Module, x: jax.Array) -> jax.Array:
+        return run(layers, x, self)
+
+
 def bubble(stages: int, repeats: int, microbatches: int) -> float:
     """The share of a pipelined step in which stages idle: (S-1)/(R M + S - 1)."""
     return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
-def settings(cfg, mesh_shape: dict, work) -> hooks.Pipeline | None:
+def settings(cfg, mesh_shape: dict, work) -> Schedule | None:
     """The pipeline cfg asks for on this mesh (None without a `stage` axis), checked against the model
     and the batch: one line naming what is wrong and what is allowed."""
     stages = mesh_shape["stage"]
@@ -63,10 +76,10 @@ def settings(cfg, mesh_shape: dict, work) -> hooks.Pipeline | None:
             raise UserError(f"{name}={size} does not cut into pipeline.microbatches={micro} microbatches whose size "
                             f"the batch axes (data x expert x fsdp = {batch_split}) divide; use a batch size that is a "
                             f"multiple of {micro * batch_split}, or other microbatches")
-    return hooks.Pipeline(stages, repeats, micro)
+    return Schedule(stages, repeats, micro)
 
 
-def run(layers: nnx.Module, x: jax.Array, p: hooks.Pipeline) -> jax.Array:
+def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
     S, R, M = p.stages, p.repeats, p.microbatches
     graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
     n_layers = jax.tree.leaves(params)[0].shape[0]
