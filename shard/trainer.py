@@ -61,6 +61,9 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
     say = print if main else (lambda *a, **k: None)
     job = prepare(cfg, devices)
     work, data = job.work, job.work.data
+    # Each process reads the batch rows its devices hold (all of them where an axis such as `stage`
+    # copies the batch across processes).
+    data_lib.use_rows(data, job.batch_shardings["inputs"], work.batch["inputs"].shape)
 
     # ---- run directory: only now, with the input known to be good
     try:
@@ -180,7 +183,8 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
     rate_key = "tokens_per_s" if data.tokens_per_example else "examples_per_s"
     start = int(state.step)
     prefetch = prefetch_depth(cfg, devices)
-    batches = data_lib.device_batches(data.train, job.batch_shardings, start=start, prefetch=prefetch)
+    batches = data_lib.device_batches(data.train, job.batch_shardings, start=start, prefetch=prefetch,
+                                      batch_size=data.batch_size)
     # A bar that redraws itself on a terminal; elsewhere (a log file, the launcher's prefixed pipes) a
     # line per log record, since every redraw there would be a line of its own.
     on_terminal = sys.stderr.isatty()
@@ -310,7 +314,8 @@ def evaluate(eval_step, state, data: data_lib.Data, shardings: dict, cfg) -> dic
     loop, at most one batch waits behind the running one: a deep queue of programs with collectives
     deadlocks on CPU (gloo) across processes, and the device never idles with one queued."""
     batches = eval_selection(data.eval, cfg.train.eval_batches)
-    feed = data_lib.device_batches(batches, shardings, start=0, prefetch=min(2, prefetch_depth(cfg, jax.devices())))
+    feed = data_lib.device_batches(batches, shardings, start=0, prefetch=min(2, prefetch_depth(cfg, jax.devices())),
+                                   batch_size=data.batch_size)
     sums: list = []
     with contextlib.closing(feed):
         for _ in range(len(batches)):

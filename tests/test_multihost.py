@@ -60,6 +60,14 @@ def test_processes_x_devices_give_the_loss_curve_of_one_process(train, tmp_path,
         assert f"[0] [{STEPS[0].split('=')[1]}/" in out.stdout and "[1] [" not in out.stdout
 
 
+def test_pipeline_stages_across_processes_give_the_loss_curve_of_one_process(train, tmp_path):
+    """stage=2 over 2 processes (the slow link between stages, as pipelines are meant to run): the batch
+    is copied across stages, so each process reads every row its devices hold, all of them here."""
+    expected = np.array([r["loss"] for r in train(*TINY_GPT, *STEPS).history])
+    train_processes(tmp_path / "staged", 2, *STEPS, "mesh=pp", "mesh.stage=2", "mesh.data=4")
+    np.testing.assert_allclose(losses(tmp_path / "staged"), expected, rtol=1e-5)
+
+
 def test_checkpoints_move_between_process_layouts(train, tmp_path):
     """4 processes write, 1 restores; 1 writes, 4 restore: both continue the uninterrupted curve."""
     save = ["checkpoint.enabled=true", "checkpoint.async=false", "mesh=fsdp", "run.log_every=1"]

@@ -31,6 +31,7 @@ class Data:
     batch_size: int          # global
     tokens_per_example: int  # seq_len for sequence data, else 0
     num_classes: int         # classes (or vocabulary) the targets range over; 0 for binary and regression
+    rows: "Rows" = None      # which rows of each global batch this process reads (train and eval)
 
     def abstract_batch(self, eval: bool = False) -> dict:
         """Shapes and dtypes of one global batch (eval batches also carry a `mask`)."""
@@ -65,6 +66,7 @@ def build(cfg, seed: int) -> Data:
         raise UserError(f"data.task={task}: the {cfg.name} source's task is {own_task}; lm goes with text only")
 
     n_proc, proc = jax.process_count(), jax.process_index()
+    rows = Rows(proc * (cfg.batch_size // n_proc), cfg.batch_size // n_proc)  # until the mesh says otherwise
     if cfg.batch_size % n_proc:
         raise UserError(f"data.batch_size={cfg.batch_size} must be divisible by the {n_proc} processes")
     if len(train_src) < cfg.batch_size:
@@ -77,12 +79,12 @@ def build(cfg, seed: int) -> Data:
     # shuffle (and their order): there may be more of them than a permutation array should hold, and
     # decoding a record costs more than shuffling its index.
     order = (GrainOrder if cfg.name == "array_record" else EpochOrder)(len(train_src), seed)
-    train = grain.MapDataset.source(TrainBatches(train_src, order, cfg.batch_size, n_proc, proc)).map(cast)
-    eval_batches = EvalBatches(eval_src, cast, cfg.batch_size, n_proc, proc)
+    train = grain.MapDataset.source(TrainBatches(train_src, order, cfg.batch_size, rows)).map(cast)
+    eval_batches = EvalBatches(eval_src, cast, cfg.batch_size, rows)
     tokens = cfg.seq_len if task == "lm" else 0
     classes = {"lm": 256, "classification": _num_classes(cfg, train_src, task)}.get(task, 0)
     return Data(task=task, train=train, eval=eval_batches, batch_size=cfg.batch_size, tokens_per_example=tokens,
-                num_classes=classes)
+                num_classes=classes, rows=rows)
 
 
 def _num_classes(cfg, train_src, task: str) -> int:
@@ -127,50 +129,73 @@ class GrainOrder:
         return np.array([self.stream[int(p)] for p in positions], np.int64)
 
 
+@dataclass
+class Rows:
+    """The rows of every global batch this process reads: those its devices hold. By default its
+    1/processes block; `use_rows` sets them from the batch's sharding (an axis that replicates the
+    batch across processes, such as pipeline stages, gives each process more of it)."""
+    offset: int
+    count: int
+
+
+def use_rows(data: Data, sharding, global_shape: tuple) -> None:
+    """Point data's readers at the rows of the global batch this process's devices hold under `sharding`."""
+    spans = sorted({(s[0].start or 0, global_shape[0] if s[0].stop is None else s[0].stop)
+                    for s in sharding.addressable_devices_indices_map(global_shape).values()})
+    start, stop = spans[0][0], max(b for _, b in spans)
+    covered = start
+    for a, b in spans:
+        if a > covered:
+            raise UserError(f"this process's devices hold rows {spans} of each batch, not one block; order the "
+                            "mesh so that each process's devices hold neighbouring batch rows")
+        covered = max(covered, b)
+    data.rows.offset, data.rows.count = start, stop - start
+
+
 class TrainBatches:
     """This process's rows of global batch `s` at index `s`, endlessly (Grain's source protocol). Global batch
-    s is positions [s*B, (s+1)*B) of the shuffled stream; each process reads its contiguous block of them,
-    in one `read_batch` from the source."""
+    s is positions [s*B, (s+1)*B) of the shuffled stream; each process reads its contiguous block of them
+    (`Rows`), in one `read_batch` from the source."""
 
-    def __init__(self, source, order, batch_size: int, n_proc: int, proc: int):
-        self.source, self.order, self.batch_size = source, order, batch_size
-        self.local = batch_size // n_proc
-        self.offset = proc * self.local  # this process's first row in each global batch
+    def __init__(self, source, order, batch_size: int, rows: Rows):
+        self.source, self.order, self.batch_size, self.rows = source, order, batch_size, rows
 
     def __len__(self) -> int:
         return sys.maxsize  # endless, as a repeated Grain dataset is
 
     def __getitem__(self, s: int) -> dict:
-        start = s * self.batch_size + self.offset
-        return self.source.read_batch(self.order(np.arange(start, start + self.local)))
+        start = s * self.batch_size + self.rows.offset
+        return self.source.read_batch(self.order(np.arange(start, start + self.rows.count)))
 
 
 class EvalBatches:
     """Every example of the eval split exactly once, in global batches; the last is padded and carries
     `mask` 0 on its padding so metrics count only real examples."""
 
-    def __init__(self, source, cast, batch_size: int, n_proc: int, proc: int):
-        self.source, self.cast, self.batch_size, self.n_proc, self.proc = source, cast, batch_size, n_proc, proc
+    def __init__(self, source, cast, batch_size: int, rows: Rows):
+        self.source, self.cast, self.batch_size, self.rows = source, cast, batch_size, rows
 
     def __len__(self) -> int:
         return -(-len(self.source) // self.batch_size)
 
     def __getitem__(self, i: int) -> dict:
-        local = self.batch_size // self.n_proc
-        rows = i * self.batch_size + self.proc * local + np.arange(local)
+        rows = i * self.batch_size + self.rows.offset + np.arange(self.rows.count)
         real = rows < len(self.source)
         batch = self.cast(self.source.read_batch(np.where(real, rows, 0)))  # padding: example 0, masked out
         batch["mask"] = real.astype(np.float32)
         return batch
 
 
-def device_batches(batches, shardings: dict, start: int = 0, prefetch: int = 2):
-    """Yield global, sharded batches start, start+1, ... A background thread reads and transfers up to
-    `prefetch` batches ahead while the current step runs (0: read in the loop, nothing overlaps)."""
+def device_batches(batches, shardings: dict, start: int = 0, prefetch: int = 2, batch_size: int | None = None):
+    """Yield global, sharded batches start, start+1, ... of `batch_size` rows (default: this process's
+    rows times the processes). A background thread reads and transfers up to `prefetch` batches ahead
+    while the current step runs (0: read in the loop, nothing overlaps)."""
 
     def put(index: int) -> dict:
         local = batches[index]
-        return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v)) for k, v in local.items()}
+        shape = lambda v: None if batch_size is None else (batch_size, *np.shape(v)[1:])
+        return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v), shape(v))
+                for k, v in local.items()}
 
     if prefetch == 0:
         index = start
