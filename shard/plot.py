@@ -145,8 +145,13 @@ def draw_comparison(rows: list[dict], chosen: str | None):
     return fig
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like every other refusal (argparse would print its usage too)
+        raise UserError(f"{message}; usage: python -m shard.plot RUN_DIR [RUN_DIR ...] [--metrics a,b] [--out FILE.png]")
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shard.plot", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="python -m shard.plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR")
     parser.add_argument("--metrics", help="comma-separated metrics.jsonl keys (default: loss, eval_loss and "
                         "tokens_per_s or examples_per_s)")

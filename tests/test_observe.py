@@ -108,7 +108,8 @@ def test_plot_cli_draws_several_runs_and_refuses_bad_input_in_one_line(resumed, 
     for args, named in [((tmp_path / "nowhere",), "does not exist"),
                         ((tmp_path,), "no metrics.jsonl"),
                         ((other, "--metrics", "loss,bleu"), "bleu"),
-                        ((other, "--out", tmp_path / "x.jpg"), "x.jpg")]:
+                        ((other, "--out", tmp_path / "x.jpg"), "x.jpg"),
+                        ((), "RUN_DIR")]:
         proc = plot_cli(*args)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and named in lines[0], proc.stderr
