@@ -88,6 +88,8 @@ class TrainConfig:
     deterministic: bool = option(False, "bitwise-reproducible GPU kernels (XLA's --xla_gpu_deterministic_ops; "
                                  "slower); CPU runs are deterministic anyway")
     skip_nonfinite: bool = option(False, "skip an update whose loss or gradients are not finite, instead of stopping")
+    grad_accum: int = option(1, "gradient accumulation: run each batch as this many microbatches one after "
+                             "another, one update (less activation memory, the same update)", min=1)
     eval_every: int = option(0, "evaluate every N steps; 0 = only at the end", min=0)
     eval_batches: int = option(8, "batches per evaluation, spread evenly over the eval split; 0 = all of it", min=0)
     sample_len: int = option(200, "lm: bytes to generate after training; 0 disables", min=0)

@@ -6,6 +6,7 @@ mesh itself, every array's sharding and the compiled steps. `--compare` builds t
 a job per candidate mesh; a training run builds one of each (shard/trainer.py).
 """
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -124,8 +125,9 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
                               ("train.init_from", cfg.train.init_from)):
                 if path:
                     ckpt_lib.check_path(path, key, target)
+        check_grad_accum(cfg, dict(mesh.shape), work)
         train_fn = step_lib.make_train_step(work.graphdef, work.tx, work.loss_fn, work.dtype,
-                                            cfg.train.skip_nonfinite)
+                                            cfg.train.skip_nonfinite, cfg.train.grad_accum)
         compile_start = time.perf_counter()
         train_step = step_lib.compile_step(train_fn, abstract, shardings, work.batch, batch_shardings, mesh,
                                            donate=True, returns_state=True, what="the train step")
@@ -136,3 +138,13 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
 
     return Job(work, mesh, rules, shardings, batch_shardings, eval_shardings, target, checkpoint_dir, train_step,
                eval_step, compile_s, split)
+
+
+def check_grad_accum(cfg, mesh_shape: dict, work: Workload) -> None:
+    """train.grad_accum=K: the batch must cut into K microbatches that the batch axes divide."""
+    k = cfg.train.grad_accum
+    split = math.prod(mesh_shape[a] for a in ("data", "expert", "fsdp"))
+    if k > 1 and (cfg.data.batch_size % k or (cfg.data.batch_size // k) % split):
+        raise UserError(f"train.grad_accum={k}: data.batch_size={cfg.data.batch_size} does not cut into {k} "
+                        f"microbatches that the batch axes (data x expert x fsdp = {split}) divide; use a batch size "
+                        f"that is a multiple of {k * split}")

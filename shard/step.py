@@ -37,19 +37,48 @@ def cast_floats(tree, dtype):
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable,
-                    dtype, skip_nonfinite: bool = False) -> Callable:
-    def train_step(state: TrainState, batch: dict):
-        def objective(params):
-            model = nnx.merge(graphdef, cast_floats(params, dtype), state.rest, copy=True)
-            outputs = model(cast_floats(batch["inputs"], dtype))
-            loss = loss_fn(outputs.astype(jnp.float32), batch["targets"])
-            aux, stats = recorded.collect(model)  # e.g. a router's load-balancing loss
-            if aux is not None:
-                stats = {"aux_loss": aux, **stats}
-            total = loss if aux is None else loss + aux
-            return total, (nnx.state(model, nnx.Not(nnx.Param)), loss, stats)
+                    dtype, skip_nonfinite: bool = False, grad_accum: int = 1) -> Callable:
+    """The train step. With grad_accum=K the batch is cut into K equal microbatches run one after another
+    in a scan, gradients summed, one update: each microbatch's mean loss counts 1/K, so the update is the
+    whole batch's (its loss is the mean over every example or token)."""
 
-        (total, (rest, loss, stats)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+    def objective(params, rest, batch):
+        model = nnx.merge(graphdef, cast_floats(params, dtype), rest, copy=True)
+        outputs = model(cast_floats(batch["inputs"], dtype))
+        loss = loss_fn(outputs.astype(jnp.float32), batch["targets"])
+        aux, stats = recorded.collect(model)  # e.g. a router's load-balancing loss
+        if aux is not None:
+            stats = {"aux_loss": aux, **stats}
+        total = loss if aux is None else loss + aux
+        return total, (nnx.state(model, nnx.Not(nnx.Param)), loss, stats)
+
+    gradient = jax.value_and_grad(objective, has_aux=True)
+
+    def accumulated(params, rest, batch):
+        """K microbatches (example m, m+K, ...: each keeps the batch's split over the devices)."""
+        micro = jax.tree.map(lambda a: a.reshape(a.shape[0] // grad_accum, grad_accum, *a.shape[1:]).swapaxes(0, 1),
+                             batch)
+        first = jax.tree.map(lambda a: a[0], micro)
+        shapes = jax.eval_shape(gradient, params, rest, first)
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), (shapes[0][0], shapes[0][1][1:], shapes[1]))
+
+        def one(carry, mb):
+            old, sums = carry
+            (total, (rest, loss, stats)), grads = gradient(params, old, mb)
+            rest = jax.tree.map(lambda new, o: new.astype(o.dtype), rest, old)  # a stable carry
+            new = jax.tree.map(lambda acc, x: acc + x.astype(jnp.float32), sums, (total, (loss, stats), grads))
+            return (rest, new), None
+
+        (rest, (total, (loss, stats), grads)), _ = jax.lax.scan(one, (rest, zeros), micro)
+        mean = lambda tree: jax.tree.map(lambda x: x / grad_accum, tree)
+        grads = jax.tree.map(lambda g, p: (g / grad_accum).astype(p.dtype), grads, params)
+        return (mean(total), (rest, mean(loss), mean(stats))), grads
+
+    def train_step(state: TrainState, batch: dict):
+        if grad_accum == 1:
+            (total, (rest, loss, stats)), grads = gradient(state.params, state.rest, batch)
+        else:
+            (total, (rest, loss, stats)), grads = accumulated(state.params, state.rest, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         rest = jax.tree.map(lambda new, old: new.astype(old.dtype), rest, state.rest)

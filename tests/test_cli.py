@@ -43,6 +43,7 @@ BAD_INPUTS = {
     "layers not divisible into stages": (["run.cpu_devices=8", "mesh=pp"], "4 stacked layers do not divide into 8"),
     "batch not into microbatches": (["run.cpu_devices=2", "mesh=pp", "pipeline.microbatches=5"],
                                     "pipeline.microbatches=5"),
+    "batch not into accumulation microbatches": (["run.cpu_devices=8", "train.grad_accum=3"], "train.grad_accum=3"),
     "stages without stacked layers": (["model.name=mlp", "model.in_features=64", "data.name=digits",
                                        "run.cpu_devices=2", "mesh=pp"],
                                       "no stacked layers"),
