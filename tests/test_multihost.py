@@ -42,7 +42,8 @@ def test_processes_x_devices_give_the_loss_curve_of_one_process(train, tmp_path,
     # across them), or the run hangs at its end.
     one = train(*TINY_GPT, *STEPS, f"mesh={preset}", "train.sample_len=8")
     expected = np.array([r["loss"] for r in one.history])
-    for processes in (2, 4):
+    # 4 processes under fsdp only: hybrid's multi-node layout (data across 2 processes) is the case it adds
+    for processes in (2, 4) if preset == "fsdp" else (2,):
         extra = ["train.sample_len=8", "run.progress=true", "run.tensorboard=true", "run.plot=true"]
         if preset == "hybrid" and processes == 2:
             # a multi-node layout: the data axis (4) crosses the 2 processes, tensor stays inside each
