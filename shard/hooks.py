@@ -82,8 +82,6 @@ def layer(fn):
     policy = REMAT_POLICIES.get(_REMAT.get())
     if policy is None:
         return fn
-    from flax import nnx
-
     return nnx.remat(fn, policy=policy)
 
 

@@ -6,20 +6,19 @@ mesh itself, every array's sharding and the compiled steps. `--compare` builds t
 a job per candidate mesh; a training run builds one of each (shard/trainer.py).
 """
 
-import math
 import time
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
-from shard import pipeline as pipeline_lib
 from shard import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
 from shard import distributed, hooks, losses, optim, partition, paths, registry
 from shard import flops as flops_lib
 from shard import mesh as mesh_lib
+from shard import pipeline as pipeline_lib
 from shard import state as state_lib
 from shard import step as step_lib
 from shard.errors import UserError
@@ -60,6 +59,7 @@ class Job:
     eval_step: object       # None for the plan
     compile_s: float        # seconds to trace, lower and compile the train step
     split: list             # per parameter: shape, spec and how it was split (state.split_report)
+    pipeline: object = None # the pipeline Schedule under mesh.stage > 1 (shard/pipeline.py), else None
 
 
 def workload(cfg: config_lib.Config, devices: list) -> Workload:
@@ -108,7 +108,7 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
     rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
     abstract = work.abstract
 
-    pipe = pipeline_lib.settings(cfg, dict(mesh.shape), work)
+    pipe = pipeline_lib.settings(cfg, dict(mesh.shape), rules, work)
     with partition.activate(mesh, rules), hooks.use(cfg.train.remat, cfg.train.attention, pipe):
         auto_min = state_lib.auto_min_size(cfg.mesh)
         shardings = state_lib.state_shardings(abstract, mesh, rules, auto_min)
@@ -125,7 +125,7 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
                               ("train.init_from", cfg.train.init_from)):
                 if path:
                     ckpt_lib.check_path(path, key, target)
-        check_grad_accum(cfg, dict(mesh.shape), work)
+        check_grad_accum(cfg, dict(mesh.shape), rules)
         train_fn = step_lib.make_train_step(work.graphdef, work.tx, work.loss_fn, work.dtype,
                                             cfg.train.skip_nonfinite, cfg.train.grad_accum)
         compile_start = time.perf_counter()
@@ -137,14 +137,13 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
             work.eval_batch, eval_shardings, mesh, donate=False, returns_state=False, what="the eval step")
 
     return Job(work, mesh, rules, shardings, batch_shardings, eval_shardings, target, checkpoint_dir, train_step,
-               eval_step, compile_s, split)
+               eval_step, compile_s, split, pipe)
 
 
-def check_grad_accum(cfg, mesh_shape: dict, work: Workload) -> None:
-    """train.grad_accum=K: the batch must cut into K microbatches that the batch axes divide."""
-    k = cfg.train.grad_accum
-    split = math.prod(mesh_shape[a] for a in ("data", "expert", "fsdp"))
-    if k > 1 and (cfg.data.batch_size % k or (cfg.data.batch_size // k) % split):
+def check_grad_accum(cfg, mesh_shape: dict, rules: dict) -> None:
+    """train.grad_accum=K: the batch must cut into K microbatches that the batch's shards divide."""
+    k, shards = cfg.train.grad_accum, partition.batch_shards(rules, mesh_shape)
+    if k > 1 and (cfg.data.batch_size % k or (cfg.data.batch_size // k) % shards):
         raise UserError(f"train.grad_accum={k}: data.batch_size={cfg.data.batch_size} does not cut into {k} "
-                        f"microbatches that the batch axes (data x expert x fsdp = {split}) divide; use a batch size "
-                        f"that is a multiple of {k * split}")
+                        f"microbatches that the batch's {shards} shards divide; use a batch size that is a "
+                        f"multiple of {k * shards}")

@@ -138,6 +138,22 @@ def activate(mesh: jax.sharding.Mesh | None, rules: dict | None):
         _ACTIVE.reset(token)
 
 
+def batch_shards(rules: dict, mesh_shape: dict[str, int]) -> int:
+    """How many pieces the batch axes (the `batch` rule, as the preset and mesh.rules set it) cut a global batch into."""
+    return math.prod(mesh_shape[a] for a in axes_of(logical_to_spec(("batch",), rules, mesh_shape)[0]))
+
+
+def microbatches(a: jax.Array, k: int) -> jax.Array:
+    """(B, ...) -> (k, B/k, ...): microbatch m holds examples m, m+k, m+2k, ..., so each keeps the batch's
+    split over the batch axes (a contiguous cut would put whole microbatches on single devices)."""
+    return a.reshape(a.shape[0] // k, k, *a.shape[1:]).swapaxes(0, 1)
+
+
+def from_microbatches(a: jax.Array) -> jax.Array:
+    """The inverse of `microbatches`: (k, B/k, ...) -> (B, ...)."""
+    return a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+
+
 def active() -> tuple | None:
     """(mesh, rules) while a step is traced under `activate`, else None."""
     return _ACTIVE.get()

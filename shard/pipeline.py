@@ -18,7 +18,6 @@ the parameters with an all-to-all over `stage` (the plan shows it); checkpoints 
 layer order either way, so they move freely between meshes.
 """
 
-import math
 from dataclasses import dataclass
 
 import jax
@@ -49,7 +48,7 @@ def bubble(stages: int, repeats: int, microbatches: int) -> float:
     return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
-def settings(cfg, mesh_shape: dict, work) -> Schedule | None:
+def settings(cfg, mesh_shape: dict, rules: dict, work) -> Schedule | None:
     """The pipeline cfg asks for on this mesh (None without a `stage` axis), checked against the model
     and the batch: one line naming what is wrong and what is allowed."""
     stages = mesh_shape["stage"]
@@ -69,13 +68,16 @@ def settings(cfg, mesh_shape: dict, work) -> Schedule | None:
     if repeats > 1 and micro < stages:
         raise UserError(f"pipeline.microbatches={micro} with pipeline.repeats={repeats}: a circular schedule needs "
                         f"at least as many microbatches as stages ({stages})")
-    batch_split = math.prod(mesh_shape[a] for a in ("data", "expert", "fsdp"))
-    for name, batch in (("data.batch_size", work.batch), ("the eval batch", work.eval_batch)):
-        size = jax.tree.leaves(batch)[0].shape[0]
-        if size % micro or (size // micro) % batch_split:
-            raise UserError(f"{name}={size} does not cut into pipeline.microbatches={micro} microbatches whose size "
-                            f"the batch axes (data x expert x fsdp = {batch_split}) divide; use a batch size that is a "
-                            f"multiple of {micro * batch_split}, or other microbatches")
+    shards = partition.batch_shards(rules, mesh_shape)
+    # The train step hands the pipeline one accumulation microbatch at a time (train.grad_accum).
+    sizes = (("data.batch_size", work.data.batch_size, cfg.train.grad_accum), ("the eval batch", work.data.batch_size, 1))
+    for name, size, accum in sizes:
+        seen = size // accum
+        if seen % micro or (seen // micro) % shards:
+            per = f" / train.grad_accum={accum}" if accum > 1 else ""
+            raise UserError(f"{name}={size}{per} does not cut into pipeline.microbatches={micro} microbatches whose "
+                            f"size the batch's {shards} shards divide; use a batch size that is a multiple of "
+                            f"{micro * shards * accum}, or other microbatches")
     return Schedule(stages, repeats, micro)
 
 
@@ -96,10 +98,8 @@ def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
     staged = jax.tree.map(lambda a: on_stages(a.reshape(R, S, per, *a.shape[1:]).swapaxes(0, 1), 2), params)
     fixed = jax.tree.map(lambda a: a.reshape(R, S, per, *a.shape[1:]).swapaxes(0, 1), rest)
 
-    # Microbatch m holds examples m, m+M, m+2M, ...: each microbatch keeps the batch's split over the
-    # batch axes (a contiguous cut would put whole microbatches on single data-parallel devices).
-    batch, tail = x.shape[0], x.shape[1:]
-    micro = x.reshape(batch // M, M, *tail).swapaxes(0, 1)                       # (M, mb, ...)
+    tail = x.shape[1:]
+    micro = partition.microbatches(x, M)                                        # (M, mb, ...)
     io_spec = PartitionSpec("stage", None, batch_axes, *([None] * len(tail)))
     io = jax.lax.with_sharding_constraint(jnp.broadcast_to(micro, (S, *micro.shape)), NamedSharding(mesh, io_spec))
     shift_spec = NamedSharding(mesh, PartitionSpec("stage", batch_axes, *([None] * len(tail))))
@@ -153,5 +153,4 @@ def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
         means = jax.tree.map(lambda tot, old: (tot / M).astype(old.dtype) if jnp.issubdtype(old.dtype, jnp.floating)
                              else old, totals, fixed)
         nnx.update(layers, jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(n_layers, *a.shape[3:]), means))
-    out = io[S - 1]                                                                # (M, mb, ...)
-    return out.swapaxes(0, 1).reshape(batch, *tail)
+    return partition.from_microbatches(io[S - 1])

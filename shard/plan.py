@@ -45,7 +45,8 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     memory = step.memory_analysis()
     sharded = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), work.abstract,
                            prepared.shardings)
-    ops = hlo.collectives(step.as_text(), n)
+    text = step.as_text()
+    ops = hlo.collectives(text, n)
     table, wire = hlo.summary(ops)
     flops_device = work.flops_per_step / n  # the step's model FLOPs split evenly over the devices
     total = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes \
@@ -53,7 +54,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     capacity = hardware.memory_bytes(devices[0], cfg.run.device_memory_gb)
     peak = hardware.peak_flops(devices[0], cfg.run.peak_tflops)
     link = hardware.link_gbps(devices[0], cfg.run.link_gbps)
-    pipe = pipeline_lib.settings(cfg, dict(prepared.mesh.shape), work)
+    pipe = prepared.pipeline
     idle = pipeline_lib.bubble(pipe.stages, pipe.repeats, pipe.microbatches) if pipe else 0.0
     estimate = None
     if peak and link:  # a pipeline's stages idle through its bubble: the compute takes 1/(1 - bubble) longer
@@ -65,7 +66,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "param_count": state_lib.count_params(work.abstract.params),
         "flops_per_step": work.flops_per_step,
         "flops_per_device": flops_device,
-        "executed_flops_per_device": hlo.dot_flops(step.as_text()),
+        "executed_flops_per_device": hlo.dot_flops(text),
         "memory_per_device": {
             "params": _shard_bytes(sharded.params) + _shard_bytes(sharded.rest),
             "optimizer": _shard_bytes(sharded.opt_state),
@@ -137,7 +138,7 @@ def _mb(n) -> str:
 
 
 def candidate_meshes(n_devices: int) -> list[tuple[str, dict]]:
-    """Every preset, and every way to write n_devices as data x expert x fsdp x tensor; a mesh that
+    """Every preset, and every way to write n_devices as stage x data x expert x fsdp x tensor; a mesh that
     is the same as an earlier one (axis sizes and rules) is listed once, under all its names."""
     out, seen = [], {}  # seen: (sizes, rules) -> index in out
     for name in mesh_lib.preset_names():

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.errors import UserError, first_line
-from shard.partition import MODEL_AXES, axes_of, logical_names, logical_to_spec, param_spec
+from shard.partition import MODEL_AXES, axes_of, batch_shards, logical_names, logical_to_spec, param_spec
 
 
 @flax.struct.dataclass
@@ -160,10 +160,9 @@ def batch_shardings(example_batch: dict, mesh, rules: dict) -> dict:
 
     def one(x):
         spec = logical_to_spec(("batch",) + (None,) * (x.ndim - 1), rules, mesh.shape)
-        axes = axes_of(spec[0])
-        shards = math.prod(mesh.shape[a] for a in axes)
+        shards = batch_shards(rules, mesh.shape)
         if x.shape[0] % shards:
-            shown = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+            shown = " x ".join(f"{a}={mesh.shape[a]}" for a in axes_of(spec[0]))
             raise UserError(f"data.batch_size={x.shape[0]} is not divisible by the {shards} batch shards "
                             f"({shown}); use a multiple of {shards}")
         return NamedSharding(mesh, spec)

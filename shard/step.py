@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard import recorded
+from shard import partition, recorded
 from shard.errors import UserError, first_line
 from shard.losses import accuracy
 from shard.state import TrainState
@@ -56,8 +56,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
 
     def accumulated(params, rest, batch):
         """K microbatches (example m, m+K, ...: each keeps the batch's split over the devices)."""
-        micro = jax.tree.map(lambda a: a.reshape(a.shape[0] // grad_accum, grad_accum, *a.shape[1:]).swapaxes(0, 1),
-                             batch)
+        micro = jax.tree.map(lambda a: partition.microbatches(a, grad_accum), batch)
         first = jax.tree.map(lambda a: a[0], micro)
         shapes = jax.eval_shape(gradient, params, rest, first)
         zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), (shapes[0][0], shapes[0][1][1:], shapes[1]))
