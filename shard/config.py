@@ -90,6 +90,13 @@ class TrainConfig:
     skip_nonfinite: bool = option(False, "skip an update whose loss or gradients are not finite, instead of stopping")
     grad_accum: int = option(1, "gradient accumulation: run each batch as this many microbatches one after "
                              "another, one update (less activation memory, the same update)", min=1)
+    grad_dtype: str = option("float32", "dtype the gradients are summed in across the data axis (bfloat16 halves "
+                             "the data-parallel reduction's bytes)", choices=("float32", "bfloat16"))
+    accum_dtype: str = option("float32", "dtype the microbatches' gradients are summed in under grad_accum > 1",
+                              choices=("float32", "bfloat16"))
+    offload: str = option("none", "keep state in host memory between steps (pinned_host), moved to the device "
+                          "inside the step: the optimizer state, or also the parameters",
+                          choices=("none", "optimizer", "params"))
     eval_every: int = option(0, "evaluate every N steps; 0 = only at the end", min=0)
     eval_batches: int = option(8, "batches per evaluation, spread evenly over the eval split; 0 = all of it", min=0)
     sample_len: int = option(200, "lm: bytes to generate after training; 0 disables", min=0)
@@ -118,6 +125,9 @@ class MeshConfig:
     fsdp: Optional[int] = option(None, "fully-sharded (ZeRO-3) axis size; -1 = remaining devices; default: preset's, else 1")
     tensor: Optional[int] = option(None, "tensor (Megatron) axis size; -1 = remaining devices; default: preset's, else 1")
     rules: dict = option({}, "logical axis -> mesh axis or list of axes (null = replicated), over the preset's")
+    zero: Optional[int] = option(None, "ZeRO stage over the data axis: 1 splits the optimizer state over it, 2 also "
+                                 "the gradients (parameters stay whole; fsdp is stage 3); default: preset's, else 0",
+                                 choices=(0, 1, 2))
     auto_shard: bool = option(True, "split parameters that logical names leave whole: unnamed ones over fsdp, "
                               "tensor and expert, named ones over fsdp (ZeRO-3), each on its largest divisible free "
                               "dimension")
@@ -436,8 +446,8 @@ def _check_values(cfg: Config) -> None:
         obj = getattr(cfg, section)
         for f in schema_fields(section):
             choices = f.metadata.get("choices")
-            if choices and getattr(obj, f.name) not in choices:
-                raise UserError(f"{section}.{key_of(f)}={getattr(obj, f.name)!r} is not allowed; choose one of: {', '.join(choices)}")
+            if choices and getattr(obj, f.name) is not None and getattr(obj, f.name) not in choices:
+                raise UserError(f"{section}.{key_of(f)}={getattr(obj, f.name)!r} is not allowed; choose one of: {', '.join(map(str, choices))}")
             value, low, high = getattr(obj, f.name), f.metadata.get("min"), f.metadata.get("max")
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 if (low is not None and value < low) or (high is not None and value > high):
@@ -476,6 +486,8 @@ def _fill_mesh_from_preset(mesh: MeshConfig) -> None:
             size = preset.get(axis, 1)
             setattr(mesh, axis, 1 if size == -1 and explicit_wild else size)  # an explicit -1 wins
     mesh.rules = {**preset.get("rules", {}), **mesh.rules}
+    if mesh.zero is None:
+        mesh.zero = preset.get("zero", 0)
 
 
 # ----------------------------------------------------------------------------- printing
@@ -520,7 +532,7 @@ def help_text(cfg: "Config | None" = None, model_signature: list[tuple[str, str,
             _fill_mesh_from_preset(preset_mesh)
     except UserError:  # an unknown preset: compare with the schema's defaults
         preset_mesh = MeshConfig()
-    from_preset = {"data", "expert", "fsdp", "tensor", "rules"}
+    from_preset = {"stage", "data", "expert", "fsdp", "tensor", "rules", "zero"}
     rows: list[tuple[str, str, str, str] | str] = []  # (key, type, value, help) or a heading
     for section in SECTIONS:
         rows.append(f"{section}:")
@@ -531,7 +543,7 @@ def help_text(cfg: "Config | None" = None, model_signature: list[tuple[str, str,
                 default = getattr(preset_mesh, f.name)
             choices = f.metadata.get("choices")
             low, high = f.metadata.get("min"), f.metadata.get("max")
-            extra = f" [{'|'.join(choices)}]" if choices else ""
+            extra = f" [{'|'.join(map(str, choices))}]" if choices else ""
             extra += f" [{low}..{high}]" if high is not None else f" [>={low}]" if low is not None else ""
             rows.append((f"{section}.{key_of(f)}", type_name(f.type), _value_text(getattr(obj, f.name), default),
                          f.metadata["help"] + extra))

@@ -125,9 +125,44 @@ def executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     return runs
 
 
+_ROUNDED = re.compile(r"%([\w.\-]+)\s*=\s*(bf16|f16)\[[\d,]*\]\S*\s+convert\(")
+
+
+def _operands(text: str) -> list[str]:
+    """The operand names of an instruction, from the text after its opening parenthesis."""
+    return re.findall(r"%([\w.\-]+)", text.split(")", 1)[0])
+
+
+def _rounded_to(comp: list[str]) -> str | None:
+    """The narrower float a computation rounds its values to and widens back to float32 (a fusion holding
+    convert(convert(x) to bf16) to f32), else None."""
+    for line in comp:
+        m = _ROUNDED.search(line)
+        if m and any(re.search(rf"=\s*f32\[[\d,]*\]\S*\s+convert\(%{re.escape(m.group(1))}\)", other)
+                     for other in comp):
+            return m.group(2)
+    return None
+
+
+def _result_bytes(shape: str, operands: list[str], producers: dict, comps: dict) -> float:
+    """A collective's result bytes, each element in the dtype it was rounded to where XLA's CPU backend widened a
+    narrower collective to float32 (its float normalization): what a GPU or TPU sends for the same program."""
+    arrays = _ARRAY.findall(shape)
+    if len(arrays) != len(operands):
+        return shape_bytes(shape)
+    total = 0.0
+    for (dtype, dims), operand in zip(arrays, operands):
+        call = _CALLED.search(producers.get(operand, ""))
+        narrow = _rounded_to(comps.get(call.group(1), [])) if call and dtype == "f32" else None
+        total += DTYPE_BYTES.get(narrow or dtype, 0) * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
 def collectives(text: str, n_devices: int) -> list[Collective]:
     comps, entry = computations(text)
     runs = executions(comps, entry)
+    producers = {m.group(1): line for lines in comps.values() for line in lines
+                 if (m := re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line))}
     found, started = [], {}
     for name, lines in comps.items():
         if not runs.get(name):
@@ -145,7 +180,8 @@ def collectives(text: str, n_devices: int) -> list[Collective]:
                 group, senders = started.get(operand.group(1) if operand else None, (n_devices, 1.0))
             else:
                 group, senders = group_size(line, n_devices), _senders(line, n_devices)
-            found.append(Collective(kind, shape_bytes(shape), group, runs[name], senders))
+            size = _result_bytes(shape, _operands(operands), producers, comps) if kind in ("all-reduce", "reduce-scatter") else shape_bytes(shape)
+            found.append(Collective(kind, size, group, runs[name], senders))
     return found
 
 

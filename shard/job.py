@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from shard import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
-from shard import distributed, hooks, losses, optim, partition, paths, registry
+from shard import distributed, gradients, hooks, losses, optim, partition, paths, registry
 from shard import flops as flops_lib
 from shard import mesh as mesh_lib
 from shard import pipeline as pipeline_lib
@@ -60,6 +60,7 @@ class Job:
     compile_s: float        # seconds to trace, lower and compile the train step
     split: list             # per parameter: shape, spec and how it was split (state.split_report)
     pipeline: object = None # the pipeline Schedule under mesh.stage > 1 (shard/pipeline.py), else None
+    reduction: object = None  # how the gradients are accumulated and reduced (shard/gradients.py)
 
 
 def workload(cfg: config_lib.Config, devices: list) -> Workload:
@@ -111,7 +112,10 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
     pipe = pipeline_lib.settings(cfg, dict(mesh.shape), rules, work)
     with partition.activate(mesh, rules), hooks.use(cfg.train.remat, cfg.train.attention, pipe):
         auto_min = state_lib.auto_min_size(cfg.mesh)
-        shardings = state_lib.state_shardings(abstract, mesh, rules, auto_min)
+        device_shardings = state_lib.state_shardings(abstract, mesh, rules, auto_min, cfg.mesh.zero)
+        state_lib.check_offload(cfg.train.offload, devices[0])
+        shardings = state_lib.host_shardings(device_shardings, cfg.train.offload)
+        moved = None if shardings is device_shardings else device_shardings  # what each step moves in
         split = state_lib.split_report(abstract.params, dict(mesh.shape), rules, auto_min)
         batch_shardings = state_lib.batch_shardings(work.batch, mesh, rules)
         eval_shardings = state_lib.batch_shardings(work.eval_batch, mesh, rules)
@@ -126,18 +130,45 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
                 if path:
                     ckpt_lib.check_path(path, key, target)
         check_grad_accum(cfg, dict(mesh.shape), rules)
+        reduction = gradient_reduction(cfg, mesh, rules, work, split, auto_min)
         train_fn = step_lib.make_train_step(work.graphdef, work.tx, work.loss_fn, work.dtype,
-                                            cfg.train.skip_nonfinite, cfg.train.grad_accum)
+                                            cfg.train.skip_nonfinite, reduction, moved)
         compile_start = time.perf_counter()
         train_step = step_lib.compile_step(train_fn, abstract, shardings, work.batch, batch_shardings, mesh,
                                            donate=True, returns_state=True, what="the train step")
         compile_s = time.perf_counter() - compile_start
         eval_step = None if not training else step_lib.compile_step(
-            step_lib.make_eval_step(work.graphdef, work.loss_fn, work.data.task, work.dtype), abstract, shardings,
+            step_lib.make_eval_step(work.graphdef, work.loss_fn, work.data.task, work.dtype, moved), abstract, shardings,
             work.eval_batch, eval_shardings, mesh, donate=False, returns_state=False, what="the eval step")
 
     return Job(work, mesh, rules, shardings, batch_shardings, eval_shardings, target, checkpoint_dir, train_step,
-               eval_step, compile_s, split, pipe)
+               eval_step, compile_s, split, pipe, reduction)
+
+
+def gradient_reduction(cfg, mesh, rules: dict, work: Workload, split: list, auto_min) -> gradients.Reduction:
+    """How the step sums and reduces its gradients (shard/gradients.py): each device keeps its own over the
+    leading data axes that split no parameter, for models whose examples stay apart."""
+    param_axes = {a for r in split for entry in r["spec"] for a in partition.axes_of(entry)}
+    local = gradients.local_axes(rules, dict(mesh.shape), param_axes)
+    wire = jnp.dtype(cfg.train.grad_dtype)
+    needed = cfg.train.grad_accum > 1 or wire != jnp.float32 or (cfg.mesh.zero and mesh.shape["data"] > 1)
+    if local and not gradients.separable(work.abstract.rest):
+        if wire != jnp.float32:
+            raise UserError(f"train.grad_dtype={cfg.train.grad_dtype} sums each device's own gradient, which "
+                            f"model {cfg.model.name!r} has none of: its examples meet in the forward pass (batch "
+                            "statistics, dropout or a loss over the whole batch); use train.grad_dtype=float32")
+        local = ()
+    if wire != jnp.float32 and not local:
+        shown = " x ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names if mesh.shape[a] > 1) or "one device"
+        raise UserError(f"train.grad_dtype={cfg.train.grad_dtype} lowers the data axis's gradient reduction, and "
+                        f"mesh {shown} splits the batch over no axis that leaves the parameters whole (fsdp and "
+                        "expert reduce inside the backward pass); add mesh.data > 1 or use train.grad_dtype=float32")
+    zero = cfg.mesh.zero and mesh.shape["data"] > 1
+    return gradients.Reduction(
+        accum=cfg.train.grad_accum, accum_dtype=jnp.dtype(cfg.train.accum_dtype), wire_dtype=wire,
+        local_axes=local if needed else (),
+        update_shardings=state_lib.update_shardings(work.abstract.params, mesh, rules, auto_min) if zero else None,
+        split_sum=cfg.mesh.zero == 2)
 
 
 def check_grad_accum(cfg, mesh_shape: dict, rules: dict) -> None:

@@ -28,9 +28,11 @@ def load_preset(name: str) -> dict:
     if not path.is_file():
         raise UserError(f"unknown mesh preset {name!r}; presets are: {', '.join(preset_names())}")
     preset = yaml.safe_load(path.read_text()) or {}
-    unknown = set(preset) - set(AXES) - {"rules"}
+    unknown = set(preset) - set(AXES) - {"rules", "zero"}
     if unknown:
-        raise UserError(f"mesh preset {name!r} has unknown keys {sorted(unknown)}; allowed: {', '.join(AXES)}, rules")
+        raise UserError(f"mesh preset {name!r} has unknown keys {sorted(unknown)}; allowed: {', '.join(AXES)}, rules, zero")
+    if preset.get("zero", 0) not in (0, 1, 2):
+        raise UserError(f"mesh preset {name!r}: zero={preset['zero']!r}; ZeRO stages over the data axis are 0, 1 or 2")
     return preset
 
 

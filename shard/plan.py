@@ -35,6 +35,19 @@ def _shard_bytes(tree) -> int:
     return total
 
 
+def _on_host(leaf) -> bool:
+    return getattr(getattr(leaf, "sharding", None), "memory_kind", None) == "pinned_host"
+
+
+def _gradient_bytes(abstract_params, prepared) -> int:
+    """Bytes of the gradients as the step keeps them per device: split like the parameters, or like the
+    optimizer state under ZeRO-2 (which sums microbatches into that split; ZeRO-1 sums them whole)."""
+    zero2 = prepared.reduction is not None and prepared.reduction.split_sum and prepared.reduction.update_shardings
+    layout = prepared.reduction.update_shardings if zero2 else prepared.shardings.params
+    return _shard_bytes(jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                     abstract_params, layout))
+
+
 def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     """Compile the train step for cfg's mesh on these devices and read out its costs (the workload
     is built here unless given: --compare builds it once for every mesh)."""
@@ -51,6 +64,11 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     flops_device = work.flops_per_step / n  # the step's model FLOPs split evenly over the devices
     total = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes \
         + memory.temp_size_in_bytes
+    # Host offload: the state kept in pinned host memory. Where XLA's analysis does not count host memory apart
+    # (the CPU backend, whose "host" and "device" are the same RAM), it is taken out of the device total here.
+    host = _shard_bytes([leaf for leaf in jax.tree.leaves(sharded) if _on_host(leaf)])
+    if host and not memory.host_argument_size_in_bytes:
+        total -= host
     capacity = hardware.memory_bytes(devices[0], cfg.run.device_memory_gb)
     peak = hardware.peak_flops(devices[0], cfg.run.peak_tflops)
     link = hardware.link_gbps(devices[0], cfg.run.link_gbps)
@@ -70,6 +88,8 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "memory_per_device": {
             "params": _shard_bytes(sharded.params) + _shard_bytes(sharded.rest),
             "optimizer": _shard_bytes(sharded.opt_state),
+            "gradients": _gradient_bytes(work.abstract.params, prepared),
+            "host": host,
             "arguments": memory.argument_size_in_bytes,
             "temp": memory.temp_size_in_bytes,
             "total": total,
@@ -96,7 +116,8 @@ def report(plan: dict) -> str:
     lines = [f"plan: {plan['param_count']:,} parameters on {plan['devices']} {plan['device_kind']} device(s), "
              f"mesh {mesh}",
              f"  memory per device: params {_mb(mem['params'])}, optimizer {_mb(mem['optimizer'])}, "
-             f"arguments {_mb(mem['arguments'])}, temp {_mb(mem['temp'])}, total {_mb(mem['total'])}"
+             f"gradients {_mb(mem['gradients'])}, arguments {_mb(mem['arguments'])}, temp {_mb(mem['temp'])}, "
+             f"total {_mb(mem['total'])}" + (f" on the device, {_mb(mem['host'])} in host memory" if mem["host"] else "")
              + (f" of {_mb(mem['capacity'])} ({'fits' if mem['fits'] else 'does NOT fit'})" if mem["capacity"] else ""),
              f"  per step: {plan['flops_per_step']:.3g} FLOPs, each device sends {_mb(plan['wire_bytes_per_device'])}",
              f"  each device executes {plan['executed_flops_per_device']:.3g} matrix-product FLOPs per step, "
@@ -147,7 +168,8 @@ def candidate_meshes(n_devices: int) -> list[tuple[str, dict]]:
             sizes = mesh_lib.resolve_sizes({a: preset.get(a, 1) for a in mesh_lib.AXES}, n_devices)
         except UserError:  # e.g. hybrid's tensor=2 on an odd device count
             continue
-        key = (tuple(sizes.values()), repr(sorted(preset.get("rules", {}).items())))
+        key = (tuple(sizes.values()), repr(sorted(preset.get("rules", {}).items())),
+               preset.get("zero", 0) if sizes["data"] > 1 else 0)
         if key in seen:  # e.g. on one device every preset is the same mesh
             label, mesh = out[seen[key]]
             out[seen[key]] = (f"{label} = {name}", mesh)
@@ -156,8 +178,8 @@ def candidate_meshes(n_devices: int) -> list[tuple[str, dict]]:
         out.append((name, {"preset": name, **sizes}))
     divisors = [d for d in range(1, n_devices + 1) if n_devices % d == 0]
     for shape in itertools.product(divisors, repeat=len(mesh_lib.AXES)):
-        if math.prod(shape) == n_devices and (shape, "[]") not in seen:
-            seen[(shape, "[]")] = len(out)
+        if math.prod(shape) == n_devices and (shape, "[]", 0) not in seen:
+            seen[(shape, "[]", 0)] = len(out)
             out.append((" x ".join(f"{a}={s}" for a, s in zip(mesh_lib.AXES, shape) if s > 1) or "1 device",
                         {"preset": "dp", **dict(zip(mesh_lib.AXES, shape))}))
     return out
@@ -174,7 +196,8 @@ def compare(cfg, devices: list) -> list[dict]:
     rows = []
     for label, sizes in candidate_meshes(len(devices)):
         preset = sizes.pop("preset")
-        mesh_cfg = replace(cfg.mesh, preset=preset, rules=dict(mesh_lib.load_preset(preset).get("rules", {})),
+        chosen = mesh_lib.load_preset(preset)
+        mesh_cfg = replace(cfg.mesh, preset=preset, rules=dict(chosen.get("rules", {})), zero=chosen.get("zero", 0),
                            **sizes)
         try:
             rules = partition.merged_rules(mesh_cfg.rules, mesh_lib.AXES)
@@ -204,8 +227,10 @@ def apply_auto(cfg, devices: list):
 def chosen_config(cfg, rows: list[dict]):
     """cfg with mesh=auto replaced by the chosen mesh, and the one line that says why."""
     best, why = choose(rows)
-    rules = {**mesh_lib.load_preset(best["preset"]).get("rules", {}), **cfg.mesh.rules}
-    return replace(cfg, mesh=replace(cfg.mesh, preset=best["preset"], rules=rules, **best["mesh"])), why
+    preset = mesh_lib.load_preset(best["preset"])
+    rules = {**preset.get("rules", {}), **cfg.mesh.rules}
+    return replace(cfg, mesh=replace(cfg.mesh, preset=best["preset"], rules=rules, zero=preset.get("zero", 0),
+                                     **best["mesh"])), why
 
 
 def comparison_table(rows: list[dict]) -> str:

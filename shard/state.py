@@ -67,22 +67,53 @@ def auto_min_size(mesh_cfg) -> int | None:
     return mesh_cfg.auto_shard_min_size if mesh_cfg.auto_shard else None
 
 
-def state_shardings(abstract, mesh: jax.sharding.Mesh, rules: dict, auto_min_size: int | None):
+def state_shardings(abstract, mesh: jax.sharding.Mesh, rules: dict, auto_min_size: int | None, zero: int = 0):
     """A NamedSharding for every array of `abstract`, checked for divisibility.
 
     Variables map their logical names through the rules, with the automatic split for what the
     names leave whole (`partition.param_spec`); optimizer moments carry their parameter's names and
-    shape, so they land on the same devices. Arrays outside Variables (step counters, Adam's count)
-    are replicated.
+    shape, so they land on the same devices, and under ZeRO (`zero` >= 1) are split over the data
+    axis as well (`over_data`). Arrays outside Variables (step counters, Adam's count) are replicated.
     """
 
     def one(path, leaf):
         if not _is_variable(leaf):
             return NamedSharding(mesh, PartitionSpec())
         spec, _ = variable_spec(path, leaf, dict(mesh.shape), rules, auto_min_size)
+        if zero and path[0].name == "opt_state":
+            spec = over_data(spec, jax.tree.leaves(leaf)[0].shape, dict(mesh.shape))
         return leaf.replace(NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map_with_path(one, abstract, is_leaf=_is_variable)
+
+
+def update_shardings(abstract_params, mesh: jax.sharding.Mesh, rules: dict, auto_min_size: int | None):
+    """Under ZeRO, the layout the gradients are reduced into and the update is computed in: the optimizer
+    moments' (each device updates its slice of the parameters)."""
+    def one(path, var):
+        spec, _ = variable_spec(path, var, dict(mesh.shape), rules, auto_min_size)
+        return var.replace(NamedSharding(mesh, over_data(spec, jax.tree.leaves(var)[0].shape, dict(mesh.shape))))
+
+    return jax.tree_util.tree_map_with_path(one, abstract_params, is_leaf=_is_variable)
+
+
+def over_data(spec: PartitionSpec, shape, mesh_shape: dict) -> PartitionSpec:
+    """ZeRO's split of optimizer state: the data axis added on the largest dimension it divides, a free one
+    first, else one already split whose other axes and data divide it together. Arrays it divides nowhere
+    (small vectors) stay as they are."""
+    n = mesh_shape["data"]
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if n == 1 or not shape:
+        return spec
+    ways = lambda d: math.prod(mesh_shape[a] for a in axes_of(entries[d]))
+    free = [d for d in range(len(shape)) if entries[d] is None and shape[d] % n == 0]
+    shared = [d for d in range(len(shape)) if entries[d] is not None and shape[d] % (ways(d) * n) == 0]
+    for choice in (free, shared):
+        if choice:
+            dim = max(choice, key=lambda d: (shape[d], -d))
+            entries[dim] = ("data", *axes_of(entries[dim])) if entries[dim] else "data"
+            return PartitionSpec(*entries)
+    return spec
 
 
 def variable_spec(path, var, mesh_shape: dict, rules: dict, auto_min_size: int | None) -> tuple[PartitionSpec, str]:
@@ -177,3 +208,24 @@ def init_state(init: Callable[[], TrainState], shardings) -> TrainState:
 
 def count_params(params) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+
+
+# ----------------------------------------------------------------------------- host offload
+
+def check_offload(what: str, device) -> None:
+    """`train.offload` needs the devices to address pinned host memory (JAX's memory kinds)."""
+    kinds = {m.kind for m in device.addressable_memories()}
+    if what != "none" and "pinned_host" not in kinds:
+        raise UserError(f"train.offload={what} keeps state in pinned host memory, which this {device.platform} "
+                        f"backend does not offer (its memories: {', '.join(sorted(kinds))}); it works on GPU and "
+                        "TPU (and on CPU from jax 0.10); use train.offload=none here")
+
+
+def host_shardings(shardings, what: str):
+    """The state's shardings with the offloaded part in pinned host memory: the optimizer state, and with
+    `what="params"` the parameters too (the rest, such as normalisation statistics, stays on the device)."""
+    host = lambda tree: jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree)
+    if what == "none":
+        return shardings
+    shardings = shardings.replace(opt_state=host(shardings.opt_state))
+    return shardings.replace(params=host(shardings.params)) if what == "params" else shardings

@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard import partition, recorded
+from shard import gradients, recorded
 from shard.errors import UserError, first_line
 from shard.losses import accuracy
 from shard.state import TrainState
@@ -36,11 +36,13 @@ def cast_floats(tree, dtype):
     return jax.tree.map(one, tree, is_leaf=is_var)
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable,
-                    dtype, skip_nonfinite: bool = False, grad_accum: int = 1) -> Callable:
-    """The train step. With grad_accum=K the batch is cut into K equal microbatches run one after another
-    in a scan, gradients summed, one update: each microbatch's mean loss counts 1/K, so the update is the
-    whole batch's (its loss is the mean over every example or token)."""
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable, dtype,
+                    skip_nonfinite: bool = False, reduction: gradients.Reduction = gradients.Reduction(),
+                    device_shardings=None) -> Callable:
+    """The train step: the loss (each microbatch's mean loss counting 1/K under accumulation, so the update is
+    the whole batch's), gradients reduced as `reduction` says (shard/gradients.py), one optimizer update.
+    `device_shardings` (host offload) is the state's layout in device memory: what lives on the host between
+    steps is moved there for the step and back after it (the out shardings say where)."""
 
     def objective(params, rest, batch):
         model = nnx.merge(graphdef, cast_floats(params, dtype), rest, copy=True)
@@ -52,32 +54,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
         total = loss if aux is None else loss + aux
         return total, (nnx.state(model, nnx.Not(nnx.Param)), loss, stats)
 
-    gradient = jax.value_and_grad(objective, has_aux=True)
-
-    def accumulated(params, rest, batch):
-        """K microbatches (example m, m+K, ...: each keeps the batch's split over the devices)."""
-        micro = jax.tree.map(lambda a: partition.microbatches(a, grad_accum), batch)
-        first = jax.tree.map(lambda a: a[0], micro)
-        shapes = jax.eval_shape(gradient, params, rest, first)
-        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), (shapes[0][0], shapes[0][1][1:], shapes[1]))
-
-        def one(carry, mb):
-            old, sums = carry
-            (total, (rest, loss, stats)), grads = gradient(params, old, mb)
-            rest = jax.tree.map(lambda new, o: new.astype(o.dtype), rest, old)  # a stable carry
-            new = jax.tree.map(lambda acc, x: acc + x.astype(jnp.float32), sums, (total, (loss, stats), grads))
-            return (rest, new), None
-
-        (rest, (total, (loss, stats), grads)), _ = jax.lax.scan(one, (rest, zeros), micro)
-        mean = lambda tree: jax.tree.map(lambda x: x / grad_accum, tree)
-        grads = jax.tree.map(lambda g, p: (g / grad_accum).astype(p.dtype), grads, params)
-        return (mean(total), (rest, mean(loss), mean(stats))), grads
+    gradient = gradients.build(jax.value_and_grad(objective, has_aux=True), reduction)
 
     def train_step(state: TrainState, batch: dict):
-        if grad_accum == 1:
-            (total, (rest, loss, stats)), grads = gradient(state.params, state.rest, batch)
-        else:
-            (total, (rest, loss, stats)), grads = accumulated(state.params, state.rest, batch)
+        state = to_device(state, device_shardings)
+        (total, (rest, loss, stats)), grads = gradient(state.params, state.rest, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         rest = jax.tree.map(lambda new, old: new.astype(old.dtype), rest, state.rest)
@@ -92,10 +73,16 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable, task: str, dtype) -> Callable:
+def to_device(state, device_shardings):
+    """Host offload: the state moved into device memory inside the step (a no-op without offload)."""
+    return state if device_shardings is None else jax.device_put(state, device_shardings)
+
+
+def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable, task: str, dtype, device_shardings=None) -> Callable:
     """Sums over the real (mask 1) examples of a batch; the caller divides by the totals."""
 
     def eval_step(state: TrainState, batch: dict):
+        state = to_device(state, device_shardings)
         model = nnx.merge(graphdef, cast_floats(state.params, dtype), state.rest)
         model.eval()  # e.g. normalisation layers use their running statistics
         outputs = model(cast_floats(batch["inputs"], dtype)).astype(jnp.float32)
@@ -149,4 +136,4 @@ def compile_step(fn: Callable, abstract_state, state_shardings, abstract_batch, 
         lowered = jitted.lower(abstract_state, abstract_batch)
     except (TypeError, ValueError) as e:  # the workload traced without a mesh, so: this mesh's layout
         raise UserError(f"{what} does not compile on mesh {dict(mesh.shape)}: {first_line(e)}") from None
-    return lowered.compile()
+    return lowered.compile(compiler_options={"xla_disable_hlo_passes": "all-reduce-promotion"})
