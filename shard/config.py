@@ -272,11 +272,12 @@ def _schema():
 # What a run trains, which picks its folder: every key of these sections (but NOT_JOB) and JOB_KEYS. Every other
 # key may change between a run and its resumption, so it keeps the folder: train.steps, eval, sample and log
 # settings, the mesh (a checkpoint restores onto any mesh), speed and memory knobs (remat, attention, prefetch,
-# deterministic kernels, grad_accum) and skip_nonfinite (the NaN error says to rerun with it; it changes nothing until a step is not finite).
+# deterministic kernels, grad_accum, offload) and skip_nonfinite (the NaN error says to rerun with it; it changes nothing until a step is not finite).
 # A new train.* or checkpoint.* key that changes what is trained belongs in JOB_KEYS.
 JOB_SECTIONS = ("model", "data", "optimizer")
 NOT_JOB = {"data.prefetch"}
-JOB_KEYS = {"train.seed", "train.dtype", "train.loss", "train.init_from", "checkpoint.restore_from"}
+JOB_KEYS = {"train.seed", "train.dtype", "train.grad_dtype", "train.accum_dtype", "train.loss", "train.init_from",
+            "checkpoint.restore_from"}
 RUNS = "runs"
 
 

@@ -154,9 +154,9 @@ def gradient_reduction(cfg, mesh, rules: dict, work: Workload, split: list, auto
     needed = cfg.train.grad_accum > 1 or wire != jnp.float32 or (cfg.mesh.zero and mesh.shape["data"] > 1)
     if local and not gradients.separable(work.abstract.rest):
         if wire != jnp.float32:
-            raise UserError(f"train.grad_dtype={cfg.train.grad_dtype} sums each device's own gradient, which "
-                            f"model {cfg.model.name!r} has none of: its examples meet in the forward pass (batch "
-                            "statistics, dropout or a loss over the whole batch); use train.grad_dtype=float32")
+            raise UserError(f"train.grad_dtype={cfg.train.grad_dtype} sums each device's own gradient, and model "
+                            f"{cfg.model.name!r} has none: its examples meet in the forward pass (batch statistics, "
+                            "dropout or a loss over the whole batch); use train.grad_dtype=float32")
         local = ()
     if wire != jnp.float32 and not local:
         shown = " x ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names if mesh.shape[a] > 1) or "one device"

@@ -229,3 +229,11 @@ def host_shardings(shardings, what: str):
         return shardings
     shardings = shardings.replace(opt_state=host(shardings.opt_state))
     return shardings.replace(params=host(shardings.params)) if what == "params" else shardings
+
+
+def in_device_memory(tree):
+    """Arrays offloaded to host memory, copied back to the device's (for code outside the train step)."""
+    def one(x):
+        kind = getattr(x.sharding, "memory_kind", None)
+        return jax.device_put(x, x.sharding.with_memory_kind("device")) if kind == "pinned_host" else x
+    return jax.tree.map(one, tree)

@@ -122,7 +122,7 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
     say(f"step {step}: {summary}")
     if data.task == "lm" and cfg.train.sample_len > 0:
         prompt = list(cfg.train.sample_prompt.encode())
-        tokens = sample(work.graphdef, state.params, state.rest, prompt, cfg.train.sample_len,
+        tokens = sample(work.graphdef, state_lib.in_device_memory(state.params), state.rest, prompt, cfg.train.sample_len,
                         window=cfg.data.seq_len, seed=cfg.train.seed)
         result.sample = bytes(t % 256 for t in tokens).decode("utf-8", errors="replace")
         say(f"sample:\n{cfg.train.sample_prompt}{result.sample}")

@@ -48,6 +48,11 @@ BAD_INPUTS = {
                                        "run.cpu_devices=2", "mesh=pp"],
                                       "no stacked layers"),
     "profile range after the run": (["run.profile_steps=10:20"], "train.steps=4"),
+    "bfloat16 reduction without a data axis": (["run.cpu_devices=8", "mesh=fsdp", "train.grad_dtype=bfloat16"],
+                                               "train.grad_dtype=bfloat16"),
+    "bfloat16 reduction of batch statistics": (["model.name=cnn", "data.name=digits", "run.cpu_devices=2",
+                                                "train.grad_dtype=bfloat16"], "batch statistics"),
+    "no ZeRO stage 3 over data": (["mesh.zero=3"], "mesh.zero=3"),
 }
 
 

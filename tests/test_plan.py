@@ -115,7 +115,7 @@ def test_identical_meshes_are_one_candidate_and_unknown_memory_is_said():
     device reports no memory limit, mesh=auto does not claim the meshes fit."""
     candidates = plan.candidate_meshes(1)
     assert len(candidates) == 1 and candidates[0][0].startswith("dp = ")
-    assert candidates[0][0] == "dp = ep = fsdp = pp = tp"  # hybrid and fsdp_tp fix tensor=2: not on one device
+    assert candidates[0][0] == "dp = ep = fsdp = pp = tp = zero1 = zero2"  # hybrid, fsdp_tp: tensor=2
     assert len({label for label, _ in plan.candidate_meshes(8)}) == len(plan.candidate_meshes(8))
     row = {"label": "dp", "preset": "dp", "mesh": {}, "estimated_step_s": None, "wire_bytes_per_device": 0,
            "memory_per_device": {"total": 1, "fits": None}}

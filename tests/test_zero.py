@@ -84,3 +84,15 @@ def test_offload_keeps_the_state_in_host_memory(plans):
     assert mem(params)["host"] == mem(on_device)["optimizer"] + 4 * on_device["param_count"]
     assert mem(on_device)["host"] == 0
     assert mem(optimizer)["total"] < mem(on_device)["total"]
+
+
+def test_offload_where_the_backend_has_no_host_memory_is_one_clear_error():
+    from types import SimpleNamespace
+
+    from shard import state
+    from shard.errors import UserError
+
+    device = SimpleNamespace(platform="cpu", addressable_memories=lambda: [SimpleNamespace(kind="device")])
+    state.check_offload("none", device)
+    with pytest.raises(UserError, match="train.offload=optimizer .* works on GPU and TPU"):
+        state.check_offload("optimizer", device)
