@@ -12,7 +12,7 @@ from flax import nnx
 
 from models.layers import norm as make_norm
 from models.layers import Attention, Block, MLPBlock, check_choice, param, stacked
-from shard.hooks import stack
+from shard.hooks import positions, stack
 from shard.partition import constrain
 
 
@@ -65,7 +65,7 @@ class GPT(nnx.Module):
         # forces XLA to rematerialise it at every use.
         x = constrain(self.tok[...], ("vocab", None))[tokens]
         if self.pos is not None:
-            x = x + self.pos[...][:length]
+            x = x + self.pos[...][positions(length)]  # in the order the framework holds the tokens
         x = constrain(x, ("batch", "length", "embed"))
         x = self.ln_f(stack(self.blocks, x))
         logits = x @ self.tok[...].T if self.head is None else x @ self.head[...]

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.hooks import attention
+from shard.hooks import attention, positions
 from shard.partition import constrain
 
 
@@ -38,7 +38,7 @@ def rotary(x, theta: float):
     angle that grows with the position, so q.k depends on relative position."""
     half = x.shape[-1] // 2
     freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freqs  # (length, half)
+    angles = positions(x.shape[1]).astype(jnp.float32)[:, None] * freqs  # (length, half)
     cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

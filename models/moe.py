@@ -25,6 +25,7 @@ from flax import nnx
 
 from models.gpt import GPT
 from models.layers import param
+from shard.hooks import positions
 from shard.partition import constrain
 from shard.recorded import AuxLoss, Stat
 
@@ -64,9 +65,11 @@ class MoELayer(nnx.Module):
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)     # the chosen experts' weights sum to 1
         chosen = jax.nn.one_hot(top_e, n, dtype=jnp.float32)       # (b, t, k, n)
 
-        # Queue position of each choice at its expert: first choices of all tokens before second choices.
-        by_rank = chosen.transpose(0, 2, 1, 3).reshape(b, k * t, n)
-        position = (jnp.cumsum(by_rank, axis=1) - 1).reshape(b, k, t, n).transpose(0, 2, 1, 3)
+        # Queue position of each choice at its expert: first choices of all tokens before second choices, tokens
+        # in sequence order (the framework may hold them in another: shard.hooks.positions).
+        order = positions(t)
+        by_rank = chosen[:, jnp.argsort(order)].transpose(0, 2, 1, 3).reshape(b, k * t, n)
+        position = (jnp.cumsum(by_rank, axis=1) - 1).reshape(b, k, t, n).transpose(0, 2, 1, 3)[:, order]
         kept = chosen * (position < cap)
         slot = jax.nn.one_hot(jnp.sum(position * kept, axis=-1).astype(jnp.int32), cap, dtype=jnp.float32)
         dispatch = jnp.einsum("btkn,btkc->btnc", kept, slot)                        # 0/1: token -> (expert, slot)

@@ -82,6 +82,9 @@ class TrainConfig:
     loss: str = option("auto", "loss name (see shard/losses.py); auto = the task's default")
     remat: str = option("none", "activation checkpointing of each scanned layer: keep all, recompute all, "
                         "or keep matmul outputs", choices=("none", "full", "dots"))
+    context_strategy: str = option("all_gather", "attention under mesh.context > 1: all_gather (each device keeps "
+                                   "its queries and gathers every key and value) or ring (keys and values pass "
+                                   "round the context devices, never whole on one)", choices=("all_gather", "ring"))
     attention: str = option("xla", "attention kernel: xla (any device) or cudnn (fused flash attention; NVIDIA "
                             "GPU, bfloat16, head size <= 128)", choices=("xla", "cudnn"))
     init_from: Optional[str] = option(None, "load parameters only from this checkpoint (run, checkpoints or step folder), e.g. to fine-tune")
@@ -123,6 +126,8 @@ class MeshConfig:
     expert: Optional[int] = option(None, "expert-parallel axis size (experts split over it; it also splits the batch); "
                                    "-1 = remaining devices; default: preset's, else 1")
     fsdp: Optional[int] = option(None, "fully-sharded (ZeRO-3) axis size; -1 = remaining devices; default: preset's, else 1")
+    context: Optional[int] = option(None, "context (sequence) axis size: each sequence is split over it (see "
+                                    "train.context_strategy); -1 = remaining devices; default: preset's, else 1")
     tensor: Optional[int] = option(None, "tensor (Megatron) axis size; -1 = remaining devices; default: preset's, else 1")
     rules: dict = option({}, "logical axis -> mesh axis or list of axes (null = replicated), over the preset's")
     zero: Optional[int] = option(None, "ZeRO stage over the data axis: 1 splits the optimizer state over it, 2 also "
@@ -141,6 +146,7 @@ class MeshConfig:
     dcn_stage: int = option(1, "part of the stage axis across slices/nodes", min=1)
     dcn_expert: int = option(1, "part of the expert axis across slices/nodes", min=1)
     dcn_fsdp: int = option(1, "part of the fsdp axis across slices/nodes", min=1)
+    dcn_context: int = option(1, "part of the context axis across slices/nodes", min=1)
     dcn_tensor: int = option(1, "part of the tensor axis across slices/nodes", min=1)
 
 
@@ -533,7 +539,7 @@ def help_text(cfg: "Config | None" = None, model_signature: list[tuple[str, str,
             _fill_mesh_from_preset(preset_mesh)
     except UserError:  # an unknown preset: compare with the schema's defaults
         preset_mesh = MeshConfig()
-    from_preset = {"stage", "data", "expert", "fsdp", "tensor", "rules", "zero"}
+    from_preset = {"stage", "data", "expert", "fsdp", "context", "tensor", "rules", "zero"}
     rows: list[tuple[str, str, str, str] | str] = []  # (key, type, value, help) or a heading
     for section in SECTIONS:
         rows.append(f"{section}:")

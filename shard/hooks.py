@@ -1,11 +1,13 @@
 """The choices a model leaves to the framework: how its stack of layers runs (a scan, or a pipeline
-over the `stage` mesh axis), activation checkpointing, and the attention kernel.
+over the `stage` mesh axis), activation checkpointing, the attention kernel, and where each token of
+a sequence sits (context parallelism).
 
-A model runs its stacked layers with `stack(layers, x)`, applies a single layer through `layer(fn)`
-and computes attention with `attention(q, k, v, is_causal=...)`; what those do is set by the run
-(`mesh.stage` and `pipeline.*`, `train.remat`, `train.attention`) while its step is traced, under
-`use(...)`. Outside the framework they are plain JAX (a scan, no remat, XLA's attention), so a model
-stays an ordinary Flax module.
+A model runs its stacked layers with `stack(layers, x)`, applies a single layer through `layer(fn)`,
+computes attention with `attention(q, k, v, is_causal=...)` and takes its tokens' positions from
+`positions(length)`; what those do is set by the run (`mesh.stage` and `pipeline.*`, `train.remat`,
+`train.attention`, `mesh.context` and `train.context_strategy`) while its step is traced, under
+`use(...)`. Outside the framework they are plain JAX (a scan, no remat, XLA's attention, positions in
+order), so a model stays an ordinary Flax module.
 """
 
 import contextlib
@@ -14,12 +16,14 @@ import contextvars
 import jax
 from flax import nnx
 
+from shard import context
 from shard.errors import UserError
 
 _REMAT: contextvars.ContextVar = contextvars.ContextVar("shard_remat", default="none")
 _ATTENTION: contextvars.ContextVar = contextvars.ContextVar("shard_attention", default="xla")
 _PIPELINE: contextvars.ContextVar = contextvars.ContextVar("shard_pipeline", default=None)
 _STACKS: contextvars.ContextVar = contextvars.ContextVar("shard_stacks_seen", default=None)
+_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("shard_context_split", default=None)
 
 
 # train.remat -> what a layer keeps for the backward pass (everything, nothing, or matmul outputs).
@@ -30,16 +34,25 @@ REMAT_POLICIES = {
 
 
 @contextlib.contextmanager
-def use(remat: str = "none", attention: str = "xla", pipeline=None):
+def use(remat: str = "none", attention: str = "xla", pipeline=None, split: context.Split | None = None):
     """While tracing: `layer` applies this activation-checkpointing policy, `attention` this kernel,
-    and `stack` hands its layers to `pipeline(layers, x)` (shard/pipeline.py's Schedule; None: a scan)."""
-    tokens = _REMAT.set(remat), _ATTENTION.set(attention), _PIPELINE.set(pipeline)
+    `stack` hands its layers to `pipeline(layers, x)` (shard/pipeline.py's Schedule; None: a scan), and
+    under context parallelism (`split`) attention runs over the context devices and `positions` gives
+    the tokens' positions in their load-balanced order."""
+    variables = (_REMAT, remat), (_ATTENTION, attention), (_PIPELINE, pipeline), (_CONTEXT, split)
+    tokens = [var.set(value) for var, value in variables]
     try:
         yield
     finally:
-        _REMAT.reset(tokens[0])
-        _ATTENTION.reset(tokens[1])
-        _PIPELINE.reset(tokens[2])
+        for (var, _), token in zip(variables, tokens):
+            var.reset(token)
+
+
+def positions(length: int) -> jax.Array:
+    """The position of each of a sequence's `length` tokens as the step lays them out: 0..length-1, or
+    under context parallelism the load-balanced order (shard/context.py). Position embeddings, learned or
+    rotary, index with this so they follow the tokens."""
+    return context.positions(_CONTEXT.get(), length)
 
 
 @contextlib.contextmanager
@@ -123,7 +136,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool) -> j
     """Scaled dot-product attention over (batch, length, heads, head_dim) arrays with the active kernel
     (`train.attention`): XLA's own (any device), or cuDNN's fused flash attention. A model calls this
     instead of choosing a kernel; outside the framework it is XLA's."""
-    implementation = _ATTENTION.get()
+    implementation, split = _ATTENTION.get(), _CONTEXT.get()
+    if split is not None and split.size > 1:  # the sequence is split over the context devices
+        return context.attention(q, k, v, bool(is_causal), split)
     head_dim = q.shape[-1]
     if implementation == "cudnn" and (head_dim > 128 or head_dim % 8):
         raise UserError(f"train.attention=cudnn needs a head size <= 128 and a multiple of 8, got {head_dim}; "

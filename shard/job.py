@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from shard import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
-from shard import distributed, gradients, hooks, losses, optim, partition, paths, registry
+from shard import context, distributed, gradients, hooks, losses, optim, partition, paths, registry
 from shard import flops as flops_lib
 from shard import mesh as mesh_lib
 from shard import pipeline as pipeline_lib
@@ -60,6 +60,7 @@ class Job:
     compile_s: float        # seconds to trace, lower and compile the train step
     split: list             # per parameter: shape, spec and how it was split (state.split_report)
     pipeline: object = None # the pipeline Schedule under mesh.stage > 1 (shard/pipeline.py), else None
+    context: object = None  # the context split under mesh.context > 1 (shard/context.py), else None
     reduction: object = None  # how the gradients are accumulated and reduced (shard/gradients.py)
 
 
@@ -110,7 +111,9 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
     abstract = work.abstract
 
     pipe = pipeline_lib.settings(cfg, dict(mesh.shape), rules, work)
-    with partition.activate(mesh, rules), hooks.use(cfg.train.remat, cfg.train.attention, pipe):
+    seq = context.settings(cfg, dict(mesh.shape), work)
+    order = seq.order if seq else None  # the load-balanced token order under context parallelism
+    with partition.activate(mesh, rules), hooks.use(cfg.train.remat, cfg.train.attention, pipe, seq):
         auto_min = state_lib.auto_min_size(cfg.mesh)
         device_shardings = state_lib.state_shardings(abstract, mesh, rules, auto_min, cfg.mesh.zero)
         state_lib.check_offload(cfg.train.offload, devices[0])
@@ -132,17 +135,18 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         check_grad_accum(cfg, dict(mesh.shape), rules)
         reduction = gradient_reduction(cfg, mesh, rules, work, split, auto_min)
         train_fn = step_lib.make_train_step(work.graphdef, work.tx, work.loss_fn, work.dtype,
-                                            cfg.train.skip_nonfinite, reduction, moved)
+                                            cfg.train.skip_nonfinite, reduction, moved, order)
         compile_start = time.perf_counter()
         train_step = step_lib.compile_step(train_fn, abstract, shardings, work.batch, batch_shardings, mesh,
                                            donate=True, returns_state=True, what="the train step")
         compile_s = time.perf_counter() - compile_start
         eval_step = None if not training else step_lib.compile_step(
-            step_lib.make_eval_step(work.graphdef, work.loss_fn, work.data.task, work.dtype, moved), abstract, shardings,
+            step_lib.make_eval_step(work.graphdef, work.loss_fn, work.data.task, work.dtype, moved, order), abstract,
+            shardings,
             work.eval_batch, eval_shardings, mesh, donate=False, returns_state=False, what="the eval step")
 
     return Job(work, mesh, rules, shardings, batch_shardings, eval_shardings, target, checkpoint_dir, train_step,
-               eval_step, compile_s, split, pipe, reduction)
+               eval_step, compile_s, split, pipe, seq, reduction)
 
 
 def gradient_reduction(cfg, mesh, rules: dict, work: Workload, split: list, auto_min) -> gradients.Reduction:

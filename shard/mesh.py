@@ -14,8 +14,9 @@ from jax.experimental import mesh_utils
 
 from shard.errors import UserError
 
-AXES = ("stage", "data", "expert", "fsdp", "tensor")  # mesh axis order, slowest-varying first
-# (pipeline stages outermost: only activations at stage boundaries cross them, so they suit slow links)
+AXES = ("stage", "data", "expert", "fsdp", "context", "tensor")  # mesh axis order, slowest-varying first
+# (pipeline stages outermost: only activations at stage boundaries cross them, so they suit slow links;
+# context and tensor innermost: they exchange activations inside every layer)
 
 
 def preset_names() -> list[str]:

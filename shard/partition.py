@@ -24,7 +24,7 @@ from shard.errors import UserError
 # Logical name -> mesh axis, tuple of mesh axes, or None (replicated).
 RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("data", "expert", "fsdp"),  # examples of the global batch
-    "length": None,             # sequence positions
+    "length": "context",        # sequence positions (split only under context parallelism)
     "embed": "fsdp",            # model width (residual stream)
     "mlp": "tensor",            # hidden width of a feed-forward layer
     "heads": "tensor",          # attention (query) heads
@@ -78,7 +78,7 @@ def logical_to_spec(names: Sequence[str | None], rules: dict, mesh_shape: dict[s
         if name not in rules:
             raise UserError(f"logical axis {name!r} has no rule; known names: {', '.join(rules)} "
                             "(add one with mesh.rules.NAME=AXIS)")
-        axes = tuple(a for a in axes_of(rules[name]) if mesh_shape[a] > 1 and a not in used)
+        axes = tuple(a for a in axes_of(rules[name]) if mesh_shape.get(a, 1) > 1 and a not in used)
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*spec)

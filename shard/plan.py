@@ -100,6 +100,9 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "auto_split": [{"param": r["param"], "shape": list(r["shape"]), "spec": _spec_text(r["spec"])}
                        for r in prepared.split if r["kind"] == "auto"],
         "collectives": table,
+        "context": None if prepared.context is None else {
+            "size": prepared.context.size, "strategy": prepared.context.strategy,
+            "balanced": prepared.context.order is not None},
         "pipeline": None if pipe is None else {
             "stages": pipe.stages, "repeats": pipe.repeats, "microbatches": pipe.microbatches,
             "layers_per_stage": [n // pipe.stages for n in work.stacks], "bubble": idle},
@@ -136,6 +139,11 @@ def report(plan: dict) -> str:
                      f"({'GPipe' if pipe['repeats'] == 1 else 'circular'}), {pipe['microbatches']} microbatches, "
                      f"{'/'.join(map(str, pipe['layers_per_stage']))} layers per stage; bubble "
                      f"(S-1)/(R*M+S-1) = {pipe['bubble']:.1%} of the step")
+    if ctx := plan.get("context"):
+        how = {"all_gather": "each device gathers every layer's keys and values",
+               "ring": "keys and values pass round the devices, one chunk per step"}[ctx["strategy"]]
+        lines.append(f"  context: each sequence split over {ctx['size']} devices ({ctx['strategy']}: {how})"
+                     + ("; causal work balanced (chunks i and 2N-1-i on device i)" if ctx["balanced"] else ""))
     used = {k: v for k, v in plan["collectives"].items() if v["count"]}
     if used:
         lines.append("  collectives: " + ", ".join(f"{k} x{v['count']} ({_mb(v['bytes'])})" for k, v in used.items()))
@@ -158,15 +166,18 @@ def _mb(n) -> str:
     return f"{n / 2**20:.2f} MiB" if n is not None else "?"
 
 
-def candidate_meshes(n_devices: int) -> list[tuple[str, dict]]:
-    """Every preset, and every way to write n_devices as stage x data x expert x fsdp x tensor; a mesh that
-    is the same as an earlier one (axis sizes and rules) is listed once, under all its names."""
+def candidate_meshes(n_devices: int, sequences: bool = False) -> list[tuple[str, dict]]:
+    """Every preset, and every way to write n_devices as stage x data x expert x fsdp x context x tensor
+    (context only for `sequences`: language-model data); a mesh that is the same as an earlier one (axis
+    sizes, rules and ZeRO stage) is listed once, under all its names."""
     out, seen = [], {}  # seen: (sizes, rules) -> index in out
     for name in mesh_lib.preset_names():
         preset = mesh_lib.load_preset(name)
         try:
             sizes = mesh_lib.resolve_sizes({a: preset.get(a, 1) for a in mesh_lib.AXES}, n_devices)
         except UserError:  # e.g. hybrid's tensor=2 on an odd device count
+            continue
+        if sizes["context"] > 1 and not sequences:
             continue
         key = (tuple(sizes.values()), repr(sorted(preset.get("rules", {}).items())),
                preset.get("zero", 0) if sizes["data"] > 1 else 0)
@@ -178,7 +189,8 @@ def candidate_meshes(n_devices: int) -> list[tuple[str, dict]]:
         out.append((name, {"preset": name, **sizes}))
     divisors = [d for d in range(1, n_devices + 1) if n_devices % d == 0]
     for shape in itertools.product(divisors, repeat=len(mesh_lib.AXES)):
-        if math.prod(shape) == n_devices and (shape, "[]", 0) not in seen:
+        context = shape[mesh_lib.AXES.index("context")]
+        if math.prod(shape) == n_devices and (shape, "[]", 0) not in seen and (sequences or context == 1):
             seen[(shape, "[]", 0)] = len(out)
             out.append((" x ".join(f"{a}={s}" for a, s in zip(mesh_lib.AXES, shape) if s > 1) or "1 device",
                         {"preset": "dp", **dict(zip(mesh_lib.AXES, shape))}))
@@ -194,7 +206,7 @@ def compare(cfg, devices: list) -> list[dict]:
     params = work.abstract.params
     auto_min = state_lib.auto_min_size(cfg.mesh)
     rows = []
-    for label, sizes in candidate_meshes(len(devices)):
+    for label, sizes in candidate_meshes(len(devices), sequences=work.data.task == "lm"):
         preset = sizes.pop("preset")
         chosen = mesh_lib.load_preset(preset)
         mesh_cfg = replace(cfg.mesh, preset=preset, rules=dict(chosen.get("rules", {})), zero=chosen.get("zero", 0),

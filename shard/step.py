@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard import gradients, recorded
+from shard import context, gradients, recorded
 from shard.errors import UserError, first_line
 from shard.losses import accuracy
 from shard.state import TrainState
@@ -38,13 +38,15 @@ def cast_floats(tree, dtype):
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable, dtype,
                     skip_nonfinite: bool = False, reduction: gradients.Reduction = gradients.Reduction(),
-                    device_shardings=None) -> Callable:
+                    device_shardings=None, order: tuple | None = None) -> Callable:
     """The train step: the loss (each microbatch's mean loss counting 1/K under accumulation, so the update is
     the whole batch's), gradients reduced as `reduction` says (shard/gradients.py), one optimizer update.
     `device_shardings` (host offload) is the state's layout in device memory: what lives on the host between
-    steps is moved there for the step and back after it (the out shardings say where)."""
+    steps is moved there for the step and back after it (the out shardings say where). `order`: context
+    parallelism's load-balanced token order, in which inputs and targets are laid out (shard/context.py)."""
 
     def objective(params, rest, batch):
+        batch = context.reorder(batch, order)
         model = nnx.merge(graphdef, cast_floats(params, dtype), rest, copy=True)
         outputs = model(cast_floats(batch["inputs"], dtype))
         loss = loss_fn(outputs.astype(jnp.float32), batch["targets"])
@@ -78,11 +80,12 @@ def to_device(state, device_shardings):
     return state if device_shardings is None else jax.device_put(state, device_shardings)
 
 
-def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable, task: str, dtype, device_shardings=None) -> Callable:
+def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable, task: str, dtype, device_shardings=None,
+                   order: tuple | None = None) -> Callable:
     """Sums over the real (mask 1) examples of a batch; the caller divides by the totals."""
 
     def eval_step(state: TrainState, batch: dict):
-        state = to_device(state, device_shardings)
+        state, batch = to_device(state, device_shardings), context.reorder(batch, order)
         model = nnx.merge(graphdef, cast_floats(state.params, dtype), state.rest)
         model.eval()  # e.g. normalisation layers use their running statistics
         outputs = model(cast_floats(batch["inputs"], dtype)).astype(jnp.float32)

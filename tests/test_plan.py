@@ -80,7 +80,7 @@ def test_dry_run_writes_plan_json_and_trains_nothing(tmp_path):
                    "run.peak_tflops=100", "run.link_gbps=50", "run.device_memory_gb=0.0001")
     assert done.returncode == 0, done.stderr
     p = json.loads((tmp_path / "plan.json").read_text())
-    assert p["mesh"] == {"stage": 1, "data": 4, "expert": 1, "fsdp": 1, "tensor": 2} and p["devices"] == 8
+    assert p["mesh"] == {"stage": 1, "data": 4, "expert": 1, "fsdp": 1, "context": 1, "tensor": 2} and p["devices"] == 8
     assert set(p["memory_per_device"]) >= {"params", "optimizer", "arguments", "temp", "total", "fits"}
     assert p["memory_per_device"]["fits"] is False  # 100 kB is too little
     assert p["estimated_step_s"] == pytest.approx(p["flops_per_device"] / 100e12 + p["wire_bytes_per_device"] / 50e9)
@@ -114,8 +114,8 @@ def test_identical_meshes_are_one_candidate_and_unknown_memory_is_said():
     """On one device every preset is the same mesh: one candidate under all its names. Where the
     device reports no memory limit, mesh=auto does not claim the meshes fit."""
     candidates = plan.candidate_meshes(1)
-    assert len(candidates) == 1 and candidates[0][0].startswith("dp = ")
-    assert candidates[0][0] == "dp = ep = fsdp = pp = tp = zero1 = zero2"  # hybrid, fsdp_tp: tensor=2
+    assert len(candidates) == 1 and candidates[0][0].startswith("cp = dp = ")
+    assert candidates[0][0] == "cp = dp = ep = fsdp = pp = tp = zero1 = zero2"  # hybrid, fsdp_tp: tensor=2
     assert len({label for label, _ in plan.candidate_meshes(8)}) == len(plan.candidate_meshes(8))
     row = {"label": "dp", "preset": "dp", "mesh": {}, "estimated_step_s": None, "wire_bytes_per_device": 0,
            "memory_per_device": {"total": 1, "fits": None}}

@@ -1,0 +1,192 @@
+"""Context (sequence) parallelism: each sequence split along its length over the `context` mesh axis.
+
+Everything outside attention works on a device's own tokens (the logical name `length` maps to
+`context`), so the activations of one sequence are spread over the devices. Attention needs every
+earlier key and value, and gets them one of two ways (`train.context_strategy`):
+
+- all_gather: each device keeps its queries and gathers the whole sequence's keys and values over
+  `context` (the partitioner inserts the all-gather, and a reduce-scatter of their gradients).
+- ring: keys and values travel round the devices, one chunk at a time, with collective permutes
+  inside `shard_map`; each device folds every chunk into its queries' output with a running max and
+  sum (the online softmax of flash attention), so none ever holds the whole sequence's. The backward
+  pass rings the same way (a custom VJP), sending each chunk's key/value gradients along with it.
+
+Under causal attention the later tokens attend to more keys. So that every device has the same
+work, language-model sequences are laid out load-balanced: cut into 2N chunks, device i holds
+chunks i and 2N-1-i (MaxText's dual-chunk swap). The train step reorders inputs and targets that
+way; a model reads its tokens' positions from `shard.hooks.positions` (learned or rotary
+embeddings follow the tokens) and attention masks by position, so results equal the unsplit model's.
+"""
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from shard import partition
+from shard.errors import UserError
+
+AXIS = "context"
+
+
+@dataclass(frozen=True)
+class Split:
+    """How attention runs under mesh.context > 1."""
+    size: int                       # devices along `context`
+    strategy: str                   # all_gather or ring
+    order: tuple | None = None      # the position of each token of a sequence as laid out (None: in order)
+
+
+def balanced_order(length: int, n: int) -> tuple:
+    """Positions of a sequence's tokens in the load-balanced layout: 2n chunks, device i holding chunks i
+    and 2n-1-i, devices in turn (length must divide by 2n)."""
+    chunks = np.arange(length).reshape(2 * n, length // (2 * n))
+    return tuple(int(p) for i in range(n) for p in np.concatenate([chunks[i], chunks[2 * n - 1 - i]]))
+
+
+def reorder(batch: dict, order: tuple | None) -> dict:
+    """A language-model batch's inputs and targets (batch, length) put in the load-balanced order."""
+    if order is None:
+        return batch
+    index = np.asarray(order)
+    return {k: v[:, index] if k in ("inputs", "targets") and v.ndim >= 2 and v.shape[1] == len(order) else v
+            for k, v in batch.items()}
+
+
+def positions(split: Split | None, length: int) -> jax.Array:
+    if split is not None and split.order is not None and len(split.order) == length:
+        return jnp.asarray(split.order, jnp.int32)
+    return jnp.arange(length, dtype=jnp.int32)
+
+
+def attention(q, k, v, is_causal: bool, split: Split) -> jax.Array:
+    """Attention over (batch, length, heads, head_dim) arrays split on length over `context`."""
+    pos = positions(split, q.shape[1])
+    if split.strategy == "ring":
+        mesh, _ = partition.active()
+        spec = PartitionSpec(None, AXIS)
+        run = jax.shard_map(partial(_ring, causal=is_causal, n=split.size), mesh=mesh,
+                            in_specs=(spec, spec, spec, PartitionSpec(AXIS)), out_specs=spec, axis_names={AXIS})
+        return run(q, k, v, pos)
+    # all_gather: keys and values whole along length on every device; queries stay split.
+    k, v = (partition.constrain(t, ("batch", None, "kv_heads", "head_dim")) for t in (k, v))
+    mask = None
+    if is_causal:
+        mask = partition.constrain(pos[:, None] >= pos[None, :], ("length", None))[None, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask)
+
+
+# ----------------------------------------------------------------------------- ring attention
+# Inside shard_map: q, k, v are this device's chunks, (batch, chunk, heads, head_dim); pos its positions.
+# Grouped heads are kept grouped: q as (batch, kv_heads, group, chunk, head_dim).
+
+def _grouped(q, k):
+    b, t, h, d = q.shape
+    return q.reshape(b, t, k.shape[2], h // k.shape[2], d).transpose(0, 2, 3, 1, 4)
+
+
+def _scores(qg, k, qpos, kpos, causal):
+    s = jnp.einsum("bhgqd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) / math.sqrt(qg.shape[-1])
+    return jnp.where(qpos[:, None] >= kpos[None, :], s, -jnp.inf) if causal else s
+
+
+def _pass_on(tree, n):
+    return jax.lax.ppermute(tree, AXIS, [(i, (i + 1) % n) for i in range(n)])
+
+
+def _forward(q, k, v, pos, causal, n):
+    """Output and log-sum-exp of each query over every chunk: the device's own first (its diagonal, so
+    every query has a visible key from the start), then n-1 chunks passed on from its neighbour."""
+    qg = _grouped(q, k)
+
+    def fold(state, k, v, kpos):
+        m, l, acc = state
+        s = _scores(qg, k, pos, kpos, causal)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        scale = jnp.exp(m - m_new)
+        acc = acc * scale[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, v.astype(jnp.float32))
+        return m_new, l * scale + p.sum(-1), acc
+
+    shape = qg.shape[:-1]
+    state = fold((jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(qg.shape[:-1] + (v.shape[-1],))),
+                 k, v, pos)
+
+    def step(carry, _):
+        kv, state = carry
+        kv = _pass_on(kv, n)
+        return (kv, fold(state, *kv)), None
+
+    (_, (m, l, acc)), _ = jax.lax.scan(step, ((k, v, pos), state), None, length=n - 1)
+    out = acc / l[..., None]  # (b, kv_heads, group, chunk, d)
+    b, t, h, _ = q.shape
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, -1).astype(q.dtype), m + jnp.log(l)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ring(q, k, v, pos, causal, n):
+    return _forward(q, k, v, pos, causal, n)[0]
+
+
+def _ring_fwd(q, k, v, pos, causal, n):
+    out, lse = _forward(q, k, v, pos, causal, n)
+    return out, (q, k, v, pos, out, lse)
+
+
+def _ring_bwd(causal, n, residuals, d_out):
+    """The backward ring: each chunk's keys and values travel again, with their gradients accumulated along
+    the way; after n-1 steps one more pass brings every chunk's gradients home."""
+    q, k, v, pos, out, lse = residuals
+    qg, dog = _grouped(q, k), _grouped(d_out.astype(jnp.float32), k)
+    delta = jnp.sum(dog * _grouped(out.astype(jnp.float32), k), axis=-1)  # rowsum(dO * O)
+    scale = 1 / math.sqrt(q.shape[-1])
+
+    def fold(dq, k, v, kpos, dk, dv):
+        p = jnp.exp(_scores(qg, k, pos, kpos, causal) - lse[..., None])
+        dv = dv + jnp.einsum("bhgqk,bhgqd->bkhd", p, dog)
+        ds = p * (jnp.einsum("bhgqd,bkhd->bhgqk", dog, v.astype(jnp.float32)) - delta[..., None])
+        dq = dq + jnp.einsum("bhgqk,bkhd->bhgqd", ds, k.astype(jnp.float32)) * scale
+        dk = dk + jnp.einsum("bhgqk,bhgqd->bkhd", ds, qg.astype(jnp.float32)) * scale
+        return dq, dk, dv
+
+    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+    dq, dk, dv = fold(jnp.zeros(qg.shape, jnp.float32), k, v, pos, zeros(k), zeros(v))
+
+    def step(carry, _):
+        dq, chunk = carry
+        k, v, kpos, dk, dv = _pass_on(chunk, n)
+        dq, dk, dv = fold(dq, k, v, kpos, dk, dv)
+        return (dq, (k, v, kpos, dk, dv)), None
+
+    (dq, (_, _, _, dk, dv)), _ = jax.lax.scan(step, (dq, (k, v, pos, dk, dv)), None, length=n - 1)
+    dk, dv = _pass_on((dk, dv), n)
+    b, t, h, d = q.shape
+    dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), np.zeros(pos.shape, jax.dtypes.float0)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def settings(cfg, mesh_shape: dict, work) -> Split | None:
+    """The context split cfg's mesh asks for (None without one), checked against the data and kernel."""
+    n = mesh_shape[AXIS]
+    if n == 1:
+        return None
+    if cfg.train.attention != "xla":
+        raise UserError(f"train.attention={cfg.train.attention} with mesh.context={n}: the fused kernel takes whole "
+                        "sequences, and the context strategies compute attention from their chunks with XLA's "
+                        "matrix products; use train.attention=xla")
+    order = None
+    if work.data.task == "lm":  # causal: the load-balanced layout
+        length = work.batch["inputs"].shape[1]
+        if length % (2 * n):
+            raise UserError(f"data.seq_len={length} does not cut into the 2 x {n} chunks that mesh.context={n} lays "
+                            f"out (each device holds one early and one late chunk, for even causal work); use a "
+                            f"multiple of {2 * n}")
+        order = balanced_order(length, n)
+    return Split(n, cfg.train.context_strategy, order)

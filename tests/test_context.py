@@ -1,0 +1,94 @@
+"""Context parallelism (`mesh.context`, `train.context_strategy`): each sequence split over devices gives the
+one-device curve, ring attention equals plain attention, the plan's collectives follow the formulas, and a
+long sequence's activation memory is spread over the devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY_GPT, TINY_MODELS, one_device_runs, overrides
+from shard import config, context, hlo, job, partition, plan
+from shard import mesh as mesh_lib
+
+SEQ = ["data.seq_len=256", "model.max_len=256", "data.batch_size=8"]
+GPT = [a for a in TINY_GPT if not a.startswith(("data.seq_len", "model.max_len", "data.batch_size"))] + SEQ
+STEPS = ["train.steps=8", "run.log_every=1", "optimizer.warmup_steps=2", "run.cpu_devices=8"]
+REFERENCES = {"gpt": GPT, "gpt_rope": [*GPT, "model.position=rope"], "moe": TINY_MODELS["moe"]}
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    return one_device_runs(tmp_path_factory, REFERENCES, *[s for s in STEPS if "cpu_devices" not in s])
+
+
+def losses(result):
+    return np.array([r["loss"] for r in result.history])
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_split_sequences_give_the_one_device_curve(train, one_device, strategy):
+    cases = [("gpt", ["mesh.context=8"]), ("gpt", ["mesh.context=4", "mesh.fsdp=2"]),
+             ("gpt_rope", ["mesh.context=2", "mesh.tensor=2", "mesh.data=2"]),
+             ("moe", ["mesh.context=2", "mesh.expert=4"])]
+    for name, mesh in cases:
+        reference = losses(one_device(name))
+        assert reference[-1] < reference[0]
+        run = train(*REFERENCES[name], *STEPS, "mesh=cp", *mesh, f"train.context_strategy={strategy}",
+                    subdir=f"{name}-{'-'.join(mesh)}")
+        np.testing.assert_allclose(losses(run), reference, rtol=1e-5, err_msg=f"{name} {mesh}")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_equals_unsplit_attention(causal):
+    n, (b, t, h, kv, d) = 8, (2, 64, 4, 2, 8)
+    mesh = jax.make_mesh((1, 1, 1, 1, n, 1), mesh_lib.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 6)
+    q, k, v = (jax.random.normal(key, (b, t, heads, d)) for key, heads in zip(jax.random.split(jax.random.key(0), 3),
+                                                                                 (h, kv, kv)))
+    weights = jax.random.normal(jax.random.key(1), (b, t, h, d))
+    split = context.Split(n, "ring", context.balanced_order(t, n) if causal else None)
+    order = np.asarray(split.order or range(t))
+
+    def ring(q, k, v):
+        with partition.activate(mesh, partition.RULES):
+            laid_out = (partition.constrain(x[:, order], ("batch", "length", "heads", "head_dim")) for x in (q, k, v))
+            return context.attention(*laid_out, causal, split)[:, np.argsort(order)]
+
+    plain = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    for fn in (plain, ring):  # outputs, then gradients of a weighted sum
+        fn.value = jax.jit(fn)(q, k, v)
+        fn.grads = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * weights), argnums=(0, 1, 2)))(q, k, v)
+    for ours, want in zip((ring.value, *ring.grads), (plain.value, *plain.grads)):
+        assert float(jnp.max(jnp.abs(ours - want)) / jnp.max(jnp.abs(want))) < 1e-6
+
+
+def compiled(tmp_path, *extra, devices=None):
+    cfg = config.load(None, overrides(tmp_path, *extra))
+    return job.prepare(cfg, devices or jax.devices(), training=False)
+
+
+def test_the_plan_counts_what_each_strategy_sends(tmp_path):
+    """all_gather: per layer, K and V gathered whole over `context`. ring: per layer N-1 passes of a K and
+    a V chunk forward; backward N-1 passes of K, V and their gradients, and one more of the gradients."""
+    cfg = config.load(None, overrides(tmp_path, *GPT))
+    b, t, layers, n = cfg.data.batch_size, cfg.data.seq_len, cfg.model.kwargs["n_layers"], 8
+    kv_bytes = b * t * cfg.model.kwargs["d_model"] * 4  # K (or V) of one layer: all heads x head size = d_model
+    gathered = compiled(tmp_path, *GPT, "mesh=cp")
+    ops = hlo.collectives(gathered.train_step.as_text(), n)
+    gathers = [o for o in ops if o.kind == "all-gather" and o.group == n]
+    assert sum(o.bytes * o.count for o in gathers) == layers * 2 * kv_bytes
+    ring = compiled(tmp_path, *GPT, "mesh=cp", "train.context_strategy=ring")
+    permutes = [o for o in hlo.collectives(ring.train_step.as_text(), n) if o.kind == "collective-permute"
+                and o.bytes == kv_bytes / n]  # chunks of K, V or their gradients (positions are 4 bytes a token)
+    assert sum(o.count for o in permutes) == layers * ((n - 1) * 2 + (n - 1) * 4 + 2)
+    assert "context: each sequence split over 8 devices (ring" in plan.report(plan.analyse(
+        config.load(None, overrides(tmp_path, *GPT, "mesh=cp", "train.context_strategy=ring")), jax.devices()))
+
+
+def test_a_long_sequence_spreads_its_activations(tmp_path):
+    long = [*GPT, "data.seq_len=2048", "model.max_len=2048", "data.batch_size=1"]
+    temp = lambda j: j.train_step.memory_analysis().temp_size_in_bytes
+    whole = temp(compiled(tmp_path, *long, devices=jax.devices()[:1]))
+    for strategy in ("all_gather", "ring"):
+        split = temp(compiled(tmp_path, *long, "mesh=cp", f"train.context_strategy={strategy}"))
+        assert split <= whole / 3, (strategy, split, whole)
