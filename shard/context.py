@@ -181,6 +181,9 @@ def settings(cfg, mesh_shape: dict, work) -> Split | None:
         raise UserError(f"train.attention={cfg.train.attention} with mesh.context={n}: the fused kernel takes whole "
                         "sequences, and the context strategies compute attention from their chunks with XLA's "
                         "matrix products; use train.attention=xla")
+    if cfg.train.context_strategy == "ring" and mesh_shape["stage"] > 1:  # shard_map inside the pipeline's vmap
+        raise UserError(f"train.context_strategy=ring does not run inside a pipeline (mesh.stage={mesh_shape['stage']}): "
+                        "JAX cannot batch its shard_map over the stages; use train.context_strategy=all_gather")
     order = None
     if work.data.task == "lm":  # causal: the load-balanced layout
         length = work.batch["inputs"].shape[1]

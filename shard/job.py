@@ -156,6 +156,13 @@ def gradient_reduction(cfg, mesh, rules: dict, work: Workload, split: list, auto
     local = gradients.local_axes(rules, dict(mesh.shape), param_axes)
     wire = jnp.dtype(cfg.train.grad_dtype)
     needed = cfg.train.grad_accum > 1 or wire != jnp.float32 or (cfg.mesh.zero and mesh.shape["data"] > 1)
+    ring = cfg.train.context_strategy == "ring" and mesh.shape["context"] > 1
+    if local and ring:  # the ring's shard_map cannot run under the per-shard vmap
+        if wire != jnp.float32:
+            raise UserError(f"train.grad_dtype={cfg.train.grad_dtype} with train.context_strategy=ring: the ring's "
+                            "shard_map cannot run per data shard; use train.context_strategy=all_gather or "
+                            "train.grad_dtype=float32")
+        local = ()
     if local and not gradients.separable(work.abstract.rest):
         if wire != jnp.float32:
             raise UserError(f"train.grad_dtype={cfg.train.grad_dtype} sums each device's own gradient, and model "
