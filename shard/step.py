@@ -139,4 +139,4 @@ def compile_step(fn: Callable, abstract_state, state_shardings, abstract_batch, 
         lowered = jitted.lower(abstract_state, abstract_batch)
     except (TypeError, ValueError) as e:  # the workload traced without a mesh, so: this mesh's layout
         raise UserError(f"{what} does not compile on mesh {dict(mesh.shape)}: {first_line(e)}") from None
-    return lowered.compile(compiler_options={"xla_disable_hlo_passes": "all-reduce-promotion"})
+    return lowered.compile()

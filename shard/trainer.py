@@ -258,8 +258,11 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 # Step 1 (of this run) is timed to its end: with nothing before it, its dispatch alone says nothing.
                 if done == start + 1:
                     jax.block_until_ready(out["loss"])
-                step_time = (time.perf_counter() - t_last) / steps_since
-                record = {"lr": float(schedule(step)), "step_time_s": step_time, "data_wait_s": waited / steps_since,
+                step_time, data_wait = (time.perf_counter() - t_last) / steps_since, waited / steps_since
+                # The next interval starts now: what follows may wait for the running step (evaluating the
+                # learning-rate schedule is a device computation queued behind it), and that is its time.
+                t_last, steps_since, waited = time.perf_counter(), 0, 0.0
+                record = {"lr": float(schedule(step)), "step_time_s": step_time, "data_wait_s": data_wait,
                           rate_key: per_step / step_time}
                 if flops:
                     record["tflops_per_device"] = flops / step_time / 1e12  # model FLOPs achieved
@@ -270,7 +273,6 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 if done == start + 1:  # start-up costs, once: process start to the end of the first step
                     record |= {"compile_s": job.compile_s, "startup_s": seconds_since_process_start()}
                 records[done] = record
-                t_last, steps_since, waited = time.perf_counter(), 0, 0.0
             if not (save_now or eval_now or stopping or done == cfg.train.steps):
                 if log_now:  # the finished steps only (no wait for the one just dispatched), but step 1's
                     look_at(done if done == start + 1 else done - 1)  # record at once: the run is alive

@@ -93,15 +93,16 @@ def test_compare_and_auto_pick_the_fastest_mesh_that_fits(tmp_path):
                                       "run.link_gbps=50"))
     rows = plan.compare(cfg, jax.devices()[:2])
     shapes = {tuple(r["mesh"].values()) for r in rows if "skipped" not in r}
-    # every factorization of 2 (stage, data, expert, fsdp, tensor) but expert=2: the GPT has no experts,
-    # so that is data parallel renamed; stage=2 cuts its 2 layers into 2 stages
-    assert shapes == {(2, 1, 1, 1, 1), (1, 2, 1, 1, 1), (1, 1, 1, 2, 1), (1, 1, 1, 1, 2)}
+    # every factorization of 2 (stage, data, expert, fsdp, context, tensor) but expert=2: the GPT has no
+    # experts, so that is data parallel renamed; stage=2 cuts its 2 layers into 2 stages; context=2 splits
+    # its sequences (language-model data)
+    assert shapes == {(2, 1, 1, 1, 1, 1), (1, 2, 1, 1, 1, 1), (1, 1, 1, 2, 1, 1), (1, 1, 1, 1, 2, 1), (1, 1, 1, 1, 1, 2)}
     staged = next(r for r in rows if r.get("mesh", {}).get("stage") == 2)
     assert staged["pipeline"]["stages"] == 2 and staged["pipeline"]["bubble"] == pytest.approx(1 / 5)
     assert any(r.get("skipped") == "no parameter is split on expert" for r in rows)
     chosen, why = plan.chosen_config(cfg, rows)
     fastest = min((r for r in rows if "skipped" not in r), key=lambda r: r["estimated_step_s"])
-    assert tuple(getattr(chosen.mesh, a) for a in ("stage", "data", "expert", "fsdp", "tensor")) == \
+    assert tuple(getattr(chosen.mesh, a) for a in ("stage", "data", "expert", "fsdp", "context", "tensor")) == \
         tuple(fastest["mesh"].values())
     assert why.startswith("mesh=auto chose ") and "fastest estimated step" in why
     assert "mesh" in plan.comparison_table(rows)
