@@ -40,6 +40,7 @@ class Reduction:
     wire_dtype: Any = jnp.float32   # what the data axes' reduction runs in (train.grad_dtype)
     local_axes: tuple = ()          # the data axes each device keeps its own gradient over; () = XLA's reduction
     update_shardings: Any = None    # ZeRO: the layout gradients are reduced into (the optimizer moments')
+    param_shardings: Any = None     # the parameters' layout (each gradient's, past its per-shard dimension)
     split_sum: bool = False         # ZeRO-2: each microbatch reduced into a split sum (1/N of the bytes)
 
 
@@ -137,10 +138,13 @@ def mean_over_shards(grads, red: Reduction):
     """Per-shard gradients (a leading dimension split over `red.local_axes`) to their mean, summed across the
     devices in `red.wire_dtype`. Under ZeRO the sum over `data` is a reduce-scatter into the optimizer state's
     layout (each device receives only the slice it updates), written out with shard_map: XLA's CPU backend
-    would otherwise all-reduce and then slice."""
+    would otherwise all-reduce and then slice. The shard_map is manual over every mesh axis, each gradient
+    entering in its parameter's layout: a partly manual one crashes XLA's CPU compiler on a bfloat16 sum
+    (jaxlib 0.10.2: its all-reduce promotion meets the manual-sharding copy JAX puts in the reducer)."""
     mesh, _ = partition.active()
     axes, n = red.local_axes, math.prod(mesh.shape[a] for a in red.local_axes)
     leaves, tree = jax.tree.flatten(grads)
+    layouts = [padded(s.spec, x.ndim - 1) for s, x in zip(jax.tree.leaves(red.param_shardings), leaves)]
     targets = jax.tree.leaves(red.update_shardings) if red.update_shardings is not None else [None] * len(leaves)
     dims = [scatter_dim(t) if t is not None and "data" in axes else None for t in targets]
 
@@ -154,10 +158,16 @@ def mean_over_shards(grads, red: Reduction):
             out.append(x.astype(jnp.float32))
         return out
 
-    out_specs = [PartitionSpec() if d is None else PartitionSpec(*[None] * d, "data") for d in dims]
-    reduced = jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec(axes),) * len(leaves), out_specs=out_specs,
-                            axis_names=set(axes))(*leaves)
+    in_specs = tuple(PartitionSpec(axes, *layout) for layout in layouts)
+    out_specs = [PartitionSpec(*layout) if dim is None else
+                 PartitionSpec(*layout[:dim], (*partition.axes_of(layout[dim]), "data"), *layout[dim + 1:])
+                 for layout, dim in zip(layouts, dims)]
+    reduced = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*leaves)
     return jax.tree.unflatten(tree, reduced)
+
+
+def padded(spec: PartitionSpec, ndim: int) -> tuple:
+    return tuple(spec) + (None,) * (ndim - len(spec))
 
 
 def scatter_dim(sharding) -> int | None:

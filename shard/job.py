@@ -133,7 +133,7 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
                 if path:
                     ckpt_lib.check_path(path, key, target)
         check_grad_accum(cfg, dict(mesh.shape), rules)
-        reduction = gradient_reduction(cfg, mesh, rules, work, split, auto_min)
+        reduction = gradient_reduction(cfg, mesh, rules, work, split, auto_min, device_shardings.params)
         train_fn = step_lib.make_train_step(work.graphdef, work.tx, work.loss_fn, work.dtype,
                                             cfg.train.skip_nonfinite, reduction, moved, order)
         compile_start = time.perf_counter()
@@ -149,7 +149,8 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
                eval_step, compile_s, split, pipe, seq, reduction)
 
 
-def gradient_reduction(cfg, mesh, rules: dict, work: Workload, split: list, auto_min) -> gradients.Reduction:
+def gradient_reduction(cfg, mesh, rules: dict, work: Workload, split: list, auto_min,
+                       param_shardings) -> gradients.Reduction:
     """How the step sums and reduces its gradients (shard/gradients.py): each device keeps its own over the
     leading data axes that split no parameter, for models whose examples stay apart."""
     param_axes = {a for r in split for entry in r["spec"] for a in partition.axes_of(entry)}
@@ -179,7 +180,7 @@ def gradient_reduction(cfg, mesh, rules: dict, work: Workload, split: list, auto
         accum=cfg.train.grad_accum, accum_dtype=jnp.dtype(cfg.train.accum_dtype), wire_dtype=wire,
         local_axes=local if needed else (),
         update_shardings=state_lib.update_shardings(work.abstract.params, mesh, rules, auto_min) if zero else None,
-        split_sum=cfg.mesh.zero == 2)
+        param_shardings=param_shardings, split_sum=cfg.mesh.zero == 2)
 
 
 def check_grad_accum(cfg, mesh_shape: dict, rules: dict) -> None:

@@ -111,7 +111,8 @@ def over_data(spec: PartitionSpec, shape, mesh_shape: dict) -> PartitionSpec:
     for choice in (free, shared):
         if choice:
             dim = max(choice, key=lambda d: (shape[d], -d))
-            entries[dim] = ("data", *axes_of(entries[dim])) if entries[dim] else "data"
+            # data after the axes already there: the order a reduce-scatter of the local shards gives
+            entries[dim] = (*axes_of(entries[dim]), "data") if entries[dim] else "data"
             return PartitionSpec(*entries)
     return spec
 
