@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.layers import param, stacked
-from shard.hooks import stack
+from shard.hooks import recurrence, stack
 from shard.partition import constrain
 
 
@@ -45,7 +45,7 @@ class LSTMLayer(nnx.Module):
             return (h, c), h
 
         zeros = jnp.zeros((x.shape[0], x.shape[2]), x.dtype)
-        _, hs = jax.lax.scan(step, (zeros, zeros.astype(jnp.float32)), gates_x)
+        _, hs = recurrence(step, (zeros, zeros.astype(jnp.float32)), gates_x)
         return constrain(hs.transpose(1, 0, 2), ("batch", "length", "embed"))
 
 

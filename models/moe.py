@@ -67,9 +67,9 @@ class MoELayer(nnx.Module):
 
         # Queue position of each choice at its expert: first choices of all tokens before second choices, tokens
         # in sequence order (the framework may hold them in another: shard.hooks.positions).
-        order = positions(t)
-        by_rank = chosen[:, jnp.argsort(order)].transpose(0, 2, 1, 3).reshape(b, k * t, n)
-        position = (jnp.cumsum(by_rank, axis=1) - 1).reshape(b, k, t, n).transpose(0, 2, 1, 3)[:, order]
+        in_order = jnp.argsort(positions(t))  # the tokens as they stand in the sequence
+        by_rank = chosen[:, in_order].transpose(0, 2, 1, 3).reshape(b, k * t, n)
+        position = (jnp.cumsum(by_rank, axis=1) - 1).reshape(b, k, t, n).transpose(0, 2, 1, 3)[:, jnp.argsort(in_order)]
         kept = chosen * (position < cap)
         slot = jax.nn.one_hot(jnp.sum(position * kept, axis=-1).astype(jnp.int32), cap, dtype=jnp.float32)
         dispatch = jnp.einsum("btkn,btkc->btnc", kept, slot)                        # 0/1: token -> (expert, slot)

@@ -3,4 +3,12 @@ names; a mesh config alone decides data, tensor, fully sharded or hybrid paralle
 
 from shard.errors import UserError
 
-__all__ = ["UserError"]
+__all__ = ["UserError", "load_model"]
+
+
+def load_model(path, *, mesh=None, step=None):
+    """A trained run's Flax NNX module (see shard/load.py). Imported on first use: `import shard` stays
+    light for the command lines that only parse a config."""
+    from shard.load import load_model as load
+
+    return load(path, mesh=mesh, step=step)

@@ -187,6 +187,11 @@ def check_path(path: str, key: str, target: TrainState) -> None:
         check_shapes(manager, step, target)
 
 
-def restore_path(path: str, key: str, target: TrainState, model_only: bool) -> tuple[TrainState, dict]:
-    with _named_checkpoint(path, key) as (manager, step):
-        return restore_step(manager, step, target, model_only=model_only)
+def restore_path(path: str, key: str, target: TrainState, model_only: bool,
+                 step: int | None = None) -> tuple[TrainState, dict]:
+    """The checkpoint a user named (its newest step, or `step`), read into `target`'s shardings."""
+    with _named_checkpoint(path, key) as (manager, newest):
+        if step is not None and step not in manager.all_steps():
+            raise UserError(f"{key}={path!r} has no step {step}; its steps are "
+                            f"{', '.join(map(str, sorted(manager.all_steps())))}")
+        return restore_step(manager, newest if step is None else step, target, model_only=model_only)

@@ -232,13 +232,16 @@ def _renamed(layer: dict, to_field: bool) -> dict:
 # ----------------------------------------------------------------------------- loading
 
 
-def load(path: "str | Path | None", overrides: list[str]) -> "Config":
+def load(path: "str | Path | None", overrides: list[str], sections: tuple | None = None) -> "Config":
     """YAML file (optional) + `key=value` overrides -> a validated Config. Raises UserError.
 
-    `run.dir`, unless the file or an override sets it, is derived from what the job trains (`default_run_dir`)."""
+    `sections`: read only these sections of the file (a finished run's model and training settings, say,
+    without the mesh and devices it ran on). `run.dir`, unless the file or an override sets it, is derived
+    from what the job trains (`default_run_dir`)."""
     layers = []
     if path is not None:
-        layers.append(_read_yaml(Path(path)))
+        layer = _read_yaml(Path(path))
+        layers.append(layer if sections is None else {k: v for k, v in layer.items() if k in sections})
     layers.append(_parse_overrides(overrides))
     for layer in layers:
         _check_keys(layer)

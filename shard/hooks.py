@@ -1,22 +1,24 @@
 """The choices a model leaves to the framework: how its stack of layers runs (a scan, or a pipeline
-over the `stage` mesh axis), activation checkpointing, the attention kernel, and where each token of
-a sequence sits (context parallelism).
+over the `stage` mesh axis), activation checkpointing, the attention kernel, where each token of
+a sequence sits (context parallelism), and what it keeps between calls while generating.
 
 A model runs its stacked layers with `stack(layers, x)`, applies a single layer through `layer(fn)`,
-computes attention with `attention(q, k, v, is_causal=...)` and takes its tokens' positions from
-`positions(length)`; what those do is set by the run (`mesh.stage` and `pipeline.*`, `train.remat`,
-`train.attention`, `mesh.context` and `train.context_strategy`) while its step is traced, under
-`use(...)`. Outside the framework they are plain JAX (a scan, no remat, XLA's attention, positions in
-order), so a model stays an ordinary Flax module.
+computes attention with `attention(q, k, v, is_causal=...)`, takes its tokens' positions from
+`positions(length)` and runs a recurrence over time with `recurrence(step, carry, xs)`; what those do
+is set by the run (`mesh.stage` and `pipeline.*`, `train.remat`, `train.attention`, `mesh.context` and
+`train.context_strategy`; generation's caches, shard/decoding.py; export's unrolled layers) while its
+step is traced, under `use(...)`. Outside the framework they are plain JAX (a scan, no remat, XLA's
+attention, positions in order), so a model stays an ordinary Flax module.
 """
 
 import contextlib
 import contextvars
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from shard import context
+from shard import context, decoding
 from shard.errors import UserError
 
 _REMAT: contextvars.ContextVar = contextvars.ContextVar("shard_remat", default="none")
@@ -24,6 +26,8 @@ _ATTENTION: contextvars.ContextVar = contextvars.ContextVar("shard_attention", d
 _PIPELINE: contextvars.ContextVar = contextvars.ContextVar("shard_pipeline", default=None)
 _STACKS: contextvars.ContextVar = contextvars.ContextVar("shard_stacks_seen", default=None)
 _CONTEXT: contextvars.ContextVar = contextvars.ContextVar("shard_context_split", default=None)
+_DECODE: contextvars.ContextVar = contextvars.ContextVar("shard_decode_calls", default=None)
+_UNROLL: contextvars.ContextVar = contextvars.ContextVar("shard_unroll_layers", default=False)
 
 
 # train.remat -> what a layer keeps for the backward pass (everything, nothing, or matmul outputs).
@@ -34,12 +38,16 @@ REMAT_POLICIES = {
 
 
 @contextlib.contextmanager
-def use(remat: str = "none", attention: str = "xla", pipeline=None, split: context.Split | None = None):
+def use(remat: str = "none", attention: str = "xla", pipeline=None, split: context.Split | None = None,
+        decode: decoding.Calls | None = None, unroll: bool = False):
     """While tracing: `layer` applies this activation-checkpointing policy, `attention` this kernel,
     `stack` hands its layers to `pipeline(layers, x)` (shard/pipeline.py's Schedule; None: a scan), and
     under context parallelism (`split`) attention runs over the context devices and `positions` gives
-    the tokens' positions in their load-balanced order."""
-    variables = (_REMAT, remat), (_ATTENTION, attention), (_PIPELINE, pipeline), (_CONTEXT, split)
+    the tokens' positions in their load-balanced order. `decode`: generating, attention, positions,
+    stacks and recurrences keep their state in these calls' entries (shard/decoding.py). `unroll`: the
+    stack runs its layers one after another in Python, without a scan (ONNX export)."""
+    variables = ((_REMAT, remat), (_ATTENTION, attention), (_PIPELINE, pipeline), (_CONTEXT, split),
+                 (_DECODE, decode), (_UNROLL, unroll))
     tokens = [var.set(value) for var, value in variables]
     try:
         yield
@@ -75,6 +83,10 @@ def stack(layers: nnx.Module, x):
     seen, pipeline = _STACKS.get(), _PIPELINE.get()
     if seen is not None:
         seen.append(jax.tree.leaves(nnx.state(layers))[0].shape[0])
+    if _DECODE.get() is not None:
+        return scan_decoding(layers, x, _DECODE.get())
+    if _UNROLL.get():
+        return unrolled(layers, x)
     return scan(layers, x) if pipeline is None else pipeline(layers, x)
 
 
@@ -86,6 +98,46 @@ def scan(layers: nnx.Module, x):
         return layer(lambda one, x: one(x))(one, x)
 
     return run(x, layers)
+
+
+def scan_decoding(layers: nnx.Module, x, calls: decoding.Calls):
+    """The scan of `scan`, over the layers' decoding entries too: each layer's calls take and put theirs."""
+    given = calls.take()
+
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def run(x, one, entries):
+        inner = calls.inner(entries)
+        token = _DECODE.set(inner)
+        try:
+            return one(x), inner.made
+        finally:
+            _DECODE.reset(token)
+
+    x, made = run(x, layers, given)
+    calls.put(made)
+    return x
+
+
+def unrolled(layers: nnx.Module, x):
+    """The stacked layers in order as a Python loop over their slices (a program with every layer written
+    out, for converters that do not take Flax's scan); what a layer updates is written back, as by `scan`."""
+    graphdef, state = nnx.split(layers)
+    updated = []
+    for i in range(jax.tree.leaves(state)[0].shape[0]):
+        one = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+        x = one(x)
+        updated.append(nnx.state(one))
+    nnx.update(layers, jax.tree.map(lambda *a: jnp.stack(a), *updated))
+    return x
+
+
+def recurrence(step, carry, xs):
+    """`jax.lax.scan(step, carry, xs)` for a model's recurrence over time (an LSTM's): while generating, it
+    goes on from the carry the previous call ended with (shard/decoding.py)."""
+    calls = _DECODE.get()
+    if calls is None:
+        return jax.lax.scan(step, carry, xs)
+    return decoding.recur(step, carry, xs, calls)
 
 
 def layer(fn):
@@ -137,6 +189,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool) -> j
     (`train.attention`): XLA's own (any device), or cuDNN's fused flash attention. A model calls this
     instead of choosing a kernel; outside the framework it is XLA's."""
     implementation, split = _ATTENTION.get(), _CONTEXT.get()
+    if _DECODE.get() is not None:  # generating: over the cached keys and values
+        return decoding.attend(q, k, v, bool(is_causal), _DECODE.get())
     if split is not None and split.size > 1:  # the sequence is split over the context devices
         return context.attention(q, k, v, bool(is_causal), split)
     head_dim = q.shape[-1]

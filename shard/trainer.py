@@ -12,17 +12,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
+import numpy as np
+from flax import nnx
 from tqdm import tqdm
 
 from shard import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
-from shard import distributed, hardware, paths, plot, profiling, stopping
+from shard import distributed, generate, hardware, paths, plot, profiling, stopping
 from shard import mesh as mesh_lib
 from shard import state as state_lib
 from shard.board import Board
 from shard.errors import NonFiniteLoss, UserError, warn
-from shard.generate import sample
 from shard.job import Job, prepare
 from shard.metrics import MetricsLog, peak_memory_gb, seconds_since_process_start
 
@@ -121,12 +122,20 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
         summary = f"loss {result.history[0]['loss']:.4f} -> {result.history[-1]['loss']:.4f} | " + summary
     say(f"step {step}: {summary}")
     if data.task == "lm" and cfg.train.sample_len > 0:
-        prompt = list(cfg.train.sample_prompt.encode())
-        tokens = sample(work.graphdef, state_lib.in_device_memory(state.params), state.rest, prompt, cfg.train.sample_len,
-                        window=cfg.data.seq_len, seed=cfg.train.seed)
-        result.sample = bytes(t % 256 for t in tokens).decode("utf-8", errors="replace")
+        result.sample = end_sample(cfg, job, state)
         say(f"sample:\n{cfg.train.sample_prompt}{result.sample}")
     return result
+
+
+def end_sample(cfg, job: Job, state) -> str:
+    """The end-of-run sample: `train.sample_len` bytes after `train.sample_prompt`, generated as
+    `python -m shard.generate` does (a cache, on the run's mesh)."""
+    model = nnx.merge(job.work.graphdef, state_lib.in_device_memory(state.params), state.rest)
+    generator = generate.Generator(model, job.mesh, job.rules, cfg.train.dtype)
+    prompt = generate.text_tokens(cfg.train.sample_prompt) or generate.text_tokens("\n")  # something to condition on
+    tokens = generator(np.array([prompt[-generator.context:] if generator.context else prompt]), cfg.train.sample_len,
+                       generate.Sampling(vocab=generate.BYTES), seed=cfg.train.seed)
+    return generate.token_text(tokens[0])
 
 
 def metrics_log(cfg, run_dir, start_step: int, work, main: bool) -> MetricsLog:

@@ -1,0 +1,82 @@
+"""A trained model back from its run folder, on one device or straight into a mesh's shardings.
+
+    model = shard.load_model("runs/default")                     # one device, the newest checkpoint
+    model = shard.load_model("runs/default", mesh="tp")          # split as the tp preset says
+    model = shard.load_model("runs/default", mesh={"tensor": 4}, step=600)
+
+The model is built from the `config.yaml` the run wrote (its class and arguments), and each parameter is
+read by Orbax straight into its place on the mesh, so a model too large for one device loads too.
+"""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shard import checkpoint as ckpt_lib
+from shard import config as config_lib
+from shard import distributed, partition, paths, registry
+from shard import mesh as mesh_lib
+from shard import state as state_lib
+from shard.errors import UserError
+
+# What a loaded model takes from its run's config.yaml: the mesh and devices are the loader's.
+RUN_SECTIONS = ("model", "data", "train", "optimizer")
+
+
+@dataclass
+class Loaded:
+    model: nnx.Module     # parameters restored, sharded over `mesh`
+    cfg: config_lib.Config
+    mesh: jax.sharding.Mesh
+    rules: dict
+    step: int             # the checkpoint's step
+
+
+def load_model(path: str, *, mesh: str | dict | None = None, step: int | None = None) -> nnx.Module:
+    """The trained Flax NNX module of a run. `path`: the run folder, its `checkpoints/` folder or one step
+    folder; `step`: that checkpoint (default: the newest, or the step folder's). `mesh`: a preset name, or a
+    dict of mesh settings as in a config ({"tensor": 4}, {"preset": "fsdp"}), over all devices; None: one
+    device. Raises UserError (one line) for a path without a run or checkpoint, or a checkpoint of another
+    model."""
+    if mesh is None:
+        overrides = []
+    elif isinstance(mesh, str):
+        overrides = [f"mesh={mesh}"]
+    elif isinstance(mesh, dict):
+        overrides = [f"mesh.{k}={v}" for k, v in mesh.items()]
+    else:
+        raise UserError(f"mesh={mesh!r}: give a preset name, a dict of mesh settings such as {{'tensor': 4}}, or None")
+    return load(path, overrides, step=step, whole_mesh=mesh is not None).model
+
+
+def run_config(path: str, key: str = "path") -> str:
+    """The config.yaml of the run that `path` (a run, checkpoints or step folder) belongs to."""
+    p = paths.resolve(path)
+    if not p.exists():
+        raise UserError(f"{key}={path!r} does not exist")
+    for folder in (p, p.parent, p.parent.parent):
+        if (folder / "config.yaml").is_file():
+            return str(folder / "config.yaml")
+    raise UserError(f"{key}={path!r}: no config.yaml in it or the two folders above it; give the run folder "
+                    "that trained the model (it holds config.yaml and checkpoints/)")
+
+
+def load(path: str, overrides: list[str], step: int | None = None, whole_mesh: bool = True,
+         key: str = "path") -> Loaded:
+    """The run's model, with its config's model, data and train sections plus `overrides` (key=value, e.g.
+    the mesh and devices), restored over the devices (all of them, or with `whole_mesh=False` the first)."""
+    cfg = config_lib.load(run_config(path, key), overrides, sections=RUN_SECTIONS)
+    model_cls, kwargs = registry.load(cfg.model)
+    devices = distributed.start(cfg.run)
+    devices = devices if whole_mesh else devices[:1]
+    mesh = mesh_lib.build_mesh(cfg.mesh, devices)
+    rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: state_lib.build_model(model_cls, kwargs, cfg.train.seed)),
+                                       nnx.Param, ...)
+    abstract = state_lib.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, rest=rest, opt_state=None)
+    shardings = state_lib.state_shardings(abstract, mesh, rules, state_lib.auto_min_size(cfg.mesh))
+    restored, meta = ckpt_lib.restore_path(path, key, ckpt_lib.abstract_target(abstract, shardings), model_only=True,
+                                           step=step)
+    return Loaded(nnx.merge(graphdef, restored.params, restored.rest), cfg, mesh, rules, int(meta["step"]))
