@@ -150,20 +150,26 @@ class Generator:
 
 def recompute(model: nnx.Module, prompt: np.ndarray, new_tokens: int, vocab: int | None = None) -> np.ndarray:
     """Greedy tokens by re-running the model on the whole sequence for each one, no cache: the reference the
-    cached loop must equal (tests, bench/generate.py)."""
+    cached loop must equal (tests, bench/generate.py). The sequence is padded at its end to one length (one
+    program): a causal model's outputs at a position do not depend on what follows it."""
     graphdef, state = nnx.split(model)
 
     @jax.jit
-    def next_token(state, tokens):
+    def next_token(state, tokens, last):
         model = nnx.merge(graphdef, state, copy=True)
         model.eval()
-        logits = model(tokens)[:, -1]
+        logits = model(tokens)[:, last]
         return jnp.argmax(logits[:, :vocab] if vocab else logits, axis=-1).astype(jnp.int32)
 
-    seq = np.asarray(prompt, np.int32)
-    for _ in range(new_tokens):
-        seq = np.concatenate([seq, np.asarray(next_token(state, seq))[:, None]], axis=1)
-    return seq[:, prompt.shape[1]:]
+    batch, length = prompt.shape
+    seq = np.zeros((batch, length + new_tokens - 1), np.int32)
+    seq[:, :length] = prompt
+    out = []
+    for i in range(new_tokens):
+        out.append(np.asarray(next_token(state, seq, length + i - 1)))
+        if i < new_tokens - 1:
+            seq[:, length + i] = out[-1]
+    return np.stack(out, axis=1)
 
 
 def text_tokens(text: str) -> list[int]:
@@ -217,8 +223,6 @@ def main(argv: list[str]) -> int:
     loaded = load.load(args.run, overrides, step=args.step, whole_mesh=whole_mesh, key="RUN")
     generator = Generator(loaded.model, loaded.mesh if whole_mesh else None, loaded.rules, loaded.cfg.train.dtype)
     tokens = np.tile(np.array(text_tokens(prompt), np.int32), (args.batch, 1))
-    print(f"step {loaded.step} of {args.run}: {loaded.cfg.model.name}, {args.batch} x {args.max_new_tokens} tokens",
-          file=sys.stderr)
     start = time.perf_counter()
     out = generator(tokens, args.max_new_tokens, sampling, seed=args.seed)
     seconds = time.perf_counter() - start
@@ -226,7 +230,8 @@ def main(argv: list[str]) -> int:
         if args.batch > 1:
             print(f"--- {i}")
         print(prompt + token_text(row))
-    print(f"{out.size / seconds:,.0f} tokens/s ({seconds:.2f} s, compiling included)", file=sys.stderr)
+    print(f"{loaded.cfg.model.name} at step {loaded.step} of {args.run}: {args.batch} x {args.max_new_tokens} tokens, "
+          f"{out.size / seconds:,.0f} tokens/s ({seconds:.2f} s, compiling included)", file=sys.stderr)
     return 0
 
 

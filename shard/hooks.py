@@ -58,8 +58,12 @@ def use(remat: str = "none", attention: str = "xla", pipeline=None, split: conte
 
 def positions(length: int) -> jax.Array:
     """The position of each of a sequence's `length` tokens as the step lays them out: 0..length-1, or
-    under context parallelism the load-balanced order (shard/context.py). Position embeddings, learned or
-    rotary, index with this so they follow the tokens."""
+    under context parallelism the load-balanced order (shard/context.py), or while generating the
+    positions after those already cached. Position embeddings, learned or rotary, index with this so
+    they follow the tokens."""
+    calls = _DECODE.get()
+    if calls is not None:
+        return calls.index + jnp.arange(length, dtype=jnp.int32)
     return context.positions(_CONTEXT.get(), length)
 
 

@@ -1,0 +1,49 @@
+"""python -m shard.export: a trained model's forward pass as ONNX (jax2onnx) that onnxruntime runs with the
+JAX model's outputs, for every model of the library; an operation the converter lacks is one line."""
+
+import jax.numpy as jnp
+import numpy as np
+import onnxruntime
+import pytest
+
+from conftest import TINY_MODELS, overrides
+from shard import config, export, load, trainer
+from shard.errors import UserError
+
+STEPS = ["train.steps=2", "run.cpu_devices=1", "checkpoint.enabled=true"]
+EXPORTED = ["mlp", "cnn", "gpt", "vit", "lstm", "moe"]
+
+
+def trained(folder, *args):
+    trainer.run(config.load(None, overrides(folder, *args, *STEPS)))
+    return folder
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_the_onnx_file_runs_in_onnxruntime_with_the_jax_models_outputs(tmp_path, name):
+    run = trained(tmp_path / "run", *TINY_MODELS[name])
+    assert export.main([str(run), "--format", "onnx"]) == 0
+    loaded = load.load(run, [], whole_mesh=False)
+    inputs = export.example_batch(loaded.cfg, 5)  # a batch size the export never saw: the batch is symbolic
+    session = onnxruntime.InferenceSession(str(run / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].shape[0] == "B"
+    got = session.run(None, {"inputs": inputs})[0]
+    loaded.model.eval()  # running statistics, no dropout
+    want = np.asarray(loaded.model(jnp.asarray(inputs)))
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+
+
+def test_a_fixed_batch_and_what_cannot_be_exported(tmp_path, capsys):
+    run = trained(tmp_path / "mlp", *TINY_MODELS["mlp"])
+    assert export.main([str(run), "--format", "onnx", "--batch", "4", "--out", str(tmp_path / "fixed.onnx")]) == 0
+    assert "batch 4" in capsys.readouterr().out
+    session = onnxruntime.InferenceSession(str(tmp_path / "fixed.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].shape == [4, 16]
+    for args, message in ((["--format", "tflite"], "invalid choice: 'tflite'"), (["--batch", "0"], "--batch 0"),
+                          (["--out", str(tmp_path / "model.txt")], "name a .onnx file")):
+        with pytest.raises(UserError, match=message):
+            export.main([str(run), *([] if "--format" in args else ["--format", "onnx"]), *args])
+    callback = trained(tmp_path / "callback", "model.name=stock_models:HostCallbackMLP", *TINY_MODELS["mlp"][4:])
+    with pytest.raises(UserError, match="does not convert to ONNX: .*primitive 'pure_callback'"):
+        export.main([str(callback), "--format", "onnx"])
+    assert sorted(p.name for p in callback.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]

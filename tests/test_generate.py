@@ -1,0 +1,126 @@
+"""Using a trained language model: shard.load_model restores it (on one device or into a mesh), and cached
+decoding (python -m shard.generate, the end-of-run sample) gives exactly the greedy tokens of re-running
+the model on the whole sequence, under one device and tensor parallelism."""
+
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import shard
+from conftest import ROOT, TINY_GPT, TINY_MODELS, overrides, subprocess_env
+from shard import config, generate, load, registry, trainer
+from shard import state as state_lib
+from shard.errors import UserError
+
+GREEDY = generate.Sampling(temperature=0, vocab=generate.BYTES)
+TRAIN = ["train.steps=20", "run.cpu_devices=1", "checkpoint.enabled=true", "optimizer.lr=1e-2"]
+MODELS = {
+    "gpt": TINY_GPT,
+    "gpt_rope": [*TINY_GPT, "model.position=rope", "model.n_kv_heads=4"],
+    # dropless routing (every expert has room for every token): the cache routes one token at a time
+    "moe": [*TINY_MODELS["moe"], "model.capacity_factor=4.0", "model.max_len=32", "data.seq_len=32"],
+    "lstm": TINY_MODELS["lstm"],
+}
+PROMPT = np.array([generate.text_tokens("def f(x):\n    return")] * 2)  # 2 rows: a batch the tensor mesh copies
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+
+    def get(name):
+        if name not in out:
+            folder = tmp_path_factory.mktemp(name)
+            trainer.run(config.load(None, overrides(folder, *MODELS[name], *TRAIN)))
+            out[name] = folder
+        return out[name]
+
+    return get
+
+
+def untrained(loaded: load.Loaded) -> nnx.Module:
+    """The run's model freshly initialised: its greedy tokens vary (a few steps of training teach mostly spaces)."""
+    return state_lib.build_model(*registry.load(loaded.cfg.model), seed=1)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cached_greedy_decoding_equals_recomputing_the_whole_sequence(runs, name):
+    one = load.load(runs(name), [], whole_mesh=False)
+    fresh = untrained(one)
+    for model in (one.model, fresh):
+        want = generate.recompute(model, PROMPT, 12, vocab=generate.BYTES)
+        np.testing.assert_array_equal(generate.Generator(model)(PROMPT, 12, GREEDY), want)
+    assert len(set(want[0].tolist())) > 2
+    if name in ("gpt", "moe"):
+        tp = load.load(runs(name), ["mesh=tp", "run.cpu_devices=4"])
+        assert "tensor" in str(tp.model.blocks.attn.q.get_value().sharding.spec)  # restored split, not gathered
+        layout = jax.tree.map(lambda a: a.sharding, nnx.state(tp.model))
+        nnx.update(tp.model, jax.device_put(nnx.state(fresh), layout))
+        np.testing.assert_array_equal(generate.Generator(tp.model, tp.mesh, tp.rules)(PROMPT, 12, GREEDY), want)
+
+
+def test_past_the_context_the_window_slides(runs):
+    loaded = load.load(runs("gpt"), [], whole_mesh=False)
+    context, prompt = loaded.model.max_len, PROMPT[:1]
+    tokens = generate.Generator(loaded.model)(prompt, 2 * context, GREEDY)
+    assert tokens.shape == (1, 2 * context)
+    fits = context - prompt.shape[1] + 1  # the tokens generated before the cache is full
+    np.testing.assert_array_equal(tokens[:, :fits], generate.recompute(loaded.model, prompt, fits, generate.BYTES))
+    with pytest.raises(UserError, match="the prompt is 40 tokens but the model's context is 32"):
+        generate.Generator(loaded.model)(np.zeros((1, 40), np.int32), 4, GREEDY)
+
+
+def test_sampling_follows_its_settings(runs):
+    generator = generate.Generator(load.load(runs("gpt"), [], whole_mesh=False).model)
+    greedy = generator(PROMPT, 10, GREEDY)
+    np.testing.assert_array_equal(generator(PROMPT, 10, generate.Sampling(1.0, top_k=1, vocab=256), seed=3), greedy)
+    np.testing.assert_array_equal(generator(PROMPT, 10, generate.Sampling(1.0, top_p=1e-6, vocab=256), seed=3), greedy)
+    hot = generate.Sampling(2.0, vocab=256)
+    a, b = generator(PROMPT, 10, hot, seed=1), generator(PROMPT, 10, hot, seed=2)
+    np.testing.assert_array_equal(a, generator(PROMPT, 10, hot, seed=1))
+    assert (a != b).any() and (a < 256).all()
+
+
+def test_load_model_from_python_and_its_errors(runs, tmp_path):
+    folder = runs("gpt")
+    model = shard.load_model(str(folder))
+    assert model(np.zeros((1, 8), np.int32)).shape == (1, 8, 256)
+    steps = sorted(int(p.name) for p in (folder / "checkpoints").iterdir() if p.name.isdigit())
+    by_step = shard.load_model(str(folder / "checkpoints" / str(steps[-1])))
+    np.testing.assert_array_equal(by_step.tok.get_value(), model.tok.get_value())
+    with pytest.raises(UserError, match="has no step 12345"):
+        shard.load_model(str(folder), step=12345)
+    with pytest.raises(UserError, match="does not exist"):
+        shard.load_model(str(tmp_path / "nothing"))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.yaml").write_text((folder / "config.yaml").read_text().replace("d_model: 32", "d_model: 64"))
+    (tmp_path / "other" / "checkpoints").symlink_to(folder / "checkpoints")
+    with pytest.raises(UserError, match="has shape .* but this model's is"):
+        shard.load_model(str(tmp_path / "other"))
+
+
+def generate_cli(*args):
+    return subprocess.run([sys.executable, "-m", "shard.generate", *map(str, args)], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_command_line_generates_and_refuses_bad_input_in_one_line(runs, tmp_path):
+    folder = runs("gpt")
+    proc = generate_cli(folder, "--prompt", "def f(x):\n    return", "--max-new-tokens", 12, "--temperature", 0,
+                        "--batch", 2, "mesh=tp", "run.cpu_devices=2")
+    assert proc.returncode == 0, proc.stderr
+    want = generate.token_text(generate.recompute(load.load(folder, [], whole_mesh=False).model, PROMPT[:1], 12, 256)[0])
+    assert proc.stdout.count("def f(x):\n    return" + want) == 2, (proc.stdout, want)
+    (tmp_path / "long.txt").write_text("x" * 100)
+    for args, message in ((["--prompt-file", tmp_path / "long.txt"], "the prompt is 100 tokens but the model's context is 32"),
+                          (["--top-p", 2], "--top-p 2.0: must be in (0, 1]"),
+                          (["--bogus"], "unrecognized arguments: --bogus"),
+                          (["mesh.tensor=3", "run.cpu_devices=2"], "tensor=3: the fixed axes multiply to 3")):
+        proc = generate_cli(folder, *args)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
+    proc = generate_cli(tmp_path / "nothing")
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
