@@ -2,6 +2,7 @@
 decoding (python -m shard.generate, the end-of-run sample) gives exactly the greedy tokens of re-running
 the model on the whole sequence, under one device and tensor parallelism."""
 
+import json
 import subprocess
 import sys
 
@@ -124,3 +125,12 @@ def test_the_command_line_generates_and_refuses_bad_input_in_one_line(runs, tmp_
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
     proc = generate_cli(tmp_path / "nothing")
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_the_speed_bench_checks_its_tokens_and_reports_both_rates():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "generate.py"), *TINY_GPT[1:7], "--new-tokens", "16",
+                           "--prompt-len", "8", "--batch", "2"], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["new_tokens"] == 16 and figures["cache_tokens_per_s"] > 0 and figures["recompute_tokens_per_s"] > 0
