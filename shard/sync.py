@@ -1,0 +1,183 @@
+"""Training over slow links: replicas that meet every H steps (local SGD, DiLoCo, streaming DiLoCo).
+
+The `replica` mesh axis holds R copies of the training job, typically across the slow network
+(`mesh.dcn_replica`). With `train.sync=allreduce` (the default) it is one more data-parallel axis: the
+gradients are averaged over it every step. With `local_sgd` or `diloco` each replica trains on its own share
+of every batch, with its own optimizer, and the replicas meet only every `train.sync_every=H` steps:
+
+- local_sgd: their parameters are averaged.
+- diloco (Douillard et al., 2023): the outer gradient, the parameters of the last sync minus a replica's
+  own, is averaged over the replicas and applied to the last sync's parameters by SGD with Nesterov momentum
+  (`train.outer_lr`, `train.outer_momentum`; Optax's sgd); every replica goes on from the result, keeping its
+  inner AdamW state.
+- `train.sync_fragments=F` (streaming DiLoCo, Douillard et al., 2025): the parameter arrays are cut, in the
+  model's order, into F fragments of about equal bytes, each synced every H steps at its own offset
+  (fragment f after steps s with s mod H = (f+1)H/F mod H), so one sync moves about 1/F of the model.
+
+It is one SPMD program, not processes around a server: the train state has a leading replica dimension
+split over `replica` (every replica's parameters, optimizer state and other variables); the ordinary train
+step runs under `jax.vmap` over it (`spmd_axis_name="replica"`, so no collective crosses replicas), and a
+sync is a second compiled program whose collectives are the means over `replica`. The outer state (the last
+sync's parameters; DiLoCo's momentum, one Optax state per parameter array so fragments keep their own) lies
+beside it, split like the parameters inside one replica. Evaluation, the end-of-run sample and
+`shard.load_model` use the replicas' mean (at a sync step: the synced model).
+"""
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shard import partition
+from shard.errors import UserError
+from shard.state import TrainState
+
+AXIS = "replica"
+LOCAL = ("local_sgd", "diloco")
+
+
+@dataclass(frozen=True)
+class Sync:
+    mode: str                 # local_sgd or diloco
+    replicas: int             # R
+    every: int                # H
+    fragments: tuple          # per fragment, the indices of its parameter arrays (in tree order)
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    @property
+    def outer_tx(self) -> optax.GradientTransformation:
+        return optax.sgd(self.outer_lr, momentum=self.outer_momentum or None, nesterov=self.outer_momentum > 0)
+
+    def due(self, done: int) -> list[int]:
+        """The fragments to sync after step `done` (1-based)."""
+        f, h = len(self.fragments), self.every
+        return [i for i in range(f) if done % h == ((i + 1) * h // f) % h]
+
+
+def settings(cfg, mesh_shape: dict, abstract_params) -> Sync | None:
+    """The sync cfg asks for (None for allreduce), checked against the mesh and the other knobs."""
+    mode, r = cfg.train.sync, mesh_shape[AXIS]
+    if mode not in LOCAL:
+        return None
+    if r == 1:
+        raise UserError(f"train.sync={mode} needs replicas to sync: set mesh.replica > 1 (e.g. mesh.replica=4)")
+    refused = {"mesh.stage": mesh_shape["stage"] > 1, "train.grad_accum": cfg.train.grad_accum > 1,
+               "train.grad_dtype": cfg.train.grad_dtype != "float32", "mesh.zero": bool(cfg.mesh.zero),
+               "train.offload": cfg.train.offload != "none",
+               "train.context_strategy=ring": cfg.train.context_strategy == "ring" and mesh_shape["context"] > 1}
+    bad = [k for k, v in refused.items() if v]
+    if bad:
+        raise UserError(f"train.sync={mode} runs each replica's step under a vmap, which {bad[0]} cannot run in; "
+                        f"leave {bad[0]} at its default, or use train.sync=allreduce")
+    leaves = jax.tree.leaves(abstract_params)
+    f = cfg.train.sync_fragments
+    if f > len(leaves) or f > cfg.train.sync_every:
+        raise UserError(f"train.sync_fragments={f}: at most the {len(leaves)} parameter arrays and at most "
+                        f"train.sync_every={cfg.train.sync_every} (one fragment per step)")
+    return Sync(mode, r, cfg.train.sync_every, fragments(leaves, f), cfg.train.outer_lr, cfg.train.outer_momentum)
+
+
+def fragments(leaves: list, f: int) -> tuple:
+    """The arrays' indices in F consecutive groups of about equal bytes (each group at least one array)."""
+    sizes = [math.prod(a.shape) * a.dtype.itemsize for a in leaves]
+    total, groups, current, done = sum(sizes), [], [], 0
+    for i, size in enumerate(sizes):
+        current.append(i)
+        done += size
+        left = len(sizes) - i - 1
+        if len(groups) < f - 1 and (done >= total * (len(groups) + 1) / f or left == f - 1 - len(groups)):
+            groups.append(tuple(current))
+            current = []
+    groups.append(tuple(current))
+    return tuple(groups)
+
+
+# ----------------------------------------------------------------------------- the state
+
+def _stack(tree, r: int):
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (r, *a.shape)), tree)
+
+
+def _outer(sync: Sync, params):
+    """The outer state: the last sync's parameters, and for DiLoCo one Optax state per parameter array."""
+    leaves = jax.tree.leaves(params)
+    opt = [sync.outer_tx.init(a) for a in leaves] if sync.mode == "diloco" else None
+    return {"anchor": params, "opt": opt}
+
+
+def abstract_state(sync: Sync, abstract: TrainState) -> TrainState:
+    """One replica's state shapes -> every replica's (a leading R dimension) plus the outer state."""
+    stacked = jax.eval_shape(lambda s: _stack(s, sync.replicas), abstract.replace(step=None))
+    return stacked.replace(step=abstract.step, outer=jax.eval_shape(lambda p: _outer(sync, p), abstract.params))
+
+
+def init(sync: Sync, init_one):
+    """The initialiser of every replica's state: all start from the same parameters."""
+    def build() -> TrainState:
+        one = init_one()
+        return _stack(one.replace(step=None), sync.replicas).replace(step=one.step, outer=_outer(sync, one.params))
+    return build
+
+
+def shardings(sync: Sync, one, mesh) -> TrainState:
+    """One replica's shardings (`one`, from the rules) -> the stacked state's: the replica dimension over
+    `replica`; the outer state laid out like the parameters."""
+    over = lambda s: NamedSharding(mesh, PartitionSpec(AXIS, *s.spec))
+    stacked = jax.tree.map(over, one.replace(step=None))
+    outer_opt = None
+    if sync.mode == "diloco":  # each array's momentum lies like the array
+        outer_opt = [jax.tree.map(lambda _: s, sync.outer_tx.init(jnp.zeros(())))
+                     for s in jax.tree.leaves(one.params)]
+    return stacked.replace(step=one.step, outer={"anchor": one.params, "opt": outer_opt})
+
+
+# ----------------------------------------------------------------------------- the programs
+
+def local_step(train_step, sync: Sync):
+    """The ordinary train step, run by every replica on its share of the batch at once (a vmap over the
+    replica dimension): nothing is exchanged between replicas. The outputs are their means (`finite`:
+    all of them)."""
+    def step(state: TrainState, batch: dict):
+        mesh, rules = partition.active()
+        inner_rules = {**rules, "batch": tuple(a for a in partition.axes_of(rules["batch"]) if a != AXIS) or None}
+        per = jax.tree.map(lambda a: a.reshape(sync.replicas, a.shape[0] // sync.replicas, *a.shape[1:]), batch)
+        inner = state.replace(outer=None)
+        axes = TrainState(step=None, params=0, rest=0, opt_state=0)
+        with partition.activate(mesh, inner_rules):
+            new, out = jax.vmap(train_step, in_axes=(axes, 0), out_axes=(axes.replace(step=0), 0),
+                                spmd_axis_name=AXIS)(inner, per)
+        out = {k: jnp.all(v) if k == "finite" else jnp.mean(v, axis=0) for k, v in out.items()}
+        return new.replace(step=new.step[0], outer=state.outer), out
+    return step
+
+
+def global_view(state: TrainState) -> TrainState:
+    """The model the replicas stand for: the mean of their parameters (at a sync step, the synced model),
+    the first replica's other variables."""
+    return state.replace(params=jax.tree.map(lambda a: jnp.mean(a, axis=0), state.params),
+                         rest=jax.tree.map(lambda a: a[0], state.rest), opt_state=None, outer=None)
+
+
+def sync_program(sync: Sync, fragment: int):
+    """The sync of one fragment's arrays: the replicas' mean (local SGD), or DiLoCo's outer step."""
+    chosen = sync.fragments[fragment]
+
+    def run(state: TrainState) -> TrainState:
+        leaves, tree = jax.tree.flatten(state.params)
+        anchors = jax.tree.leaves(state.outer["anchor"])
+        opts = list(state.outer["opt"]) if state.outer["opt"] is not None else None
+        for i in chosen:
+            mean = jnp.mean(leaves[i], axis=0)  # the one exchange: an all-reduce over `replica`
+            if sync.mode == "diloco":
+                updates, opts[i] = sync.outer_tx.update(anchors[i] - mean, opts[i])  # the outer gradient
+                mean = optax.apply_updates(anchors[i], updates)
+            anchors[i] = mean
+            leaves[i] = jnp.broadcast_to(mean, leaves[i].shape).astype(leaves[i].dtype)
+        params = jax.tree.unflatten(tree, leaves)
+        outer = {"anchor": jax.tree.unflatten(jax.tree.structure(state.outer["anchor"]), anchors), "opt": opts}
+        return state.replace(params=params, outer=outer)
+    return run
