@@ -28,8 +28,10 @@ def _handlers() -> dict:
 
 
 def _items(state: TrainState) -> dict:
-    return {"model": {"params": state.params, "rest": state.rest},
-            "optimizer": {"opt_state": state.opt_state, "step": state.step}}
+    optimizer = {"opt_state": state.opt_state, "step": state.step}
+    if state.outer is not None:  # train.sync=local_sgd/diloco: the outer state too
+        optimizer["outer"] = state.outer
+    return {"model": {"params": state.params, "rest": state.rest}, "optimizer": optimizer}
 
 
 def abstract_target(abstract: TrainState, shardings) -> TrainState:
@@ -92,7 +94,8 @@ def restore_step(manager: ocp.CheckpointManager, step: int, target: TrainState,
     model = restored["model"]
     state = target.replace(params=model["params"], rest=model["rest"])
     if not model_only:
-        state = state.replace(opt_state=restored["optimizer"]["opt_state"], step=restored["optimizer"]["step"])
+        state = state.replace(opt_state=restored["optimizer"]["opt_state"], step=restored["optimizer"]["step"],
+                              outer=restored["optimizer"].get("outer"))
     return state, dict(restored["meta"])
 
 
@@ -185,6 +188,14 @@ def check_path(path: str, key: str, target: TrainState) -> None:
     """Fail early (before the run folder is touched) on a missing path, no checkpoint, or other shapes."""
     with _named_checkpoint(path, key) as (manager, step):
         check_shapes(manager, step, target)
+
+
+def saved_replicas(path: str, key: str, step: int | None = None) -> int:
+    """The leading dimension of a checkpoint's parameters: the replica count of a train.sync=local_sgd/diloco
+    run, whose state holds every replica's parameters."""
+    with _named_checkpoint(path, key) as (manager, newest):
+        shapes = _shapes(manager.item_metadata(newest if step is None else step)["model"].tree)
+        return next(shape[0] for name, shape in shapes.items() if name.startswith("params"))
 
 
 def restore_path(path: str, key: str, target: TrainState, model_only: bool,

@@ -63,13 +63,15 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = option(3e-3, "peak learning rate (AdamW)", min=0)
+    name: str = option("adamw", "the optimizer: adamw, or sgd (with optimizer.momentum)", choices=("adamw", "sgd"))
+    lr: float = option(3e-3, "peak learning rate", min=0)
     warmup_steps: int = option(50, "linear warmup from 0 to lr", min=0)
     min_lr_ratio: float = option(0.1, "cosine decay ends at lr * min_lr_ratio", min=0, max=1)
     weight_decay: float = option(0.1, "decoupled weight decay (matrices only)", min=0)
     b1: float = option(0.9, "Adam beta1", min=0, max=1)
     b2: float = option(0.95, "Adam beta2", min=0, max=1)
     eps: float = option(1e-8, "Adam epsilon", min=0)
+    momentum: float = option(0.0, "sgd: momentum (0 = none)", min=0, max=1)
     clip_norm: float = option(1.0, "clip gradients to this global norm; 0 disables", min=0)
 
 
@@ -100,6 +102,14 @@ class TrainConfig:
     offload: str = option("none", "keep state in host memory between steps (pinned_host), moved to the device "
                           "inside the step: the optimizer state, or also the parameters",
                           choices=("none", "optimizer", "params"))
+    sync: str = option("allreduce", "how the replicas (mesh.replica) meet: allreduce (gradients averaged every "
+                       "step), local_sgd (parameters averaged every sync_every steps) or diloco (an outer Nesterov "
+                       "step on the averaged change every sync_every steps)", choices=("allreduce", "local_sgd", "diloco"))
+    sync_every: int = option(16, "local_sgd, diloco: steps between syncs (H)", min=1)
+    sync_fragments: int = option(1, "local_sgd, diloco: parameter fragments synced at staggered steps (streaming "
+                                 "DiLoCo; each sync moves 1/F of the model)", min=1)
+    outer_lr: float = option(0.7, "diloco: outer learning rate", min=0)
+    outer_momentum: float = option(0.9, "diloco: outer Nesterov momentum (0 = plain SGD)", min=0, max=1)
     eval_every: int = option(0, "evaluate every N steps; 0 = only at the end", min=0)
     eval_batches: int = option(8, "batches per evaluation, spread evenly over the eval split; 0 = all of it", min=0)
     sample_len: int = option(200, "lm: bytes to generate after training; 0 disables", min=0)
@@ -120,6 +130,8 @@ class CheckpointConfig:
 class MeshConfig:
     preset: str = option("dp", "mesh preset in meshes/ (also settable as mesh=NAME); auto = the fastest "
                          "estimated mesh that fits (see --compare)")
+    replica: Optional[int] = option(None, "replica axis size: copies of the job that sync as train.sync says "
+                                    "(allreduce: one more data axis); -1 = remaining devices; default: preset's, else 1")
     stage: Optional[int] = option(None, "pipeline axis size: the stacked layers are cut into this many stages "
                                   "(see pipeline.*); -1 = remaining devices; default: preset's, else 1")
     data: Optional[int] = option(None, "data-parallel axis size; -1 = remaining devices; default: preset's, else 1")
@@ -143,6 +155,7 @@ class MeshConfig:
     # to the number of slices or processes.
     dcn_data: Optional[int] = option(None, "part of the data axis across slices/nodes; default: the number of "
                                      "TPU slices when there are several, else 1", min=1)
+    dcn_replica: int = option(1, "part of the replica axis across slices/nodes", min=1)
     dcn_stage: int = option(1, "part of the stage axis across slices/nodes", min=1)
     dcn_expert: int = option(1, "part of the expert axis across slices/nodes", min=1)
     dcn_fsdp: int = option(1, "part of the fsdp axis across slices/nodes", min=1)
@@ -286,6 +299,7 @@ def _schema():
 JOB_SECTIONS = ("model", "data", "optimizer")
 NOT_JOB = {"data.prefetch"}
 JOB_KEYS = {"train.seed", "train.dtype", "train.grad_dtype", "train.accum_dtype", "train.loss", "train.init_from",
+            "train.sync", "train.sync_every", "train.sync_fragments", "train.outer_lr", "train.outer_momentum",
             "checkpoint.restore_from"}
 RUNS = "runs"
 
@@ -542,7 +556,7 @@ def help_text(cfg: "Config | None" = None, model_signature: list[tuple[str, str,
             _fill_mesh_from_preset(preset_mesh)
     except UserError:  # an unknown preset: compare with the schema's defaults
         preset_mesh = MeshConfig()
-    from_preset = {"stage", "data", "expert", "fsdp", "context", "tensor", "rules", "zero"}
+    from_preset = {"replica", "stage", "data", "expert", "fsdp", "context", "tensor", "rules", "zero"}
     rows: list[tuple[str, str, str, str] | str] = []  # (key, type, value, help) or a heading
     for section in SECTIONS:
         rows.append(f"{section}:")

@@ -21,6 +21,7 @@ from shard import mesh as mesh_lib
 from shard import pipeline as pipeline_lib
 from shard import state as state_lib
 from shard import step as step_lib
+from shard import sync as sync_lib
 from shard.errors import UserError
 
 
@@ -62,6 +63,10 @@ class Job:
     pipeline: object = None # the pipeline Schedule under mesh.stage > 1 (shard/pipeline.py), else None
     context: object = None  # the context split under mesh.context > 1 (shard/context.py), else None
     reduction: object = None  # how the gradients are accumulated and reduced (shard/gradients.py)
+    abstract: object = None   # the train state's shapes on this mesh (the workload's, or every replica's under sync)
+    init: object = None       # builds that state (jitted with `shardings` by state.init_state)
+    sync: object = None       # train.sync=local_sgd/diloco: the Sync (shard/sync.py), else None
+    sync_steps: tuple = ()    # its compiled programs, one per fragment
 
 
 def workload(cfg: config_lib.Config, devices: list) -> Workload:
@@ -112,6 +117,7 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
 
     pipe = pipeline_lib.settings(cfg, dict(mesh.shape), rules, work)
     seq = context.settings(cfg, dict(mesh.shape), work)
+    sync = sync_lib.settings(cfg, dict(mesh.shape), abstract.params)
     order = seq.order if seq else None  # the load-balanced token order under context parallelism
     with partition.activate(mesh, rules), hooks.use(cfg.train.remat, cfg.train.attention, pipe, seq):
         auto_min = state_lib.auto_min_size(cfg.mesh)
@@ -122,6 +128,10 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         split = state_lib.split_report(abstract.params, dict(mesh.shape), rules, auto_min)
         batch_shardings = state_lib.batch_shardings(work.batch, mesh, rules)
         eval_shardings = state_lib.batch_shardings(work.eval_batch, mesh, rules)
+        init = work.init
+        if sync:  # every replica's state, and the outer state
+            abstract, init = sync_lib.abstract_state(sync, abstract), sync_lib.init(sync, init)
+            shardings = sync_lib.shardings(sync, shardings, mesh)
         # Checkpoints to read must fit this model: checked before the (slower) compile.
         target = ckpt_lib.abstract_target(abstract, shardings)
         checkpoint_dir = paths.resolve(cfg.checkpoint.dir or paths.resolve(cfg.run.dir) / "checkpoints")
@@ -136,17 +146,23 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         reduction = gradient_reduction(cfg, mesh, rules, work, split, auto_min, device_shardings.params)
         train_fn = step_lib.make_train_step(work.graphdef, work.tx, work.loss_fn, work.dtype,
                                             cfg.train.skip_nonfinite, reduction, moved, order)
+        eval_fn = step_lib.make_eval_step(work.graphdef, work.loss_fn, work.data.task, work.dtype, moved, order)
+        if sync:  # every replica steps on its own share of the batch; eval sees their mean
+            train_fn, plain_eval = sync_lib.local_step(train_fn, sync), eval_fn
+            eval_fn = lambda state, batch: plain_eval(sync_lib.global_view(state), batch)
         compile_start = time.perf_counter()
         train_step = step_lib.compile_step(train_fn, abstract, shardings, work.batch, batch_shardings, mesh,
                                            donate=True, returns_state=True, what="the train step")
         compile_s = time.perf_counter() - compile_start
         eval_step = None if not training else step_lib.compile_step(
-            step_lib.make_eval_step(work.graphdef, work.loss_fn, work.data.task, work.dtype, moved, order), abstract,
-            shardings,
-            work.eval_batch, eval_shardings, mesh, donate=False, returns_state=False, what="the eval step")
+            eval_fn, abstract, shardings, work.eval_batch, eval_shardings, mesh, donate=False, returns_state=False,
+            what="the eval step")
+        sync_steps = tuple(jax.jit(sync_lib.sync_program(sync, f), in_shardings=(shardings,), out_shardings=shardings,
+                                   donate_argnums=0).lower(abstract).compile()
+                           for f in range(len(sync.fragments))) if sync else ()
 
     return Job(work, mesh, rules, shardings, batch_shardings, eval_shardings, target, checkpoint_dir, train_step,
-               eval_step, compile_s, split, pipe, seq, reduction)
+               eval_step, compile_s, split, pipe, seq, reduction, abstract, init, sync, sync_steps)
 
 
 def gradient_reduction(cfg, mesh, rules: dict, work: Workload, split: list, auto_min,

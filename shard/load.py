@@ -13,12 +13,14 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from shard import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import distributed, partition, paths, registry
 from shard import mesh as mesh_lib
 from shard import state as state_lib
+from shard import sync as sync_lib
 from shard.errors import UserError
 
 # What a loaded model takes from its run's config.yaml: the mesh and devices are the loader's.
@@ -77,6 +79,14 @@ def load(path: str, overrides: list[str], step: int | None = None, whole_mesh: b
                                        nnx.Param, ...)
     abstract = state_lib.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, rest=rest, opt_state=None)
     shardings = state_lib.state_shardings(abstract, mesh, rules, state_lib.auto_min_size(cfg.mesh))
+    replicas = ckpt_lib.saved_replicas(path, key, step) if cfg.train.sync in sync_lib.LOCAL else None
+    if replicas:  # every replica's model was saved: read them all (each copied to the devices) and take their mean
+        abstract = jax.eval_shape(lambda s: jax.tree.map(lambda a: jnp.broadcast_to(a, (replicas, *a.shape)), s),
+                                  abstract.replace(step=None)).replace(step=abstract.step)
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(None, *s.spec)),
+                                 shardings.replace(step=None)).replace(step=shardings.step)
     restored, meta = ckpt_lib.restore_path(path, key, ckpt_lib.abstract_target(abstract, shardings), model_only=True,
                                            step=step)
+    if replicas:
+        restored = sync_lib.global_view(restored)
     return Loaded(nnx.merge(graphdef, restored.params, restored.rest), cfg, mesh, rules, int(meta["step"]))

@@ -14,9 +14,10 @@ from jax.experimental import mesh_utils
 
 from shard.errors import UserError
 
-AXES = ("stage", "data", "expert", "fsdp", "context", "tensor")  # mesh axis order, slowest-varying first
-# (pipeline stages outermost: only activations at stage boundaries cross them, so they suit slow links;
-# context and tensor innermost: they exchange activations inside every layer)
+AXES = ("replica", "stage", "data", "expert", "fsdp", "context", "tensor")  # mesh axis order, slowest-varying first
+# (replicas outermost: under local SGD / DiLoCo they exchange parameters only every few steps; pipeline stages
+# next: only activations at stage boundaries cross them, so they suit slow links; context and tensor innermost:
+# they exchange activations inside every layer)
 
 
 def preset_names() -> list[str]:

@@ -1,4 +1,4 @@
-"""The optimizer: AdamW with linear warmup, cosine decay and global-norm clipping (Optax)."""
+"""The optimizer: AdamW (or SGD) with linear warmup, cosine decay and global-norm clipping (Optax)."""
 
 import jax
 import optax
@@ -12,9 +12,12 @@ def build(cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Sc
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
         decay_steps=max(total_steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
-    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, mask=decay_mask)
-    tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw
+    if cfg.name == "sgd":
+        inner = optax.chain(optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
+                            optax.sgd(schedule, momentum=cfg.momentum or None))
+    else:
+        inner = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), inner) if cfg.clip_norm > 0 else inner
     return tx, schedule
 
 

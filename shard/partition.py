@@ -23,7 +23,7 @@ from shard.errors import UserError
 
 # Logical name -> mesh axis, tuple of mesh axes, or None (replicated).
 RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "expert", "fsdp"),  # examples of the global batch
+    "batch": ("replica", "data", "expert", "fsdp"),  # examples of the global batch
     "length": "context",        # sequence positions (split only under context parallelism)
     "embed": "fsdp",            # model width (residual stream)
     "mlp": "tensor",            # hidden width of a feed-forward layer

@@ -56,11 +56,13 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     step = prepared.train_step
     n = len(devices)
     memory = step.memory_analysis()
-    sharded = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), work.abstract,
+    sharded = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), prepared.abstract,
                            prepared.shardings)
     text = step.as_text()
     ops = hlo.collectives(text, n)
     table, wire = hlo.summary(ops)
+    sync = sync_costs(cfg, prepared, ops, n)
+    wire += sync["cross_replica_bytes_per_step"] if sync and sync["mode"] != "allreduce" else 0.0
     flops_device = work.flops_per_step / n  # the step's model FLOPs split evenly over the devices
     total = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes \
         + memory.temp_size_in_bytes
@@ -88,7 +90,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "memory_per_device": {
             "params": _shard_bytes(sharded.params) + _shard_bytes(sharded.rest),
             "optimizer": _shard_bytes(sharded.opt_state),
-            "gradients": _gradient_bytes(work.abstract.params, prepared),
+            "gradients": _gradient_bytes(prepared.abstract.params, prepared),
             "host": host,
             "arguments": memory.argument_size_in_bytes,
             "temp": memory.temp_size_in_bytes,
@@ -106,11 +108,31 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "pipeline": None if pipe is None else {
             "stages": pipe.stages, "repeats": pipe.repeats, "microbatches": pipe.microbatches,
             "layers_per_stage": [n // pipe.stages for n in work.stacks], "bubble": idle},
+        "sync": sync,
         "wire_bytes_per_device": wire,
         "peak_tflops": peak / 1e12 if peak else None,
         "link_gbps": link,
         "estimated_step_s": estimate,
     }
+
+
+def sync_costs(cfg, prepared, step_ops: list, n: int) -> dict | None:
+    """What crosses between replicas (mesh.replica > 1), per device. allreduce: the step's collectives over
+    groups of at least R devices, a multiple of R (the gradient reduction spans every replica); local_sgd and
+    diloco: the sync programs' collectives (all of them reduce over `replica`), each fragment's once every H
+    steps, so per step their sum / H; the peak is the largest single sync."""
+    r = prepared.mesh.shape["replica"]
+    if r == 1:
+        return None
+    if prepared.sync is None:
+        crossing = [op for op in step_ops if op.group >= r and op.group % r == 0]
+        per_step = hlo.summary(crossing)[1]
+        return {"mode": "allreduce", "replicas": r, "every": 1, "fragments": 1,
+                "bytes_per_sync_peak": per_step, "cross_replica_bytes_per_step": per_step}
+    per_sync = [hlo.summary(hlo.collectives(s.as_text(), n))[1] for s in prepared.sync_steps]
+    s = prepared.sync
+    return {"mode": s.mode, "replicas": r, "every": s.every, "fragments": len(s.fragments),
+            "bytes_per_sync_peak": max(per_sync), "cross_replica_bytes_per_step": sum(per_sync) / s.every}
 
 
 def report(plan: dict) -> str:
@@ -144,6 +166,11 @@ def report(plan: dict) -> str:
                "ring": "keys and values pass round the devices, one chunk per step"}[ctx["strategy"]]
         lines.append(f"  context: each sequence split over {ctx['size']} devices ({ctx['strategy']}: {how})"
                      + ("; causal work balanced (chunks i and 2N-1-i on device i)" if ctx["balanced"] else ""))
+    if sync := plan.get("sync"):
+        when = "every step" if sync["mode"] == "allreduce" else (
+            f"every {sync['every']} steps" + (f", {sync['fragments']} fragments staggered" if sync["fragments"] > 1 else ""))
+        lines.append(f"  replicas: {sync['replicas']} ({sync['mode']}, {when}); across replicas each device sends "
+                     f"{_mb(sync['cross_replica_bytes_per_step'])} per step, {_mb(sync['bytes_per_sync_peak'])} at a sync")
     used = {k: v for k, v in plan["collectives"].items() if v["count"]}
     if used:
         lines.append("  collectives: " + ", ".join(f"{k} x{v['count']} ({_mb(v['bytes'])})" for k, v in used.items()))
@@ -188,7 +215,9 @@ def candidate_meshes(n_devices: int, sequences: bool = False) -> list[tuple[str,
         seen[key] = len(out)
         out.append((name, {"preset": name, **sizes}))
     divisors = [d for d in range(1, n_devices + 1) if n_devices % d == 0]
-    for shape in itertools.product(divisors, repeat=len(mesh_lib.AXES)):
+    axes = mesh_lib.AXES[1:]  # not `replica`: under train.sync=allreduce it is the data axis again
+    for split in itertools.product(divisors, repeat=len(axes)):
+        shape = (1, *split)
         context = shape[mesh_lib.AXES.index("context")]
         if math.prod(shape) == n_devices and (shape, "[]", 0) not in seen and (sequences or context == 1):
             seen[(shape, "[]", 0)] = len(out)

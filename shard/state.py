@@ -9,6 +9,7 @@ parameters, so they get the same sharding (FSDP shards Adam's moments too).
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import flax.struct
 import jax
@@ -27,6 +28,7 @@ class TrainState:
     params: nnx.State      # trainable parameters (nnx.Param), float32
     rest: nnx.State        # every other model variable (e.g. normalisation statistics)
     opt_state: optax.OptState
+    outer: Any = None      # train.sync=local_sgd/diloco: the last sync's parameters and outer optimizer (shard/sync.py)
 
 
 def build_model(model_cls: type, kwargs: dict, seed: int) -> nnx.Module:

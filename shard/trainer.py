@@ -22,6 +22,7 @@ from shard import data as data_lib
 from shard import distributed, generate, hardware, paths, plot, profiling, stopping
 from shard import mesh as mesh_lib
 from shard import state as state_lib
+from shard import sync as sync_lib
 from shard.board import Board
 from shard.errors import NonFiniteLoss, UserError, warn
 from shard.job import Job, prepare
@@ -89,7 +90,7 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
     log = None
     try:
         try:
-            state = start_state(cfg, checkpoints, work.init, job.shardings, job.target, say)
+            state = start_state(cfg, checkpoints, job.init, job.shardings, job.target, say)
             result = Result(graphdef=work.graphdef, shardings=job.shardings, mesh=job.mesh,
                             train_step=job.train_step, start_step=int(state.step))
             log = metrics_log(cfg, run_dir, result.start_step, work, main)
@@ -130,6 +131,8 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
 def end_sample(cfg, job: Job, state) -> str:
     """The end-of-run sample: `train.sample_len` bytes after `train.sample_prompt`, generated as
     `python -m shard.generate` does (a cache, on the run's mesh)."""
+    if job.sync:
+        state = sync_lib.global_view(state)
     model = nnx.merge(job.work.graphdef, state_lib.in_device_memory(state.params), state.rest)
     generator = generate.Generator(model, job.mesh, job.rules, cfg.train.dtype)
     prompt = generate.text_tokens(cfg.train.sample_prompt) or generate.text_tokens("\n")  # something to condition on
@@ -249,6 +252,8 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 batch = next(batches)  # the time the loop waits for input, apart from the step's own
                 waited += time.perf_counter() - t_wait
                 state, out = train_step(state, batch)
+                for fragment in job.sync.due(done) if job.sync else ():  # local SGD / DiLoCo: the replicas meet
+                    state = job.sync_steps[fragment](state)
             profiler.after(done, out)
             # At most one step waits behind the running one: the device never idles, and a stop request
             # is seen (and the state checkpointed) within a step or two, not after a queue of them.
