@@ -155,9 +155,10 @@ def test_print_config_resolves_preset_and_overrides():
     proc = run_cli("mesh=fsdp_tp", "mesh.tensor=4", "model.n_layers=2", "--print-config")
     assert proc.returncode == 0, proc.stderr
     cfg = yaml.safe_load(proc.stdout)
-    assert cfg["mesh"] == {"preset": "fsdp_tp", "stage": 1, "data": 1, "expert": 1, "fsdp": -1, "context": 1,
-                           "tensor": 4, "rules": {}, "zero": 0, "auto_shard": True, "auto_shard_min_size": 16384,
-                           "dcn_data": None, "dcn_stage": 1, "dcn_expert": 1, "dcn_fsdp": 1, "dcn_context": 1,
+    assert cfg["mesh"] == {"preset": "fsdp_tp", "replica": 1, "stage": 1, "data": 1, "expert": 1, "fsdp": -1,
+                           "context": 1, "tensor": 4, "rules": {}, "zero": 0, "auto_shard": True,
+                           "auto_shard_min_size": 16384, "dcn_data": None, "dcn_replica": 1, "dcn_stage": 1,
+                           "dcn_expert": 1, "dcn_fsdp": 1, "dcn_context": 1,
                            "dcn_tensor": 1}
     assert cfg["model"]["n_layers"] == 2 and cfg["model"]["vocab_size"] == 256  # signature default filled in
     assert cfg["train"]["steps"] == 640  # from configs/default.yaml

@@ -42,7 +42,8 @@ def test_split_sequences_give_the_one_device_curve(train, one_device):
 @pytest.mark.parametrize("causal", [True, False])
 def test_ring_attention_equals_unsplit_attention(causal):
     n, (b, t, h, kv, d) = 8, (2, 64, 4, 2, 8)
-    mesh = jax.make_mesh((1, 1, 1, 1, n, 1), mesh_lib.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 6)
+    shape = tuple(n if a == "context" else 1 for a in mesh_lib.AXES)
+    mesh = jax.make_mesh(shape, mesh_lib.AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
     q, k, v = (jax.random.normal(key, (b, t, heads, d)) for key, heads in zip(jax.random.split(jax.random.key(0), 3),
                                                                                  (h, kv, kv)))
     weights = jax.random.normal(jax.random.key(1), (b, t, h, d))

@@ -7,6 +7,7 @@ import pytest
 
 from conftest import TINY_GPT, overrides, run_cli
 from shard import config, hlo, plan
+from shard import mesh as mesh_lib
 
 
 def analyse(tmp_path, *extra):
@@ -80,7 +81,7 @@ def test_dry_run_writes_plan_json_and_trains_nothing(tmp_path):
                    "run.peak_tflops=100", "run.link_gbps=50", "run.device_memory_gb=0.0001")
     assert done.returncode == 0, done.stderr
     p = json.loads((tmp_path / "plan.json").read_text())
-    assert p["mesh"] == {"stage": 1, "data": 4, "expert": 1, "fsdp": 1, "context": 1, "tensor": 2} and p["devices"] == 8
+    assert p["mesh"] == {"replica": 1, "stage": 1, "data": 4, "expert": 1, "fsdp": 1, "context": 1, "tensor": 2} and p["devices"] == 8
     assert set(p["memory_per_device"]) >= {"params", "optimizer", "arguments", "temp", "total", "fits"}
     assert p["memory_per_device"]["fits"] is False  # 100 kB is too little
     assert p["estimated_step_s"] == pytest.approx(p["flops_per_device"] / 100e12 + p["wire_bytes_per_device"] / 50e9)
@@ -96,13 +97,14 @@ def test_compare_and_auto_pick_the_fastest_mesh_that_fits(tmp_path):
     # every factorization of 2 (stage, data, expert, fsdp, context, tensor) but expert=2: the GPT has no
     # experts, so that is data parallel renamed; stage=2 cuts its 2 layers into 2 stages; context=2 splits
     # its sequences (language-model data)
-    assert shapes == {(2, 1, 1, 1, 1, 1), (1, 2, 1, 1, 1, 1), (1, 1, 1, 2, 1, 1), (1, 1, 1, 1, 2, 1), (1, 1, 1, 1, 1, 2)}
+    assert shapes == {(1, 2, 1, 1, 1, 1, 1), (1, 1, 2, 1, 1, 1, 1), (1, 1, 1, 1, 2, 1, 1), (1, 1, 1, 1, 1, 2, 1),
+                      (1, 1, 1, 1, 1, 1, 2)}  # replica, stage, data, expert, fsdp, context, tensor
     staged = next(r for r in rows if r.get("mesh", {}).get("stage") == 2)
     assert staged["pipeline"]["stages"] == 2 and staged["pipeline"]["bubble"] == pytest.approx(1 / 5)
     assert any(r.get("skipped") == "no parameter is split on expert" for r in rows)
     chosen, why = plan.chosen_config(cfg, rows)
     fastest = min((r for r in rows if "skipped" not in r), key=lambda r: r["estimated_step_s"])
-    assert tuple(getattr(chosen.mesh, a) for a in ("stage", "data", "expert", "fsdp", "context", "tensor")) == \
+    assert tuple(getattr(chosen.mesh, a) for a in mesh_lib.AXES) == \
         tuple(fastest["mesh"].values())
     assert why.startswith("mesh=auto chose ") and "fastest estimated step" in why
     assert "mesh" in plan.comparison_table(rows)
