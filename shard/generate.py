@@ -16,6 +16,7 @@ the model picks among the 256 byte values.
 """
 
 import argparse
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -71,12 +72,16 @@ class Generator:
     """A model's prefill and decoding loop, jitted once per prompt length and chunk length, under a mesh's
     rules (or on one device)."""
 
-    def __init__(self, model: nnx.Module, mesh=None, rules: dict | None = None, dtype=jnp.float32):
+    def __init__(self, model: nnx.Module, mesh=None, rules: dict | None = None, dtype=jnp.float32,
+                 window: int | None = None):
         self.graphdef, self.state = nnx.split(model)
         self.context = getattr(model, "max_len", None)  # a fixed context (learned positions), else unbounded
+        self.window = window  # for a model that keeps nothing through the hooks: how many tokens it sees (seq_len)
         self.mesh, self.rules, self.dtype = mesh, rules, jnp.dtype(dtype)
         self._prefill = jax.jit(self._forward, static_argnames="capacity")
         self._decode = jax.jit(self._decode_steps, static_argnames=("capacity", "steps", "sampling"))
+        self._whole = jax.jit(self._pick_at, static_argnames="sampling")
+        self._caches = None  # whether the model's calls keep a cache (known at the first call)
 
     def _forward(self, state, tokens, index, cache, capacity: int):
         """Logits of the last of `tokens` (float32) and the cache with them written at `index`."""
@@ -97,6 +102,29 @@ class Generator:
 
         (cache, _, _), tokens = jax.lax.scan(step, (cache, token, index), jax.random.split(key, steps))
         return tokens.T, cache
+
+    def _pick_at(self, state, tokens, last, key, sampling: Sampling):
+        """The token after position `last` of `tokens`, from one pass over all of them (no cache)."""
+        model = nnx.merge(self.graphdef, cast_floats(state, self.dtype), copy=True)
+        model.eval()
+        return sampling.pick(model(tokens)[:, last].astype(jnp.float32), key)
+
+    def _uncached(self, prompt: np.ndarray, new_tokens: int, sampling: Sampling, key, rules) -> np.ndarray:
+        """Each token by re-running the model on the sequence's last tokens (at most its context, or `window`),
+        padded at the end to one length so that one program serves every step: for a model whose attention or
+        recurrence does not go through shard.hooks, and so keeps nothing between calls."""
+        width = prompt.shape[1] + new_tokens - 1
+        width = min(width, self.context or self.window or width)
+        seq, made = prompt, []
+        for _ in range(new_tokens):
+            window = seq[:, -width:]
+            padded = np.zeros((len(seq), width), np.int32)
+            padded[:, :window.shape[1]] = window
+            key, sub = jax.random.split(key)
+            made.append(np.asarray(self._whole(self.state, self._place(padded, rules), window.shape[1] - 1, sub,
+                                               sampling=sampling)))
+            seq = np.concatenate([seq, made[-1][:, None]], axis=1)
+        return np.stack(made, axis=1)
 
     def _rules(self, batch: int) -> dict | None:
         """The training rules, less what one token at a time cannot use: the length split over `context`, and
@@ -123,6 +151,12 @@ class Generator:
         rules, key = self._rules(batch), jax.random.key(seed)
         seq, made, cache, index = prompt, [], None, 0
         with partition.activate(self.mesh, rules):
+            if self._caches is None:  # a trace, no compile: does any call of the model keep a cache?
+                probe = functools.partial(self._forward, index=0, cache=None, capacity=1)
+                shapes = jax.eval_shape(probe, self.state, jnp.zeros((batch, 1), jnp.int32))
+                self._caches = bool(jax.tree.leaves(shapes[1]))
+            if not self._caches:
+                return self._uncached(prompt, new_tokens, sampling, key, rules)
             while sum(m.shape[1] for m in made) < new_tokens:
                 key, sub = jax.random.split(key)
                 if cache is None or index == capacity:  # the start, or a full cache: prefill (the last half)
@@ -150,26 +184,10 @@ class Generator:
 
 def recompute(model: nnx.Module, prompt: np.ndarray, new_tokens: int, vocab: int | None = None) -> np.ndarray:
     """Greedy tokens by re-running the model on the whole sequence for each one, no cache: the reference the
-    cached loop must equal (tests, bench/generate.py). The sequence is padded at its end to one length (one
-    program): a causal model's outputs at a position do not depend on what follows it."""
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def next_token(state, tokens, last):
-        model = nnx.merge(graphdef, state, copy=True)
-        model.eval()
-        logits = model(tokens)[:, last]
-        return jnp.argmax(logits[:, :vocab] if vocab else logits, axis=-1).astype(jnp.int32)
-
-    batch, length = prompt.shape
-    seq = np.zeros((batch, length + new_tokens - 1), np.int32)
-    seq[:, :length] = prompt
-    out = []
-    for i in range(new_tokens):
-        out.append(np.asarray(next_token(state, seq, length + i - 1)))
-        if i < new_tokens - 1:
-            seq[:, length + i] = out[-1]
-    return np.stack(out, axis=1)
+    cached loop must equal (tests, bench/generate.py). A causal model's outputs at a position do not depend on
+    what follows it, so the sequence is padded at its end to one length (one program)."""
+    return Generator(model)._uncached(np.asarray(prompt, np.int32), new_tokens, Sampling(0, vocab=vocab),
+                                      jax.random.key(0), None)
 
 
 def text_tokens(text: str) -> list[int]:
@@ -221,7 +239,8 @@ def main(argv: list[str]) -> int:
     # A mesh or device setting on the command line lays the model over all devices; else one device.
     whole_mesh = any(o.startswith(("mesh", "run.cpu_devices")) for o in overrides)
     loaded = load.load(args.run, overrides, step=args.step, whole_mesh=whole_mesh, key="RUN")
-    generator = Generator(loaded.model, loaded.mesh if whole_mesh else None, loaded.rules, loaded.cfg.train.dtype)
+    generator = Generator(loaded.model, loaded.mesh if whole_mesh else None, loaded.rules, loaded.cfg.train.dtype,
+                          window=loaded.cfg.data.seq_len)
     tokens = np.tile(np.array(text_tokens(prompt), np.int32), (args.batch, 1))
     start = time.perf_counter()
     out = generator(tokens, args.max_new_tokens, sampling, seed=args.seed)

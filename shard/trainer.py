@@ -134,7 +134,7 @@ def end_sample(cfg, job: Job, state) -> str:
     if job.sync:
         state = sync_lib.global_view(state)
     model = nnx.merge(job.work.graphdef, state_lib.in_device_memory(state.params), state.rest)
-    generator = generate.Generator(model, job.mesh, job.rules, cfg.train.dtype)
+    generator = generate.Generator(model, job.mesh, job.rules, cfg.train.dtype, window=cfg.data.seq_len)
     prompt = generate.text_tokens(cfg.train.sample_prompt) or generate.text_tokens("\n")  # something to condition on
     tokens = generator(np.array([prompt[-generator.context:] if generator.context else prompt]), cfg.train.sample_len,
                        generate.Sampling(vocab=generate.BYTES), seed=cfg.train.seed)
