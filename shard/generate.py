@@ -136,10 +136,8 @@ class Generator:
             rules["batch"] = None
         return rules
 
-    def __call__(self, prompt: np.ndarray, new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
-                 progress=None) -> np.ndarray:
-        """(batch, prompt length) int tokens -> (batch, new_tokens) int tokens. `progress(n)` is told each
-        time a chunk of n tokens is done."""
+    def __call__(self, prompt: np.ndarray, new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0) -> np.ndarray:
+        """(batch, prompt length) int tokens -> (batch, new_tokens) int tokens."""
         prompt = np.asarray(prompt, np.int32)
         batch, length = prompt.shape
         if length == 0:
@@ -171,8 +169,6 @@ class Generator:
                     chunk, token, index = np.asarray(tokens), tokens[:, -1], index + steps
                 made.append(chunk)
                 seq = np.concatenate([seq, chunk], axis=1)
-                if progress:
-                    progress(chunk.shape[1])
         return np.concatenate(made, axis=1)[:, :new_tokens]
 
     def _place(self, tokens: np.ndarray, rules):
