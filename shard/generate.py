@@ -83,10 +83,15 @@ class Generator:
         self._whole = jax.jit(self._pick_at, static_argnames="sampling")
         self._caches = None  # whether the model's calls keep a cache (known at the first call)
 
-    def _forward(self, state, tokens, index, cache, capacity: int):
-        """Logits of the last of `tokens` (float32) and the cache with them written at `index`."""
+    def _model(self, state) -> nnx.Module:
+        """The model in the compute dtype, for inference (no dropout, running statistics)."""
         model = nnx.merge(self.graphdef, cast_floats(state, self.dtype), copy=True)
         model.eval()
+        return model
+
+    def _forward(self, state, tokens, index, cache, capacity: int):
+        """Logits of the last of `tokens` (float32) and the cache with them written at `index`."""
+        model = self._model(state)
         calls = decoding.Calls(index, capacity, cache)
         with hooks.use(decode=calls):
             logits = model(tokens)
@@ -105,9 +110,7 @@ class Generator:
 
     def _pick_at(self, state, tokens, last, key, sampling: Sampling):
         """The token after position `last` of `tokens`, from one pass over all of them (no cache)."""
-        model = nnx.merge(self.graphdef, cast_floats(state, self.dtype), copy=True)
-        model.eval()
-        return sampling.pick(model(tokens)[:, last].astype(jnp.float32), key)
+        return sampling.pick(self._model(state)(tokens)[:, last].astype(jnp.float32), key)
 
     def _uncached(self, prompt: np.ndarray, new_tokens: int, sampling: Sampling, key, rules) -> np.ndarray:
         """Each token by re-running the model on the sequence's last tokens (at most its context, or `window`),

@@ -87,8 +87,8 @@ def stack(layers: nnx.Module, x):
     seen, pipeline = _STACKS.get(), _PIPELINE.get()
     if seen is not None:
         seen.append(jax.tree.leaves(nnx.state(layers))[0].shape[0])
-    if _DECODE.get() is not None:
-        return scan_decoding(layers, x, _DECODE.get())
+    if (calls := _DECODE.get()) is not None:
+        return scan_decoding(layers, x, calls)
     if _UNROLL.get():
         return unrolled(layers, x)
     return scan(layers, x) if pipeline is None else pipeline(layers, x)
@@ -193,8 +193,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool) -> j
     (`train.attention`): XLA's own (any device), or cuDNN's fused flash attention. A model calls this
     instead of choosing a kernel; outside the framework it is XLA's."""
     implementation, split = _ATTENTION.get(), _CONTEXT.get()
-    if _DECODE.get() is not None:  # generating: over the cached keys and values
-        return decoding.attend(q, k, v, bool(is_causal), _DECODE.get())
+    if (calls := _DECODE.get()) is not None:  # generating: over the cached keys and values
+        return decoding.attend(q, k, v, bool(is_causal), calls)
     if split is not None and split.size > 1:  # the sequence is split over the context devices
         return context.attention(q, k, v, bool(is_causal), split)
     head_dim = q.shape[-1]

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from shard import checkpoint as ckpt_lib
 from shard import config as config_lib
@@ -81,10 +80,8 @@ def load(path: str, overrides: list[str], step: int | None = None, whole_mesh: b
     shardings = state_lib.state_shardings(abstract, mesh, rules, state_lib.auto_min_size(cfg.mesh))
     replicas = ckpt_lib.saved_replicas(path, key, step) if cfg.train.sync in sync_lib.LOCAL else None
     if replicas:  # every replica's model was saved: read them all (each copied to the devices) and take their mean
-        abstract = jax.eval_shape(lambda s: jax.tree.map(lambda a: jnp.broadcast_to(a, (replicas, *a.shape)), s),
-                                  abstract.replace(step=None)).replace(step=abstract.step)
-        shardings = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(None, *s.spec)),
-                                 shardings.replace(step=None)).replace(step=shardings.step)
+        abstract = sync_lib.stacked(abstract, replicas)
+        shardings = sync_lib.over_replicas(shardings, mesh, axis=None)
     restored, meta = ckpt_lib.restore_path(path, key, ckpt_lib.abstract_target(abstract, shardings), model_only=True,
                                            step=step)
     if replicas:

@@ -61,7 +61,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     text = step.as_text()
     ops = hlo.collectives(text, n)
     table, wire = hlo.summary(ops)
-    sync = sync_costs(cfg, prepared, ops, n)
+    sync = sync_costs(prepared, ops, n)
     wire += sync["cross_replica_bytes_per_step"] if sync and sync["mode"] != "allreduce" else 0.0
     flops_device = work.flops_per_step / n  # the step's model FLOPs split evenly over the devices
     total = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes \
@@ -116,7 +116,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     }
 
 
-def sync_costs(cfg, prepared, step_ops: list, n: int) -> dict | None:
+def sync_costs(prepared, step_ops: list, n: int) -> dict | None:
     """What crosses between replicas (mesh.replica > 1), per device. allreduce: the step's collectives over
     groups of at least R devices, a multiple of R (the gradient reduction spans every replica); local_sgd and
     diloco: the sync programs' collectives (all of them reduce over `replica`), each fragment's once every H

@@ -102,6 +102,17 @@ def _stack(tree, r: int):
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (r, *a.shape)), tree)
 
 
+def stacked(abstract: TrainState, r: int) -> TrainState:
+    """One replica's state shapes -> R replicas' (a leading dimension on everything but the step counter)."""
+    return jax.eval_shape(lambda s: _stack(s, r), abstract.replace(step=None)).replace(step=abstract.step)
+
+
+def over_replicas(one: TrainState, mesh, axis: str | None = AXIS) -> TrainState:
+    """One replica's shardings -> the stacked state's: the leading dimension over `axis` (None: copied)."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(axis, *s.spec)),
+                        one.replace(step=None)).replace(step=one.step)
+
+
 def _outer(sync: Sync, params):
     """The outer state: the last sync's parameters, and for DiLoCo one Optax state per parameter array."""
     leaves = jax.tree.leaves(params)
@@ -111,8 +122,7 @@ def _outer(sync: Sync, params):
 
 def abstract_state(sync: Sync, abstract: TrainState) -> TrainState:
     """One replica's state shapes -> every replica's (a leading R dimension) plus the outer state."""
-    stacked = jax.eval_shape(lambda s: _stack(s, sync.replicas), abstract.replace(step=None))
-    return stacked.replace(step=abstract.step, outer=jax.eval_shape(lambda p: _outer(sync, p), abstract.params))
+    return stacked(abstract, sync.replicas).replace(outer=jax.eval_shape(lambda p: _outer(sync, p), abstract.params))
 
 
 def init(sync: Sync, init_one):
@@ -126,13 +136,11 @@ def init(sync: Sync, init_one):
 def shardings(sync: Sync, one, mesh) -> TrainState:
     """One replica's shardings (`one`, from the rules) -> the stacked state's: the replica dimension over
     `replica`; the outer state laid out like the parameters."""
-    over = lambda s: NamedSharding(mesh, PartitionSpec(AXIS, *s.spec))
-    stacked = jax.tree.map(over, one.replace(step=None))
     outer_opt = None
     if sync.mode == "diloco":  # each array's momentum lies like the array
         outer_opt = [jax.tree.map(lambda _: s, sync.outer_tx.init(jnp.zeros(())))
                      for s in jax.tree.leaves(one.params)]
-    return stacked.replace(step=one.step, outer={"anchor": one.params, "opt": outer_opt})
+    return over_replicas(one, mesh).replace(outer={"anchor": one.params, "opt": outer_opt})
 
 
 # ----------------------------------------------------------------------------- the programs
