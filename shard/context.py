@@ -121,7 +121,9 @@ def _forward(q, k, v, pos, causal, n):
         kv = _pass_on(kv, n)
         return (kv, fold(state, *kv)), None
 
-    (_, (m, l, acc)), _ = jax.lax.scan(step, ((k, v, pos), state), None, length=n - 1)
+    # Unrolled: XLA's CPU runtime orders a program's collectives only where none sits inside a loop, and
+    # devices that take the ring's permutes and another collective in different orders deadlock there.
+    (_, (m, l, acc)), _ = jax.lax.scan(step, ((k, v, pos), state), None, length=n - 1, unroll=True)
     out = acc / l[..., None]  # (b, kv_heads, group, chunk, d)
     b, t, h, _ = q.shape
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, -1).astype(q.dtype), m + jnp.log(l)
@@ -162,7 +164,8 @@ def _ring_bwd(causal, n, residuals, d_out):
         dq, dk, dv = fold(dq, k, v, kpos, dk, dv)
         return (dq, (k, v, kpos, dk, dv)), None
 
-    (dq, (_, _, _, dk, dv)), _ = jax.lax.scan(step, (dq, (k, v, pos, dk, dv)), None, length=n - 1)
+    (dq, (_, _, _, dk, dv)), _ = jax.lax.scan(step, (dq, (k, v, pos, dk, dv)), None, length=n - 1,
+                                               unroll=True)  # unrolled, as in _forward
     dk, dv = _pass_on((dk, dv), n)
     b, t, h, d = q.shape
     dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)

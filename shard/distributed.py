@@ -16,6 +16,7 @@ local processes form one mesh: that is how the multi-host path is tested on one 
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import os
 import sys
@@ -90,6 +91,25 @@ def start(run, deterministic: bool = False) -> list:
         raise UserError(f"run.cpu_devices={run.cpu_devices} but JAX already started with {len(devices)} CPU "
                         "devices; set it before JAX initialises (a fresh process)")
     return devices[:run.cpu_devices]
+
+
+def finished(tree):
+    """`tree`, once the program that made it has finished on every device, where the backend needs that.
+
+    XLA's CPU runtime (jaxlib 0.10) runs each device's collectives on a shared thread pool without ordering
+    them. When a program with collectives starts on some devices while the one before it still runs on
+    others (the one before's outputs that it reads are ready early), the two programs' collectives can take
+    every thread each other needs, and the process hangs until XLA aborts it 30 minutes later. On CPU with
+    several local devices each program therefore ends before the next is dispatched; elsewhere (GPU, TPU,
+    one device) this returns at once and dispatch stays asynchronous."""
+    if _cpu_with_several_devices():
+        jax.block_until_ready(tree)
+    return tree
+
+
+@functools.cache
+def _cpu_with_several_devices() -> bool:
+    return jax.local_devices()[0].platform == "cpu" and jax.local_device_count() > 1
 
 
 def join(settings: dict, run) -> None:

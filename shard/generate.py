@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard import decoding, hooks, partition
+from shard import decoding, distributed, hooks, partition
 from shard.errors import UserError, exit_from
 from shard.step import cast_floats
 
@@ -162,13 +162,15 @@ class Generator:
                 key, sub = jax.random.split(key)
                 if cache is None or index == capacity:  # the start, or a full cache: prefill (the last half)
                     window = seq if cache is None else seq[:, -(capacity // 2):]
-                    logits, cache = self._prefill(self.state, self._place(window, rules), 0, None, capacity=capacity)
+                    logits, cache = distributed.finished(
+                        self._prefill(self.state, self._place(window, rules), 0, None, capacity=capacity))
                     token, index = sampling.pick(logits, sub), window.shape[1]
                     chunk = np.asarray(token)[:, None]
                 else:
                     steps = min(new_tokens - sum(m.shape[1] for m in made), capacity - index)
-                    tokens, cache = self._decode(self.state, cache, token, index, sub, capacity=capacity,
-                                                 steps=steps, sampling=sampling)
+                    tokens, cache = distributed.finished(self._decode(self.state, cache, token, index, sub,
+                                                                      capacity=capacity, steps=steps,
+                                                                      sampling=sampling))
                     chunk, token, index = np.asarray(tokens), tokens[:, -1], index + steps
                 made.append(chunk)
                 seq = np.concatenate([seq, chunk], axis=1)

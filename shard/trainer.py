@@ -251,9 +251,9 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 t_wait = time.perf_counter()
                 batch = next(batches)  # the time the loop waits for input, apart from the step's own
                 waited += time.perf_counter() - t_wait
-                state, out = train_step(state, batch)
+                state, out = distributed.finished(train_step(state, batch))
                 for fragment in job.sync.due(done) if job.sync else ():  # local SGD / DiLoCo: the replicas meet
-                    state = job.sync_steps[fragment](state)
+                    state = distributed.finished(job.sync_steps[fragment](state))
             profiler.after(done, out)
             # At most one step waits behind the running one: the device never idles, and a stop request
             # is seen (and the state checkpointed) within a step or two, not after a queue of them.
@@ -335,7 +335,7 @@ def evaluate(eval_step, state, data: data_lib.Data, shardings: dict, cfg) -> dic
     sums: list = []
     with contextlib.closing(feed):
         for _ in range(len(batches)):
-            sums.append(eval_step(state, next(feed)))
+            sums.append(distributed.finished(eval_step(state, next(feed))))
             if len(sums) > 1:
                 jax.block_until_ready(sums[-2])
     totals = {k: math.fsum(float(s[k]) for s in jax.device_get(sums)) for k in sums[0]}

@@ -231,3 +231,25 @@ def test_gke_prints_the_xpk_command():
 def test_bad_launch_options_are_one_line_exit_2(args, message):
     done = launch(*args)
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_on_simulated_cpu_devices_a_program_ends_before_the_next_is_dispatched():
+    # XLA:CPU can hang when two programs' collectives overlap on its shared thread pool (shard/distributed.py):
+    # the trainer's, evaluation's and generation's loops pass each program's outputs through `finished`.
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from shard import distributed
+
+    mesh = jax.make_mesh((8,), ("x",))
+    x = jax.device_put(jnp.full((8, 192, 192), 0.01), NamedSharding(mesh, P("x")))
+
+    @jax.jit
+    def slow(x):  # long enough that without waiting it is still running when the call returns
+        for _ in range(40):
+            x = jnp.tanh(x @ x)
+        return x + x.sum()  # the sum over the devices is a collective
+
+    out = distributed.finished(slow(x))
+    assert all(shard.data.is_ready() for shard in out.addressable_shards)
