@@ -72,7 +72,7 @@ def torch_gpt(cfg):
     return GPT()
 
 
-def torch_round(model, opt, sched, step_fn, batches) -> list[float]:
+def torch_round(step_fn, batches) -> list[float]:
     times, t = [], time.perf_counter()
     for i in range(STEPS):
         loss = step_fn(*batches[i % len(batches)])
@@ -84,25 +84,12 @@ def torch_round(model, opt, sched, step_fn, batches) -> list[float]:
     return times[2:]
 
 
-def main(argv: list[str]) -> int:
+def torch_setup(cfg, steps: int = STEPS, compile_: bool = False):
+    """The PyTorch GPT with its AdamW, schedule and one train step, and 8 batches: (step_fn, batches, model)."""
     import numpy as np
     import torch
     from torch.nn import functional as F
 
-    compile_ = "--compile" in argv
-    argv = [a for a in argv if a != "--compile"]
-    cfg_path = Path(argv[0]) if argv and "=" not in argv[0] else ROOT / "configs" / "default.yaml"
-    args = [a for a in argv if "=" in a]
-    args = args if any(a.startswith("run.cpu_devices=") for a in args) else [*args, "run.cpu_devices=1"]
-
-    from shard import config, registry
-
-    cfg = config.load(cfg_path, [*args, *QUIET])
-    kw = registry.with_defaults(registry.resolve(cfg.model.name), cfg.model.kwargs)
-    if cfg.model.name != "gpt" or kw.get("position") != "learned" or kw.get("mlp") != "gelu" or kw.get("n_kv_heads"):
-        print("vs_torch.py mirrors the GPT-2 style gpt (learned positions, GELU MLP, full attention heads)")
-        return 2
-    cfg.model.kwargs = kw
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = torch_gpt(cfg).to(device)
@@ -115,7 +102,7 @@ def main(argv: list[str]) -> int:
     autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     warm = o.warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: s / max(warm, 1) if s < warm else o.min_lr_ratio + (
-        1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warm) / max(STEPS - warm, 1)))))
+        1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warm) / max(steps - warm, 1)))))
     forward = torch.compile(model) if compile_ else model
 
     def step_fn(x, y):
@@ -133,13 +120,35 @@ def main(argv: list[str]) -> int:
     shape = (cfg.data.batch_size, cfg.data.seq_len)
     batches = [(torch.from_numpy(rng.integers(0, 256, shape)).to(device),
                 torch.from_numpy(rng.integers(0, 256, shape)).to(device)) for _ in range(8)]
+    return step_fn, batches, model
+
+
+def main(argv: list[str]) -> int:
+    import torch
+
+    compile_ = "--compile" in argv
+    argv = [a for a in argv if a != "--compile"]
+    cfg_path = Path(argv[0]) if argv and "=" not in argv[0] else ROOT / "configs" / "default.yaml"
+    args = [a for a in argv if "=" in a]
+    args = args if any(a.startswith("run.cpu_devices=") for a in args) else [*args, "run.cpu_devices=1"]
+
+    from shard import config, registry
+
+    cfg = config.load(cfg_path, [*args, *QUIET])
+    kw = registry.with_defaults(registry.resolve(cfg.model.name), cfg.model.kwargs)
+    if cfg.model.name != "gpt" or kw.get("position") != "learned" or kw.get("mlp") != "gelu" or kw.get("n_kv_heads"):
+        print("vs_torch.py mirrors the GPT-2 style gpt (learned positions, GELU MLP, full attention heads)")
+        return 2
+    cfg.model.kwargs = kw
+    step_fn, batches, model = torch_setup(cfg, STEPS, compile_)
+    device, bf16, shape = batches[0][0].device.type, cfg.train.dtype == "bfloat16", tuple(batches[0][0].shape)
     n_torch = sum(p.numel() for p in model.parameters())
-    torch_round(model, opt, sched, step_fn, batches)  # warm-up (and compile)
+    torch_round(step_fn, batches)  # warm-up (and compile)
     ours, theirs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(ROUNDS):
             ours += framework_round(cfg_path, args, Path(tmp) / str(r))
-            theirs += torch_round(model, opt, sched, step_fn, batches)
+            theirs += torch_round(step_fn, batches)
     tokens = cfg.data.batch_size * cfg.data.seq_len
     a, b = tokens / statistics.median(ours), tokens / statistics.median(theirs)
     import jax
