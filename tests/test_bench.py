@@ -6,6 +6,7 @@ stderr (the bench reports a setting's failure on stdout; a crash leaves a traceb
 the report's closing line, which a crash would not print."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -71,3 +72,18 @@ def test_mfu_rejects_bad_arguments_before_running_anything():
     proc = mfu("--steps", "5", timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "error: --steps must be at least 20, got 5"
+
+
+def test_cpu_profile_attributes_the_step_to_its_xla_instructions():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu_profile.py"), "--no-torch", "--steps", "3",
+                           "--top", "8", *TINY_GPT], env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("ours (XLA thunks, self time):"))
+    wall, busy = map(float, re.search(r"([\d.]+) ms per step \(wall\).* add up to ([\d.]+) ms", header).groups())
+    rows = [line.split() for line in lines if line[:10].strip().replace(".", "").isdigit()]
+    assert len(rows) == 8 and all(r[3] in ("fusion", "dot", "copy", "while", "custom-call") for r in rows), rows
+    kinds = dict(part.rsplit(" ", 1) for part in next(l for l in lines if "by kind:" in l).split(": ", 1)[1].split(", "))
+    # Self times: a loop's thunk does not count again the thunks of its body, so it adds almost nothing.
+    assert float(kinds.get("while", 0)) < 0.05 * busy
+    assert 0.3 * wall < busy < 3 * wall  # one thread's worth of work, give or take the second core
