@@ -121,8 +121,9 @@ def _forward(q, k, v, pos, causal, n):
         kv = _pass_on(kv, n)
         return (kv, fold(state, *kv)), None
 
-    # Unrolled: XLA's CPU runtime orders a program's collectives only where none sits inside a loop, and
-    # devices that take the ring's permutes and another collective in different orders deadlock there.
+    # Unrolled: XLA's CPU runtime (jaxlib 0.10) does not keep a collective inside a loop in order with the
+    # program's others; devices that took the ring's permutes and FSDP's all-gathers in different orders
+    # deadlocked (bench/RESULTS.md, "The CI hang").
     (_, (m, l, acc)), _ = jax.lax.scan(step, ((k, v, pos), state), None, length=n - 1, unroll=True)
     out = acc / l[..., None]  # (b, kv_heads, group, chunk, d)
     b, t, h, _ = q.shape

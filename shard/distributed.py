@@ -96,12 +96,12 @@ def start(run, deterministic: bool = False) -> list:
 def finished(tree):
     """`tree`, once the program that made it has finished on every device, where the backend needs that.
 
-    XLA's CPU runtime (jaxlib 0.10) runs each device's collectives on a shared thread pool without ordering
-    them. When a program with collectives starts on some devices while the one before it still runs on
-    others (the one before's outputs that it reads are ready early), the two programs' collectives can take
-    every thread each other needs, and the process hangs until XLA aborts it 30 minutes later. On CPU with
-    several local devices each program therefore ends before the next is dispatched; elsewhere (GPU, TPU,
-    one device) this returns at once and dispatch stays asynchronous."""
+    XLA's CPU runtime (jaxlib 0.10) runs every device's work on one thread pool of max(cores, devices)
+    threads, and a collective holds its thread until all its peers arrive. When a program with collectives
+    starts on some devices while the one before it still runs on others (the inputs it reads were ready
+    early), the two programs' collectives can hold every thread the other needs: the process hangs, or
+    XLA aborts it. On CPU with several local devices each program therefore ends before the next is
+    dispatched; elsewhere (GPU, TPU, one device) this returns at once and dispatch stays asynchronous."""
     if _cpu_with_several_devices():
         jax.block_until_ready(tree)
     return tree
