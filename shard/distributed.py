@@ -24,6 +24,7 @@ import threading
 
 import jax
 
+from shard import host_malloc
 from shard.errors import UserError, first_line
 
 
@@ -82,9 +83,14 @@ def start(run, deterministic: bool = False) -> list:
         else:
             join(settings or {}, run)
 
-    if jax.process_count() > 1:
-        return jax.devices()
-    if run.cpu_devices is None:
+    devices = _devices(run)
+    if run.reuse_host_memory and devices[0].platform == "cpu":
+        host_malloc.keep_freed_memory()
+    return devices
+
+
+def _devices(run) -> list:
+    if jax.process_count() > 1 or run.cpu_devices is None:
         return jax.devices()
     devices = jax.devices("cpu")
     if len(devices) < run.cpu_devices:
