@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.hooks import attention, positions
+from shard.hooks import attention, dense, positions
 from shard.partition import constrain
 
 
@@ -74,9 +74,9 @@ class MLPBlock(nnx.Module):
         self.w_out = param(rngs, (d_ff, d_model), ("mlp", "embed"), out_std)
 
     def __call__(self, x):
-        h = x @ self.w_in[...]
-        h = jax.nn.silu(x @ self.w_gate[...]) * h if self.w_gate is not None else jax.nn.gelu(h)
-        return constrain(h, ("batch", "length", "mlp")) @ self.w_out[...]
+        h = dense(x, self.w_in[...])
+        h = jax.nn.silu(dense(x, self.w_gate[...])) * h if self.w_gate is not None else jax.nn.gelu(h)
+        return dense(constrain(h, ("batch", "length", "mlp")), self.w_out[...])
 
 
 class Block(nnx.Module):

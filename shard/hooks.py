@@ -4,7 +4,8 @@ a sequence sits (context parallelism), and what it keeps between calls while gen
 
 A model runs its stacked layers with `stack(layers, x)`, applies a single layer through `layer(fn)`,
 computes attention with `attention(q, k, v, is_causal=...)`, takes its tokens' positions from
-`positions(length)` and runs a recurrence over time with `recurrence(step, carry, xs)`; what those do
+`positions(length)`, multiplies token activations by a weight matrix with `dense(x, w)` and runs a
+recurrence over time with `recurrence(step, carry, xs)`; what those do
 is set by the run (`mesh.stage` and `pipeline.*`, `train.remat`, `train.attention`, `mesh.context` and
 `train.context_strategy`; generation's caches, shard/decoding.py; export's unrolled layers) while its
 step is traced, under `use(...)`. Outside the framework they are plain JAX (a scan, no remat, XLA's
@@ -202,6 +203,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool) -> j
         raise UserError(f"train.attention=cudnn needs a head size <= 128 and a multiple of 8, got {head_dim}; "
                         "use train.attention=xla")
     return _CALLS[bool(is_causal)](q, k, v, implementation=implementation)
+
+
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x's last axis times the matrix w, for activations laid out (batch, length, ...): the same product
+    as `x @ w`. The leading axes are merged into one first unless the sequence is split over the context
+    devices (merging a split length with the batch would move data). Same math, but XLA's CPU backend
+    compiles the 2-D product's backward without transposing the output gradient: a 3-D one's weight
+    gradient contracts two axes, and XLA wrote the (tokens, width) gradient out transposed, in a strided
+    elementwise loop (the default GPT's step: 75 -> 63 ms on 2 cores, bench/RESULTS.md)."""
+    split = _CONTEXT.get()
+    if x.ndim <= 2 or (split is not None and split.size > 1):
+        return x @ w
+    return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
 
 
 def attention_flops(q_shape, k_shape, v_shape, is_causal: bool) -> float:

@@ -79,6 +79,23 @@ def test_attention_kernel_is_the_configured_one(monkeypatch):
         hooks.attention(q, q, q, is_causal=True)
 
 
+def test_dense_is_the_matrix_product_with_tokens_merged_unless_the_sequence_is_split():
+    from shard import context, hooks
+
+    x, w = jax.random.normal(jax.random.key(0), (4, 8, 16)), jax.random.normal(jax.random.key(1), (16, 24))
+    loss = lambda dense: lambda x, w: jnp.sum(jnp.sin(dense(x, w)))  # noqa: E731
+    for got, want in zip(jax.grad(loss(hooks.dense), (0, 1))(x, w), jax.grad(loss(jnp.matmul), (0, 1))(x, w)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    def ranks():  # a new function each time: JAX caches a function's trace, not the hooks' settings
+        jaxpr = jax.make_jaxpr(lambda x, w: hooks.dense(x, w))(x, w)
+        return [e.invars[0].aval.ndim for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+
+    assert ranks() == [2]  # one (tokens, width) product: what XLA's CPU backend compiles best
+    with hooks.use(split=context.Split(size=2, strategy="ring")):
+        assert ranks() == [3]  # a split length stays its own axis
+
+
 # ----------------------------------------------------------------------------- mixture of experts
 
 def moe_layer(top_k=2, capacity_factor=8.0, n_experts=4):
