@@ -175,7 +175,30 @@ CAUSAL_NAME, FULL_NAME = "shard_attention_causal", "shard_attention_full"
 
 
 def _kernel(q, k, v, implementation, is_causal):
+    if implementation == "xla" and jax.default_backend() == "cpu":
+        return _cpu_attention(q, k, v, is_causal)
     return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, implementation=implementation)
+
+
+def _cpu_attention(q, k, v, is_causal):
+    """jax.nn.dot_product_attention's XLA path, written so XLA's CPU backend compiles it faster: the
+    scale applied to the queries rather than the scores, the causal mask one (length, length) table
+    rather than a mask the size of the scores, and grouped heads as an axis of the products rather than
+    a vmap. The same products and float32 softmax; the default GPT's step 62.9 -> 59.6 ms on 2 cores
+    (bench/RESULTS.md)."""
+    b, t, heads, d = q.shape
+    groups = heads // k.shape[2]  # query heads per key/value head
+    q = q * jnp.asarray(d ** -0.5, q.dtype)
+    # Without groups, no group axis: XLA:CPU lays the 4-D products out better (61.7 against 66.0 ms).
+    scores_spec, out_spec = ("bthd,bshd->bhts", "bhts,bshd->bthd") if groups == 1 else \
+        ("btkgd,bskd->bkgts", "bkgts,bskd->btkgd")
+    if groups > 1:
+        q = q.reshape(b, t, k.shape[2], groups, d)
+    scores = jnp.einsum(scores_spec, q, k, preferred_element_type=jnp.float32)
+    if is_causal:  # query i sees keys 0..i, aligned at the top left as JAX's mask is
+        scores = jnp.where(jnp.tri(t, k.shape[1], dtype=bool), scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum(out_spec, probs, v).reshape(b, t, heads, v.shape[-1])
 
 
 def _named(name: str, is_causal: bool):
