@@ -195,8 +195,8 @@ def _cpu_attention(q, k, v, is_causal):
     if groups > 1:
         q = q.reshape(b, t, k.shape[2], groups, d)
     scores = jnp.einsum(scores_spec, q, k, preferred_element_type=jnp.float32)
-    if is_causal:  # query i sees keys 0..i, aligned at the top left as JAX's mask is
-        scores = jnp.where(jnp.tri(t, k.shape[1], dtype=bool), scores, jnp.finfo(jnp.float32).min)
+    if is_causal:  # query i sees keys 0..i, aligned at the top left, masked with JAX's large negative
+        scores = jnp.where(jnp.tri(t, k.shape[1], dtype=bool), scores, -0.7 * jnp.finfo(jnp.float32).max)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum(out_spec, probs, v).reshape(b, t, heads, v.shape[-1])
 
