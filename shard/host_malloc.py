@@ -3,8 +3,8 @@
 XLA's CPU runtime allocates a step's buffers with malloc and frees them when the step ends. glibc
 serves each request above its mmap threshold (at most 32 MiB) with fresh pages from mmap and hands
 them back on free, so every step touched its big buffers' pages for the first time again: about
-14,000 page faults a step on the default job, ~17% of its step time (bench/RESULTS.md, "Where a CPU
-train step goes"). PyTorch's CPU steps fault far less (their buffers are smaller and glibc's dynamic
+14,000 page faults a step on the default job, ~17% of its step time (bench/RESULTS.md, "The CPU step
+against PyTorch, closer"). PyTorch's CPU steps fault far less (their buffers are smaller and glibc's dynamic
 threshold soon serves them from the heap). With mmap off and trimming only past 2 GiB of free top,
 freed blocks stay in the heap and the next step reuses them.
 

@@ -36,7 +36,7 @@ print(json.dumps((faults() - before) / 5))
 def faults_per_block(*overrides, env=None):
     out = subprocess.run([sys.executable, "-c", SCRIPT, "run.cpu_devices=1", *overrides], cwd=ROOT, text=True,
                          capture_output=True, check=True,
-                         env={k: v for k, v in (env or os.environ).items()} | {"PYTHONPATH": str(ROOT)})
+                         env=dict(env or os.environ) | {"PYTHONPATH": str(ROOT)})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
