@@ -183,22 +183,23 @@ def _kernel(q, k, v, implementation, is_causal):
 def _cpu_attention(q, k, v, is_causal):
     """jax.nn.dot_product_attention's XLA path, written so XLA's CPU backend compiles it faster: the
     scale applied to the queries rather than the scores, the causal mask one (length, length) table
-    rather than a mask the size of the scores, and grouped heads as an axis of the products rather than
-    a vmap. The same products and float32 softmax; the default GPT's step 62.9 -> 59.6 ms on 2 cores
-    (bench/RESULTS.md)."""
+    rather than a mask the size of the scores, and the products as 3-D batched products over (batch x
+    key/value heads) with a query head's group folded into its rows, rather than 4-D products and a vmap
+    over groups. The same products and float32 softmax; the default GPT's step on 2 cores: 62.9 -> 59.6
+    ms for the first two, about 2 ms more for the 3-D products (bench/RESULTS.md)."""
     b, t, heads, d = q.shape
-    groups = heads // k.shape[2]  # query heads per key/value head
+    s, kv_heads = k.shape[1], k.shape[2]
+    groups = heads // kv_heads  # query heads per key/value head (heads = kv_head * groups + group, as JAX's)
     q = q * jnp.asarray(d ** -0.5, q.dtype)
-    if groups == 1:  # no group axis: XLA:CPU lays the 4-D products out better (61.7 against 66.0 ms)
-        scores_spec, out_spec = "bthd,bshd->bhts", "bhts,bshd->bthd"
-    else:
-        scores_spec, out_spec = "btkgd,bskd->bkgts", "bkgts,bskd->btkgd"
-        q = q.reshape(b, t, k.shape[2], groups, d)
-    scores = jnp.einsum(scores_spec, q, k, preferred_element_type=jnp.float32)
+    q = q.reshape(b, t, kv_heads, groups, d).transpose(0, 2, 3, 1, 4).reshape(b * kv_heads, groups * t, d)
+    k, v = (a.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, a.shape[-1]) for a in (k, v))
+    scores = jnp.einsum("nqd,nsd->nqs", q, k, preferred_element_type=jnp.float32)
     if is_causal:  # query i sees keys 0..i, aligned at the top left, masked with JAX's large negative
-        scores = jnp.where(jnp.tri(t, k.shape[1], dtype=bool), scores, -0.7 * jnp.finfo(jnp.float32).max)
+        mask = jnp.tile(jnp.tri(t, s, dtype=bool), (groups, 1))
+        scores = jnp.where(mask, scores, -0.7 * jnp.finfo(jnp.float32).max)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum(out_spec, probs, v).reshape(b, t, heads, v.shape[-1])
+    out = jnp.einsum("nqs,nsd->nqd", probs, v)
+    return out.reshape(b, kv_heads, groups, t, -1).transpose(0, 3, 1, 2, 4).reshape(b, t, heads, -1)
 
 
 def _named(name: str, is_causal: bool):
