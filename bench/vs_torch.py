@@ -11,13 +11,22 @@ up front), PyTorch as its users make it fast: batches already on the device, Ada
 kernel, bf16 autocast when `train.dtype=bfloat16` (float32 parameters, as ours), and its
 scaled_dot_product_attention picks flash attention itself (give ours `train.attention=cudnn`).
 
+PyTorch runs in processes of its own (three of each kind on a CPU: one process can run ~20% faster or
+slower than the next for its whole life), taking turns with ours round by round (each waits while the
+others run). One is PyTorch as its users run it; on a CPU a second gets the host allocator settings our trainer
+makes by default (`run.reuse_host_memory`, shard/host_malloc.py), so the figure shows what is the
+allocator and what is the compiled step: glibc's defaults map and unmap every large block afresh, which
+costs PyTorch's eager step about a fifth on this model (bench/RESULTS.md).
+
 Run: `pip install torch` then `python bench/vs_torch.py [CONFIG.yaml] [key=value ...] [--compile]`.
 """
 
 import contextlib
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -123,40 +132,116 @@ def torch_setup(cfg, steps: int = STEPS, compile_: bool = False):
     return step_fn, batches, model
 
 
-def main(argv: list[str]) -> int:
-    import torch
+PROCESSES = 3  # PyTorch processes of each kind on a CPU
 
+
+def parse(argv: list[str]):
+    """(config path, key=value args with run.cpu_devices=1 unless given, --compile)."""
     compile_ = "--compile" in argv
-    argv = [a for a in argv if a != "--compile"]
+    argv = [a for a in argv if a not in ("--compile", "--worker", "--allocator")]
     cfg_path = Path(argv[0]) if argv and "=" not in argv[0] else ROOT / "configs" / "default.yaml"
     args = [a for a in argv if "=" in a]
     args = args if any(a.startswith("run.cpu_devices=") for a in args) else [*args, "run.cpu_devices=1"]
+    return cfg_path, args, compile_
 
+
+def load_config(cfg_path, args):
     from shard import config, registry
 
     cfg = config.load(cfg_path, [*args, *QUIET])
-    kw = registry.with_defaults(registry.resolve(cfg.model.name), cfg.model.kwargs)
+    cfg.model.kwargs = registry.with_defaults(registry.resolve(cfg.model.name), cfg.model.kwargs)
+    return cfg
+
+
+def worker(argv: list[str]) -> int:
+    """A PyTorch process: warms up, says what it runs, then trains one round per line on stdin and
+    answers with the round's block times as a JSON line. `--allocator`: our trainer's host allocator
+    settings first."""
+    import torch
+
+    if "--allocator" in argv:
+        from shard import host_malloc
+
+        host_malloc.keep_freed_memory()
+    cfg_path, args, compile_ = parse(argv)
+    step_fn, batches, model = torch_setup(load_config(cfg_path, args), STEPS, compile_)
+    torch_round(step_fn, batches)  # warm-up (and compile)
+    print(json.dumps({"device": batches[0][0].device.type, "threads": torch.get_num_threads(),
+                      "version": torch.__version__, "parameters": sum(p.numel() for p in model.parameters())}),
+          flush=True)
+    for _ in sys.stdin:
+        print(json.dumps(torch_round(step_fn, batches)), flush=True)
+    return 0
+
+
+class Worker:
+    """bench/vs_torch.py --worker in a child process, driven a round at a time."""
+
+    def __init__(self, argv: list[str], allocator: bool):
+        flags = ["--worker"] + (["--allocator"] if allocator else [])
+        self.proc = subprocess.Popen([sys.executable, __file__, *flags, *argv], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.info = self._answer()
+
+    def _answer(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"the PyTorch worker stopped (exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def round(self) -> list[float]:
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def main(argv: list[str]) -> int:
+    if "--worker" in argv:
+        return worker(argv)
+    cfg_path, args, compile_ = parse(argv)
+    cfg = load_config(cfg_path, args)
+    kw = cfg.model.kwargs
     if cfg.model.name != "gpt" or kw.get("position") != "learned" or kw.get("mlp") != "gelu" or kw.get("n_kv_heads"):
         print("vs_torch.py mirrors the GPT-2 style gpt (learned positions, GELU MLP, full attention heads)")
         return 2
-    cfg.model.kwargs = kw
-    step_fn, batches, model = torch_setup(cfg, STEPS, compile_)
-    device, bf16, shape = batches[0][0].device.type, cfg.train.dtype == "bfloat16", tuple(batches[0][0].shape)
-    n_torch = sum(p.numel() for p in model.parameters())
-    torch_round(step_fn, batches)  # warm-up (and compile)
-    ours, theirs = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(ROUNDS):
-            ours += framework_round(cfg_path, args, Path(tmp) / str(r))
-            theirs += torch_round(step_fn, batches)
-    tokens = cfg.data.batch_size * cfg.data.seq_len
-    a, b = tokens / statistics.median(ours), tokens / statistics.median(theirs)
     import jax
 
-    print(f"device: {jax.devices()[0].device_kind} | jax {jax.__version__} | torch {torch.__version__} "
-          f"({device}, {torch.get_num_threads()} threads{', torch.compile' if compile_ else ', eager'}"
-          f"{', bf16 autocast' if bf16 else ''}) | {n_torch:,} torch parameters | batch {shape[0]}x{shape[1]}")
-    print(f"tokens/s: ours {a:,.0f}, PyTorch {b:,.0f}, ratio {a / b:.2f}")
+    on_cpu = jax.default_backend() == "cpu"
+    # PyTorch as its users run it, and (on a CPU) with our allocator settings too; PROCESSES of each, since
+    # one PyTorch process can run ~20% faster or slower than the next for its whole life on a CPU.
+    kinds = {"PyTorch": False, "PyTorch, our allocator settings": True} if on_cpu else {"PyTorch": False}
+    workers = {name: [Worker(argv, allocator=a) for _ in range(PROCESSES if on_cpu else 1)] for name, a in kinds.items()}
+    ours, theirs, per_process = [], {name: [] for name in workers}, {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for r in range(ROUNDS):
+                ours += framework_round(cfg_path, args, Path(tmp) / str(r))
+                for name, group in workers.items():
+                    for i, w in enumerate(group):
+                        times = w.round()
+                        theirs[name] += times
+                        per_process.setdefault((name, i), []).extend(times)
+    finally:
+        for group in workers.values():
+            for w in group:
+                w.close()
+    info = workers["PyTorch"][0].info
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    a = tokens / statistics.median(ours)
+    print(f"device: {jax.devices()[0].device_kind} | jax {jax.__version__} | torch {info['version']} "
+          f"({info['device']}, {info['threads']} threads{', torch.compile' if compile_ else ', eager'}"
+          f"{', bf16 autocast' if cfg.train.dtype == 'bfloat16' else ''}) | {info['parameters']:,} torch parameters "
+          f"| batch {cfg.data.batch_size}x{cfg.data.seq_len} | {ROUNDS} rounds, alternating, PyTorch in "
+          f"{len(workers['PyTorch'])} process(es) of its own per kind")
+    for name, times in theirs.items():
+        b = tokens / statistics.median(times)
+        each = ", ".join(f"{statistics.median(t) * 1e3:.1f}" for (n, _), t in per_process.items() if n == name)
+        print(f"tokens/s: ours {a:,.0f}, {name} {b:,.0f}, ratio {a / b:.2f} (ms a step: ours "
+              f"{statistics.median(ours) * 1e3:.1f}; each PyTorch process {each})")
     return 0
 
 
