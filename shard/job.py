@@ -145,7 +145,7 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         check_grad_accum(cfg, dict(mesh.shape), rules)
         reduction = gradient_reduction(cfg, mesh, rules, work, split, auto_min, device_shardings.params)
         train_fn = step_lib.make_train_step(work.graphdef, work.tx, work.loss_fn, work.dtype,
-                                            cfg.train.skip_nonfinite, reduction, moved, order)
+                                            cfg.train.skip_nonfinite, reduction, moved, order, work.schedule)
         eval_fn = step_lib.make_eval_step(work.graphdef, work.loss_fn, work.data.task, work.dtype, moved, order)
         if sync:  # every replica steps on its own share of the batch; eval sees their mean
             train_fn, plain_eval = sync_lib.local_step(train_fn, sync), eval_fn

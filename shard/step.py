@@ -38,12 +38,14 @@ def cast_floats(tree, dtype):
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable, dtype,
                     skip_nonfinite: bool = False, reduction: gradients.Reduction = gradients.Reduction(),
-                    device_shardings=None, order: tuple | None = None) -> Callable:
+                    device_shardings=None, order: tuple | None = None, schedule: Callable | None = None) -> Callable:
     """The train step: the loss (each microbatch's mean loss counting 1/K under accumulation, so the update is
     the whole batch's), gradients reduced as `reduction` says (shard/gradients.py), one optimizer update.
     `device_shardings` (host offload) is the state's layout in device memory: what lives on the host between
     steps is moved there for the step and back after it (the out shardings say where). `order`: context
-    parallelism's load-balanced token order, in which inputs and targets are laid out (shard/context.py)."""
+    parallelism's load-balanced token order, in which inputs and targets are laid out (shard/context.py).
+    `schedule`: the learning rate's, whose value at this step is an output (computed in the step, the trainer
+    never dispatches a computation of its own to read it, which on a CPU would wait for the running step)."""
 
     def objective(params, rest, batch):
         batch = context.reorder(batch, order)
@@ -70,7 +72,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
         if skip_nonfinite:  # keep the old parameters and optimizer state; the batch is still consumed
             skipped = state.replace(step=state.step + 1)
             new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, skipped)
-        return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite, **stats}
+        out = {"loss": loss, "grad_norm": grad_norm, "finite": finite, **stats}
+        if schedule is not None:
+            out["lr"] = schedule(state.step)
+        return new_state, out
 
     return train_step
 
