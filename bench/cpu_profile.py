@@ -4,7 +4,8 @@ Ours: the framework's own train step (shard.job.prepare, as train.py compiles it
 each XLA thunk's self time is summed by the HLO instruction it runs, and each instruction is labelled with
 its opcode (fusions with their kind: kLoop elementwise, kInput reductions, kOutput matmul epilogues) and
 the JAX operation it came from. Theirs: bench/vs_torch.py's PyTorch GPT (same shapes, AdamW, clipping,
-schedule, batch) in eager mode under torch.profiler, each aten op's self time. Both run --steps steps
+schedule, batch) in eager mode under torch.profiler, each aten op's self time (in this process, so with our
+trainer's host allocator settings: bench/vs_torch.py shows PyTorch with and without them). Both run --steps steps
 after a warm-up, in this process, one after the other; every figure is milliseconds per step.
 
 Run: `pip install torch` then `python bench/cpu_profile.py [CONFIG.yaml] [key=value ...] [--steps N] [--top K]`

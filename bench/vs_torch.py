@@ -6,17 +6,18 @@ cosine decay, global-norm clipping and decay on matrices only, the same batch. T
 ROUNDS rounds; each reports the median of blocks of LOG_EVERY steps after warm-up. With `--compile`
 the PyTorch model also runs under torch.compile, as a PyTorch user would.
 
-On a GPU both run there, in one process (JAX allocates as it goes rather than taking 75% of the memory
-up front), PyTorch as its users make it fast: batches already on the device, AdamW's fused CUDA
-kernel, bf16 autocast when `train.dtype=bfloat16` (float32 parameters, as ours), and its
-scaled_dot_product_attention picks flash attention itself (give ours `train.attention=cudnn`).
+PyTorch runs in processes of its own, which take turns with ours round by round (each waits while the
+others run). On a GPU there is one, which shares the GPU with ours (JAX allocates as it goes rather than
+taking 75% of the memory up front). It runs PyTorch as its users make it fast: batches already on the
+device, AdamW's fused CUDA kernel, bf16 autocast when `train.dtype=bfloat16` (float32 parameters, as
+ours), and its scaled_dot_product_attention, which picks flash attention itself (give ours
+`train.attention=cudnn`).
 
-PyTorch runs in processes of its own (three of each kind on a CPU: one process can run ~20% faster or
-slower than the next for its whole life), taking turns with ours round by round (each waits while the
-others run). One is PyTorch as its users run it; on a CPU a second gets the host allocator settings our trainer
-makes by default (`run.reuse_host_memory`, shard/host_malloc.py), so the figure shows what is the
-allocator and what is the compiled step: glibc's defaults map and unmap every large block afresh, which
-costs PyTorch's eager step about a fifth on this model (bench/RESULTS.md).
+On a CPU there are three as shipped and three more given the host allocator settings our trainer makes by
+default (`run.reuse_host_memory`, shard/host_malloc.py). Three, because one PyTorch process can run ~20%
+faster or slower than the next for its whole life. The second kind shows which part of the gap is the
+allocator and which the compiled step: under glibc's defaults PyTorch's eager step flips between two
+speeds about a fifth apart on this model (bench/RESULTS.md).
 
 Run: `pip install torch` then `python bench/vs_torch.py [CONFIG.yaml] [key=value ...] [--compile]`.
 """
