@@ -216,16 +216,14 @@ def main(argv: list[str]) -> int:
     # one PyTorch process can run ~20% faster or slower than the next for its whole life on a CPU.
     kinds = {"PyTorch": False, "PyTorch, our allocator settings": True} if on_cpu else {"PyTorch": False}
     workers = {name: [Worker(argv, allocator=a) for _ in range(PROCESSES if on_cpu else 1)] for name, a in kinds.items()}
-    ours, theirs, per_process = [], {name: [] for name in workers}, {}
+    ours, per_process = [], {}  # (kind, process) -> its block times
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(ROUNDS):
                 ours += framework_round(cfg_path, args, Path(tmp) / str(r))
                 for name, group in workers.items():
                     for i, w in enumerate(group):
-                        times = w.round()
-                        theirs[name] += times
-                        per_process.setdefault((name, i), []).extend(times)
+                        per_process.setdefault((name, i), []).extend(w.round())
     finally:
         for group in workers.values():
             for w in group:
@@ -238,9 +236,10 @@ def main(argv: list[str]) -> int:
           f"{', bf16 autocast' if cfg.train.dtype == 'bfloat16' else ''}) | {info['parameters']:,} torch parameters "
           f"| batch {cfg.data.batch_size}x{cfg.data.seq_len} | {ROUNDS} rounds, alternating, PyTorch in "
           f"{len(workers['PyTorch'])} process(es) of its own per kind")
-    for name, times in theirs.items():
-        b = tokens / statistics.median(times)
-        each = ", ".join(f"{statistics.median(t) * 1e3:.1f}" for (n, _), t in per_process.items() if n == name)
+    for name in workers:
+        kind = [t for (n, _), t in per_process.items() if n == name]
+        b = tokens / statistics.median([x for t in kind for x in t])
+        each = ", ".join(f"{statistics.median(t) * 1e3:.1f}" for t in kind)
         print(f"tokens/s: ours {a:,.0f}, {name} {b:,.0f}, ratio {a / b:.2f} (ms a step: ours "
               f"{statistics.median(ours) * 1e3:.1f}; each PyTorch process {each})")
     return 0
