@@ -10,6 +10,7 @@ any store that holds the run holds its events (they are small: a few scalars a l
 
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 from tensorboardX import SummaryWriter
@@ -35,7 +36,10 @@ class Board:
         self.remote = paths.resolve(directory) if paths.is_remote(directory) else None
         self.local = tempfile.mkdtemp(prefix="shard-tensorboard-") if self.remote else str(directory)
         # A fresh run starts at step 0 and has nothing to purge; a resumed one purges from start_step + 1.
-        self.writer = SummaryWriter(self.local, purge_step=start_step + 1 if start_step else None)
+        # Event files are named by the second they were opened and the host: a suffix of its own keeps a
+        # second run (or resume) started within the same second from overwriting this one's file.
+        self.writer = SummaryWriter(self.local, purge_step=start_step + 1 if start_step else None,
+                                    filename_suffix="." + uuid.uuid4().hex[:8])
 
     def describe(self, step: int, config_yaml: str, model: str, parameters: int) -> None:
         """The run's config and size, at the step the run (or its resume) begins."""

@@ -66,6 +66,16 @@ def test_tensorboard_has_the_logged_values_and_a_resume_duplicates_no_step(resum
     assert b"d_model: 32" in text[-1].tensor_proto.string_val[0] and b"lr: 0.01" in text[-1].tensor_proto.string_val[0]
 
 
+def test_two_runs_opened_in_the_same_second_keep_their_own_event_files(tmp_path):
+    from shard.board import Board
+
+    boards = [Board(tmp_path, 0), Board(tmp_path, 0)]  # event files are named by second and host
+    for i, board in enumerate(boards):
+        board.write({"step": 1, "loss": float(i)})
+        board.close()
+    assert len(list(tmp_path.iterdir())) == 2  # neither overwrote the other
+
+
 def test_curves_png_shows_the_metrics_it_was_drawn_from(resumed):
     from shard import plot
 
