@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 MESH = ["run.cpu_devices=8", "mesh.replica=4", "mesh.data=2"]
-TUNED = ["optimizer.warmup_steps=320", "train.outer_momentum=0.8"]
-TUNED_NAME = "warmup 320 mom 0.8"
+WARMUP, MOMENTUM = 320, 0.8  # DiLoCo tuned for this short run from scratch
+TUNED = [f"optimizer.warmup_steps={WARMUP}", f"train.outer_momentum={MOMENTUM}"]
 QUIET = ["checkpoint.enabled=false", "train.sample_len=0", "run.progress=false", "run.tensorboard=false",
          "run.plot=false"]
 
@@ -37,8 +37,8 @@ def settings(every: list[int]) -> list[tuple[str, list[str]]]:
     out.append((f"streaming diloco H={h} F=4", ["train.sync=diloco", f"train.sync_every={h}", "train.sync_fragments=4"]))
     # DiLoCo as tuned for a short run from scratch (bench/RESULTS.md): the inner learning rate warmed up over
     # half the run instead of 30 steps, and a little less outer momentum than the paper's 0.9.
-    out.append((f"diloco H={h} {TUNED_NAME}", ["train.sync=diloco", f"train.sync_every={h}", *TUNED]))
-    out.append(("allreduce warmup 320", ["train.sync=allreduce", TUNED[0]]))  # the same warmup, for fairness
+    out.append((f"diloco H={h} warmup {WARMUP} mom {MOMENTUM}", ["train.sync=diloco", f"train.sync_every={h}", *TUNED]))
+    out.append((f"allreduce warmup {WARMUP}", ["train.sync=allreduce", TUNED[0]]))  # the same warmup, for fairness
     return out
 
 
