@@ -37,7 +37,8 @@ def settings(every: list[int]) -> list[tuple[str, list[str]]]:
     out.append((f"streaming diloco H={h} F=4", ["train.sync=diloco", f"train.sync_every={h}", "train.sync_fragments=4"]))
     # DiLoCo as tuned for a short run from scratch (bench/RESULTS.md): the inner learning rate warmed up over
     # half the run instead of 30 steps, and a little less outer momentum than the paper's 0.9.
-    out.append((f"diloco H={h} warmup {WARMUP} mom {MOMENTUM}", ["train.sync=diloco", f"train.sync_every={h}", *TUNED]))
+    out.append((f"diloco H={h} warmup {WARMUP} mom {MOMENTUM}",
+                ["train.sync=diloco", f"train.sync_every={h}", *TUNED]))
     out.append((f"allreduce warmup {WARMUP}", ["train.sync=allreduce", TUNED[0]]))  # the same warmup, for fairness
     return out
 
