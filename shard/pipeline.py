@@ -16,9 +16,14 @@ so each stage's devices hold L/S contiguous layers, the other axes splitting the
 GPipe needs exactly those. The circular schedule needs every S-th group instead, so its step regroups
 the parameters with an all-to-all over `stage` (the plan shows it); checkpoints keep the model's own
 layer order either way, so they move freely between meshes.
+
+Random streams (dropout): each layer's stream is carried from microbatch to microbatch, so microbatch m
+draws with the layer's counter advanced m times, and the advanced counters are written back: the draws
+of `train.grad_accum=M` on one device. Batch statistics cannot be taken over the whole batch when each
+stage sees one microbatch at a time: a stack holding them is refused.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +89,8 @@ def settings(cfg, mesh_shape: dict, rules: dict, work) -> Schedule | None:
 def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
     S, R, M = p.stages, p.repeats, p.microbatches
     graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
-    n_layers = jax.tree.leaves(params)[0].shape[0]
+    refuse_batch_statistics(rest, S, x.shape[0] // M)
+    n_layers = jax.tree.leaves(nnx.state(layers))[0].shape[0]
     per = n_layers // (S * R)
     mesh, rules = partition.active()
     batch_axes = partition.logical_to_spec(("batch",), rules, mesh.shape)[0]
@@ -115,11 +121,10 @@ def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
         return y, nnx.state(group, nnx.Not(nnx.Param))
 
     stages_at_once = jax.vmap(one_stage, spmd_axis_name="stage")
-    totals = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating)
-                          else a, fixed)
+    totals = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32) if floating(a) else a, fixed)
 
     def iteration(carry, t):
-        io, shift, totals = carry
+        io, shift, totals, current = carry
         # What stage S-1 finished one iteration ago has just arrived at stage 0 (the roll): keep it
         # there for its next repeat (it waits M - S iterations when M > S).
         k_back = t - S
@@ -129,28 +134,47 @@ def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
         # Stage s works on visit k = t - s: microbatch k mod M, repeat k div M, while 0 <= k < R M.
         k = t - stage
         valid = (k >= 0) & (k < R * M)
+        r = jnp.clip(k, 0, R * M - 1) // M
         inputs = jnp.where(first, io[:, jnp.maximum(t, 0) % M], shift)
-        outputs, updated = stages_at_once(staged, fixed, inputs, jnp.clip(k, 0, R * M - 1) // M)
+        outputs, updated = stages_at_once(staged, current, inputs, r)
         # Stage S-1's last repeat: the microbatch has passed every layer.
         k_out = t - (S - 1)
         done = (k_out >= (R - 1) * M) & (k_out < R * M)
         slot = jnp.maximum(k_out, 0) % M
         io = io.at[:, slot].set(jnp.where(last & done, outputs, io[:, slot]))
-        # Updated layer variables (statistics, auxiliary losses): summed over the stages' real work.
-        r = jnp.clip(k, 0, R * M - 1) // M
 
-        def add(total, new):
-            if not jnp.issubdtype(total.dtype, jnp.floating):
-                return total
-            mask = valid.reshape(S, *[1] * (new.ndim - 1))
-            return jax.vmap(lambda tot, rr, v: tot.at[rr].add(v))(total, r, jnp.where(mask, new, 0).astype(total.dtype))
+        def where_valid(new, old):
+            return jnp.where(valid.reshape(S, *[1] * (new.ndim - 1)), new, old)
 
-        totals = jax.tree.map(add, totals, updated)
-        return (io, jnp.roll(outputs, 1, axis=0), totals), None
+        def add(total, new):  # floats (statistics, auxiliary losses): summed over the stages' real work
+            return jax.vmap(lambda tot, rr, v: tot.at[rr].add(v))(total, r, where_valid(new, 0).astype(total.dtype))
 
-    (io, _, totals), _ = jax.lax.scan(iteration, (io, shift, totals), jnp.arange(R * M + S - 1))
-    if jax.tree.leaves(rest):  # each layer's variables: their mean over the microbatches, in layer order
-        means = jax.tree.map(lambda tot, old: (tot / M).astype(old.dtype) if jnp.issubdtype(old.dtype, jnp.floating)
-                             else old, totals, fixed)
-        nnx.update(layers, jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(n_layers, *a.shape[3:]), means))
+        def carry_on(cur, new):  # the rest (random streams' counters): the next microbatch goes on from here
+            return jax.vmap(lambda c, rr, v: c.at[rr].set(v))(cur, r, where_valid(new, cur[stage, r]))
+
+        totals = jax.tree.map(lambda tot, new: add(tot, new) if floating(tot) else tot, totals, updated)
+        current = jax.tree.map(lambda cur, new: cur if floating(cur) else carry_on(cur, new), current, updated)
+        return (io, jnp.roll(outputs, 1, axis=0), totals, current), None
+
+    steps = jnp.arange(R * M + S - 1)
+    (io, _, totals, current), _ = jax.lax.scan(iteration, (io, shift, totals, fixed), steps)
+    if jax.tree.leaves(rest):  # each layer's variables: floats their mean over the microbatches, the rest carried
+        final = jax.tree.map(lambda tot, cur: (tot / M).astype(cur.dtype) if floating(cur) else cur, totals, current)
+        nnx.update(layers, jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(n_layers, *a.shape[3:]), final))
     return partition.from_microbatches(io[S - 1])
+
+
+def floating(a) -> bool:
+    return jnp.issubdtype(a.dtype, jnp.floating)
+
+
+def refuse_batch_statistics(rest, stages: int, micro_size: int) -> None:
+    """Batch statistics (BatchNorm) in the stacked layers would be each microbatch's, not the batch's: a
+    layer cannot see the whole batch before it passes any microbatch on."""
+    flat = nnx.to_flat_state(rest)
+    stats = ["/".join(map(str, path)) for path, var in flat if isinstance(var, nnx.BatchStat)]
+    if stats:
+        raise UserError(f"mesh.stage={stages}: the stacked layers hold batch statistics ({stats[0]}, e.g. BatchNorm), "
+                        f"which a pipeline would take over each microbatch of {micro_size} examples, not over the "
+                        "batch; use a mesh without a stage axis, or a normalisation without batch statistics "
+                        "(LayerNorm, RMSNorm)")
