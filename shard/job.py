@@ -174,7 +174,8 @@ def gradient_reduction(cfg, mesh, rules: dict, work: Workload, split: list, auto
     param_axes = {a for r in split for entry in r["spec"] for a in partition.axes_of(entry)}
     local = gradients.local_axes(rules, dict(mesh.shape), param_axes)
     wire = jnp.dtype(cfg.train.grad_dtype)
-    needed = cfg.train.grad_accum > 1 or wire != jnp.float32 or (cfg.mesh.zero and mesh.shape["data"] > 1)
+    needed = cfg.train.grad_accum > 1 or wire != jnp.float32 or (cfg.mesh.zero and mesh.shape["data"] > 1) \
+        or mesh.shape["stage"] > 1  # a pipeline would reduce each group's gradient at every microbatch it passes
     ring = cfg.train.context_strategy == "ring" and mesh.shape["context"] > 1
     if local and ring:  # the ring's shard_map cannot run under the per-shard vmap
         if wire != jnp.float32:

@@ -71,7 +71,10 @@ def test_a_circular_schedule_moves_no_weights_and_its_checkpoints_keep_the_layer
     has no all-to-all; the result and the checkpoints are in the model's order, resumable on any mesh."""
     save = ["checkpoint.enabled=true", "checkpoint.async=false", "checkpoint.every=4"]
     result = train(*DEEP, *STEPS, *save, "run.cpu_devices=8", *MESHES["stage=2 x data=4, circular"], subdir="circ")
-    assert not [op for op in hlo.collectives(result.train_step.as_text(), 8) if op.kind == "all-to-all"]
+    ops = hlo.collectives(result.train_step.as_text(), 8)
+    assert not [op for op in ops if op.kind == "all-to-all"]
+    # and the gradients are reduced over `data` once a step, not at every microbatch a layer group passes
+    assert all(op.count == 1 for op in ops if op.kind == "all-reduce")
     weights = lambda r: np.asarray(r.state.params["blocks"]["ffn"]["w_in"].get_value())
     np.testing.assert_allclose(weights(result), weights(reference), rtol=1e-4, atol=1e-6)
     shutil.rmtree(tmp_path / "circ" / "checkpoints" / "8")
