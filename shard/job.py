@@ -67,6 +67,7 @@ class Job:
     init: object = None       # builds that state (jitted with `shardings` by state.init_state)
     sync: object = None       # train.sync=local_sgd/diloco: the Sync (shard/sync.py), else None
     sync_steps: tuple = ()    # its compiled programs, one per fragment
+    layout: object = None     # a circular pipeline's order of the stacked layers in the state (shard/pipeline.py)
 
 
 def workload(cfg: config_lib.Config, devices: list) -> Workload:
@@ -162,7 +163,8 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
                            for f in range(len(sync.fragments))) if sync else ()
 
     return Job(work, mesh, rules, shardings, batch_shardings, eval_shardings, target, checkpoint_dir, train_step,
-               eval_step, compile_s, split, pipe, seq, reduction, abstract, init, sync, sync_steps)
+               eval_step, compile_s, split, pipe, seq, reduction, abstract, init, sync, sync_steps,
+               pipeline_lib.layout(pipe, work.graphdef, work.abstract, work.batch["inputs"]))
 
 
 def gradient_reduction(cfg, mesh, rules: dict, work: Workload, split: list, auto_min,
@@ -172,7 +174,8 @@ def gradient_reduction(cfg, mesh, rules: dict, work: Workload, split: list, auto
     param_axes = {a for r in split for entry in r["spec"] for a in partition.axes_of(entry)}
     local = gradients.local_axes(rules, dict(mesh.shape), param_axes)
     wire = jnp.dtype(cfg.train.grad_dtype)
-    needed = cfg.train.grad_accum > 1 or wire != jnp.float32 or (cfg.mesh.zero and mesh.shape["data"] > 1)
+    needed = cfg.train.grad_accum > 1 or wire != jnp.float32 or (cfg.mesh.zero and mesh.shape["data"] > 1) \
+        or mesh.shape["stage"] > 1  # a pipeline would reduce each group's gradient at every microbatch it passes
     ring = cfg.train.context_strategy == "ring" and mesh.shape["context"] > 1
     if local and ring:  # the ring's shard_map cannot run under the per-shard vmap
         if wire != jnp.float32:

@@ -12,10 +12,16 @@ nothing to do are the bubble, (S-1)/(R M + S - 1) of the time. Reverse-mode auto
 the backward pipeline.
 
 Where the parameters live: the `layers` dimension maps to the `stage` axis (shard/partition.py),
-so each stage's devices hold L/S contiguous layers, the other axes splitting them further as usual.
-GPipe needs exactly those. The circular schedule needs every S-th group instead, so its step regroups
-the parameters with an all-to-all over `stage` (the plan shows it); checkpoints keep the model's own
-layer order either way, so they move freely between meshes.
+so each stage's devices hold L/S contiguous rows of every stacked array, the other axes splitting them
+further as usual. GPipe runs exactly those layers. The circular schedule runs every S-th group instead,
+so its train state keeps the stacked arrays in schedule order (`Layout`: stage s's rows are its groups
+s, s+S, ...) and the step moves no weights; checkpoints, the run's result and generation see the
+model's own layer order, converted once on restore and on save, so checkpoints move between meshes.
+
+Random streams (dropout): each layer's stream is carried from microbatch to microbatch, so microbatch m
+draws with the layer's counter advanced m times, and the advanced counters are written back: the draws
+of `train.grad_accum=M` on one device. Batch statistics cannot be taken over the whole batch when each
+stage sees one microbatch at a time: a stack holding them is refused.
 """
 
 from dataclasses import dataclass
@@ -84,7 +90,8 @@ def settings(cfg, mesh_shape: dict, rules: dict, work) -> Schedule | None:
 def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
     S, R, M = p.stages, p.repeats, p.microbatches
     graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
-    n_layers = jax.tree.leaves(params)[0].shape[0]
+    refuse_batch_statistics(rest, S, x.shape[0] // M)
+    n_layers = jax.tree.leaves(nnx.state(layers))[0].shape[0]
     per = n_layers // (S * R)
     mesh, rules = partition.active()
     batch_axes = partition.logical_to_spec(("batch",), rules, mesh.shape)[0]
@@ -94,9 +101,10 @@ def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
         spec = PartitionSpec("stage", *([None] * extra_leading), *([UNCONSTRAINED] * (a.ndim - 1 - extra_leading)))
         return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
 
-    # (L, ...) -> (R, S, per, ...) -> (S, R, per, ...): stage s's groups, in the order it runs them.
-    staged = jax.tree.map(lambda a: on_stages(a.reshape(R, S, per, *a.shape[1:]).swapaxes(0, 1), 2), params)
-    fixed = jax.tree.map(lambda a: a.reshape(R, S, per, *a.shape[1:]).swapaxes(0, 1), rest)
+    # Stored in schedule order (`Layout`; GPipe's is the layer order): (L, ...) -> (S, R, per, ...) is
+    # stage s's groups in the order it runs them, its own rows: nothing moves.
+    staged = jax.tree.map(lambda a: on_stages(a.reshape(S, R, per, *a.shape[1:]), 2), params)
+    fixed = jax.tree.map(lambda a: a.reshape(S, R, per, *a.shape[1:]), rest)
 
     tail = x.shape[1:]
     micro = partition.microbatches(x, M)                                        # (M, mb, ...)
@@ -115,11 +123,10 @@ def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
         return y, nnx.state(group, nnx.Not(nnx.Param))
 
     stages_at_once = jax.vmap(one_stage, spmd_axis_name="stage")
-    totals = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating)
-                          else a, fixed)
+    totals = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32) if floating(a) else a, fixed)
 
     def iteration(carry, t):
-        io, shift, totals = carry
+        io, shift, totals, current = carry
         # What stage S-1 finished one iteration ago has just arrived at stage 0 (the roll): keep it
         # there for its next repeat (it waits M - S iterations when M > S).
         k_back = t - S
@@ -129,28 +136,120 @@ def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
         # Stage s works on visit k = t - s: microbatch k mod M, repeat k div M, while 0 <= k < R M.
         k = t - stage
         valid = (k >= 0) & (k < R * M)
+        r = jnp.clip(k, 0, R * M - 1) // M
         inputs = jnp.where(first, io[:, jnp.maximum(t, 0) % M], shift)
-        outputs, updated = stages_at_once(staged, fixed, inputs, jnp.clip(k, 0, R * M - 1) // M)
+        outputs, updated = stages_at_once(staged, current, inputs, r)
         # Stage S-1's last repeat: the microbatch has passed every layer.
         k_out = t - (S - 1)
         done = (k_out >= (R - 1) * M) & (k_out < R * M)
         slot = jnp.maximum(k_out, 0) % M
         io = io.at[:, slot].set(jnp.where(last & done, outputs, io[:, slot]))
-        # Updated layer variables (statistics, auxiliary losses): summed over the stages' real work.
-        r = jnp.clip(k, 0, R * M - 1) // M
 
-        def add(total, new):
-            if not jnp.issubdtype(total.dtype, jnp.floating):
-                return total
-            mask = valid.reshape(S, *[1] * (new.ndim - 1))
-            return jax.vmap(lambda tot, rr, v: tot.at[rr].add(v))(total, r, jnp.where(mask, new, 0).astype(total.dtype))
+        def where_valid(new, old):
+            return jnp.where(valid.reshape(S, *[1] * (new.ndim - 1)), new, old)
 
-        totals = jax.tree.map(add, totals, updated)
-        return (io, jnp.roll(outputs, 1, axis=0), totals), None
+        def add(total, new):  # floats (statistics, auxiliary losses): summed over the stages' real work
+            return jax.vmap(lambda tot, rr, v: tot.at[rr].add(v))(total, r, where_valid(new, 0).astype(total.dtype))
 
-    (io, _, totals), _ = jax.lax.scan(iteration, (io, shift, totals), jnp.arange(R * M + S - 1))
-    if jax.tree.leaves(rest):  # each layer's variables: their mean over the microbatches, in layer order
-        means = jax.tree.map(lambda tot, old: (tot / M).astype(old.dtype) if jnp.issubdtype(old.dtype, jnp.floating)
-                             else old, totals, fixed)
-        nnx.update(layers, jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(n_layers, *a.shape[3:]), means))
+        def carry_on(cur, new):  # the rest (random streams' counters): the next microbatch goes on from here
+            return jax.vmap(lambda c, rr, v: c.at[rr].set(v))(cur, r, where_valid(new, cur[stage, r]))
+
+        totals = jax.tree.map(lambda tot, new: add(tot, new) if floating(tot) else tot, totals, updated)
+        current = jax.tree.map(lambda cur, new: cur if floating(cur) else carry_on(cur, new), current, updated)
+        return (io, jnp.roll(outputs, 1, axis=0), totals, current), None
+
+    steps = jnp.arange(R * M + S - 1)
+    (io, _, totals, current), _ = jax.lax.scan(iteration, (io, shift, totals, fixed), steps)
+    if jax.tree.leaves(rest):  # each layer's variables: floats their mean over the microbatches, the rest carried
+        final = jax.tree.map(lambda tot, cur: (tot / M).astype(cur.dtype) if floating(cur) else cur, totals, current)
+        nnx.update(layers, jax.tree.map(lambda a: a.reshape(n_layers, *a.shape[3:]), final))
     return partition.from_microbatches(io[S - 1])
+
+
+def floating(a) -> bool:
+    return jnp.issubdtype(a.dtype, jnp.floating)
+
+
+def refuse_batch_statistics(rest, stages: int, micro_size: int) -> None:
+    """Batch statistics (BatchNorm) in the stacked layers would be each microbatch's, not the batch's: a
+    layer cannot see the whole batch before it passes any microbatch on."""
+    flat = nnx.to_flat_state(rest)
+    stats = ["/".join(map(str, path)) for path, var in flat if isinstance(var, nnx.BatchStat)]
+    if stats:
+        raise UserError(f"mesh.stage={stages}: the stacked layers hold batch statistics ({stats[0]}, e.g. BatchNorm), "
+                        f"which a pipeline would take over each microbatch of {micro_size} examples, not over the "
+                        "batch; use a mesh without a stage axis, or a normalisation without batch statistics "
+                        "(LayerNorm, RMSNorm)")
+
+
+# ----------------------------------------------------------------------------- the circular schedule's layout
+
+@dataclass(frozen=True)
+class Layout:
+    """How a circular schedule's train state keeps each stacked array: in schedule order, row block s
+    holding stage s's groups s, s+S, ..., s+(R-1)S, so that the stage split of the `layers` dimension
+    gives each stage the layers it runs. `stacked`: the model-relative path and rank of every variable
+    in a stack; any state leaf whose path ends with one (a parameter, its optimizer moments, DiLoCo's
+    outer copy) is one, its layers dimension the one its extra leading dimensions (replicas) push on."""
+    stages: int
+    repeats: int
+    stacked: tuple
+
+    def layer_dim(self, path, leaf) -> int | None:
+        names = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+        names = names[:-1] if names and names[-1] == "value" else names
+        for var_path, ndim in self.stacked:
+            if names[-len(var_path):] == var_path:
+                return leaf.ndim - ndim
+        return None
+
+    def convert(self, tree, to_schedule: bool):
+        """tree (arrays in their shardings) with every stacked array's layers regrouped, in place of its
+        order: layer order -> schedule order (`to_schedule`), or back. One gather over `stage` each."""
+        S, R = self.stages, self.repeats
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        moving = {i: d for i, (path, leaf) in enumerate(leaves) if (d := self.layer_dim(path, leaf)) is not None}
+
+        def regroup(a, d):
+            before, after = (R, S) if to_schedule else (S, R)
+            shape = (*a.shape[:d], before, after, a.shape[d] // (S * R), *a.shape[d + 1:])
+            return a.reshape(shape).swapaxes(d, d + 1).reshape(a.shape)
+
+        arrays = [leaves[i][1] for i in moving]
+        moved = jax.jit(lambda xs: [regroup(a, d) for a, d in zip(xs, moving.values())],
+                        out_shardings=[a.sharding for a in arrays])(arrays)
+        values = [leaf for _, leaf in leaves]
+        for i, a in zip(moving, moved):
+            values[i] = a
+        return jax.tree.unflatten(treedef, values)
+
+
+def layout(p: Schedule | None, graphdef, abstract_state, inputs) -> Layout | None:
+    """The state's layout under schedule p: a Layout for a circular schedule, None where the layer order
+    is the schedule's (GPipe, no pipeline). Finds the stacks by tracing the model once, abstractly, with
+    each `shard.hooks.stack` call recording its layers in place of running them."""
+    if p is None or p.repeats == 1:
+        return None
+    found = []
+
+    def forward(params, rest, x):
+        model, stacks = nnx.merge(graphdef, params, rest), []
+        with hooks.use(pipeline=lambda layers, y: stacks.append(layers) or y):
+            model(x)
+        prefixes = [path for path, node in nnx.iter_graph(model) if any(node is s for s in stacks)]
+        found.extend((tuple(map(str, path)), jax.tree.leaves(var)[0].ndim)
+                     for path, var in nnx.to_flat_state(nnx.state(model)) if any(path[:len(q)] == q for q in prefixes))
+        return jnp.zeros(())
+
+    jax.eval_shape(forward, abstract_state.params, abstract_state.rest, inputs)
+    return Layout(p.stages, p.repeats, tuple(found))
+
+
+def to_schedule(layout_: Layout | None, state):
+    """A state in the model's layer order (restored, initialised) as the step keeps it."""
+    return state if layout_ is None else layout_.convert(state, True)
+
+
+def to_layers(layout_: Layout | None, state):
+    """The step's state in the model's layer order (to save, or to hand to anything outside the step)."""
+    return state if layout_ is None else layout_.convert(state, False)

@@ -21,6 +21,7 @@ from shard import config as config_lib
 from shard import data as data_lib
 from shard import distributed, generate, hardware, paths, plot, profiling, stopping
 from shard import mesh as mesh_lib
+from shard import pipeline as pipeline_lib
 from shard import state as state_lib
 from shard import sync as sync_lib
 from shard.board import Board
@@ -91,6 +92,7 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
     try:
         try:
             state = start_state(cfg, checkpoints, job.init, job.shardings, job.target, say)
+            state = pipeline_lib.to_schedule(job.layout, state)  # a circular pipeline's order of the layers
             result = Result(graphdef=work.graphdef, shardings=job.shardings, mesh=job.mesh,
                             train_step=job.train_step, start_step=int(state.step))
             log = metrics_log(cfg, run_dir, result.start_step, work, main)
@@ -103,7 +105,7 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
         finally:
             if checkpoints:
                 checkpoints.close()  # waits for the last save: a stop from here on finds it written
-        result.state = state
+        result.state = pipeline_lib.to_layers(job.layout, state)  # the model's own layer order
         if result.preempted:
             return result
 
@@ -123,7 +125,7 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
         summary = f"loss {result.history[0]['loss']:.4f} -> {result.history[-1]['loss']:.4f} | " + summary
     say(f"step {step}: {summary}")
     if data.task == "lm" and cfg.train.sample_len > 0:
-        result.sample = end_sample(cfg, job, state)
+        result.sample = end_sample(cfg, job, result.state)
         say(f"sample:\n{cfg.train.sample_prompt}{result.sample}")
     return result
 
@@ -294,7 +296,7 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 continue
             look_at(done)  # a checkpoint, an eval or the end needs this step's state anyway
             if save_now:
-                checkpoints.save(state, done, seed=cfg.train.seed, train_steps=cfg.train.steps, wait=bool(stopping))
+                checkpoints.save(pipeline_lib.to_layers(job.layout, state), done, seed=cfg.train.seed, train_steps=cfg.train.steps, wait=bool(stopping))
                 last_saved = done
             if stopping:
                 bar.close()

@@ -101,3 +101,32 @@ class HostCallbackMLP(nnx.Module):
         import numpy as np
 
         return self.l1(jax.pure_callback(np.tanh, jax.ShapeDtypeStruct(x.shape, x.dtype), x))
+
+
+class _Residual(nnx.Module):
+    """x + W(norm(relu(x))): `norm` is a Dropout or a BatchNorm, i.e. state the forward pass updates."""
+
+    def __init__(self, d: int, norm: str, rate: float, rngs: nnx.Rngs):
+        self.w = nnx.Linear(d, d, rngs=rngs)
+        self.norm = nnx.Dropout(rate, rngs=rngs) if norm == "dropout" else nnx.BatchNorm(d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.w(self.norm(jax.nn.relu(x)))
+
+
+class StackedResidual(nnx.Module):
+    """A stack of residual layers run through `shard.hooks.stack` (so a pipeline can cut it into stages),
+    each with dropout (`norm="dropout"`) or batch statistics (`norm="batchnorm"`) inside."""
+
+    def __init__(self, in_features: int = 16, d: int = 32, layers: int = 4, classes: int = 8, norm: str = "dropout",
+                 rate: float = 0.3, *, rngs: nnx.Rngs):
+        from models.layers import stacked
+
+        self.inp = nnx.Linear(in_features, d, rngs=rngs)
+        self.blocks = stacked(layers, lambda r: _Residual(d, norm, rate, r), rngs)
+        self.out = nnx.Linear(d, classes, rngs=rngs)
+
+    def __call__(self, x):
+        from shard.hooks import stack
+
+        return self.out(stack(self.blocks, self.inp(x.reshape(x.shape[0], -1))))

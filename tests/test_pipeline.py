@@ -5,10 +5,11 @@ the plan's account of the schedule (bubble, memory per stage, bytes passed betwe
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TINY_GPT, TINY_MODELS, one_device_runs, overrides
+from conftest import ROOT, TINY_GPT, TINY_MODELS, one_device_runs, overrides, run_cli
 from shard import config, hlo, plan
 
 DEEP = [*TINY_GPT, "model.n_layers=8"]  # 8 layers: 4 stages of 2, or 2 stages x 2 repeats of 2
@@ -65,6 +66,25 @@ def test_checkpoints_move_between_pipelined_and_other_meshes(train, tmp_path, re
         np.testing.assert_allclose(losses(result), expected, rtol=1e-4)
 
 
+def test_a_circular_schedule_moves_no_weights_and_its_checkpoints_keep_the_layer_order(train, tmp_path, reference):
+    """The state keeps the stacked layers in schedule order (each stage's groups its own rows), so the step
+    has no all-to-all; the result and the checkpoints are in the model's order, resumable on any mesh."""
+    save = ["checkpoint.enabled=true", "checkpoint.async=false", "checkpoint.every=4"]
+    result = train(*DEEP, *STEPS, *save, "run.cpu_devices=8", *MESHES["stage=2 x data=4, circular"], subdir="circ")
+    ops = hlo.collectives(result.train_step.as_text(), 8)
+    assert not [op for op in ops if op.kind == "all-to-all"]
+    # and the gradients are reduced over `data` once a step, not at every microbatch a layer group passes
+    assert all(op.count == 1 for op in ops if op.kind == "all-reduce")
+    weights = lambda r: np.asarray(r.state.params["blocks"]["ffn"]["w_in"].get_value())
+    np.testing.assert_allclose(weights(result), weights(reference), rtol=1e-4, atol=1e-6)
+    shutil.rmtree(tmp_path / "circ" / "checkpoints" / "8")
+    for mesh in (["mesh=fsdp"], MESHES["stage=2 x data=4, circular"]):
+        resumed = train(*DEEP, *STEPS, *save, "run.cpu_devices=8", *mesh, f"checkpoint.restore_from={tmp_path / 'circ'}",
+                        subdir=f"on-{mesh[-1]}")
+        assert resumed.start_step == 4
+        np.testing.assert_allclose(losses(resumed), losses(reference)[4:], rtol=1e-4)
+
+
 def test_the_plan_shows_the_schedule_its_memory_and_what_stages_pass(tmp_path):
     cfg = config.load(None, overrides(tmp_path, *DEEP, *MESHES["stage=4 x data=2"]))
     devices = jax.devices()[:8]
@@ -100,3 +120,56 @@ def test_the_plan_shows_the_schedule_its_memory_and_what_stages_pass(tmp_path):
     outside = executed("model.n_layers=8") - 8 * per_layer
     expected = outside / 2 + 8 * per_layer / 8 / (1 - p["pipeline"]["bubble"])  # data=2 copies of each stage
     assert hlo.dot_flops(prepared.train_step.as_text()) == pytest.approx(expected, rel=0.03)
+
+
+# A stack of residual layers with dropout inside them: random state the pipeline must advance per microbatch.
+DROPOUT = ["model.name=stock_models:StackedResidual", "model.layers=4", "data.name=synthetic", "data.features=[16]",
+           "data.classes=8", "data.batch_size=16", "optimizer.lr=1e-2", "train.steps=6", "run.log_every=1"]
+
+
+def test_a_model_with_dropout_pipelined_gives_the_curve_of_one_device_with_as_many_microbatches(train, tmp_path_factory):
+    """A pipelined step is a step over M microbatches, each layer drawing its masks microbatch after microbatch
+    from its own stream: the random numbers of `train.grad_accum=M` on one device, so the same curve. Without
+    the accumulation the curve cannot be equal: one device draws each layer's mask for the whole batch at once."""
+    reference = one_device_runs(tmp_path_factory, {"dropout": DROPOUT}, "train.grad_accum=4")("dropout")
+    result = train(*DROPOUT, "run.cpu_devices=2", "mesh=pp", "mesh.stage=2", "pipeline.microbatches=4")
+    np.testing.assert_allclose(losses(result), losses(reference), rtol=1e-5)
+    # each layer's stream advanced once per microbatch and step, as on one device
+    count = lambda r: np.asarray(r.state.rest["blocks"]["norm"]["rngs"]["count"].get_value())
+    np.testing.assert_array_equal(count(result), count(reference))
+    assert (count(result) == 4 * 6).all()
+
+
+def test_pipelined_dropout_masks_differ_between_microbatches_layers_and_steps():
+    """The masks themselves: a stack of bare Dropout layers over ones shows each example's mask product."""
+    from flax import nnx
+
+    from models.layers import stacked
+    from shard import hooks, partition, pipeline
+
+    layers = stacked(4, lambda r: nnx.Dropout(0.5, rngs=r), nnx.Rngs(0))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("stage",))
+    x = jnp.ones((8, 64))
+
+    @nnx.jit
+    def step(layers, x):
+        with partition.activate(mesh, partition.merged_rules({}, mesh.axis_names)), \
+                hooks.use(pipeline=pipeline.Schedule(2, 2, 4)):
+            return hooks.stack(layers, x)
+
+    first, second = np.asarray(step(layers, x)), np.asarray(step(layers, x))
+    micro = first.reshape(2, 4, 64).swapaxes(0, 1)  # microbatch m holds examples m, m + 4
+    assert all(not np.array_equal(micro[0], micro[m]) for m in range(1, 4))
+    assert not np.array_equal(first, second)  # the next step draws new masks
+    kept = (first != 0).mean()
+    assert 0.03 < kept < 0.1  # four layers each keeping half: 1/16 of the entries survive
+    assert np.asarray(nnx.state(layers, nnx.RngCount)["rngs"]["count"].get_value()).tolist() == [8] * 4
+
+
+def test_a_model_with_batch_statistics_in_its_stacked_layers_is_refused_under_a_pipeline(tmp_path):
+    proc = run_cli(*overrides(tmp_path, *DROPOUT, "model.norm=batchnorm", "run.cpu_devices=2", "mesh=pp",
+                              "mesh.stage=2"), cwd=ROOT / "tests")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "batch statistics" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert "mesh.stage" in lines[0]
