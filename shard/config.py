@@ -11,6 +11,7 @@ import difflib
 import functools
 import hashlib
 import json
+import re
 import textwrap
 import types
 import typing
@@ -26,10 +27,12 @@ from shard.errors import UserError
 
 
 def option(default: Any, help: str, choices: tuple | None = None, key: str | None = None,
-           min: float | None = None, max: float | None = None):
+           min: float | None = None, max: float | None = None, job: bool | None = None):
     """A schema field: its default, one line of help, optionally the allowed values or range, and the key
-    users write where it differs from the field name (`checkpoint.async`: `async` is a Python keyword)."""
-    meta = {"help": help, "choices": choices, "key": key, "min": min, "max": max}
+    users write where it differs from the field name (`checkpoint.async`: `async` is a Python keyword).
+    `job`: whether the key changes what is trained, and so the run's folder (`job_key`); None takes the
+    section's rule (JOB_SECTIONS)."""
+    meta = {"help": help, "choices": choices, "key": key, "min": min, "max": max, "job": job}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -58,7 +61,7 @@ class DataConfig:
     size: int = option(65536, "synthetic: examples in the train split", min=1)
     prefetch: Optional[int] = option(None, "batches a background thread keeps on the devices ahead of the step; "
                                      "default: 2 on accelerators, 0 on CPU (where the thread competes with "
-                                     "XLA for the cores: bench/overhead.py)", min=0)
+                                     "XLA for the cores: bench/overhead.py)", min=0, job=False)
 
 
 @dataclass
@@ -78,10 +81,10 @@ class OptimizerConfig:
 @dataclass
 class TrainConfig:
     steps: int = option(300, "optimizer steps", min=1)
-    seed: int = option(0, "seed for parameters and data order", min=0)
+    seed: int = option(0, "seed for parameters and data order", min=0, job=True)
     dtype: str = option("float32", "compute dtype; parameters stay float32",
-                        choices=("float32", "bfloat16"))
-    loss: str = option("auto", "loss name (see shard/losses.py); auto = the task's default")
+                        choices=("float32", "bfloat16"), job=True)
+    loss: str = option("auto", "loss name (see shard/losses.py); auto = the task's default", job=True)
     remat: str = option("none", "activation checkpointing of each scanned layer: keep all, recompute all, "
                         "or keep matmul outputs", choices=("none", "full", "dots"))
     context_strategy: str = option("all_gather", "attention under mesh.context > 1: all_gather (each device keeps "
@@ -89,27 +92,27 @@ class TrainConfig:
                                    "round the context devices, never whole on one)", choices=("all_gather", "ring"))
     attention: str = option("xla", "attention kernel: xla (any device) or cudnn (fused flash attention; NVIDIA "
                             "GPU, bfloat16, head size <= 128)", choices=("xla", "cudnn"))
-    init_from: Optional[str] = option(None, "load parameters only from this checkpoint (run, checkpoints or step folder), e.g. to fine-tune")
+    init_from: Optional[str] = option(None, "load parameters only from this checkpoint (run, checkpoints or step folder), e.g. to fine-tune", job=True)
     deterministic: bool = option(False, "bitwise-reproducible GPU kernels (XLA's --xla_gpu_deterministic_ops; "
                                  "slower); CPU runs are deterministic anyway")
     skip_nonfinite: bool = option(False, "skip an update whose loss or gradients are not finite, instead of stopping")
     grad_accum: int = option(1, "gradient accumulation: run each batch as this many microbatches one after "
                              "another, one update (less activation memory, the same update)", min=1)
     grad_dtype: str = option("float32", "dtype the gradients are summed in across the data axis (bfloat16 halves "
-                             "the data-parallel reduction's bytes)", choices=("float32", "bfloat16"))
+                             "the data-parallel reduction's bytes)", choices=("float32", "bfloat16"), job=True)
     accum_dtype: str = option("float32", "dtype the microbatches' gradients are summed in under grad_accum > 1",
-                              choices=("float32", "bfloat16"))
+                              choices=("float32", "bfloat16"), job=True)
     offload: str = option("none", "keep state in host memory between steps (pinned_host), moved to the device "
                           "inside the step: the optimizer state, or also the parameters",
                           choices=("none", "optimizer", "params"))
     sync: str = option("allreduce", "how the replicas (mesh.replica) meet: allreduce (gradients averaged every "
                        "step), local_sgd (parameters averaged every sync_every steps) or diloco (an outer Nesterov "
-                       "step on the averaged change every sync_every steps)", choices=("allreduce", "local_sgd", "diloco"))
-    sync_every: int = option(16, "local_sgd, diloco: steps between syncs (H)", min=1)
+                       "step on the averaged change every sync_every steps)", choices=("allreduce", "local_sgd", "diloco"), job=True)
+    sync_every: int = option(16, "local_sgd, diloco: steps between syncs (H)", min=1, job=True)
     sync_fragments: int = option(1, "local_sgd, diloco: parameter fragments synced at staggered steps (streaming "
-                                 "DiLoCo; each sync moves 1/F of the model)", min=1)
-    outer_lr: float = option(0.7, "diloco: outer learning rate", min=0)
-    outer_momentum: float = option(0.9, "diloco: outer Nesterov momentum (0 = plain SGD)", min=0, max=1)
+                                 "DiLoCo; each sync moves 1/F of the model)", min=1, job=True)
+    outer_lr: float = option(0.7, "diloco: outer learning rate", min=0, job=True)
+    outer_momentum: float = option(0.9, "diloco: outer Nesterov momentum (0 = plain SGD)", min=0, max=1, job=True)
     eval_every: int = option(0, "evaluate every N steps; 0 = only at the end", min=0)
     eval_batches: int = option(8, "batches per evaluation, spread evenly over the eval split; 0 = all of it", min=0)
     sample_len: int = option(200, "lm: bytes to generate after training; 0 disables", min=0)
@@ -123,7 +126,7 @@ class CheckpointConfig:
     keep: int = option(3, "how many of the newest checkpoints to keep", min=1)
     async_: bool = option(True, "write in the background while training goes on", key="async")
     dir: Optional[str] = option(None, "checkpoint folder; default: <run.dir>/checkpoints")
-    restore_from: Optional[str] = option(None, "start from another run's checkpoint (whole state: parameters, optimizer, step)")
+    restore_from: Optional[str] = option(None, "start from another run's checkpoint (whole state: parameters, optimizer, step)", job=True)
 
 
 @dataclass
@@ -295,16 +298,32 @@ def _schema():
     return OmegaConf.structured(Config)
 
 
-# What a run trains, which picks its folder: every key of these sections (but NOT_JOB) and JOB_KEYS. Every other
-# key may change between a run and its resumption, so it keeps the folder: train.steps, eval, sample and log
-# settings, the mesh (a checkpoint restores onto any mesh), speed and memory knobs (remat, attention, prefetch,
-# deterministic kernels, grad_accum, offload) and skip_nonfinite (the NaN error says to rerun with it; it changes nothing until a step is not finite).
-# A new train.* or checkpoint.* key that changes what is trained belongs in JOB_KEYS.
+# What a run trains picks its folder: every key of these sections, and the keys of other sections marked
+# `job=True` (a key of these sections may opt out with `job=False`). Every other key may change between a run
+# and its resumption, so it keeps the folder: train.steps, eval, sample and log settings, the mesh (a checkpoint
+# restores onto any mesh), speed and memory knobs (remat, attention, prefetch, deterministic kernels,
+# grad_accum, offload) and skip_nonfinite (the NaN error says to rerun with it; it changes nothing until a step
+# is not finite). A new key that changes what is trained says `job=True`.
 JOB_SECTIONS = ("model", "data", "optimizer")
-NOT_JOB = {"data.prefetch"}
-JOB_KEYS = {"train.seed", "train.dtype", "train.grad_dtype", "train.accum_dtype", "train.loss", "train.init_from",
-            "train.sync", "train.sync_every", "train.sync_fragments", "train.outer_lr", "train.outer_momentum",
-            "checkpoint.restore_from"}
+
+
+def job_key(section: str, f: dataclasses.Field) -> bool:
+    job = f.metadata.get("job")
+    return section in JOB_SECTIONS if job is None else job
+
+
+def job_keys_outside_sections() -> list[str]:
+    """The keys outside JOB_SECTIONS that change what is trained, in schema order."""
+    return [f"{s}.{key_of(f)}" for s in SECTIONS if s not in JOB_SECTIONS for f in schema_fields(s) if job_key(s, f)]
+
+
+def not_job_keys_inside_sections() -> list[str]:
+    """The keys of JOB_SECTIONS that do not (data.prefetch)."""
+    return [f"{s}.{key_of(f)}" for s in JOB_SECTIONS for f in schema_fields(s) if not job_key(s, f)]
+
+
+JOB_KEYS = frozenset(job_keys_outside_sections())
+NOT_JOB = frozenset(not_job_keys_inside_sections())
 RUNS = "runs"
 
 
@@ -347,11 +366,26 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML's safe loader, reading numbers as people write them. YAML 1.1 (PyYAML's) takes a float only with
+    a dot and a signed exponent, so `1e5`, `1E-4` and `3e+2` would be strings: here they are floats, as in
+    YAML 1.2 and Python. Strings, booleans and the rest read as before."""
+
+
+_NUMBER = re.compile(r"""^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$""")
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _NUMBER, list("-+0123456789."))
+
+
+def yaml_load(text: str):
+    """Safe YAML (no Python objects are ever built), with every usual spelling of a number read as one."""
+    return yaml.load(text, Loader=_Loader)
+
+
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise UserError(_missing_config_message(path))
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise UserError(f"config file {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
@@ -397,7 +431,7 @@ def _parse_overrides(overrides: list[str]) -> dict:
             value = None if raw in ("null", "~") else raw
         else:
             try:
-                value = yaml.safe_load(raw) if raw != "" else ""
+                value = yaml_load(raw) if raw != "" else ""
             except yaml.YAMLError:
                 value = raw
         node = out

@@ -9,7 +9,7 @@ import importlib.resources
 import math
 
 import jax
-import yaml
+from shard.config import yaml_load
 from jax.experimental import mesh_utils
 
 from shard.errors import UserError
@@ -29,7 +29,7 @@ def load_preset(name: str) -> dict:
     path = importlib.resources.files("meshes") / f"{name}.yaml"
     if not path.is_file():
         raise UserError(f"unknown mesh preset {name!r}; presets are: {', '.join(preset_names())}")
-    preset = yaml.safe_load(path.read_text()) or {}
+    preset = yaml_load(path.read_text()) or {}
     unknown = set(preset) - set(AXES) - {"rules", "zero"}
     if unknown:
         raise UserError(f"mesh preset {name!r} has unknown keys {sorted(unknown)}; allowed: {', '.join(AXES)}, rules, zero")

@@ -13,7 +13,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-import yaml
+from shard.config import yaml_load
 
 from shard import paths
 from shard.errors import UserError, exit_from
@@ -48,7 +48,7 @@ def load_run(run_dir) -> Run:
         problem = "does not exist" if not path.exists() else "has no metrics.jsonl (is it a run folder?)"
         raise UserError(f"{run_dir}: {problem}")
     config_file = path / "config.yaml"
-    config = _flatten(yaml.safe_load(config_file.read_text()) or {}) if config_file.exists() else {}
+    config = _flatten(yaml_load(config_file.read_text()) or {}) if config_file.exists() else {}
     records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return Run(name=path.name, records=records, config=config)
 
@@ -155,7 +155,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR")
     parser.add_argument("--metrics", help="comma-separated metrics.jsonl keys (default: loss, eval_loss and "
                         "tokens_per_s or examples_per_s)")
-    parser.add_argument("--out", help="PNG file to write (default: <first RUN_DIR>/curves.png)")
+    parser.add_argument("--out", help="PNG file to write (default: RUN_DIR/curves.png for one run; for several, "
+                        "compare.png in the working directory, so that no run's own picture is overwritten)")
     args = parser.parse_args(argv)
     runs = [load_run(d) for d in args.runs]
     logged = sorted({k for r in runs for record in r.records for k in record} - {"step"})
@@ -169,7 +170,7 @@ def main(argv: list[str]) -> int:
         metrics = default_metrics(runs)
         if not metrics:
             raise UserError(f"these runs logged no loss or throughput yet; they logged: {', '.join(logged) or 'nothing'}")
-    out = args.out or str(paths.resolve(args.runs[0]) / "curves.png")
+    out = args.out or (str(paths.resolve(args.runs[0]) / "curves.png") if len(runs) == 1 else "compare.png")
     if not out.lower().endswith(".png"):
         raise UserError(f"--out {out}: the picture is a PNG; name a .png file")
     save(draw(runs, metrics), out)

@@ -185,3 +185,20 @@ def test_a_missing_config_file_suggests_one_in_configs(monkeypatch, given, sugge
     assert len(message.splitlines()) == 1 and f"config file {given!r} does not exist" in message
     assert (f"did you mean {suggested}?" in message) if suggested else "did you mean" not in message
     assert "configs/ holds: " in message and "default.yaml, digits_cnn.yaml, digits_mlp.yaml" in message
+
+
+@pytest.mark.parametrize("text, value", [("1e5", 1e5), ("1E-4", 1e-4), ("1.5e+3", 1500.0), ("3e-3", 3e-3),
+                                         ("1_000", 1000), (".5", 0.5), ("-2e3", -2000.0), ("1.0", 1.0)])
+def test_numbers_read_in_every_usual_notation(tmp_path, text, value):
+    """YAML 1.1 reads `1e5` as a string: model arguments (typed by the class, not the schema) were rejected."""
+    cfg = config.load(None, [f"model.rope_theta={text}", f"optimizer.lr={text.lstrip('-')}"])
+    assert cfg.model.kwargs["rope_theta"] == value and isinstance(cfg.model.kwargs["rope_theta"], type(value))
+    assert cfg.optimizer.lr == abs(value)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: {{name: gpt, rope_theta: {text}}}\n")
+    assert config.load(path, []).model.kwargs["rope_theta"] == value
+
+
+def test_text_that_looks_like_a_number_stays_text_where_the_key_is_text():
+    cfg = config.load(None, ["train.sample_prompt=1e5", "model.activation=e5", "run.dir=1e3"])
+    assert (cfg.train.sample_prompt, cfg.model.kwargs["activation"], cfg.run.dir) == ("1e5", "e5", "1e3")

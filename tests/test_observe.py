@@ -101,8 +101,8 @@ def test_labels_name_the_config_values_that_differ():
     assert labels(runs[:1]) == ["a"]
 
 
-def plot_cli(*args):
-    return subprocess.run([sys.executable, "-m", "shard.plot", *map(str, args)], cwd=ROOT, env=subprocess_env(),
+def plot_cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "shard.plot", *map(str, args)], cwd=cwd, env=subprocess_env(),
                           capture_output=True, text=True, timeout=120)
 
 
@@ -115,6 +115,11 @@ def test_plot_cli_draws_several_runs_and_refuses_bad_input_in_one_line(resumed, 
     proc = plot_cli(run_dir, other, "--metrics", "loss,grad_norm", "--out", out)
     assert proc.returncode == 0, proc.stderr
     assert out.read_bytes().startswith(PNG) and f"wrote {out}" in proc.stdout
+    # Without --out, several runs are drawn beside the working directory, never over the first run's own picture.
+    own = (run_dir / "curves.png").read_bytes()
+    proc = plot_cli(run_dir, other, cwd=tmp_path)
+    assert proc.returncode == 0 and "wrote compare.png" in proc.stdout, proc.stderr
+    assert (tmp_path / "compare.png").read_bytes().startswith(PNG) and (run_dir / "curves.png").read_bytes() == own
     for args, named in [((tmp_path / "nowhere",), "does not exist"),
                         ((tmp_path,), "no metrics.jsonl"),
                         ((other, "--metrics", "loss,bleu"), "bleu"),

@@ -26,9 +26,12 @@ TRAIN = ["python", "train.py"]
 LAUNCH = ["python", "-m", "shard.launch"]
 # Keys that keep a job in its folder (the README says so): enough to make a run tiny, changing no folder.
 SHORT = ["train.steps=1", "train.sample_len=0", "train.eval_batches=1", "run.progress=false", "run.cpu_devices=1"]
-# What a job trains, as the README's "Each job has a folder of its own" paragraph lists it.
-JOB_SECTIONS = ("model", "data", "optimizer")
-JOB_KEYS = ("train.seed", "train.dtype", "train.loss", "train.init_from", "checkpoint.restore_from")
+# What a job trains, as the README's "Each job has a folder of its own" paragraph lists it: its sections, the
+# keys it excepts from them, and the single keys from other sections.
+_FOLDER = re.search(r"changes what is trained: (.*?)\(each key says so", README.read_text(), flags=re.S).group(1)
+JOB_SECTIONS = tuple(re.findall(r"`(\w+)\.\*`", _FOLDER))
+NOT_JOB = tuple(re.findall(r"\(except `([\w.]+)`\)", _FOLDER))
+JOB_KEYS = tuple(k for k in re.findall(r"`(\w+\.\w+)`", _FOLDER) if k not in NOT_JOB)
 
 
 class Command:
@@ -60,7 +63,13 @@ class Command:
 
 
 def _trains(key: str) -> bool:
-    return (key.split(".")[0] in JOB_SECTIONS and key != "data.prefetch") or key in JOB_KEYS
+    return (key.split(".")[0] in JOB_SECTIONS and key not in NOT_JOB) or key in JOB_KEYS
+
+
+def test_the_readme_lists_the_keys_that_pick_a_folder_as_the_schema_marks_them():
+    assert JOB_SECTIONS == config.JOB_SECTIONS
+    assert set(NOT_JOB) == config.NOT_JOB
+    assert list(JOB_KEYS) == config.job_keys_outside_sections()
 
 
 def readme_commands() -> list[Command]:
