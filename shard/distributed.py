@@ -24,7 +24,6 @@ import threading
 
 import jax
 
-from shard import host_malloc
 from shard.errors import UserError, first_line
 
 
@@ -83,10 +82,7 @@ def start(run, deterministic: bool = False) -> list:
         else:
             join(settings or {}, run)
 
-    devices = _devices(run)
-    if run.reuse_host_memory and devices[0].platform == "cpu":
-        host_malloc.keep_freed_memory()
-    return devices
+    return _devices(run)
 
 
 def _devices(run) -> list:

@@ -103,7 +103,7 @@ def example_batch(cfg, rows: int) -> np.ndarray:
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, like every other refusal
         raise UserError(f"{message}; usage: python -m shard.export RUN --format onnx [--out FILE.onnx] [--batch B] "
-                        "[--step N]")
+                        "[--step N] [--trust-code]")
 
 
 def main(argv: list[str]) -> int:
@@ -115,6 +115,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", help="file to write (default: <RUN>/model.onnx)")
     parser.add_argument("--batch", type=int, help="a fixed batch size (default: symbolic)")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    parser.add_argument("--trust-code", action="store_true", help="import the run's model module even where it is "
+                        "not one of the model library's (importing runs its code: only for runs you trust)")
     args = parser.parse_args(argv)
     if args.batch is not None and args.batch < 1:
         raise UserError(f"--batch {args.batch}: must be at least 1 (or leave it out for a symbolic batch)")
@@ -125,7 +127,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--out {out} is a folder; name a .onnx file")
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: folder {out.parent} does not exist")
-    loaded = load.load(args.run, [], step=args.step, whole_mesh=False, key="RUN")
+    loaded = load.load(args.run, [], step=args.step, whole_mesh=False, key="RUN", trust_code=args.trust_code)
     inputs = example_batch(loaded.cfg, args.batch or 3)  # 3: a batch no dimension of the model has
     start = time.perf_counter()
     # Written beside the target under its own name (large weights go to a sidecar file the model names), and

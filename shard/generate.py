@@ -205,7 +205,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, like every other refusal
         raise UserError(f"{message}; usage: python -m shard.generate RUN [--prompt TEXT | --prompt-file FILE] "
                         "[--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B] "
-                        "[--step N] [key=value ...]")
+                        "[--step N] [--trust-code] [key=value ...]")
 
 
 def main(argv: list[str]) -> int:
@@ -223,6 +223,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=1, help="continuations of the prompt, sampled together")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    parser.add_argument("--trust-code", action="store_true", help="import the run's model module even where it is "
+                        "not one of the model library's (importing runs its code: only for runs you trust)")
     args, overrides = parser.parse_known_args(argv)
     bad = [a for a in overrides if a.startswith("-") or "=" not in a]
     if bad:
@@ -239,7 +241,8 @@ def main(argv: list[str]) -> int:
 
     # A mesh or device setting on the command line lays the model over all devices; else one device.
     whole_mesh = any(o.startswith(("mesh", "run.cpu_devices")) for o in overrides)
-    loaded = load.load(args.run, overrides, step=args.step, whole_mesh=whole_mesh, key="RUN")
+    loaded = load.load(args.run, overrides, step=args.step, whole_mesh=whole_mesh, key="RUN",
+                       trust_code=args.trust_code)
     generator = Generator(loaded.model, loaded.mesh if whole_mesh else None, loaded.rules, loaded.cfg.train.dtype,
                           window=loaded.cfg.data.seq_len)
     tokens = np.tile(np.array(text_tokens(prompt), np.int32), (args.batch, 1))

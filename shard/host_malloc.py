@@ -38,3 +38,9 @@ def keep_freed_memory() -> bool:
         return False  # not glibc (musl, ...): nothing to tune
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return all(mallopt(param, value) == 1 for param, value in SETTINGS)
+
+
+def for_training(run, devices: list) -> bool:
+    """The training entry point's choice (`run.reuse_host_memory`, CPU devices only). Loading, generating or
+    exporting a model in someone's process leaves their malloc alone."""
+    return bool(run.reuse_host_memory and devices[0].platform == "cpu" and keep_freed_memory())

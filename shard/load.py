@@ -35,12 +35,14 @@ class Loaded:
     step: int             # the checkpoint's step
 
 
-def load_model(path: str, *, mesh: str | dict | None = None, step: int | None = None) -> nnx.Module:
+def load_model(path: str, *, mesh: str | dict | None = None, step: int | None = None,
+               trust_code: bool = False) -> nnx.Module:
     """The trained Flax NNX module of a run. `path`: the run folder, its `checkpoints/` folder or one step
     folder; `step`: that checkpoint (default: the newest, or the step folder's). `mesh`: a preset name, or a
     dict of mesh settings as in a config ({"tensor": 4}, {"preset": "fsdp"}), over all devices; None: one
-    device. Raises UserError (one line) for a path without a run or checkpoint, or a checkpoint of another
-    model."""
+    device. `trust_code`: import the model's module even where it is not one of the model library's (importing
+    runs its code: only for runs you trust). Raises UserError (one line) for a path without a run or
+    checkpoint, a checkpoint of another model, or an untrusted module."""
     if mesh is None:
         overrides = []
     elif isinstance(mesh, str):
@@ -49,7 +51,7 @@ def load_model(path: str, *, mesh: str | dict | None = None, step: int | None = 
         overrides = [f"mesh.{k}={v}" for k, v in mesh.items()]
     else:
         raise UserError(f"mesh={mesh!r}: give a preset name, a dict of mesh settings such as {{'tensor': 4}}, or None")
-    return load(path, overrides, step=step, whole_mesh=mesh is not None).model
+    return load(path, overrides, step=step, whole_mesh=mesh is not None, trust_code=trust_code).model
 
 
 def run_config(path: str, key: str = "path") -> str:
@@ -64,12 +66,23 @@ def run_config(path: str, key: str = "path") -> str:
                     "that trained the model (it holds config.yaml and checkpoints/)")
 
 
+def run_rules(config_path: str) -> dict:
+    """The logical-axis rules a run trained with (its config.yaml's mesh.rules)."""
+    saved = config_lib.yaml_load(paths.resolve(config_path).read_text()) or {}
+    rules = (saved.get("mesh") or {}).get("rules") if isinstance(saved, dict) else None
+    return rules if isinstance(rules, dict) else {}
+
+
 def load(path: str, overrides: list[str], step: int | None = None, whole_mesh: bool = True,
-         key: str = "path") -> Loaded:
+         key: str = "path", trust_code: bool = False) -> Loaded:
     """The run's model, with its config's model, data and train sections plus `overrides` (key=value, e.g.
-    the mesh and devices), restored over the devices (all of them, or with `whole_mesh=False` the first)."""
-    cfg = config_lib.load(run_config(path, key), overrides, sections=RUN_SECTIONS)
-    model_cls, kwargs = registry.load(cfg.model)
+    the mesh and devices), restored over the devices (all of them, or with `whole_mesh=False` the first).
+    The run's `mesh.rules` come along (a model may need a rule for a logical name of its own), under the
+    loader's mesh's rules; its axis sizes do not."""
+    config_path = run_config(path, key)
+    cfg = config_lib.load(config_path, overrides, sections=RUN_SECTIONS)
+    cfg.mesh.rules = {**run_rules(config_path), **cfg.mesh.rules}
+    model_cls, kwargs = registry.load(cfg.model, trusted=trust_code, source=f"{key}={path!r} (its config.yaml)")
     devices = distributed.start(cfg.run)
     devices = devices if whole_mesh else devices[:1]
     mesh = mesh_lib.build_mesh(cfg.mesh, devices)

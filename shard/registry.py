@@ -1,7 +1,9 @@
 """Find the model class named by `model.name` and check `model.*` arguments against its signature.
 
 `model.name` is a name from models.REGISTRY or any importable `package.module:Class`, so a user's
-own Flax NNX module trains through the framework without changes to it.
+own Flax NNX module trains through the framework without changes to it. Importing a module runs its code,
+so a name read back from a run folder (load_model, generate, export) is imported only when the caller
+trusts it (`trust_code=True`, `--trust-code`); a name the user gives train.py is their own choice.
 """
 
 import importlib
@@ -13,24 +15,26 @@ import typing
 from shard.errors import UserError
 
 
-def load(model_cfg) -> tuple[type, dict]:
-    """The class `model.name` names and the `model.*` arguments, checked against its signature."""
-    cls = resolve(model_cfg.name)
+def load(model_cfg, trusted: bool = True, source: str = "") -> tuple[type, dict]:
+    """The class `model.name` names and the `model.*` arguments, checked against its signature.
+    `trusted=False`: only the model library's names; `source` says where the name was read (for the refusal)."""
+    cls = resolve(model_cfg.name, trusted, source)
     return cls, check_kwargs(cls, model_cfg.kwargs, model_cfg.name)
 
 
-def resolve(name: str) -> type:
+def resolve(name: str, trusted: bool = True, source: str = "") -> type:
     from models import REGISTRY
 
     target = REGISTRY.get(name, name)
     if ":" not in target:
         raise UserError(f"unknown model {name!r}; registered models: {', '.join(sorted(REGISTRY))}, "
                         "or give package.module:Class")
+    if not trusted and name not in REGISTRY:
+        raise UserError(f"{source or 'the run'} names model {name!r}, a module outside the model library: importing "
+                        "it would run its code; pass trust_code=True (--trust-code on the command line) if you trust it")
     module_name, _, class_name = target.partition(":")
-    if os.getcwd() not in sys.path:  # like `python -m`: the user's own modules import from the cwd
-        sys.path.append(os.getcwd())
     try:
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
     except (ImportError, ValueError, TypeError) as e:  # also '' or '..x' as a module name
         raise UserError(f"model.name={name!r}: cannot import module {module_name!r} ({e})") from None
     cls = getattr(module, class_name, None)
@@ -39,6 +43,19 @@ def resolve(name: str) -> type:
     if "rngs" not in inspect.signature(cls.__init__).parameters:
         raise UserError(f"model.name={name!r}: the class must take an `rngs` argument (nnx.Rngs) to initialise its parameters")
     return cls
+
+
+def _import(module_name: str):
+    """Like `python -m`, the user's own modules import from the working directory; sys.path is put back after."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
 
 
 def arguments(cls: type) -> list[tuple[str, str, object]]:

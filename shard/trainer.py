@@ -19,7 +19,7 @@ from tqdm import tqdm
 from shard import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
-from shard import distributed, generate, hardware, paths, plot, profiling, stopping
+from shard import distributed, generate, hardware, host_malloc, paths, plot, profiling, stopping
 from shard import mesh as mesh_lib
 from shard import pipeline as pipeline_lib
 from shard import state as state_lib
@@ -60,6 +60,7 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
     if cfg.run.compile_cache:
         jax.config.update("jax_compilation_cache_dir", str(Path(cfg.run.compile_cache).expanduser()))
     devices = distributed.start(cfg.run, deterministic=cfg.train.deterministic)  # joins the other processes first
+    host_malloc.for_training(cfg.run, devices)
     main = stop.main = jax.process_index() == 0
     say = print if main else (lambda *a, **k: None)
     job = prepare(cfg, devices)

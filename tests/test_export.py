@@ -44,6 +44,8 @@ def test_a_fixed_batch_and_what_cannot_be_exported(tmp_path, capsys):
         with pytest.raises(UserError, match=message):
             export.main([str(run), *([] if "--format" in args else ["--format", "onnx"]), *args])
     callback = trained(tmp_path / "callback", "model.name=stock_models:HostCallbackMLP", *TINY_MODELS["mlp"][4:])
-    with pytest.raises(UserError, match="does not convert to ONNX: .*primitive 'pure_callback'"):
+    with pytest.raises(UserError, match="stock_models:HostCallbackMLP.*outside the model library.*--trust-code"):
         export.main([str(callback), "--format", "onnx"])
+    with pytest.raises(UserError, match="does not convert to ONNX: .*primitive 'pure_callback'"):
+        export.main([str(callback), "--format", "onnx", "--trust-code"])
     assert sorted(p.name for p in callback.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]

@@ -147,3 +147,38 @@ def test_the_speed_bench_checks_its_tokens_and_reports_both_rates():
     assert proc.returncode == 0, proc.stderr
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert figures["new_tokens"] == 16 and figures["cache_tokens_per_s"] > 0 and figures["recompute_tokens_per_s"] > 0
+
+
+def test_a_run_folder_from_elsewhere_runs_no_code_unless_trusted(runs, tmp_path, monkeypatch):
+    """A config.yaml naming a module outside the model library must not import it (importing runs its code)."""
+    folder = runs("gpt")
+    other = tmp_path / "downloaded"
+    other.mkdir()
+    (other / "config.yaml").write_text((folder / "config.yaml").read_text().replace("name: gpt", "name: planted:GPT"))
+    (other / "checkpoints").symlink_to(folder / "checkpoints")
+    marker = tmp_path / "imported"
+    (tmp_path / "planted.py").write_text(f"open({str(marker)!r}, 'w').close()\nfrom models.gpt import GPT\n")
+    monkeypatch.chdir(tmp_path)
+    path = list(__import__("sys").path)
+    with pytest.raises(UserError, match="names model 'planted:GPT', a module outside the model library.*trust_code"):
+        shard.load_model(str(other))
+    assert not marker.exists()
+    proc = generate_cli(other, "--max-new-tokens", 2)
+    assert proc.returncode == 2 and "--trust-code" in proc.stderr and not marker.exists()
+    model = shard.load_model(str(other), trust_code=True)  # the caller's explicit choice
+    assert marker.exists() and model(np.zeros((1, 8), np.int32)).shape == (1, 8, 256)
+    assert __import__("sys").path == path  # the working directory was not left on sys.path
+
+
+def test_a_loaded_model_keeps_the_rules_it_was_trained_with(runs, tmp_path):
+    folder = runs("gpt")
+    other = tmp_path / "ruled"
+    other.mkdir()
+    text = (folder / "config.yaml").read_text()
+    assert "  rules: {}\n" in text
+    (other / "config.yaml").write_text(text.replace("  rules: {}\n", "  rules: {my_features: tensor, heads: null}\n", 1))
+    (other / "checkpoints").symlink_to(folder / "checkpoints")
+    loaded = load.load(str(other), ["mesh=tp"], whole_mesh=False)
+    assert (loaded.rules["my_features"], loaded.rules["heads"]) == ("tensor", None)  # the run's rules come along
+    loaded = load.load(str(other), ["mesh=tp", "mesh.rules.heads=tensor"], whole_mesh=False)
+    assert loaded.rules["heads"] == "tensor"  # the loader's own rules win
