@@ -17,7 +17,9 @@ gradient, kept apart on a leading dimension split over those axes, and one sum o
 is the reduction, placed where we want it and in the dtype we want. That is exact only for models
 whose examples do not meet inside the forward pass; batch statistics (BatchNorm), random streams
 (dropout) and auxiliary losses over the batch (a router's balance) would be computed per shard, so
-those models keep the global gradient (`separable`).
+those models keep the global gradient (`separable`), as does a model whose class says
+`examples_interact = True` (a loss or layer over the whole batch that holds no such state). Where the
+per-device path was wanted, the run's log and the plan say that it was not taken, and why.
 """
 
 import math
@@ -42,14 +44,20 @@ class Reduction:
     update_shardings: Any = None    # ZeRO: the layout gradients are reduced into (the optimizer moments')
     param_shardings: Any = None     # the parameters' layout (each gradient's, past its per-shard dimension)
     split_sum: bool = False         # ZeRO-2: each microbatch reduced into a split sum (1/N of the bytes)
+    fallback: str = ""              # why the per-device path was wanted but not taken, and what that costs
 
 
-def separable(abstract_rest) -> bool:
-    """Whether the model's examples stay apart in its forward pass, judged by the state it carries:
-    no batch statistics, random streams or auxiliary losses (these are computed over the whole batch)."""
-    mixing = (nnx.BatchStat, nnx.RngState, recorded.AuxLoss)
+def interaction(model_cls, abstract_rest) -> str:
+    """What makes the model's examples meet in its forward pass ("" if nothing): its own word
+    (`examples_interact = True` on the class), or the state it carries: batch statistics, random streams
+    or auxiliary losses (these are computed over the whole batch)."""
+    if getattr(model_cls, "examples_interact", False):
+        return "its class declares examples_interact = True"
+    mixing = {nnx.BatchStat: "batch statistics", nnx.RngState: "random streams (dropout)",
+              recorded.AuxLoss: "an auxiliary loss over the batch"}
     leaves = jax.tree.leaves(abstract_rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return not any(isinstance(v, mixing) for v in leaves)
+    found = [name for kind, name in mixing.items() if any(isinstance(v, kind) for v in leaves)]
+    return f"it carries {' and '.join(found)}" if found else ""
 
 
 def local_axes(rules: dict, mesh_shape: dict, param_axes: set) -> tuple:

@@ -177,18 +177,25 @@ def gradient_reduction(cfg, mesh, rules: dict, work: Workload, split: list, auto
     needed = cfg.train.grad_accum > 1 or wire != jnp.float32 or (cfg.mesh.zero and mesh.shape["data"] > 1) \
         or mesh.shape["stage"] > 1  # a pipeline would reduce each group's gradient at every microbatch it passes
     ring = cfg.train.context_strategy == "ring" and mesh.shape["context"] > 1
+    interacts = gradients.interaction(work.model_cls, work.abstract.rest)
+    fallback = ""
     if local and ring:  # the ring's shard_map cannot run under the per-shard vmap
         if wire != jnp.float32:
             raise UserError(f"train.grad_dtype={cfg.train.grad_dtype} with train.context_strategy=ring: the ring's "
                             "shard_map cannot run per data shard; use train.context_strategy=all_gather or "
                             "train.grad_dtype=float32")
-        local = ()
-    if local and not gradients.separable(work.abstract.rest):
+        local, fallback = (), "train.context_strategy=ring cannot run per data shard"
+    if local and interacts:
         if wire != jnp.float32:
             raise UserError(f"train.grad_dtype={cfg.train.grad_dtype} sums each device's own gradient, and model "
-                            f"{cfg.model.name!r} has none: its examples meet in the forward pass (batch statistics, "
-                            "dropout or a loss over the whole batch); use train.grad_dtype=float32")
-        local = ()
+                            f"{cfg.model.name!r} has none: its examples meet in the forward pass ({interacts}); "
+                            "use train.grad_dtype=float32")
+        local, fallback = (), f"model {cfg.model.name!r} has examples that meet in the forward pass ({interacts})"
+    if fallback and needed:
+        fallback = (f"gradients are reduced by XLA inside the backward pass, not once a step per device: {fallback}; "
+                    + _fallback_cost(cfg, mesh))
+    else:
+        fallback = ""
     if wire != jnp.float32 and not local:
         shown = " x ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names if mesh.shape[a] > 1) or "one device"
         raise UserError(f"train.grad_dtype={cfg.train.grad_dtype} lowers the data axis's gradient reduction, and "
@@ -199,7 +206,20 @@ def gradient_reduction(cfg, mesh, rules: dict, work: Workload, split: list, auto
         accum=cfg.train.grad_accum, accum_dtype=jnp.dtype(cfg.train.accum_dtype), wire_dtype=wire,
         local_axes=local if needed else (),
         update_shardings=state_lib.update_shardings(work.abstract.params, mesh, rules, auto_min) if zero else None,
-        param_shardings=param_shardings, split_sum=cfg.mesh.zero == 2)
+        param_shardings=param_shardings, split_sum=cfg.mesh.zero == 2, fallback=fallback)
+
+
+def _fallback_cost(cfg, mesh) -> str:
+    """What reducing inside the backward pass costs against once a step, for the knobs that wanted the latter."""
+    costs = []
+    if cfg.train.grad_accum > 1:
+        costs.append(f"each of the {cfg.train.grad_accum} microbatches' gradients is reduced on its own "
+                     f"({cfg.train.grad_accum}x the reduction bytes)")
+    if mesh.shape["stage"] > 1:
+        costs.append("the pipeline reduces each layer group's gradient at every microbatch it passes")
+    if cfg.mesh.zero and mesh.shape["data"] > 1:
+        costs.append("ZeRO's reduction into each device's slice is placed by XLA's partitioner")
+    return "; ".join(costs) or "no extra bytes on this mesh"
 
 
 def check_grad_accum(cfg, mesh_shape: dict, rules: dict) -> None:

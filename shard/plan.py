@@ -109,6 +109,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
             "stages": pipe.stages, "repeats": pipe.repeats, "microbatches": pipe.microbatches,
             "layers_per_stage": [n // pipe.stages for n in work.stacks], "bubble": idle},
         "sync": sync,
+        "gradient_fallback": prepared.reduction.fallback if prepared.reduction else "",
         "wire_bytes_per_device": wire,
         "peak_tflops": peak / 1e12 if peak else None,
         "link_gbps": link,
@@ -166,6 +167,8 @@ def report(plan: dict) -> str:
                "ring": "keys and values pass round the devices, one chunk per step"}[ctx["strategy"]]
         lines.append(f"  context: each sequence split over {ctx['size']} devices ({ctx['strategy']}: {how})"
                      + ("; causal work balanced (chunks i and 2N-1-i on device i)" if ctx["balanced"] else ""))
+    if fallback := plan.get("gradient_fallback"):
+        lines.append(f"  note: {fallback}")
     if sync := plan.get("sync"):
         when = "every step" if sync["mode"] == "allreduce" else (
             f"every {sync['every']} steps" + (f", {sync['fragments']} fragments staggered" if sync["fragments"] > 1 else ""))

@@ -87,6 +87,8 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
     say(state_lib.split_summary(job.split))
     if idle := state_lib.idle_axes(job.split, dict(job.mesh.shape)):
         warn(state_lib.idle_axis_warning(idle, job.split, dict(job.mesh.shape), cfg.mesh.auto_shard))
+    if job.reduction.fallback:
+        warn(job.reduction.fallback)
 
     # ---- state: resumed, restored from another run, or freshly initialised (always sharded)
     log = None

@@ -130,3 +130,14 @@ class StackedResidual(nnx.Module):
         from shard.hooks import stack
 
         return self.out(stack(self.blocks, self.inp(x.reshape(x.shape[0], -1))))
+
+
+class BatchCenteredMLP(StockMLP):
+    """Centres its hidden features over the batch: its examples meet in the forward pass, and no state it
+    carries says so, so the class does."""
+    examples_interact = True
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.l1(x.reshape(x.shape[0], -1)))
+        h = h - h.mean(axis=0, keepdims=True)
+        return self.l3(jax.nn.relu(self.l2(h)))
