@@ -79,7 +79,9 @@ class Generator:
         self.window = window  # for a model that keeps nothing through the hooks: how many tokens it sees (seq_len)
         self.mesh, self.rules, self.dtype = mesh, rules, jnp.dtype(dtype)
         self._prefill = jax.jit(self._forward, static_argnames="capacity")
-        self._decode = jax.jit(self._decode_steps, static_argnames=("capacity", "steps", "sampling"))
+        # The cache is donated: each chunk writes its tokens into the buffers it was given, not into a copy.
+        self._decode = jax.jit(self._decode_steps, static_argnames=("capacity", "steps", "sampling"),
+                               donate_argnames="cache")
         self._whole = jax.jit(self._pick_at, static_argnames="sampling")
         self._caches = None  # whether the model's calls keep a cache (known at the first call)
 
@@ -139,9 +141,23 @@ class Generator:
             rules["batch"] = None
         return rules
 
-    def __call__(self, prompt: np.ndarray, new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0) -> np.ndarray:
-        """(batch, prompt length) int tokens -> (batch, new_tokens) int tokens."""
-        prompt = np.asarray(prompt, np.int32)
+    def __call__(self, prompt, new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
+                 eos: int | None = None, pad: int | None = None) -> np.ndarray:
+        """(batch, prompt length) int tokens, or a list of prompts of any lengths -> (batch, new_tokens) int
+        tokens. Prompts of different lengths run as one group per length (each row as it would alone, under
+        greedy decoding). `eos`: a row ends at that token; the rest of its row is `pad` (default: eos), and
+        generation stops once every row has ended."""
+        if not isinstance(prompt, np.ndarray) and len({len(p) for p in prompt}) > 1:
+            out = np.empty((len(prompt), new_tokens), np.int32)
+            for length in sorted({len(p) for p in prompt}):
+                rows = [i for i, p in enumerate(prompt) if len(p) == length]
+                out[rows] = self(np.array([prompt[i] for i in rows], np.int32), new_tokens, sampling, seed, eos, pad)
+            return out
+        made = self._generate(np.asarray(prompt, np.int32), new_tokens, sampling, seed, eos)
+        return made if eos is None else after_eos(made, eos, eos if pad is None else pad)
+
+    def _generate(self, prompt: np.ndarray, new_tokens: int, sampling: Sampling, seed: int,
+                  eos: int | None) -> np.ndarray:
         batch, length = prompt.shape
         if length == 0:
             raise UserError("the prompt is empty; give at least one token (one byte of text)")
@@ -158,7 +174,7 @@ class Generator:
                 self._caches = bool(jax.tree.leaves(shapes[1]))
             if not self._caches:
                 return self._uncached(prompt, new_tokens, sampling, key, rules)
-            while sum(m.shape[1] for m in made) < new_tokens:
+            while sum(m.shape[1] for m in made) < new_tokens and not ended(made, eos):
                 key, sub = jax.random.split(key)
                 if cache is None or index == capacity:  # the start, or a full cache: prefill (the last half)
                     window = seq if cache is None else seq[:, -(capacity // 2):]
@@ -174,13 +190,31 @@ class Generator:
                     chunk, token, index = np.asarray(tokens), tokens[:, -1], index + steps
                 made.append(chunk)
                 seq = np.concatenate([seq, chunk], axis=1)
-        return np.concatenate(made, axis=1)[:, :new_tokens]
+        out = np.concatenate(made, axis=1)[:, :new_tokens]
+        return np.pad(out, ((0, 0), (0, new_tokens - out.shape[1])), constant_values=eos if eos is not None else 0)
 
     def _place(self, tokens: np.ndarray, rules):
         if self.mesh is None:
             return jnp.asarray(tokens)
         spec = partition.logical_to_spec(("batch", None), rules, self.mesh.shape)
         return jax.device_put(tokens, NamedSharding(self.mesh, spec))
+
+
+def ended(made: list, eos: int | None) -> bool:
+    """Whether every row of the chunks made so far holds `eos`."""
+    return eos is not None and bool(made) and bool((np.concatenate(made, axis=1) == eos).any(axis=1).all())
+
+
+def after_eos(tokens: np.ndarray, eos: int, pad: int) -> np.ndarray:
+    """Each row up to and including its first `eos`, `pad` after it."""
+    hit = np.cumsum(tokens == eos, axis=1)
+    return np.where((hit > 1) | ((hit == 1) & (tokens != eos)), pad, tokens).astype(np.int32)
+
+
+def output_vocab(model: nnx.Module) -> int:
+    """The width of a language model's logits (a trace on one token, nothing computed)."""
+    graphdef, state = nnx.split(model)
+    return jax.eval_shape(lambda s, x: nnx.merge(graphdef, s)(x), state, jnp.zeros((1, 1), jnp.int32)).shape[-1]
 
 
 def recompute(model: nnx.Module, prompt: np.ndarray, new_tokens: int, vocab: int | None = None) -> np.ndarray:

@@ -128,17 +128,25 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
         summary = f"loss {result.history[0]['loss']:.4f} -> {result.history[-1]['loss']:.4f} | " + summary
     say(f"step {step}: {summary}")
     if data.task == "lm" and cfg.train.sample_len > 0:
-        result.sample = end_sample(cfg, job, result.state)
-        say(f"sample:\n{cfg.train.sample_prompt}{result.sample}")
+        sample = end_sample(cfg, job, result.state)
+        if sample is None:
+            say(f"sample skipped: the model's vocabulary is not the {generate.BYTES} byte values its text is made of")
+        else:
+            result.sample = sample
+            say(f"sample:\n{cfg.train.sample_prompt}{sample}")
     return result
 
 
-def end_sample(cfg, job: Job, state) -> str:
+def end_sample(cfg, job: Job, state) -> str | None:
     """The end-of-run sample: `train.sample_len` bytes after `train.sample_prompt`, generated as
-    `python -m shard.generate` does (a cache, on the run's mesh)."""
+    `python -m shard.generate` does (a cache, on the run's mesh). Text is bytes: a model whose vocabulary
+    is not the 256 byte values gets none (None; its tokens would print as garbage)."""
     if job.sync:
         state = sync_lib.global_view(state)
     model = nnx.merge(job.work.graphdef, state_lib.in_device_memory(state.params), state.rest)
+    vocab = generate.output_vocab(model)
+    if vocab != generate.BYTES:
+        return None
     generator = generate.Generator(model, job.mesh, job.rules, cfg.train.dtype, window=cfg.data.seq_len)
     prompt = generate.text_tokens(cfg.train.sample_prompt) or generate.text_tokens("\n")  # something to condition on
     tokens = generator(np.array([prompt[-generator.context:] if generator.context else prompt]), cfg.train.sample_len,

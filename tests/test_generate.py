@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -182,3 +183,36 @@ def test_a_loaded_model_keeps_the_rules_it_was_trained_with(runs, tmp_path):
     assert (loaded.rules["my_features"], loaded.rules["heads"]) == ("tensor", None)  # the run's rules come along
     loaded = load.load(str(other), ["mesh=tp", "mesh.rules.heads=tensor"], whole_mesh=False)
     assert loaded.rules["heads"] == "tensor"  # the loader's own rules win
+
+
+def test_prompts_of_different_lengths_and_an_end_token(runs):
+    loaded = load.load(runs("gpt"), [], whole_mesh=False)
+    generator = generate.Generator(untrained(loaded))
+    prompts = [generate.text_tokens("def f(x):"), generate.text_tokens("import os\n"), generate.text_tokens("x")]
+    solo = [generator(np.array([p]), 10, GREEDY)[0] for p in prompts]
+    np.testing.assert_array_equal(generator(prompts, 10, GREEDY), np.stack(solo))
+    eos = int(solo[0][3])  # a token the first row makes at its fourth step
+    ended = generator(prompts, 10, GREEDY, eos=eos, pad=-1)
+    for row, want in zip(ended, solo):
+        cut = list(want).index(eos) + 1 if eos in want else len(want)
+        assert list(row[:cut]) == list(want[:cut]) and (row[cut:] == -1).all()
+    assert generate.Generator(untrained(loaded))(np.array([prompts[0]]), 10, GREEDY, eos=eos)[0][4:].tolist() == [eos] * 6
+
+
+def test_top_k_and_top_p_keep_the_set_their_definitions_name():
+    """On a known distribution: top-k keeps exactly the k likeliest tokens, top-p the smallest set of the
+    likeliest whose mass reaches p, each drawn in proportion to its probability within the kept set."""
+    probs = np.array([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
+    logits = jnp.log(jnp.asarray(probs, jnp.float32))[None].repeat(4000, axis=0)
+    for sampling, kept in ((generate.Sampling(1.0, top_k=3), 3), (generate.Sampling(1.0, top_p=0.75), 3),
+                           (generate.Sampling(1.0, top_p=0.8), 4), (generate.Sampling(1.0, top_k=5, top_p=0.99), 5)):
+        tokens = np.asarray(sampling.pick(logits, jax.random.key(0)))
+        assert set(tokens.tolist()) == set(range(kept)), (sampling, set(tokens.tolist()))
+        want = probs[:kept] / probs[:kept].sum()
+        np.testing.assert_allclose(np.bincount(tokens, minlength=kept)[:kept] / len(tokens), want, atol=0.03)
+
+
+def test_the_end_of_run_sample_is_skipped_for_a_vocabulary_other_than_bytes(tmp_path, capsys):
+    result = trainer.run(config.load(None, overrides(tmp_path, *TINY_GPT, "model.vocab_size=264", "train.steps=1",
+                                                     "train.sample_len=8", "run.cpu_devices=1")))
+    assert result.sample == "" and "sample skipped: the model's vocabulary is not the 256 byte values" in capsys.readouterr().out
