@@ -1,12 +1,14 @@
 """A trained model's forward pass as an ONNX file, for other runtimes:
 
-    python -m shard.export RUN --format onnx [--out FILE.onnx] [--batch B] [--step N]
+    python -m shard.export RUN --format onnx [--out FILE.onnx] [--batch B] [--step N] [--trust-code] [key=value ...]
 
 The converter is jax2onnx. The stack of layers is written out layer by layer (the converter does not take
 Flax's scan), the batch dimension is symbolic unless --batch fixes it, and the computation is float32
 whatever dtype the run trained in. The file is then checked: onnxruntime runs it on a batch of the run's own
-held-out data, and its outputs must equal the JAX model's within 1e-4 (relative to their largest value), or
-the export fails and nothing is written.
+held-out data (random byte tokens for a language model whose data is not here), and its outputs must equal
+the JAX model's within 1e-4 (relative to their largest value), or the export fails and nothing is written.
+Mesh and device overrides (`mesh=fsdp run.cpu_devices=8`) load the checkpoint sharded, each parameter
+straight into its place, for a model too large for one device's memory; otherwise one device.
 
 Models of the library that convert: mlp, cnn, gpt (both position kinds, every norm and MLP option), vit,
 lstm and moe. A model using an operation jax2onnx has no converter for fails in one line naming it.
@@ -91,10 +93,18 @@ def needed(module: str):
 
 
 def example_batch(cfg, rows: int) -> np.ndarray:
-    """`rows` inputs of the run's held-out data (the first eval batch, its rows repeated if it has fewer)."""
+    """`rows` inputs of the run's held-out data (the first eval batch, its rows repeated if it has fewer).
+    Where that data is not here (a run folder copied to another machine), a language model's check runs on
+    random byte tokens of its sequence length; other inputs' shapes are only known from their data."""
     from shard import data as data_lib
 
-    inputs = np.asarray(data_lib.build(cfg.data, cfg.train.seed).eval[0]["inputs"])
+    try:
+        inputs = np.asarray(data_lib.build(cfg.data, cfg.train.seed).eval[0]["inputs"])
+    except (UserError, OSError) as e:
+        if cfg.data.name != "text" and cfg.data.task != "lm":
+            raise UserError(f"the check needs a batch of the run's data, and data.path={cfg.data.path!r} cannot be "
+                            f"read here ({first_line(e, 200)}); give it with data.path=...") from None
+        return np.random.default_rng(0).integers(0, 256, (rows, cfg.data.seq_len), dtype=np.int32)
     return inputs[np.arange(rows) % len(inputs)]
 
 
@@ -103,7 +113,7 @@ def example_batch(cfg, rows: int) -> np.ndarray:
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, like every other refusal
         raise UserError(f"{message}; usage: python -m shard.export RUN --format onnx [--out FILE.onnx] [--batch B] "
-                        "[--step N] [--trust-code]")
+                        "[--step N] [--trust-code] [key=value ...]")
 
 
 def main(argv: list[str]) -> int:
@@ -117,7 +127,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     parser.add_argument("--trust-code", action="store_true", help="import the run's model module even where it is "
                         "not one of the model library's (importing runs its code: only for runs you trust)")
-    args = parser.parse_args(argv)
+    args, overrides = parser.parse_known_args(argv)
+    bad = [a for a in overrides if a.startswith("-") or "=" not in a]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
     if args.batch is not None and args.batch < 1:
         raise UserError(f"--batch {args.batch}: must be at least 1 (or leave it out for a symbolic batch)")
     out = Path(args.out or Path(load.run_config(args.run, "RUN")).parent / "model.onnx")
@@ -127,7 +140,9 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--out {out} is a folder; name a .onnx file")
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: folder {out.parent} does not exist")
-    loaded = load.load(args.run, [], step=args.step, whole_mesh=False, key="RUN", trust_code=args.trust_code)
+    whole_mesh = any(o.startswith(("mesh", "run.cpu_devices")) for o in overrides)  # as python -m shard.generate
+    loaded = load.load(args.run, overrides, step=args.step, whole_mesh=whole_mesh, key="RUN",
+                       trust_code=args.trust_code)
     inputs = example_batch(loaded.cfg, args.batch or 3)  # 3: a batch no dimension of the model has
     start = time.perf_counter()
     # Written beside the target under its own name (large weights go to a sidecar file the model names), and

@@ -49,3 +49,16 @@ def test_a_fixed_batch_and_what_cannot_be_exported(tmp_path, capsys):
     with pytest.raises(UserError, match="does not convert to ONNX: .*primitive 'pure_callback'"):
         export.main([str(callback), "--format", "onnx", "--trust-code"])
     assert sorted(p.name for p in callback.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+
+
+def test_a_run_exports_without_its_data_and_loaded_sharded(tmp_path, capsys):
+    """A run folder moved to another machine has no data: the check runs on random tokens instead. A mesh
+    override loads the checkpoint split over the devices, as generation does."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 200)
+    run = trained(tmp_path / "run", *TINY_MODELS["gpt"], f"data.path={text}")
+    text.unlink()
+    assert export.main([str(run), "--format", "onnx", "mesh=fsdp", "run.cpu_devices=4"]) == 0
+    assert "onnxruntime matches JAX" in capsys.readouterr().out
+    with pytest.raises(UserError, match="unrecognized arguments: --bogus"):
+        export.main([str(run), "--format", "onnx", "--bogus"])
