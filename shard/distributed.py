@@ -188,6 +188,31 @@ def barrier(name: str, timeout_s: int) -> None:
              f"({first_line(e)})")
 
 
+def agreed_stop(step: int, mine: str | None, timeout_s: int) -> str | None:
+    """Whether any process was asked to stop by step `step`, agreed by all: each process posts its own word
+    (the signal's name, or nothing) to the distributed runtime's key-value store and reads every other's,
+    so all of them stop after the same step and save the same checkpoint. A signal that reaches one host a
+    step before another no longer leaves one in the checkpoint's barrier and the other in a collective.
+    Host-side only (no device program): the step already dispatched keeps running meanwhile."""
+    if jax.process_count() == 1:
+        return mine
+    client, me, n = _client(), jax.process_index(), jax.process_count()
+    client.key_value_set(f"shard/stop/{step}/{me}", mine or "")
+    words = []
+    try:
+        for other in range(n):
+            words.append((mine or "") if other == me else
+                         client.blocking_key_value_get(f"shard/stop/{step}/{other}", timeout_s * 1000))
+    except Exception as e:
+        _die(f"process {me}: not every process reached step {step} within {timeout_s} s ({first_line(e)})")
+    if step > 1:  # every process has read step-1's words before posting step's: they can go
+        client.key_value_delete(f"shard/stop/{step - 1}/{me}")
+    if mine:
+        return mine
+    asked = [f"{w} on process {i}" for i, w in enumerate(words) if w]
+    return ", ".join(asked) or None
+
+
 def check_same_config(cfg, model_kwargs: dict) -> None:
     """Every process must run the same job: compare hashes of the resolved config (with the one key
     that differs by design, run.process_id, left out) across processes. On a mismatch every process

@@ -275,7 +275,8 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
             pending.append((done, out))
             steps_since += 1
             bar.update(1)
-            stopping = stop.received  # read once: a signal may land mid-iteration
+            # Read once (a signal may land mid-iteration), and agreed by every process: all stop after this step.
+            stopping = distributed.agreed_stop(done, stop.received, cfg.run.init_timeout_s)
             log_now = done % cfg.run.log_every == 0 or done in (start + 1, cfg.train.steps)
             save_now = checkpoints is not None and (
                 done == cfg.train.steps or stopping or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0))
