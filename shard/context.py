@@ -69,7 +69,8 @@ def attention(q, k, v, is_causal: bool, split: Split) -> jax.Array:
     if split.strategy == "ring":
         mesh, _ = partition.active()
         spec = PartitionSpec(None, AXIS)
-        run = jax.shard_map(partial(_ring, causal=is_causal, n=split.size), mesh=mesh,
+        halves = is_causal and split.order is not None and len(split.order) == q.shape[1]
+        run = jax.shard_map(partial(_ring, causal=is_causal, n=split.size, halves=halves), mesh=mesh,
                             in_specs=(spec, spec, spec, PartitionSpec(AXIS)), out_specs=spec, axis_names={AXIS})
         return run(q, k, v, pos)
     # all_gather: keys and values whole along length on every device; queries stay split.
@@ -83,6 +84,13 @@ def attention(q, k, v, is_causal: bool, split: Split) -> jax.Array:
 # ----------------------------------------------------------------------------- ring attention
 # Inside shard_map: q, k, v are this device's chunks, (batch, chunk, heads, head_dim); pos its positions.
 # Grouped heads are kept grouped: q as (batch, kv_heads, group, chunk, head_dim).
+#
+# Causal work under the load-balanced layout: device i holds chunks i and 2N-1-i (its halves a and b), and
+# a block passed on from device j != i is half visible. From an earlier device (j < i) every query sees
+# the block's first half (chunk j) and none sees its second (2N-1-j > 2N-1-i); from a later one (j > i) the
+# device's second half (2N-1-i) sees the whole block and its first half sees none of it. So each passed-on
+# block costs half a block (`halves`): the whole sequence's attention costs about half of computing every
+# block, as the unsplit causal model's does.
 
 def _grouped(q, k):
     b, t, h, d = q.shape
@@ -98,30 +106,44 @@ def _pass_on(tree, n):
     return jax.lax.ppermute(tree, AXIS, [(i, (i + 1) % n) for i in range(n)])
 
 
-def _forward(q, k, v, pos, causal, n):
+def _forward(q, k, v, pos, causal, n, halves):
     """Output and log-sum-exp of each query over every chunk: the device's own first (its diagonal, so
-    every query has a visible key from the start), then n-1 chunks passed on from its neighbour."""
+    every query has a visible key from the start), then n-1 chunks passed on from its neighbour. With
+    `halves` (causal, load-balanced layout) only the visible half of each passed-on block is computed."""
     qg = _grouped(q, k)
 
-    def fold(state, k, v, kpos):
+    def fold(state, qg, qpos, k, v, kpos):
         m, l, acc = state
-        s = _scores(qg, k, pos, kpos, causal)
+        s = _scores(qg, k, qpos, kpos, causal)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
         scale = jnp.exp(m - m_new)
         acc = acc * scale[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, v.astype(jnp.float32))
         return m_new, l * scale + p.sum(-1), acc
 
+    def fold_visible(state, k, v, kpos):
+        if not halves:
+            return fold(state, qg, pos, k, v, kpos)
+        c = k.shape[1] // 2
+        first_keys = lambda state: fold(state, qg, pos, k[:, :c], v[:, :c], kpos[:c])
+
+        def last_queries(state):
+            m, l, acc = fold((state[0][..., c:], state[1][..., c:], state[2][..., c:, :]), qg[..., c:, :], pos[c:],
+                             k, v, kpos)
+            return state[0].at[..., c:].set(m), state[1].at[..., c:].set(l), state[2].at[..., c:, :].set(acc)
+
+        return jax.lax.cond(kpos[0] < pos[0], first_keys, last_queries, state)
+
     shape = qg.shape[:-1]
     state = fold((jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(qg.shape[:-1] + (v.shape[-1],))),
-                 k, v, pos)
+                 qg, pos, k, v, pos)
 
     def step(carry, _):
         kv, state = carry
         kv = _pass_on(kv, n)
-        return (kv, fold(state, *kv)), None
+        return (kv, fold_visible(state, *kv)), None
 
-    # Unrolled: XLA's CPU runtime (jaxlib 0.10) does not keep a collective inside a loop in order with the
+# Unrolled: XLA's CPU runtime (jaxlib 0.10) does not keep a collective inside a loop in order with the
     # program's others; devices that took the ring's permutes and FSDP's all-gathers in different orders
     # deadlocked (bench/RESULTS.md, "The CI hang").
     (_, (m, l, acc)), _ = jax.lax.scan(step, ((k, v, pos), state), None, length=n - 1, unroll=True)
@@ -130,17 +152,17 @@ def _forward(q, k, v, pos, causal, n):
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, -1).astype(q.dtype), m + jnp.log(l)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _ring(q, k, v, pos, causal, n):
-    return _forward(q, k, v, pos, causal, n)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ring(q, k, v, pos, causal, n, halves):
+    return _forward(q, k, v, pos, causal, n, halves)[0]
 
 
-def _ring_fwd(q, k, v, pos, causal, n):
-    out, lse = _forward(q, k, v, pos, causal, n)
+def _ring_fwd(q, k, v, pos, causal, n, halves):
+    out, lse = _forward(q, k, v, pos, causal, n, halves)
     return out, (q, k, v, pos, out, lse)
 
 
-def _ring_bwd(causal, n, residuals, d_out):
+def _ring_bwd(causal, n, halves, residuals, d_out):
     """The backward ring: each chunk's keys and values travel again, with their gradients accumulated along
     the way; after n-1 steps one more pass brings every chunk's gradients home."""
     q, k, v, pos, out, lse = residuals
@@ -148,21 +170,37 @@ def _ring_bwd(causal, n, residuals, d_out):
     delta = jnp.sum(dog * _grouped(out.astype(jnp.float32), k), axis=-1)  # rowsum(dO * O)
     scale = 1 / math.sqrt(q.shape[-1])
 
-    def fold(dq, k, v, kpos, dk, dv):
-        p = jnp.exp(_scores(qg, k, pos, kpos, causal) - lse[..., None])
+    def fold(dq, qg, dog, lse, delta, qpos, k, v, kpos, dk, dv):
+        p = jnp.exp(_scores(qg, k, qpos, kpos, causal) - lse[..., None])
         dv = dv + jnp.einsum("bhgqk,bhgqd->bkhd", p, dog)
         ds = p * (jnp.einsum("bhgqd,bkhd->bhgqk", dog, v.astype(jnp.float32)) - delta[..., None])
         dq = dq + jnp.einsum("bhgqk,bkhd->bhgqd", ds, k.astype(jnp.float32)) * scale
         dk = dk + jnp.einsum("bhgqk,bhgqd->bkhd", ds, qg.astype(jnp.float32)) * scale
         return dq, dk, dv
 
+    def fold_visible(dq, k, v, kpos, dk, dv):  # the visible half of a passed-on block, as in _forward
+        if not halves:
+            return fold(dq, qg, dog, lse, delta, pos, k, v, kpos, dk, dv)
+        c = k.shape[1] // 2
+
+        def first_keys(dq, dk, dv):
+            dq, dk_a, dv_a = fold(dq, qg, dog, lse, delta, pos, k[:, :c], v[:, :c], kpos[:c], dk[:, :c], dv[:, :c])
+            return dq, dk.at[:, :c].set(dk_a), dv.at[:, :c].set(dv_a)
+
+        def last_queries(dq, dk, dv):
+            dq_b, dk, dv = fold(dq[..., c:, :], qg[..., c:, :], dog[..., c:, :], lse[..., c:], delta[..., c:],
+                                pos[c:], k, v, kpos, dk, dv)
+            return dq.at[..., c:, :].set(dq_b), dk, dv
+
+        return jax.lax.cond(kpos[0] < pos[0], first_keys, last_queries, dq, dk, dv)
+
     zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-    dq, dk, dv = fold(jnp.zeros(qg.shape, jnp.float32), k, v, pos, zeros(k), zeros(v))
+    dq, dk, dv = fold(jnp.zeros(qg.shape, jnp.float32), qg, dog, lse, delta, pos, k, v, pos, zeros(k), zeros(v))
 
     def step(carry, _):
         dq, chunk = carry
         k, v, kpos, dk, dv = _pass_on(chunk, n)
-        dq, dk, dv = fold(dq, k, v, kpos, dk, dv)
+        dq, dk, dv = fold_visible(dq, k, v, kpos, dk, dv)
         return (dq, (k, v, kpos, dk, dv)), None
 
     (dq, (_, _, _, dk, dv)), _ = jax.lax.scan(step, (dq, (k, v, pos, dk, dv)), None, length=n - 1,
