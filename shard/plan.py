@@ -41,8 +41,12 @@ def _on_host(leaf) -> bool:
 
 def _gradient_bytes(abstract_params, prepared) -> int:
     """Bytes of the gradients as the step keeps them per device: split like the parameters, or like the
-    optimizer state under ZeRO-2 (which sums microbatches into that split; ZeRO-1 sums them whole)."""
-    zero2 = prepared.reduction is not None and prepared.reduction.split_sum and prepared.reduction.update_shardings
+    optimizer state under ZeRO-2 with microbatches (train.grad_accum > 1), which it sums into that split
+    (ZeRO-1 sums them whole). With one microbatch there is nothing to keep: the backward pass makes each
+    gradient whole before its reduce-scatter under ZeRO-2 as under ZeRO-1 (XLA compiles the same program,
+    tests/test_zero.py), so the split saves nothing and is not counted."""
+    red = prepared.reduction
+    zero2 = red is not None and red.split_sum and red.update_shardings and red.accum > 1
     layout = prepared.reduction.update_shardings if zero2 else prepared.shardings.params
     return _shard_bytes(jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                      abstract_params, layout))
