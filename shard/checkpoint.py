@@ -7,9 +7,16 @@ A checkpoint is one step folder with three items:
 Orbax writes each step into a temporary folder and renames it when complete, so a process killed
 mid-write leaves the earlier checkpoints as they were; a checkpoint that still fails to read is
 skipped with a warning (resume) or refused (an explicit path), never loaded in part.
+
+Failing to read is not always the checkpoint's fault: storage can be slow, unreachable or refuse access.
+Such I/O errors are retried with backoff and then stop the run with one line; a step is skipped only for
+what is wrong with the step itself (missing or truncated files, bad metadata), never deleted, and
+rewritten in full when the run saves that step again.
 """
 
 import contextlib
+import errno
+import time
 from pathlib import Path
 
 import jax
@@ -20,6 +27,38 @@ from shard.errors import UserError, first_line, warn
 from shard.state import TrainState
 
 TMP_MARK = ".orbax-checkpoint-tmp"
+RETRY_DELAYS_S = (1, 4, 16)  # waits between the tries of a read that failed for I/O
+# Storage status words (tensorstore's, gRPC's) of a read that failed for the storage's sake, not the data's.
+_IO_WORDS = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "PERMISSION_DENIED", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED",
+             "ABORTED", "Connection reset", "timed out")
+_MISSING = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
+
+
+def io_error(e: BaseException) -> bool:
+    """Whether a failed read is the storage's fault (worth retrying, never a reason to skip the step)."""
+    if isinstance(e, (TimeoutError, ConnectionError)):
+        return True
+    if isinstance(e, OSError) and e.errno not in _MISSING and not isinstance(e, FileNotFoundError):
+        return True
+    return any(word in str(e) for word in _IO_WORDS)
+
+
+def with_retries(read, where: str, delays=None):
+    """read(), retried with backoff while it fails for I/O; then one line. Other failures pass through."""
+    delays = RETRY_DELAYS_S if delays is None else delays
+    for attempt in range(len(delays) + 1):
+        try:
+            return read()
+        except UserError:
+            raise
+        except Exception as e:
+            if not io_error(e):
+                raise
+            if attempt == len(delays):
+                raise UserError(f"checkpoint {where} could not be read after {attempt + 1} tries, for the storage's "
+                                f"sake ({first_line(e)}); nothing was skipped: check the storage and run again") from None
+            warn(f"reading checkpoint {where} failed ({first_line(e)}); trying again in {delays[attempt]} s")
+            time.sleep(delays[attempt])
 
 
 def _handlers() -> dict:
@@ -49,6 +88,7 @@ class Checkpoints:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=use_async,
                                                cleanup_tmp_directories=True, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+        self.unreadable: set[int] = set()  # steps skipped as corrupt: rewritten, not kept, when saved again
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -57,7 +97,10 @@ class Checkpoints:
         """The step (one global batch per step, so also the position in the data) and `seed` fix the
         data order; training itself draws no other random numbers, and a model's own RNG variables are
         part of `state.rest`. `train_steps` (the run's planned length) fixes the learning-rate schedule."""
+        if step in self.unreadable and step in self.manager.all_steps():
+            self.manager.delete(step)  # the corrupt copy goes only now, as its replacement is written
         if step not in self.manager.all_steps():
+            self.unreadable.discard(step)
             items = {k: ocp.args.StandardSave(v) for k, v in _items(state).items()}
             meta = ocp.args.JsonSave({"step": step, "seed": seed, "train_steps": train_steps})
             self.manager.save(step, args=ocp.args.Composite(**items, meta=meta), force=True)
@@ -65,15 +108,17 @@ class Checkpoints:
             self.manager.wait_until_finished()
 
     def restore_latest(self, target: TrainState) -> tuple[TrainState, dict] | None:
-        """The newest checkpoint that reads back whole; unreadable ones are skipped with a warning."""
+        """The newest checkpoint that reads back whole; corrupt ones are skipped with a warning (and rewritten
+        when saved again), I/O failures retried and then refused (shard.checkpoint.with_retries)."""
         steps = self.steps()
         for step in reversed(steps):
             try:
-                return restore_step(self.manager, step, target)
+                return with_retries(lambda: restore_step(self.manager, step, target), str(self.directory / str(step)))
             except UserError:
                 raise
             except Exception as e:  # a corrupt or truncated checkpoint
                 warn(f"skipping unreadable checkpoint {self.directory / str(step)}: {first_line(e)}")
+                self.unreadable.add(step)
         if steps:
             raise UserError(f"no readable checkpoint in {self.directory}; move it away to start afresh")
         return None

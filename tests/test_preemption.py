@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, subprocess_env, TINY_GPT, run_cli
+from shard.errors import UserError
 
 QUIET = ["run.progress=false", "train.sample_len=0", "train.eval_batches=1"]
 
@@ -89,6 +90,37 @@ def test_corrupt_and_partial_checkpoints_are_skipped_with_a_warning(train, tmp_p
     assert f"skipping unreadable checkpoint {folder / '20'}" in err
     assert "resuming from step 10" in out and result.start_step == 10
     assert [r["step"] for r in result.history][-1] == 22
+    # Step 20, saved again on the way to 22, was rewritten whole: it resumes now.
+    capsys.readouterr()
+    again = train(*TINY_GPT, "train.steps=20", f"checkpoint.restore_from={folder / '20'}", subdir="from20")
+    assert again.start_step == 20 and "skipping" not in capsys.readouterr().err
+
+
+def test_a_checkpoint_that_fails_for_io_is_retried_and_never_skipped(train, tmp_path, monkeypatch, capsys):
+    from shard import checkpoint
+
+    train(*TINY_GPT, "train.steps=10", "checkpoint.enabled=true", "checkpoint.every=5")
+    real, failures = checkpoint.restore_step, []
+    monkeypatch.setattr(checkpoint, "RETRY_DELAYS_S", (0, 0))
+
+    def flaky(*args, **kwargs):  # a storage that fails twice, then answers
+        if len(failures) < 2:
+            failures.append(1)
+            raise OSError(5, "Input/output error")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "restore_step", flaky)
+    capsys.readouterr()
+    assert train(*TINY_GPT, "train.steps=12", "checkpoint.enabled=true", "checkpoint.every=5").start_step == 10
+    assert capsys.readouterr().err.count("trying again") == 2
+
+    def down(*args, **kwargs):
+        raise ValueError("UNAVAILABLE: the bucket did not answer")
+
+    monkeypatch.setattr(checkpoint, "restore_step", down)
+    with pytest.raises(UserError, match="could not be read after 3 tries.*nothing was skipped"):
+        train(*TINY_GPT, "train.steps=14", "checkpoint.enabled=true", "checkpoint.every=5")
+    assert 12 in checkpoints(tmp_path / "run")  # still there, not skipped for an older one
 
 
 def test_explicitly_named_corrupt_checkpoint_is_refused(tmp_path):
