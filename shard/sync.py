@@ -114,10 +114,11 @@ def over_replicas(one: TrainState, mesh, axis: str | None = AXIS) -> TrainState:
 
 
 def _outer(sync: Sync, params):
-    """The outer state: the last sync's parameters, and for DiLoCo one Optax state per parameter array."""
-    leaves = jax.tree.leaves(params)
-    opt = [sync.outer_tx.init(a) for a in leaves] if sync.mode == "diloco" else None
-    return {"anchor": params, "opt": opt}
+    """DiLoCo's outer state: the last sync's parameters (the anchor) and one Optax state per parameter array.
+    Local SGD has none: its sync is the replicas' mean, which needs no memory of the last one."""
+    if sync.mode != "diloco":
+        return None
+    return {"anchor": params, "opt": [sync.outer_tx.init(a) for a in jax.tree.leaves(params)]}
 
 
 def abstract_state(sync: Sync, abstract: TrainState) -> TrainState:
@@ -135,12 +136,20 @@ def init(sync: Sync, init_one):
 
 def shardings(sync: Sync, one, mesh) -> TrainState:
     """One replica's shardings (`one`, from the rules) -> the stacked state's: the replica dimension over
-    `replica`; the outer state laid out like the parameters."""
-    outer_opt = None
-    if sync.mode == "diloco":  # each array's momentum lies like the array
-        outer_opt = [jax.tree.map(lambda _: s, sync.outer_tx.init(jnp.zeros(())))
-                     for s in jax.tree.leaves(one.params)]
-    return over_replicas(one, mesh).replace(outer={"anchor": one.params, "opt": outer_opt})
+    `replica`; DiLoCo's outer state laid out like the parameters (each array's momentum like the array)."""
+    outer = None
+    if sync.mode == "diloco":
+        outer = {"anchor": one.params, "opt": [jax.tree.map(lambda _: s, sync.outer_tx.init(jnp.zeros(())))
+                                               for s in jax.tree.leaves(one.params)]}
+    return over_replicas(one, mesh).replace(outer=outer)
+
+
+def from_model(sync: Sync, state: TrainState, one: TrainState, step=None) -> TrainState:
+    """`state` (a fresh init) with every replica, and DiLoCo's anchor, set to one model's parameters and other
+    variables (`one`: a plain checkpoint's, or a saved run's global view); the step counter too if given."""
+    new = state.replace(params=_stack(one.params, sync.replicas), rest=_stack(one.rest, sync.replicas),
+                        outer=_outer(sync, one.params))
+    return new if step is None else new.replace(step=jnp.asarray(step, state.step.dtype))
 
 
 # ----------------------------------------------------------------------------- the programs
@@ -164,9 +173,10 @@ def local_step(train_step, sync: Sync):
 
 
 def global_view(state: TrainState) -> TrainState:
-    """The model the replicas stand for: the mean of their parameters (at a sync step, the synced model),
-    the first replica's other variables."""
-    return state.replace(params=jax.tree.map(lambda a: jnp.mean(a, axis=0), state.params),
+    """The model the replicas stand for: DiLoCo's outer model (the anchor), local SGD's replicas' mean (at a
+    sync step, the synced model); the first replica's other variables."""
+    params = state.outer["anchor"] if state.outer is not None else jax.tree.map(lambda a: jnp.mean(a, 0), state.params)
+    return state.replace(params=params,
                          rest=jax.tree.map(lambda a: a[0], state.rest), opt_state=None, outer=None)
 
 
@@ -176,16 +186,18 @@ def sync_program(sync: Sync, fragment: int):
 
     def run(state: TrainState) -> TrainState:
         leaves, tree = jax.tree.flatten(state.params)
-        anchors = jax.tree.leaves(state.outer["anchor"])
-        opts = list(state.outer["opt"]) if state.outer["opt"] is not None else None
+        diloco = sync.mode == "diloco"
+        anchors = jax.tree.leaves(state.outer["anchor"]) if diloco else None
+        opts = list(state.outer["opt"]) if diloco else None
         for i in chosen:
             mean = jnp.mean(leaves[i], axis=0)  # the one exchange: an all-reduce over `replica`
-            if sync.mode == "diloco":
+            if diloco:
                 updates, opts[i] = sync.outer_tx.update(anchors[i] - mean, opts[i])  # the outer gradient
-                mean = optax.apply_updates(anchors[i], updates)
-            anchors[i] = mean
+                mean = anchors[i] = optax.apply_updates(anchors[i], updates)
             leaves[i] = jnp.broadcast_to(mean, leaves[i].shape).astype(leaves[i].dtype)
         params = jax.tree.unflatten(tree, leaves)
+        if not diloco:
+            return state.replace(params=params)
         outer = {"anchor": jax.tree.unflatten(jax.tree.structure(state.outer["anchor"]), anchors), "opt": opts}
         return state.replace(params=params, outer=outer)
     return run

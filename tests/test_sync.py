@@ -65,9 +65,10 @@ def test_diloco_resumes_bitwise_between_two_syncs(tmp_path):
     resumed = trainer.run(config.load(None, overrides(tmp_path / "resumed", *DILOCO)))
     assert resumed.start_step == 6
     assert losses(resumed) == losses(whole)[6:]  # bitwise
-    model = shard.load_model(str(tmp_path / "whole"))  # the replicas' mean (steps 9-10 ran apart since the sync at 8)
-    mean = sync.global_view(whole.state).params
-    np.testing.assert_allclose(np.asarray(model.tok.get_value()), np.asarray(mean["tok"].get_value()), rtol=1e-6)
+    model = shard.load_model(str(tmp_path / "whole"))  # DiLoCo's outer model (steps 9-10 ran apart since the sync at 8)
+    anchor = np.asarray(whole.state.outer["anchor"]["tok"].get_value())
+    np.testing.assert_allclose(np.asarray(model.tok.get_value()), anchor, rtol=1e-6)
+    assert not np.allclose(anchor, np.mean(np.asarray(whole.state.params["tok"].get_value()), axis=0))
 
 
 def test_the_plan_counts_what_crosses_between_replicas(tmp_path):
@@ -110,3 +111,39 @@ def test_two_processes_as_two_replicas_give_the_one_process_curve(train, tmp_pat
     one = train(*TINY_GPT, *args, "run.cpu_devices=8")
     train_processes(tmp_path / "two", 2, *args, "mesh.dcn_replica=2")
     np.testing.assert_allclose(logged(tmp_path / "two"), losses(one), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- checkpoints of another layout
+
+PLAIN = [*TINY_GPT, "train.steps=8", "checkpoint.enabled=true", "checkpoint.every=8"]
+QUIET = ["optimizer.lr=1e-7", "optimizer.warmup_steps=0"]  # the inner steps move nothing visible
+TWO = ["train.steps=10", "run.cpu_devices=4", "mesh.replica=2", "mesh.data=2", "train.sync=diloco",
+       "train.sync_every=2", "checkpoint.enabled=true", "checkpoint.every=2"]
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("plain")
+    return folder, trainer.run(config.load(None, overrides(folder, *PLAIN)))
+
+
+def test_diloco_from_a_plain_checkpoint_starts_at_its_eval_loss(plain_run, tmp_path):
+    folder, plain = plain_run
+    seeded = trainer.run(config.load(None, overrides(tmp_path / "init", *TINY_GPT, *TWO, *QUIET, "train.steps=2",
+                                                     f"train.init_from={folder}")))
+    # the anchor starts at the loaded model: the outer step after step 2 keeps it there (a random anchor would
+    # pull it back toward a random model's loss)
+    assert seeded.eval["eval_loss"] == pytest.approx(plain.eval["eval_loss"], abs=1e-3)
+    restored = trainer.run(config.load(None, overrides(tmp_path / "restored", *TINY_GPT, *TWO, *QUIET,
+                                                       f"checkpoint.restore_from={folder}")))
+    assert restored.start_step == 8
+    assert restored.eval["eval_loss"] == pytest.approx(plain.eval["eval_loss"], abs=1e-3)
+
+
+def test_changing_mesh_replica_resumes_from_the_global_view(plain_run, tmp_path, capsys):
+    folder, plain = plain_run
+    args = [*TINY_GPT, *TWO, *QUIET, f"train.init_from={folder}"]
+    trainer.run(config.load(None, overrides(tmp_path, *args, "train.steps=2")))
+    more = trainer.run(config.load(None, overrides(tmp_path, *args, "train.steps=4", "mesh.replica=4", "mesh.data=1")))
+    assert more.start_step == 2 and "not a bitwise resume" in capsys.readouterr().err
+    assert more.eval["eval_loss"] == pytest.approx(plain.eval["eval_loss"], abs=1e-3)
