@@ -173,3 +173,22 @@ def test_a_fragment_of_layers_is_the_outer_step_of_those_layers():
     second = jax.jit(sync.sync_program(s, 1))(first)
     np.testing.assert_allclose(second.outer["anchor"]["w"], both.outer["anchor"]["w"], rtol=1e-6)
     np.testing.assert_allclose(second.params["b"], both.params["b"], rtol=1e-6)
+
+
+def test_local_sgd_keeps_no_anchor_and_resumes_a_checkpoint_that_has_one(tmp_path):
+    from shard.checkpoint import Checkpoints
+
+    args = [*TINY_GPT, "train.steps=2", "run.log_every=1", "run.cpu_devices=4", "mesh.replica=2", "mesh.data=2",
+            "train.sync=local_sgd", "train.sync_every=2"]
+    half = trainer.run(config.load(None, overrides(tmp_path / "half", *args)))
+    assert half.state.outer is None
+    curves = []
+    for name, outer in (("now", None), ("before", {"anchor": sync.global_view(half.state).params, "opt": None})):
+        saved = Checkpoints(tmp_path / name / "checkpoints", keep=2, use_async=False)  # "before": as local SGD saved
+        saved.save(half.state.replace(outer=outer), 2, 0, 2, wait=True)
+        saved.close()
+        resumed = trainer.run(config.load(None, overrides(tmp_path / name, *args, "train.steps=4",
+                                                          "checkpoint.enabled=true")))
+        assert resumed.start_step == 2
+        curves.append(losses(resumed))
+    assert curves[1] == curves[0]  # the same state read back, the anchor left behind
