@@ -92,6 +92,10 @@ def take(sync, directory, step: int, init, shardings, target: TrainState, one: T
     try:
         saved = ckpt_lib.layout(manager, step, one)
         legacy = sync.mode != "diloco" and "outer" in manager.item_metadata(step)["optimizer"].tree
+    except Exception:  # unreadable metadata: the ordinary restore reports it (or skips the step on resume)
+        if resume:
+            return None
+        raise
     finally:
         manager.close()
     if resume and saved == sync.replicas:
