@@ -144,8 +144,11 @@ def restore_step(manager: ocp.CheckpointManager, step: int, target: TrainState,
     return state, dict(restored["meta"])
 
 
-def check_shapes(manager: ocp.CheckpointManager, step: int, target: TrainState) -> None:
-    """Name the first parameter whose saved shape differs from the model's, before reading anything."""
+def check_shapes(manager: ocp.CheckpointManager, step: int, target: TrainState, one: TrainState | None = None) -> None:
+    """Name the first parameter whose saved shape differs from the model's, before reading anything.
+    `one` (train.sync=local_sgd/diloco: one replica's target): one model, or any number of replicas', fits too."""
+    if one is not None and layout(manager, step, one) is not None:
+        return
     where = paths.resolve(manager.directory) / str(step)
     saved = _shapes(manager.item_metadata(step)["model"].tree)
     wanted = _shapes(_items(target)["model"])
@@ -196,7 +199,7 @@ def open_path(path: str, key: str) -> tuple[ocp.CheckpointManager, int]:
     return manager, steps[-1] if step is None else step
 
 
-def check_resumable(directory: str | Path, target: TrainState) -> None:
+def check_resumable(directory: str | Path, target: TrainState, one: TrainState | None = None) -> None:
     """Before the run folder is touched: this run's own newest checkpoint must fit the model."""
     directory = paths.resolve(directory)
     if not directory.is_dir():
@@ -206,7 +209,7 @@ def check_resumable(directory: str | Path, target: TrainState) -> None:
     try:
         steps = manager.all_steps()
         if steps:
-            check_shapes(manager, max(steps), target)
+            check_shapes(manager, max(steps), target, one)
     except UserError as e:
         raise UserError(f"{e}; to train this model, use a new run.dir") from None
     except Exception:
@@ -229,25 +232,42 @@ def _named_checkpoint(path: str, key: str):
         manager.close()
 
 
-def check_path(path: str, key: str, target: TrainState) -> None:
+def check_path(path: str, key: str, target: TrainState, one: TrainState | None = None) -> None:
     """Fail early (before the run folder is touched) on a missing path, no checkpoint, or other shapes."""
     with _named_checkpoint(path, key) as (manager, step):
-        check_shapes(manager, step, target)
+        check_shapes(manager, step, target, one)
 
 
-def saved_replicas(path: str, key: str, step: int | None = None) -> int:
-    """The leading dimension of a checkpoint's parameters: the replica count of a train.sync=local_sgd/diloco
-    run, whose state holds every replica's parameters."""
+def open_named(path: str, key: str, step: int | None = None):
+    """(checkpoints folder, step) of a user-named checkpoint (`step`, else its newest or the step folder's)."""
     with _named_checkpoint(path, key) as (manager, newest):
-        shapes = _shapes(manager.item_metadata(newest if step is None else step)["model"].tree)
-        return next(shape[0] for name, shape in shapes.items() if name.startswith("params"))
+        _check_step(manager, path, key, step)
+        return paths.resolve(manager.directory), newest if step is None else step
+
+
+def _check_step(manager, path: str, key: str, step: int | None) -> None:
+    if step is not None and step not in manager.all_steps():
+        raise UserError(f"{key}={path!r} has no step {step}; its steps are "
+                        f"{', '.join(map(str, sorted(manager.all_steps())))}")
+
+
+def layout(manager: ocp.CheckpointManager, step: int, one: TrainState) -> int | None:
+    """0: the checkpoint holds one model of `one`'s shapes; R: R replicas' of it; None: neither."""
+    saved = _shapes(manager.item_metadata(step)["model"].tree)
+    wanted = _shapes(_items(one)["model"])
+    if set(saved) != set(wanted) or not wanted:
+        return None
+    if all(tuple(saved[k]) == tuple(v) for k, v in wanted.items()):
+        return 0
+    r = {tuple(saved[k])[0] if len(saved[k]) == len(v) + 1 else -1 for k, v in wanted.items()}
+    if len(r) == 1 and all(tuple(saved[k])[1:] == tuple(v) for k, v in wanted.items()):
+        return r.pop()
+    return None
 
 
 def restore_path(path: str, key: str, target: TrainState, model_only: bool,
                  step: int | None = None) -> tuple[TrainState, dict]:
     """The checkpoint a user named (its newest step, or `step`), read into `target`'s shardings."""
     with _named_checkpoint(path, key) as (manager, newest):
-        if step is not None and step not in manager.all_steps():
-            raise UserError(f"{key}={path!r} has no step {step}; its steps are "
-                            f"{', '.join(map(str, sorted(manager.all_steps())))}")
+        _check_step(manager, path, key, step)
         return restore_step(manager, newest if step is None else step, target, model_only=model_only)

@@ -68,6 +68,7 @@ class Job:
     sync: object = None       # train.sync=local_sgd/diloco: the Sync (shard/sync.py), else None
     sync_steps: tuple = ()    # its compiled programs, one per fragment
     layout: object = None     # a circular pipeline's order of the stacked layers in the state (shard/pipeline.py)
+    one_target: object = None  # under sync: one replica's target (what a checkpoint of another layout is read into)
 
 
 def workload(cfg: config_lib.Config, devices: list) -> Workload:
@@ -129,8 +130,9 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         split = state_lib.split_report(abstract.params, dict(mesh.shape), rules, auto_min)
         batch_shardings = state_lib.batch_shardings(work.batch, mesh, rules)
         eval_shardings = state_lib.batch_shardings(work.eval_batch, mesh, rules)
-        init = work.init
-        if sync:  # every replica's state, and the outer state
+        init, one_target = work.init, None
+        if sync:
+            one_target = ckpt_lib.abstract_target(abstract, shardings)  # every replica's state, and the outer state
             abstract, init = sync_lib.abstract_state(sync, abstract), sync_lib.init(sync, init)
             shardings = sync_lib.shardings(sync, shardings, mesh)
         # Checkpoints to read must fit this model: checked before the (slower) compile.
@@ -138,11 +140,11 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         checkpoint_dir = paths.resolve(cfg.checkpoint.dir or paths.resolve(cfg.run.dir) / "checkpoints")
         if training:
             if cfg.checkpoint.enabled:
-                ckpt_lib.check_resumable(checkpoint_dir, target)
+                ckpt_lib.check_resumable(checkpoint_dir, target, one_target)
             for key, path in (("checkpoint.restore_from", cfg.checkpoint.restore_from),
                               ("train.init_from", cfg.train.init_from)):
                 if path:
-                    ckpt_lib.check_path(path, key, target)
+                    ckpt_lib.check_path(path, key, target, one_target)
         check_grad_accum(cfg, dict(mesh.shape), rules)
         reduction = gradient_reduction(cfg, mesh, rules, work, split, auto_min, device_shardings.params)
         train_fn = step_lib.make_train_step(work.graphdef, work.tx, work.loss_fn, work.dtype,
@@ -164,7 +166,7 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
 
     return Job(work, mesh, rules, shardings, batch_shardings, eval_shardings, target, checkpoint_dir, train_step,
                eval_step, compile_s, split, pipe, seq, reduction, abstract, init, sync, sync_steps,
-               pipeline_lib.layout(pipe, work.graphdef, work.abstract, work.batch["inputs"]))
+               pipeline_lib.layout(pipe, work.graphdef, work.abstract, work.batch["inputs"]), one_target)
 
 
 def gradient_reduction(cfg, mesh, rules: dict, work: Workload, split: list, auto_min,

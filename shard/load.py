@@ -20,6 +20,7 @@ from shard import distributed, partition, paths, registry
 from shard import mesh as mesh_lib
 from shard import state as state_lib
 from shard import sync as sync_lib
+from shard import sync_io
 from shard.errors import UserError
 
 # What a loaded model takes from its run's config.yaml: the mesh and devices are the loader's.
@@ -91,12 +92,9 @@ def load(path: str, overrides: list[str], step: int | None = None, whole_mesh: b
                                        nnx.Param, ...)
     abstract = state_lib.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, rest=rest, opt_state=None)
     shardings = state_lib.state_shardings(abstract, mesh, rules, state_lib.auto_min_size(cfg.mesh))
-    replicas = ckpt_lib.saved_replicas(path, key, step) if cfg.train.sync in sync_lib.LOCAL else None
-    if replicas:  # every replica's model was saved: read them all (each copied to the devices) and take their mean
-        abstract = sync_lib.stacked(abstract, replicas)
-        shardings = sync_lib.over_replicas(shardings, mesh, axis=None)
-    restored, meta = ckpt_lib.restore_path(path, key, ckpt_lib.abstract_target(abstract, shardings), model_only=True,
-                                           step=step)
-    if replicas:
-        restored = sync_lib.global_view(restored)
+    target = ckpt_lib.abstract_target(abstract, shardings)
+    if cfg.train.sync in sync_lib.LOCAL:  # every replica was saved: the run's global view (DiLoCo's anchor)
+        restored, meta = sync_io.read_global(*ckpt_lib.open_named(path, key, step), target)
+    else:
+        restored, meta = ckpt_lib.restore_path(path, key, target, model_only=True, step=step)
     return Loaded(nnx.merge(graphdef, restored.params, restored.rest), cfg, mesh, rules, int(meta["step"]))

@@ -24,6 +24,7 @@ from shard import mesh as mesh_lib
 from shard import pipeline as pipeline_lib
 from shard import state as state_lib
 from shard import sync as sync_lib
+from shard import sync_io
 from shard.board import Board
 from shard.errors import NonFiniteLoss, UserError, warn
 from shard.job import Job, prepare
@@ -94,7 +95,7 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
     log = None
     try:
         try:
-            state = start_state(cfg, checkpoints, job.init, job.shardings, job.target, say)
+            state = start_state(cfg, checkpoints, job.init, job.shardings, job.target, say, job.sync, job.one_target)
             state = pipeline_lib.to_schedule(job.layout, state)  # a circular pipeline's order of the layers
             result = Result(graphdef=work.graphdef, shardings=job.shardings, mesh=job.mesh,
                             train_step=job.train_step, start_step=int(state.step))
@@ -171,10 +172,16 @@ def draw_curves(run_dir) -> None:
         warn(f"curves.png was not drawn: {e}")
 
 
-def start_state(cfg, checkpoints, init, shardings, target, say) -> state_lib.TrainState:
+def start_state(cfg, checkpoints, init, shardings, target, say, sync=None, one=None) -> state_lib.TrainState:
     """This run's newest checkpoint wins; else `checkpoint.restore_from`; else a fresh init (plus
-    `train.init_from` parameters). Every array is read or created straight into its sharding."""
-    resumed = checkpoints.restore_latest(target) if checkpoints else None
+    `train.init_from` parameters). Every array is read or created straight into its sharding. Under
+    train.sync (`sync`, `one`: one replica's target) a checkpoint of another layout gives its global view to
+    every replica (shard/sync_io.py)."""
+    other_layout = lambda folder, step, resume: sync_io.take(sync, folder, step, init, shardings, target, one, resume)
+    resumed = None
+    if sync and checkpoints and checkpoints.steps():
+        resumed = other_layout(checkpoints.directory, checkpoints.steps()[-1], True)
+    resumed = resumed or (checkpoints.restore_latest(target) if checkpoints else None)
     if resumed:
         state, meta = resumed
         say(f"resuming from step {meta['step']} of {checkpoints.directory}")
@@ -188,9 +195,15 @@ def start_state(cfg, checkpoints, init, shardings, target, say) -> state_lib.Tra
                  "the data order from here on differs from the original run's")
         return state
     if cfg.checkpoint.restore_from:
-        state, meta = ckpt_lib.restore_path(cfg.checkpoint.restore_from, "checkpoint.restore_from", target,
-                                            model_only=False)
+        restored = other_layout(*ckpt_lib.open_named(cfg.checkpoint.restore_from, "checkpoint.restore_from"),
+                                True) if sync else None
+        state, meta = restored or ckpt_lib.restore_path(cfg.checkpoint.restore_from, "checkpoint.restore_from",
+                                                        target, model_only=False)
         say(f"restored step {meta['step']} from {cfg.checkpoint.restore_from}")
+        return state
+    if sync and cfg.train.init_from:  # every replica and DiLoCo's anchor start from the loaded model
+        state, meta = other_layout(*ckpt_lib.open_named(cfg.train.init_from, "train.init_from"), False)
+        say(f"parameters from step {meta['step']} of {cfg.train.init_from}")
         return state
     state = state_lib.init_state(init, shardings)
     if cfg.train.init_from:
