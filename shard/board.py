@@ -4,8 +4,9 @@
 (train/, eval/, perf/), the resolved config as text and the parameter count. A resumed run opens
 a new event file with `purge_step` set to its first new step, so TensorBoard drops what the old
 file logged past the checkpoint and no step appears twice. Under a URL run.dir (gs://, s3://) the
-event file is written locally and copied whole through the run's path type after every record, so
-any store that holds the run holds its events (they are small: a few scalars a log step).
+event file is written locally and copied through the run's path type at most every
+shard.metrics.UPLOAD_EVERY_S seconds and when the run ends (only files that grew since their last copy),
+so any store that holds the run holds its events; a failed copy is a warning, never the run's end.
 """
 
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 from tensorboardX import SummaryWriter
 
 from shard import paths
+from shard.metrics import Uploads
 
 # Record keys that describe the machine's speed and memory, not the model's learning.
 PERF_KEYS = frozenset({"step_time_s", "data_wait_s", "tokens_per_s", "examples_per_s", "tflops_per_device",
@@ -40,6 +42,7 @@ class Board:
         # second run (or resume) started within the same second from overwriting this one's file.
         self.writer = SummaryWriter(self.local, purge_step=start_step + 1 if start_step else None,
                                     filename_suffix="." + uuid.uuid4().hex[:8])
+        self.uploads, self.copied = Uploads(f"TensorBoard events to {self.remote}"), {}
 
     def describe(self, step: int, config_yaml: str, model: str, parameters: int) -> None:
         """The run's config and size, at the step the run (or its resume) begins."""
@@ -56,15 +59,20 @@ class Board:
                 self.writer.add_scalar(tag(key), value, step)
         self.flush()  # records are few (one a log step); a stop that ends the process loses none
 
-    def flush(self) -> None:
+    def flush(self, force: bool = False) -> None:
         self.writer.flush()
-        if self.remote:
-            self.remote.mkdir(parents=True, exist_ok=True)
-            for f in Path(self.local).iterdir():
+        if self.remote and (force or self.uploads.due()):
+            self.uploads.attempt(self._copy)
+
+    def _copy(self) -> None:
+        self.remote.mkdir(parents=True, exist_ok=True)
+        for f in Path(self.local).iterdir():
+            if self.copied.get(f.name) != f.stat().st_size:
                 (self.remote / f.name).write_bytes(f.read_bytes())
+                self.copied[f.name] = f.stat().st_size
 
     def close(self) -> None:
-        self.flush()
+        self.flush(force=True)
         self.writer.close()
         if self.remote:
             shutil.rmtree(self.local, ignore_errors=True)

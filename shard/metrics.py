@@ -8,6 +8,33 @@ from pathlib import Path
 import jax
 
 from shard import paths
+from shard.errors import first_line, warn
+
+UPLOAD_EVERY_S = 30.0  # a URL run folder's logs are copied at most this often (and when the run closes them)
+
+
+class Uploads:
+    """What a URL run folder costs its log writers: an upload at most every UPLOAD_EVERY_S seconds, not one per
+    record, and a failed write only a warning (once until one succeeds again) that never costs the run or its
+    checkpoints; what was not written stays here and goes with the next upload."""
+
+    def __init__(self, what: str):
+        self.what, self.last, self.failing = what, float("-inf"), False  # the first write goes at once
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last >= UPLOAD_EVERY_S
+
+    def attempt(self, write) -> None:
+        self.last = time.monotonic()
+        try:
+            write()
+        except Exception as e:  # the store's errors are of many kinds; none may end the run
+            if not self.failing:
+                warn(f"writing {self.what} failed ({first_line(e)}); training goes on, and the log is written "
+                     "again at the next upload")
+            self.failing = True
+        else:
+            self.failing = False
 
 def peak_memory_gb() -> float | None:
     """Most device memory this process's first device has held so far, in GB (10^9 bytes), where the
@@ -29,7 +56,8 @@ def seconds_since_process_start() -> float | None:
 class MetricsLog:
     """Appends records to metrics.jsonl, and hands each to the TensorBoard writer when there is one;
     only process 0 writes. Object stores (gs://, s3://) cannot append, so there the file is rewritten
-    whole at each record (it stays small: one line a log step)."""
+    whole, at most every UPLOAD_EVERY_S seconds and when the log closes (it stays small: one line a log
+    step). A write that fails is a warning, never the run's end."""
 
     def __init__(self, run_dir, board=None):
         self.path = paths.resolve(run_dir) / "metrics.jsonl"
@@ -37,6 +65,7 @@ class MetricsLog:
         self.board = board if self.enabled else None
         self.remote = paths.is_remote(self.path)
         self.text = self.path.read_text() if self.enabled and self.remote and self.path.exists() else ""
+        self.uploads = Uploads(str(self.path))
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -46,11 +75,17 @@ class MetricsLog:
         line = json.dumps(record) + "\n"
         if self.remote:
             self.text += line
-            self.path.write_text(self.text)
+            if self.uploads.due():
+                self.uploads.attempt(lambda: self.path.write_text(self.text))
         else:
-            with self.path.open("a") as f:
-                f.write(line)
+            self.uploads.attempt(lambda: self._append(line))
+
+    def _append(self, line: str) -> None:
+        with self.path.open("a") as f:
+            f.write(line)
 
     def close(self) -> None:
+        if self.enabled and self.remote:
+            self.uploads.attempt(lambda: self.path.write_text(self.text))
         if self.board:
             self.board.close()

@@ -53,3 +53,34 @@ def test_a_run_writes_its_files_under_a_url_run_dir(local_bucket):
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 1, 2, 3]
     assert len(list((run / "tensorboard").iterdir())) == 2  # one event file a run, copied through the URL
     assert (run / "curves.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_remote_logs_are_uploaded_now_and_then_and_a_failed_upload_costs_nothing(local_bucket, monkeypatch, capsys):
+    """Each log record used to rewrite the whole metrics file and re-copy every event file, and a failed
+    write ended the run before its checkpoint: now uploads are spaced out, and failures are a warning."""
+    from shard import config, metrics, trainer
+    from conftest import TINY_MLP
+
+    url_path = type(paths.resolve("gs://bucket/x"))
+    writes, real_text, real_bytes = [], url_path.write_text, url_path.write_bytes
+    monkeypatch.setattr(metrics, "UPLOAD_EVERY_S", 1e9)
+    monkeypatch.setattr(url_path, "write_text", lambda self, t, *a, **k: (writes.append(self.name), real_text(self, t, *a, **k))[1])
+    args = [*TINY_MLP, "train.steps=6", "run.log_every=1", "run.dir=gs://bucket/run", "run.progress=false",
+            "train.eval_batches=1", "checkpoint.enabled=true", "checkpoint.dir=checkpoints", "run.plot=false"]
+    trainer.run(config.load(None, args))
+    assert writes.count("metrics.jsonl") == 2  # the first record, and the whole log when it closes
+    assert len((local_bucket / "run" / "metrics.jsonl").read_text().splitlines()) == 7  # 6 steps and the eval
+
+    def broken(self, *a, **k):
+        raise OSError(5, "the bucket is unreachable")
+
+    monkeypatch.setattr(url_path, "write_text", lambda self, t, *a, **k: broken(self) if self.name == "metrics.jsonl"
+                        else real_text(self, t, *a, **k))
+    monkeypatch.setattr(url_path, "write_bytes", lambda self, b, *a, **k: broken(self) if "tfevents" in self.name
+                        else real_bytes(self, b, *a, **k))
+    capsys.readouterr()
+    result = trainer.run(config.load(None, [a if a != "train.steps=6" else "train.steps=9" for a in args]))
+    err = capsys.readouterr().err
+    assert int(result.state.step) == 9
+    assert err.count("writing gs://bucket/run/metrics.jsonl failed") == 1 and err.count("TensorBoard events") == 1
+    assert (local_bucket.parent.parent / "checkpoints" / "9").is_dir()  # orbax's own gs:// needs the cloud library
