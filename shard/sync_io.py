@@ -102,9 +102,9 @@ def take(sync, directory, step: int, init, shardings, target: TrainState, one: T
         return restore_without_anchor(directory, step, target) if legacy else None
     if resume:
         held = f"{saved} replicas" if saved else "one model (train.sync=allreduce)"
+        fresh = "inner optimizer states" + (" and outer momentum" if sync.mode == "diloco" else "")
         warn(f"mesh.replica={sync.replicas} but checkpoint {Path(directory) / str(step)} holds {held}: resuming from "
-             f"its global view on every replica, with fresh inner optimizer states{' and outer momentum' if sync.mode == 'diloco' else ''}; "
-             "not a bitwise resume")
+             f"its global view on every replica, with fresh {fresh}; not a bitwise resume")
     view, meta = read_global(directory, step, one)
     begin = meta["step"] if resume else None
     build = jax.jit(lambda s, v: sync_lib.from_model(sync, s, v, begin), out_shardings=shardings, donate_argnums=0)
