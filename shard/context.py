@@ -143,7 +143,7 @@ def _forward(q, k, v, pos, causal, n, halves):
         kv = _pass_on(kv, n)
         return (kv, fold_visible(state, *kv)), None
 
-# Unrolled: XLA's CPU runtime (jaxlib 0.10) does not keep a collective inside a loop in order with the
+    # Unrolled: XLA's CPU runtime (jaxlib 0.10) does not keep a collective inside a loop in order with the
     # program's others; devices that took the ring's permutes and FSDP's all-gathers in different orders
     # deadlocked (bench/RESULTS.md, "The CI hang").
     (_, (m, l, acc)), _ = jax.lax.scan(step, ((k, v, pos), state), None, length=n - 1, unroll=True)

@@ -124,13 +124,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--format", required=True, choices=FORMATS)
     parser.add_argument("--out", help="file to write (default: <RUN>/model.onnx)")
     parser.add_argument("--batch", type=int, help="a fixed batch size (default: symbolic)")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
-    parser.add_argument("--trust-code", action="store_true", help="import the run's model module even where it is "
-                        "not one of the model library's (importing runs its code: only for runs you trust)")
-    args, overrides = parser.parse_known_args(argv)
-    bad = [a for a in overrides if a.startswith("-") or "=" not in a]
-    if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    load.add_loading_arguments(parser)
+    args, overrides, whole_mesh = load.parse_loading(parser, argv)
     if args.batch is not None and args.batch < 1:
         raise UserError(f"--batch {args.batch}: must be at least 1 (or leave it out for a symbolic batch)")
     out = Path(args.out or Path(load.run_config(args.run, "RUN")).parent / "model.onnx")
@@ -140,7 +135,6 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--out {out} is a folder; name a .onnx file")
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: folder {out.parent} does not exist")
-    whole_mesh = any(o.startswith(("mesh", "run.cpu_devices")) for o in overrides)  # as python -m shard.generate
     loaded = load.load(args.run, overrides, step=args.step, whole_mesh=whole_mesh, key="RUN",
                        trust_code=args.trust_code)
     inputs = example_batch(loaded.cfg, args.batch or 3)  # 3: a batch no dimension of the model has

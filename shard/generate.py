@@ -256,13 +256,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = all tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=1, help="continuations of the prompt, sampled together")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
-    parser.add_argument("--trust-code", action="store_true", help="import the run's model module even where it is "
-                        "not one of the model library's (importing runs its code: only for runs you trust)")
-    args, overrides = parser.parse_known_args(argv)
-    bad = [a for a in overrides if a.startswith("-") or "=" not in a]
-    if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    load.add_loading_arguments(parser)
+    args, overrides, whole_mesh = load.parse_loading(parser, argv)
     if args.max_new_tokens < 1 or args.batch < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} and --batch {args.batch} must be at least 1")
     sampling = Sampling(args.temperature, args.top_k, args.top_p, vocab=BYTES).check()
@@ -273,8 +268,6 @@ def main(argv: list[str]) -> int:
         except OSError as e:
             raise UserError(f"--prompt-file {args.prompt_file}: {e.strerror or e}") from None
 
-    # A mesh or device setting on the command line lays the model over all devices; else one device.
-    whole_mesh = any(o.startswith(("mesh", "run.cpu_devices")) for o in overrides)
     loaded = load.load(args.run, overrides, step=args.step, whole_mesh=whole_mesh, key="RUN",
                        trust_code=args.trust_code)
     generator = Generator(loaded.model, loaded.mesh if whole_mesh else None, loaded.rules, loaded.cfg.train.dtype,

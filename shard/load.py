@@ -55,6 +55,23 @@ def load_model(path: str, *, mesh: str | dict | None = None, step: int | None = 
     return load(path, overrides, step=step, whole_mesh=mesh is not None, trust_code=trust_code).model
 
 
+def add_loading_arguments(parser) -> None:
+    """The options every command line that loads a run takes (python -m shard.generate, shard.export)."""
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    parser.add_argument("--trust-code", action="store_true", help="import the run's model module even where it is "
+                        "not one of the model library's (importing runs its code: only for runs you trust)")
+
+
+def parse_loading(parser, argv: list[str]):
+    """(args, key=value overrides, whole_mesh): anything else unknown is the parser's one-line error. A mesh or
+    device setting among the overrides lays the model over all devices; without one, one device."""
+    args, overrides = parser.parse_known_args(argv)
+    bad = [a for a in overrides if a.startswith("-") or "=" not in a]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    return args, overrides, any(o.startswith(("mesh", "run.cpu_devices")) for o in overrides)
+
+
 def run_config(path: str, key: str = "path") -> str:
     """The config.yaml of the run that `path` (a run, checkpoints or step folder) belongs to."""
     p = paths.resolve(path)

@@ -321,7 +321,8 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 continue
             look_at(done)  # a checkpoint, an eval or the end needs this step's state anyway
             if save_now:
-                checkpoints.save(pipeline_lib.to_layers(job.layout, state), done, seed=cfg.train.seed, train_steps=cfg.train.steps, wait=bool(stopping))
+                checkpoints.save(pipeline_lib.to_layers(job.layout, state), done, seed=cfg.train.seed,
+                                 train_steps=cfg.train.steps, wait=bool(stopping))
                 last_saved = done
             if stopping:
                 bar.close()
