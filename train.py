@@ -3,14 +3,15 @@
 --dry-run compiles the step and reports its memory and communication (plan.json) without training;
 --compare does that for every mesh the devices and the model allow.
 
-Parses the command line into one typed config and hands it to shard.trainer.run; that is all.
+Parses the command line into one typed config and hands it to shard.run.trainer.run; that is all.
 """
 
 import logging
 import sys
 from pathlib import Path
 
-from shard import config, registry
+from shard import config
+from shard.core import registry
 from shard.errors import NonFiniteLoss, UserError, exit_from
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
@@ -59,7 +60,8 @@ def main(argv: list[str]) -> int:
         print(config.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, kwargs)), end="")
         return 0
 
-    from shard import distributed, plan, trainer  # JAX's machinery only once the config is known to be good
+    from shard.run import distributed, trainer  # JAX's machinery only once the config is known to be good
+    from shard import plan
 
     devices = distributed.start(cfg.run, deterministic=cfg.train.deterministic)
     if "--compare" in flags:

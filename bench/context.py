@@ -36,7 +36,8 @@ def timed_step(cfg, devices) -> float:
     import jax
 
     from shard import data as data_lib
-    from shard import job, state as state_lib
+    from shard.run import job
+    from shard.core import state as state_lib
 
     prepared = job.prepare(cfg, devices)
     state = state_lib.init_state(prepared.work.init, prepared.shardings)
@@ -61,7 +62,8 @@ def main(argv: list[str]) -> int:
         args = ["run.cpu_devices=8", *args]  # setting then takes one of them
         import jax
         jax.devices()  # start the backend now, with all 8
-    from shard import config, distributed, plan
+    from shard import config, plan
+    from shard.run import distributed
 
     rows = []
     print(f"{'tokens':>7} {'setting':<24} {'memory/device':>14} {'temp':>11} {'sends/device':>13} {'step':>10}")

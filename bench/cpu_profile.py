@@ -1,6 +1,6 @@
 """Where a train step's time goes on CPU, op by op: our compiled step against the same model in PyTorch.
 
-Ours: the framework's own train step (shard.job.prepare, as train.py compiles it) traced with jax.profiler;
+Ours: the framework's own train step (shard.run.job.prepare, as train.py compiles it) traced with jax.profiler;
 each XLA thunk's self time is summed by the HLO instruction it runs, and each instruction is labelled with
 its opcode (fusions with their kind: kLoop elementwise, kInput reductions, kOutput matmul epilogues) and
 the JAX operation it came from. Theirs: bench/vs_torch.py's PyTorch GPT (same shapes, AdamW, clipping,
@@ -75,7 +75,9 @@ def profile_ours(cfg_path, args, steps: int):
     import jax
     import numpy as np
 
-    from shard import config, distributed, job as job_lib, state as state_lib
+    from shard import config
+    from shard.run import distributed, job as job_lib
+    from shard.core import state as state_lib
 
     cfg = config.load(cfg_path, [*args, *QUIET])
     job = job_lib.prepare(cfg, distributed.start(cfg.run), training=False)
@@ -103,7 +105,7 @@ def profile_ours(cfg_path, args, steps: int):
 def profile_torch(cfg, steps: int):
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from shard import registry
+    from shard.core import registry
     from vs_torch import torch_setup
 
     cfg.model.kwargs = registry.with_defaults(registry.resolve(cfg.model.name), cfg.model.kwargs)

@@ -37,8 +37,10 @@ def main(argv: list[str]) -> int:
     import jax
     import numpy as np
 
-    from shard import config, generate, registry
-    from shard import state as state_lib
+    from shard import config
+    from shard.use import generate
+    from shard.core import registry
+    from shard.core import state as state_lib
 
     n, p = args.new_tokens, args.prompt_len
     cfg = config.load(path, [f"model.max_len={p + n}", *overrides])

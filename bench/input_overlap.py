@@ -12,9 +12,10 @@ import time
 
 import jax
 
-from shard import config, partition, trainer
+from shard import config, partition
+from shard.run import trainer
 from shard import data as data_lib
-from shard import state as state_lib
+from shard.core import state as state_lib
 
 ARGS = ["model.name=mlp", "model.in_features=64", "model.out_features=10", "model.hidden=[2048,2048,2048]",
         "data.name=digits", "data.batch_size=256", "train.steps=1", "run.progress=false",

@@ -19,7 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shard import config, trainer
+from shard import config
+from shard.run import trainer
 from shard import data as data_lib
 
 ROOT = Path(__file__).resolve().parent.parent

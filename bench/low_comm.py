@@ -57,7 +57,8 @@ def main(argv: list[str]) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from shard import config, plan, trainer
+    from shard import config, plan
+    from shard.run import trainer
 
     rows = []
     with tempfile.TemporaryDirectory() as scratch:

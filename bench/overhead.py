@@ -26,7 +26,8 @@ QUIET = ["checkpoint.enabled=false", "train.sample_len=0", "train.eval_batches=1
 
 
 def framework_round(cfg_path, args, run_dir) -> list[float]:
-    from shard import config, trainer
+    from shard import config
+    from shard.run import trainer
 
     cfg = config.load(cfg_path, [*args, *QUIET, f"run.dir={run_dir}", f"train.steps={STEPS}",
                                  f"run.log_every={LOG_EVERY}"])
@@ -46,8 +47,9 @@ class MinimalLoop:
         import optax
         from flax import nnx
 
-        from shard import hooks, registry
-        from shard.step import cast_floats
+        from shard import hooks
+        from shard.core import registry
+        from shard.core.step import cast_floats
 
         model_cls, kwargs = registry.load(cfg.model)
         with nnx.use_eager_sharding(False):

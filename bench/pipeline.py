@@ -35,7 +35,8 @@ def main(argv: list[str]) -> int:
     path = Path(argv[0]) if argv and argv[0].endswith(".yaml") else ROOT / "configs" / "default.yaml"
     if not any(a.startswith("run.cpu_devices") for a in args):
         args = ["run.cpu_devices=8", "model.n_layers=8", *args]
-    from shard import config, distributed, plan, trainer
+    from shard import config, plan
+    from shard.run import distributed, trainer
 
     rows = []
     print(f"{'mesh':<26} {'memory/device':>14} {'bubble':>7} {'step':>10}")

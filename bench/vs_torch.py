@@ -147,7 +147,8 @@ def parse(argv: list[str]):
 
 
 def load_config(cfg_path, args):
-    from shard import config, registry
+    from shard import config
+    from shard.core import registry
 
     cfg = config.load(cfg_path, [*args, *QUIET])
     cfg.model.kwargs = registry.with_defaults(registry.resolve(cfg.model.name), cfg.model.kwargs)
@@ -161,7 +162,7 @@ def worker(argv: list[str]) -> int:
     import torch
 
     if "--allocator" in argv:
-        from shard import host_malloc
+        from shard.run import host_malloc
 
         host_malloc.keep_freed_memory()
     cfg_path, args, compile_ = parse(argv)

@@ -9,6 +9,6 @@ __all__ = ["UserError", "load_model"]
 def load_model(path, *, mesh=None, step=None, trust_code=False):
     """A trained run's Flax NNX module (see shard/load.py). Imported on first use: `import shard` stays
     light for the command lines that only parse a config."""
-    from shard.load import load_model as load
+    from shard.use.load import load_model as load
 
     return load(path, mesh=mesh, step=step, trust_code=trust_code)

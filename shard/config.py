@@ -539,7 +539,7 @@ def step_range(spec: str | None, train_steps: int) -> range | None:
 
 def _fill_mesh_from_preset(mesh: MeshConfig) -> None:
     """Axis sizes not set explicitly come from the preset, else 1; the preset's rules sit under ours."""
-    from shard.mesh import AXES, load_preset  # local: mesh imports jax
+    from shard.core.mesh import AXES, load_preset  # local: mesh imports jax
 
     preset = {} if mesh.preset == "auto" else load_preset(mesh.preset)  # auto: sizes chosen by the plan
     explicit_wild = any(getattr(mesh, axis) == -1 for axis in AXES)

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard import context, decoding
+from shard.strategies import context
+from shard.use import decoding
 from shard.errors import UserError
 
 _REMAT: contextvars.ContextVar = contextvars.ContextVar("shard_remat", default="none")

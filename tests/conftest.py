@@ -59,8 +59,9 @@ def overrides(tmp_path, *extra) -> list[str]:
 
 @pytest.fixture
 def train(tmp_path):
-    """Run the trainer in-process with the given overrides; returns shard.trainer.Result."""
-    from shard import config, trainer
+    """Run the trainer in-process with the given overrides; returns shard.run.trainer.Result."""
+    from shard import config
+    from shard.run import trainer
 
     def go(*extra, subdir="run"):
         return trainer.run(config.load(None, overrides(tmp_path / subdir, *extra)))
@@ -70,7 +71,8 @@ def train(tmp_path):
 
 def one_device_runs(tmp_path_factory, configs: dict, *extra):
     """get(name): configs[name] trained on one device, once per module that asks (the reference curves)."""
-    from shard import config, trainer
+    from shard import config
+    from shard.run import trainer
 
     out = {}
 

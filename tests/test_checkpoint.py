@@ -22,7 +22,8 @@ def curve(result, first=1):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """30 steps in one go under fsdp on 8 devices, checkpoints at 10, 20, 30."""
-    from shard import config, trainer
+    from shard import config
+    from shard.run import trainer
     from conftest import overrides
 
     run_dir = tmp_path_factory.mktemp("whole")
@@ -41,7 +42,8 @@ def resume_from_step_20(tmp_path, uninterrupted):
 
 def test_resume_is_bitwise_exact(train, tmp_path, uninterrupted, capsys):
     run_dir = resume_from_step_20(tmp_path, uninterrupted)
-    from shard import config, trainer
+    from shard import config
+    from shard.run import trainer
     from conftest import overrides
 
     result = trainer.run(config.load(None, overrides(run_dir, *RUN, "run.cpu_devices=8", "mesh=fsdp")))
@@ -54,7 +56,8 @@ def test_resume_is_bitwise_exact(train, tmp_path, uninterrupted, capsys):
 @pytest.mark.parametrize("devices,preset", [(4, "tp"), (2, "dp"), (8, "fsdp_tp")])
 def test_restore_onto_another_mesh_continues_the_curve(tmp_path, uninterrupted, devices, preset):
     run_dir = resume_from_step_20(tmp_path, uninterrupted)
-    from shard import config, trainer
+    from shard import config
+    from shard.run import trainer
     from conftest import overrides
 
     result = trainer.run(config.load(None, overrides(run_dir, *RUN, f"run.cpu_devices={devices}", f"mesh={preset}")))
@@ -132,7 +135,8 @@ def test_a_model_with_dropout_resumes_bitwise(train, tmp_path):
 
 
 def test_a_run_already_past_train_steps_says_so_and_logs_its_true_step(tmp_path, uninterrupted, capsys):
-    from shard import config, trainer
+    from shard import config
+    from shard.run import trainer
     from conftest import overrides
 
     run_dir = tmp_path / "done"
@@ -145,7 +149,8 @@ def test_a_run_already_past_train_steps_says_so_and_logs_its_true_step(tmp_path,
 
 
 def test_raising_train_steps_on_resume_warns_that_the_schedule_changes(tmp_path, uninterrupted, capfd):
-    from shard import config, trainer
+    from shard import config
+    from shard.run import trainer
     from conftest import overrides
 
     run_dir = resume_from_step_20(tmp_path, uninterrupted)

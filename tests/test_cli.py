@@ -139,7 +139,8 @@ def test_help_with_a_config_that_does_not_load_shows_defaults_then_the_error(cap
 
 @pytest.mark.parametrize("width", [None, 160, 100, 72])
 def test_help_columns_line_up_and_fit_the_width(width):
-    from shard import config, registry
+    from shard import config
+    from shard.core import registry
 
     cfg = config.load(ROOT / "configs" / "default.yaml", ["run.dir=a/rather/long/run/folder/name", "model.d_model=64"])
     signature = [*registry.arguments(registry.resolve("gpt")), ("a_constructor_argument_with_a_long_name", "int", 1)]

@@ -6,7 +6,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import ROOT
 from shard import config
 from shard.errors import UserError
-from shard.mesh import resolve_sizes
+from shard.core.mesh import resolve_sizes
 from shard.partition import RULES, logical_to_spec, merged_rules
 
 AXES = ("data", "fsdp", "tensor")
@@ -156,7 +156,7 @@ def test_a_single_text_file_is_split_by_bytes(tmp_path):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads_and_names_real_model_arguments(path):
-    from shard import registry
+    from shard.core import registry
 
     cfg = config.load(path, [])
     registry.check_kwargs(registry.resolve(cfg.model.name), cfg.model.kwargs, cfg.model.name)
@@ -165,7 +165,8 @@ def test_every_shipped_config_loads_and_names_real_model_arguments(path):
 def test_deterministic_asks_xla_for_deterministic_gpu_kernels(monkeypatch):
     import os
 
-    from shard import config, distributed
+    from shard import config
+    from shard.run import distributed
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
     cfg = config.load(None, ["train.deterministic=true"])

@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 
 from conftest import TINY_GPT, TINY_MODELS, one_device_runs, overrides
-from shard import config, context, hlo, job, partition, plan
-from shard import mesh as mesh_lib
+from shard import config, partition, plan
+from shard.strategies import context
+from shard.plan import hlo
+from shard.run import job
+from shard.core import mesh as mesh_lib
 
 SEQ = ["data.seq_len=256", "model.max_len=256", "data.batch_size=4"]
 GPT = [a for a in TINY_GPT if not a.startswith(("data.seq_len", "model.max_len", "data.batch_size"))] + SEQ

@@ -226,7 +226,7 @@ def test_bad_data_inputs(tmp_path):
     ("tabular_regression", "eval_r2", 0.4),
 ])
 def test_configs_reach_their_quality_bars(tmp_path, name, metric, bar):
-    from shard import trainer
+    from shard.run import trainer
 
     cfg = config.load(ROOT / "configs" / f"{name}.yaml", [f"run.dir={tmp_path}", "run.progress=false",
                                                            "checkpoint.enabled=false"])

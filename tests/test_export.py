@@ -7,7 +7,9 @@ import onnxruntime
 import pytest
 
 from conftest import TINY_MODELS, overrides
-from shard import config, export, load, trainer
+from shard import config
+from shard.use import export, load
+from shard.run import trainer
 from shard.errors import UserError
 
 STEPS = ["train.steps=2", "run.cpu_devices=1", "checkpoint.enabled=true"]

@@ -14,8 +14,8 @@ def test_model_flops_are_the_textbook_count_and_xla_agrees_for_one_layer(tmp_pat
     and without the forward that activation checkpointing recomputes (MFU, not hardware utilisation).
     XLA's cost analysis counts a loop body once, so it agrees (within its elementwise extras and the
     masked half of the attention square its kernel computes) only for one layer."""
-    from shard.flops import xla_flops
-    from shard.job import prepare
+    from shard.plan.flops import xla_flops
+    from shard.run.job import prepare
 
     cfg = config.load(None, overrides(tmp_path, *TINY_GPT, f"model.n_layers={layers}", "run.cpu_devices=1",
                                       f"train.remat={remat}"))
@@ -39,7 +39,7 @@ def test_attention_flops_are_the_same_for_the_xla_and_cudnn_kernels(tmp_path, mo
     cuDNN wrapper a version (tracing needs no GPU; running would)."""
     import jax._src.cudnn.fused_attention_stablehlo as cudnn
 
-    from shard import job
+    from shard.run import job
 
     monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 90800)
     monkeypatch.setattr(job.hooks, "check_attention", lambda *args: None)  # a GPU's check

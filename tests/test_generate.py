@@ -14,8 +14,11 @@ from flax import nnx
 
 import shard
 from conftest import ROOT, TINY_GPT, TINY_MODELS, overrides, subprocess_env
-from shard import config, generate, load, registry, trainer
-from shard import state as state_lib
+from shard import config
+from shard.use import generate, load
+from shard.core import registry
+from shard.run import trainer
+from shard.core import state as state_lib
 from shard.errors import UserError
 
 GREEDY = generate.Sampling(temperature=0, vocab=generate.BYTES)

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import jax
 
-from shard import hardware
+from shard.plan import hardware
 
 
 def fake(kind: str, stats: dict | None):

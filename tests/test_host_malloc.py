@@ -15,7 +15,8 @@ from conftest import ROOT
 # of the last five allocations, per allocation.
 SCRIPT = """
 import ctypes, json, resource, sys
-from shard import config, distributed, host_malloc
+from shard import config
+from shard.run import distributed, host_malloc
 run = config.load(None, sys.argv[2:]).run
 devices = distributed.start(run)  # all that load_model, generate and export do
 if sys.argv[1] == "train":

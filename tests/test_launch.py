@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from shard import launch
+from shard.run import launch
 
 TARGETS = {
     "local": ["local", "--processes=2", "--dry-run"],

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shard import losses
+from shard.core import losses
 from shard.errors import UserError
 
 

@@ -99,7 +99,8 @@ def test_cpu_attention_is_jax_attention(heads, kv_heads, causal, q_len):
 
 
 def test_dense_is_the_matrix_product_with_tokens_merged_unless_the_sequence_is_split():
-    from shard import context, hooks
+    from shard.strategies import context
+    from shard import hooks
 
     x, w = jax.random.normal(jax.random.key(0), (4, 8, 16)), jax.random.normal(jax.random.key(1), (16, 24))
     loss = lambda dense: lambda x, w: jnp.sum(jnp.sin(dense(x, w)))  # noqa: E731
@@ -233,7 +234,7 @@ def test_lstm_classifier_learns_an_order_dependent_task():
 
 def test_weight_decay_reaches_matrices_only_in_scanned_and_recurrent_models():
     from models.lstm import LSTM
-    from shard.optim import decay_mask
+    from shard.core.optim import decay_mask
 
     with nnx.use_eager_sharding(False):
         gpt = GPT(vocab_size=64, d_model=32, n_layers=2, n_heads=4, rngs=nnx.Rngs(0))

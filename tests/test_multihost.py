@@ -143,7 +143,7 @@ def start_process(tmp_path, port, index, *extra) -> subprocess.Popen:
 
 
 def test_processes_with_different_configs_refuse_to_start(tmp_path):
-    from shard.launch import free_port
+    from shard.run.launch import free_port
 
     port = free_port()
     procs = [start_process(tmp_path, port, i, f"train.seed={i}") for i in range(2)]
@@ -155,7 +155,7 @@ def test_processes_with_different_configs_refuse_to_start(tmp_path):
 
 
 def test_a_peer_that_never_arrives_is_a_clear_error_in_bounded_time(tmp_path):
-    from shard.launch import free_port
+    from shard.run.launch import free_port
 
     started = time.time()
     p = start_process(tmp_path, free_port(), 0, "run.init_timeout_s=3")
@@ -179,7 +179,7 @@ def test_bad_distributed_settings_are_one_line(args, message):
 # ----------------------------------------------------------------------------- launch commands
 
 def test_tpu_dry_run_copies_the_code_and_runs_on_every_worker():
-    from shard.launch import CODE_TARBALL
+    from shard.run.launch import CODE_TARBALL
 
     done = launch("tpu", "--name=pod", "--zone=us-east5-a", "--project=proj", "--dry-run", "--",
                   "configs/gpt_small.yaml", "mesh=fsdp")
@@ -240,7 +240,7 @@ def test_on_simulated_cpu_devices_a_program_ends_before_the_next_is_dispatched()
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from shard import distributed
+    from shard.run import distributed
 
     mesh = jax.make_mesh((8,), ("x",))
     x = jax.device_put(jnp.full((8, 192, 192), 0.01), NamedSharding(mesh, P("x")))
@@ -270,7 +270,7 @@ def slow_processes(run_dir, port, *extra) -> list[subprocess.Popen]:
 def test_a_stop_that_reaches_one_process_stops_both_after_the_same_step_and_resumes_bitwise(tmp_path):
     """SIGTERM to one process only (the extreme of reaching hosts at different steps): both agree on the
     step, save it together, exit 0; the job then resumes to the loss of a run never stopped."""
-    from shard.launch import free_port
+    from shard.run.launch import free_port
 
     run, steps = tmp_path / "stopped", ["train.steps=30", "checkpoint.every=1000"]
     procs = slow_processes(run, free_port(), *steps)

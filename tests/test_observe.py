@@ -19,7 +19,8 @@ RUN = [*TINY_GPT, "train.steps=8", "run.log_every=2", "run.cpu_devices=1", "chec
 
 
 def train(run_dir, *extra):
-    from shard import config, trainer
+    from shard import config
+    from shard.run import trainer
 
     return trainer.run(config.load(None, overrides(run_dir, *RUN, *extra)))
 
@@ -58,7 +59,7 @@ def test_tensorboard_has_the_logged_values_and_a_resume_duplicates_no_step(resum
     tags = set(events.Tags()["scalars"])
     assert {"train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_time_s", "perf/data_wait_s",
             "perf/tflops_per_device", "eval/bits_per_byte", "model/parameters"} <= tags
-    from shard import state as state_lib
+    from shard.core import state as state_lib
 
     assert scalars(run_dir, "model/parameters")[1][0][1] == state_lib.count_params(second.state.params)
     text = events.Tensors("config/text_summary")
@@ -67,7 +68,7 @@ def test_tensorboard_has_the_logged_values_and_a_resume_duplicates_no_step(resum
 
 
 def test_two_runs_opened_in_the_same_second_keep_their_own_event_files(tmp_path):
-    from shard.board import Board
+    from shard.observe.board import Board
 
     boards = [Board(tmp_path, 0), Board(tmp_path, 0)]  # event files are named by second and host
     for i, board in enumerate(boards):
@@ -77,7 +78,7 @@ def test_two_runs_opened_in_the_same_second_keep_their_own_event_files(tmp_path)
 
 
 def test_curves_png_shows_the_metrics_it_was_drawn_from(resumed):
-    from shard import plot
+    from shard.observe import plot
 
     run_dir, first, second = resumed
     assert (run_dir / "curves.png").read_bytes().startswith(PNG)
@@ -93,7 +94,7 @@ def test_curves_png_shows_the_metrics_it_was_drawn_from(resumed):
 
 
 def test_labels_name_the_config_values_that_differ():
-    from shard.plot import Run, labels
+    from shard.observe.plot import Run, labels
 
     runs = [Run("a", [], {"optimizer.lr": 0.001, "mesh.preset": "dp", "run.dir": "runs/a", "train.steps": 9}),
             Run("b", [], {"optimizer.lr": 0.003, "mesh.preset": "dp", "run.dir": "runs/b", "train.steps": 9})]
@@ -132,7 +133,8 @@ def test_plot_cli_draws_several_runs_and_refuses_bad_input_in_one_line(resumed, 
 
 
 def test_profile_traces_the_range_of_steps_and_only_those(tmp_path, capsys):
-    from shard import config, trainer
+    from shard import config
+    from shard.run import trainer
 
     trainer.run(config.load(None, overrides(tmp_path, *TINY_MLP, "train.steps=5", "run.log_every=1",
                                             "run.cpu_devices=1", "run.profile_steps=2:4")))
@@ -144,7 +146,8 @@ def test_profile_traces_the_range_of_steps_and_only_those(tmp_path, capsys):
 
 
 def test_data_wait_is_the_time_the_loop_waits_for_input(tmp_path, monkeypatch):
-    from shard import config, trainer
+    from shard import config
+    from shard.run import trainer
     from shard import data as data_lib
 
     real = data_lib.device_batches
@@ -162,7 +165,7 @@ def test_data_wait_is_the_time_the_loop_waits_for_input(tmp_path, monkeypatch):
 
 
 def test_the_compare_picture_marks_the_chosen_mesh():
-    from shard.plot import draw_comparison
+    from shard.observe.plot import draw_comparison
 
     def row(label, ms, mb):
         return {"label": label, "devices": 8, "estimated_step_s": ms / 1e3, "wire_bytes_per_device": 1,

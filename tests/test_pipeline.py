@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY_GPT, TINY_MODELS, one_device_runs, overrides, run_cli
-from shard import config, hlo, plan
+from shard import config, plan
+from shard.plan import hlo
 
 DEEP = [*TINY_GPT, "model.n_layers=8"]  # 8 layers: 4 stages of 2, or 2 stages x 2 repeats of 2
 STEPS = ["train.steps=8", "run.log_every=1"]
@@ -94,7 +95,7 @@ def test_the_plan_shows_the_schedule_its_memory_and_what_stages_pass(tmp_path):
                              "bubble": pytest.approx((S - 1) / (R * M + S - 1))}
     assert "bubble (S-1)/(R*M+S-1) = 27.3%" in plan.report(p)
     # parameters and Adam's moments per device: the stacked layers' 1/S, the rest whole (data only copies)
-    from shard import job
+    from shard.run import job
 
     prepared = job.prepare(cfg, devices, training=False)
     stacked = sum(a.size * 4 for path, a in jax.tree_util.tree_leaves_with_path(prepared.work.abstract.params)
@@ -145,7 +146,8 @@ def test_pipelined_dropout_masks_differ_between_microbatches_layers_and_steps():
     from flax import nnx
 
     from models.layers import stacked
-    from shard import hooks, partition, pipeline
+    from shard import hooks, partition
+    from shard.strategies import pipeline
 
     layers = stacked(4, lambda r: nnx.Dropout(0.5, rngs=r), nnx.Rngs(0))
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("stage",))

@@ -6,8 +6,9 @@ import jax
 import pytest
 
 from conftest import TINY_GPT, overrides, run_cli
-from shard import config, hlo, plan
-from shard import mesh as mesh_lib
+from shard import config, plan
+from shard.plan import hlo
+from shard.core import mesh as mesh_lib
 
 
 def analyse(tmp_path, *extra):
@@ -43,7 +44,7 @@ def test_fsdp_divides_the_state_and_stays_within_the_zero3_volume(tmp_path):
 
 def test_tensor_parallel_all_reduces_activations_twice_forward_and_twice_backward_per_block(tmp_path):
     cfg = config.load(None, overrides(tmp_path, *TINY_GPT, "model.n_layers=3", "run.cpu_devices=8", "mesh=tp"))
-    from shard.trainer import prepare
+    from shard.run.trainer import prepare
 
     step = prepare(cfg, jax.devices()[:8], training=False).train_step
     ops = hlo.collectives(step.as_text(), 8)

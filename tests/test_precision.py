@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from shard.step import cast_floats
+from shard.core.step import cast_floats
 
 from conftest import TINY_GPT
 
@@ -16,10 +16,10 @@ class _Traced(Exception):
 
 
 def trained_step_program(monkeypatch, finish: bool):
-    """Spy on the trainer's `shard.step.compile_step`: get() is the jaxpr of the train step function the
+    """Spy on the trainer's `shard.core.step.compile_step`: get() is the jaxpr of the train step function the
     trainer hands it to compile into Result.train_step, traced again there (under the run's mesh, rules
     and remat policy). With finish=False the run stops there (raising _Traced): nothing is compiled."""
-    from shard import step
+    from shard.core import step
 
     compile_step, seen = step.compile_step, []
 
@@ -33,7 +33,7 @@ def trained_step_program(monkeypatch, finish: bool):
     monkeypatch.setattr(step, "compile_step", spy)
 
     def get():
-        assert len(seen) == 1, "the trainer compiled no train step through shard.step.compile_step"
+        assert len(seen) == 1, "the trainer compiled no train step through shard.core.step.compile_step"
         return seen[0]
 
     return get

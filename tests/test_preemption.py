@@ -97,7 +97,7 @@ def test_corrupt_and_partial_checkpoints_are_skipped_with_a_warning(train, tmp_p
 
 
 def test_a_checkpoint_that_fails_for_io_is_retried_and_never_skipped(train, tmp_path, monkeypatch, capsys):
-    from shard import checkpoint
+    from shard.run import checkpoint
 
     train(*TINY_GPT, "train.steps=10", "checkpoint.enabled=true", "checkpoint.every=5")
     real, failures = checkpoint.restore_step, []

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from shard import config, launch
+from shard import config
+from shard.run import launch
 
 README = ROOT / "README.md"
 TRAIN = ["python", "train.py"]

@@ -26,7 +26,7 @@ def test_a_url_is_kept_and_a_local_path_made_absolute(tmp_path, monkeypatch):
 
 
 def test_checkpoints_hand_the_url_to_orbax_unchanged(local_bucket, monkeypatch):
-    from shard import checkpoint
+    from shard.run import checkpoint
 
     seen = []
 
@@ -40,7 +40,8 @@ def test_checkpoints_hand_the_url_to_orbax_unchanged(local_bucket, monkeypatch):
 
 
 def test_a_run_writes_its_files_under_a_url_run_dir(local_bucket):
-    from shard import config, trainer
+    from shard import config
+    from shard.run import trainer
     from conftest import TINY_MLP
 
     args = [*TINY_MLP, "train.steps=3", "run.log_every=1", "run.dir=gs://bucket/run", "run.progress=false",
@@ -58,7 +59,9 @@ def test_a_run_writes_its_files_under_a_url_run_dir(local_bucket):
 def test_remote_logs_are_uploaded_now_and_then_and_a_failed_upload_costs_nothing(local_bucket, monkeypatch, capsys):
     """Each log record used to rewrite the whole metrics file and re-copy every event file, and a failed
     write ended the run before its checkpoint: now uploads are spaced out, and failures are a warning."""
-    from shard import config, metrics, trainer
+    from shard import config
+    from shard.observe import metrics
+    from shard.run import trainer
     from conftest import TINY_MLP
 
     url_path = type(paths.resolve("gs://bucket/x"))

@@ -16,7 +16,8 @@ from conftest import TINY_GPT, overrides
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """trained(mesh, *extra): TINY_GPT trained one step on 8 devices, once per module for each setting."""
-    from shard import config, trainer
+    from shard import config
+    from shard.run import trainer
 
     runs = {}
 

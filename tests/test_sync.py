@@ -13,9 +13,11 @@ import pytest
 
 import shard
 from conftest import TINY_GPT, overrides
-from shard import config, plan, sync, trainer
+from shard import config, plan
+from shard.strategies import sync
+from shard.run import trainer
 from shard.errors import UserError
-from shard.state import TrainState
+from shard.core.state import TrainState
 
 STEPS = ["train.steps=6", "run.log_every=1"]
 PLAIN_SGD = ["optimizer.name=sgd", "optimizer.lr=0.5", "optimizer.clip_norm=0", "optimizer.weight_decay=0"]
@@ -176,7 +178,7 @@ def test_a_fragment_of_layers_is_the_outer_step_of_those_layers():
 
 
 def test_local_sgd_keeps_no_anchor_and_resumes_a_checkpoint_that_has_one(tmp_path):
-    from shard.checkpoint import Checkpoints
+    from shard.run.checkpoint import Checkpoints
 
     args = [*TINY_GPT, "train.steps=2", "run.log_every=1", "run.cpu_devices=4", "mesh.replica=2", "mesh.data=2",
             "train.sync=local_sgd", "train.sync_every=2"]

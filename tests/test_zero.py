@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import TINY_GPT, overrides
-from shard import config, hlo, job, plan
+from shard import config, plan
+from shard.plan import hlo
+from shard.run import job
 
 N = 8
 STEPS = ["train.steps=6", "run.log_every=1", "run.cpu_devices=8"]
@@ -36,7 +38,7 @@ def plans(tmp_path_factory):
 @pytest.fixture(scope="module")
 def curves(tmp_path_factory):
     """curves(*extra): the losses of TINY_GPT trained 6 steps on 8 devices, once per module."""
-    from shard import trainer
+    from shard.run import trainer
 
     out = {}
 
@@ -164,7 +166,7 @@ def test_offload_keeps_the_state_in_host_memory(plans):
 def test_offload_where_the_backend_has_no_host_memory_is_one_clear_error():
     from types import SimpleNamespace
 
-    from shard import state
+    from shard.core import state
     from shard.errors import UserError
 
     device = SimpleNamespace(platform="cpu", addressable_memories=lambda: [SimpleNamespace(kind="device")])

@@ -5,7 +5,7 @@
 a new event file with `purge_step` set to its first new step, so TensorBoard drops what the old
 file logged past the checkpoint and no step appears twice. Under a URL run.dir (gs://, s3://) the
 event file is written locally and copied through the run's path type at most every
-shard.metrics.UPLOAD_EVERY_S seconds and when the run ends (only files that grew since their last copy),
+shard.observe.metrics.UPLOAD_EVERY_S seconds and when the run ends (only files that grew since their last copy),
 so any store that holds the run holds its events; a failed copy is a warning, never the run's end.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from tensorboardX import SummaryWriter
 
 from shard import paths
-from shard.metrics import Uploads
+from shard.observe.metrics import Uploads
 
 # Record keys that describe the machine's speed and memory, not the model's learning.
 PERF_KEYS = frozenset({"step_time_s", "data_wait_s", "tokens_per_s", "examples_per_s", "tflops_per_device",

@@ -16,19 +16,23 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from shard import checkpoint as ckpt_lib
+from shard.run import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
-from shard import distributed, generate, hardware, host_malloc, paths, plot, profiling, stopping
-from shard import mesh as mesh_lib
-from shard import pipeline as pipeline_lib
-from shard import state as state_lib
-from shard import sync as sync_lib
-from shard import sync_io
-from shard.board import Board
+from shard.run import distributed, host_malloc, stopping
+from shard.use import generate
+from shard.plan import hardware
+from shard import paths
+from shard.observe import plot, profiling
+from shard.core import mesh as mesh_lib
+from shard.strategies import pipeline as pipeline_lib
+from shard.core import state as state_lib
+from shard.strategies import sync as sync_lib
+from shard.strategies import sync_io
+from shard.observe.board import Board
 from shard.errors import NonFiniteLoss, UserError, warn
-from shard.job import Job, prepare
-from shard.metrics import MetricsLog, peak_memory_gb, seconds_since_process_start
+from shard.run.job import Job, prepare
+from shard.observe.metrics import MetricsLog, peak_memory_gb, seconds_since_process_start
 
 
 @dataclass

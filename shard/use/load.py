@@ -14,13 +14,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard import checkpoint as ckpt_lib
+from shard.run import checkpoint as ckpt_lib
 from shard import config as config_lib
-from shard import distributed, partition, paths, registry
-from shard import mesh as mesh_lib
-from shard import state as state_lib
-from shard import sync as sync_lib
-from shard import sync_io
+from shard.run import distributed
+from shard import partition, paths
+from shard.core import registry
+from shard.core import mesh as mesh_lib
+from shard.core import state as state_lib
+from shard.strategies import sync as sync_lib
+from shard.strategies import sync_io
 from shard.errors import UserError
 
 # What a loaded model takes from its run's config.yaml: the mesh and devices are the loader's.

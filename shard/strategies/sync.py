@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shard import partition
 from shard.errors import UserError
-from shard.state import TrainState
+from shard.core.state import TrainState
 
 AXIS = "replica"
 LOCAL = ("local_sgd", "diloco")

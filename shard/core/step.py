@@ -14,10 +14,11 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard import context, gradients, recorded
+from shard.strategies import context, gradients
+from shard import recorded
 from shard.errors import UserError, first_line
-from shard.losses import accuracy
-from shard.state import TrainState
+from shard.core.losses import accuracy
+from shard.core.state import TrainState
 
 
 def cast_floats(tree, dtype):

@@ -12,16 +12,19 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from shard import checkpoint as ckpt_lib
+from shard.run import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
-from shard import context, distributed, gradients, hooks, losses, optim, partition, paths, registry
-from shard import flops as flops_lib
-from shard import mesh as mesh_lib
-from shard import pipeline as pipeline_lib
-from shard import state as state_lib
-from shard import step as step_lib
-from shard import sync as sync_lib
+from shard.strategies import context, gradients
+from shard.run import distributed
+from shard import hooks, partition, paths
+from shard.core import losses, optim, registry
+from shard.plan import flops as flops_lib
+from shard.core import mesh as mesh_lib
+from shard.strategies import pipeline as pipeline_lib
+from shard.core import state as state_lib
+from shard.core import step as step_lib
+from shard.strategies import sync as sync_lib
 from shard.errors import UserError
 
 

@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 
 from shard import paths
 from shard.errors import UserError, first_line, warn
-from shard.state import TrainState
+from shard.core.state import TrainState
 
 TMP_MARK = ".orbax-checkpoint-tmp"
 RETRY_DELAYS_S = (1, 4, 16)  # waits between the tries of a read that failed for I/O
@@ -109,7 +109,7 @@ class Checkpoints:
 
     def restore_latest(self, target: TrainState) -> tuple[TrainState, dict] | None:
         """The newest checkpoint that reads back whole; corrupt ones are skipped with a warning (and rewritten
-        when saved again), I/O failures retried and then refused (shard.checkpoint.with_retries)."""
+        when saved again), I/O failures retried and then refused (shard.run.checkpoint.with_retries)."""
         steps = self.steps()
         for step in reversed(steps):
             try:

@@ -19,10 +19,13 @@ from dataclasses import replace
 
 import jax
 
-from shard import hardware, hlo, job, partition, paths, plot
-from shard import pipeline as pipeline_lib
-from shard import mesh as mesh_lib
-from shard import state as state_lib
+from shard.plan import hardware, hlo
+from shard.run import job
+from shard import partition, paths
+from shard.observe import plot
+from shard.strategies import pipeline as pipeline_lib
+from shard.core import mesh as mesh_lib
+from shard.core import state as state_lib
 from shard.errors import UserError
 
 

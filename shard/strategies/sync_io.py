@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard import checkpoint as ckpt_lib
-from shard import state as state_lib
-from shard import sync as sync_lib
+from shard.run import checkpoint as ckpt_lib
+from shard.core import state as state_lib
+from shard.strategies import sync as sync_lib
 from shard.errors import warn
-from shard.state import TrainState
+from shard.core.state import TrainState
 
 
 def _manager(directory) -> ocp.CheckpointManager:

@@ -1,0 +1,1 @@
+"""Watching a run: metrics.jsonl, TensorBoard, pictures, profiles."""

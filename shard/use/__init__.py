@@ -1,0 +1,1 @@
+"""Using a trained model: load it, generate from it, export it."""

@@ -1,0 +1,291 @@
+"""Generating text with a trained language model (gpt, moe, lstm, or any model that attends and recurs
+through shard.hooks):
+
+    python -m shard.generate RUN [--prompt TEXT | --prompt-file FILE] [--max-new-tokens N] [--temperature T]
+                             [--top-k K] [--top-p P] [--seed S] [--batch B] [key=value ...]
+
+One prefill pass runs the model over the prompt and fills its cache (attention's keys and values, an
+LSTM's state: shard/decoding.py); then one jitted loop adds a token at a time, each step running the model
+on that token alone. The cache carries logical names, so under any mesh (`mesh=tp run.cpu_devices=4`, as
+for training) it is split like the activations: heads over `tensor`, the batch over the batch axes.
+
+A model with a fixed context (`max_len`: gpt, moe) generates past it with a sliding window: when the cache
+is full, its last half is prefilled again as a new start (positions restart at 0) and decoding goes on. A
+prompt longer than the context is refused. Text is bytes: the prompt's UTF-8 bytes are its tokens, and
+the model picks among the 256 byte values.
+"""
+
+import argparse
+import functools
+import sys
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shard.use import decoding
+from shard.run import distributed
+from shard import hooks, partition
+from shard.errors import UserError, exit_from
+from shard.core.step import cast_floats
+
+BYTES = 256  # the text sources' vocabulary: one token per byte
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.8  # 0: greedy (the most likely token)
+    top_k: int = 0            # keep the k most likely tokens (0: all)
+    top_p: float = 1.0        # keep the most likely tokens whose probabilities sum to p (1: all)
+    vocab: int | None = None  # choose among the first `vocab` tokens only (bytes: 256)
+
+    def check(self) -> "Sampling":
+        if self.temperature < 0:
+            raise UserError(f"--temperature {self.temperature}: must be 0 (greedy) or more")
+        if self.top_k < 0:
+            raise UserError(f"--top-k {self.top_k}: must be 0 (all tokens) or more")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p {self.top_p}: must be in (0, 1]")
+        return self
+
+    def pick(self, logits: jax.Array, key: jax.Array) -> jax.Array:
+        """(batch, vocab) float32 logits -> (batch,) int32 tokens."""
+        if self.vocab is not None:
+            logits = logits[:, :self.vocab]
+        if self.temperature == 0:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logits = logits / self.temperature
+        if 0 < self.top_k < logits.shape[-1]:
+            kth = jax.lax.top_k(logits, self.top_k)[0][:, -1:]
+            logits = jnp.where(logits < kth, -jnp.inf, logits)
+        if self.top_p < 1:  # the nucleus: the smallest set of the likeliest tokens holding top_p of the mass
+            ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+            before = jnp.cumsum(jax.nn.softmax(ordered, axis=-1), axis=-1) - jax.nn.softmax(ordered, axis=-1)
+            cutoff = jnp.min(jnp.where(before < self.top_p, ordered, jnp.inf), axis=-1, keepdims=True)
+            logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+        return jax.random.categorical(key, logits).astype(jnp.int32)
+
+
+class Generator:
+    """A model's prefill and decoding loop, jitted once per prompt length and chunk length, under a mesh's
+    rules (or on one device)."""
+
+    def __init__(self, model: nnx.Module, mesh=None, rules: dict | None = None, dtype=jnp.float32,
+                 window: int | None = None):
+        self.graphdef, self.state = nnx.split(model)
+        self.context = getattr(model, "max_len", None)  # a fixed context (learned positions), else unbounded
+        self.window = window  # for a model that keeps nothing through the hooks: how many tokens it sees (seq_len)
+        self.mesh, self.rules, self.dtype = mesh, rules, jnp.dtype(dtype)
+        self._prefill = jax.jit(self._forward, static_argnames="capacity")
+        # The cache is donated: each chunk writes its tokens into the buffers it was given, not into a copy.
+        self._decode = jax.jit(self._decode_steps, static_argnames=("capacity", "steps", "sampling"),
+                               donate_argnames="cache")
+        self._whole = jax.jit(self._pick_at, static_argnames="sampling")
+        self._caches = None  # whether the model's calls keep a cache (known at the first call)
+
+    def _model(self, state) -> nnx.Module:
+        """The model in the compute dtype, for inference (no dropout, running statistics)."""
+        model = nnx.merge(self.graphdef, cast_floats(state, self.dtype), copy=True)
+        model.eval()
+        return model
+
+    def _forward(self, state, tokens, index, cache, capacity: int):
+        """Logits of the last of `tokens` (float32) and the cache with them written at `index`."""
+        model = self._model(state)
+        calls = decoding.Calls(index, capacity, cache)
+        with hooks.use(decode=calls):
+            logits = model(tokens)
+        return logits[:, -1].astype(jnp.float32), calls.made
+
+    def _decode_steps(self, state, cache, token, index, key, capacity: int, steps: int, sampling: Sampling):
+        """`steps` tokens after `token`, one forward pass each, in one scan."""
+        def step(carry, key):
+            cache, token, index = carry
+            logits, cache = self._forward(state, token[:, None], index, cache, capacity)
+            token = sampling.pick(logits, key)
+            return (cache, token, index + 1), token
+
+        (cache, _, _), tokens = jax.lax.scan(step, (cache, token, index), jax.random.split(key, steps))
+        return tokens.T, cache
+
+    def _pick_at(self, state, tokens, last, key, sampling: Sampling):
+        """The token after position `last` of `tokens`, from one pass over all of them (no cache)."""
+        return sampling.pick(self._model(state)(tokens)[:, last].astype(jnp.float32), key)
+
+    def _uncached(self, prompt: np.ndarray, new_tokens: int, sampling: Sampling, key, rules) -> np.ndarray:
+        """Each token by re-running the model on the sequence's last tokens (at most its context, or `window`),
+        padded at the end to one length so that one program serves every step: for a model whose attention or
+        recurrence does not go through shard.hooks, and so keeps nothing between calls."""
+        width = prompt.shape[1] + new_tokens - 1
+        width = min(width, self.context or self.window or width)
+        seq, made = prompt, []
+        for _ in range(new_tokens):
+            window = seq[:, -width:]
+            padded = np.zeros((len(seq), width), np.int32)
+            padded[:, :window.shape[1]] = window
+            key, sub = jax.random.split(key)
+            made.append(np.asarray(self._whole(self.state, self._place(padded, rules), window.shape[1] - 1, sub,
+                                               sampling=sampling)))
+            seq = np.concatenate([seq, made[-1][:, None]], axis=1)
+        return np.stack(made, axis=1)
+
+    def _rules(self, batch: int) -> dict | None:
+        """The training rules, less what one token at a time cannot use: the length split over `context`, and
+        the batch axes where they do not divide the batch (the batch is then copied to each device)."""
+        if self.mesh is None:
+            return None
+        rules = {**self.rules, "length": None}
+        if batch % partition.batch_shards(rules, self.mesh.shape):
+            rules["batch"] = None
+        return rules
+
+    def __call__(self, prompt, new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
+                 eos: int | None = None, pad: int | None = None) -> np.ndarray:
+        """(batch, prompt length) int tokens, or a list of prompts of any lengths -> (batch, new_tokens) int
+        tokens. Prompts of different lengths run as one group per length (each row as it would alone, under
+        greedy decoding). `eos`: a row ends at that token; the rest of its row is `pad` (default: eos), and
+        generation stops once every row has ended."""
+        if not isinstance(prompt, np.ndarray) and len({len(p) for p in prompt}) > 1:
+            out = np.empty((len(prompt), new_tokens), np.int32)
+            for length in sorted({len(p) for p in prompt}):
+                rows = [i for i, p in enumerate(prompt) if len(p) == length]
+                out[rows] = self(np.array([prompt[i] for i in rows], np.int32), new_tokens, sampling, seed, eos, pad)
+            return out
+        made = self._generate(np.asarray(prompt, np.int32), new_tokens, sampling, seed, eos)
+        return made if eos is None else after_eos(made, eos, eos if pad is None else pad)
+
+    def _generate(self, prompt: np.ndarray, new_tokens: int, sampling: Sampling, seed: int,
+                  eos: int | None) -> np.ndarray:
+        batch, length = prompt.shape
+        if length == 0:
+            raise UserError("the prompt is empty; give at least one token (one byte of text)")
+        capacity = length + new_tokens if self.context is None else self.context
+        if length > capacity:
+            raise UserError(f"the prompt is {length} tokens but the model's context is {self.context} (max_len); "
+                            f"shorten the prompt to at most {self.context} tokens")
+        rules, key = self._rules(batch), jax.random.key(seed)
+        seq, made, cache, index = prompt, [], None, 0
+        with partition.activate(self.mesh, rules):
+            if self._caches is None:  # a trace, no compile: does any call of the model keep a cache?
+                probe = functools.partial(self._forward, index=0, cache=None, capacity=1)
+                shapes = jax.eval_shape(probe, self.state, jnp.zeros((batch, 1), jnp.int32))
+                self._caches = bool(jax.tree.leaves(shapes[1]))
+            if not self._caches:
+                return self._uncached(prompt, new_tokens, sampling, key, rules)
+            while sum(m.shape[1] for m in made) < new_tokens and not ended(made, eos):
+                key, sub = jax.random.split(key)
+                if cache is None or index == capacity:  # the start, or a full cache: prefill (the last half)
+                    window = seq if cache is None else seq[:, -(capacity // 2):]
+                    logits, cache = distributed.finished(
+                        self._prefill(self.state, self._place(window, rules), 0, None, capacity=capacity))
+                    token, index = sampling.pick(logits, sub), window.shape[1]
+                    chunk = np.asarray(token)[:, None]
+                else:
+                    steps = min(new_tokens - sum(m.shape[1] for m in made), capacity - index)
+                    tokens, cache = distributed.finished(self._decode(self.state, cache, token, index, sub,
+                                                                      capacity=capacity, steps=steps,
+                                                                      sampling=sampling))
+                    chunk, token, index = np.asarray(tokens), tokens[:, -1], index + steps
+                made.append(chunk)
+                seq = np.concatenate([seq, chunk], axis=1)
+        out = np.concatenate(made, axis=1)[:, :new_tokens]
+        return np.pad(out, ((0, 0), (0, new_tokens - out.shape[1])), constant_values=eos if eos is not None else 0)
+
+    def _place(self, tokens: np.ndarray, rules):
+        if self.mesh is None:
+            return jnp.asarray(tokens)
+        spec = partition.logical_to_spec(("batch", None), rules, self.mesh.shape)
+        return jax.device_put(tokens, NamedSharding(self.mesh, spec))
+
+
+def ended(made: list, eos: int | None) -> bool:
+    """Whether every row of the chunks made so far holds `eos`."""
+    return eos is not None and bool(made) and bool((np.concatenate(made, axis=1) == eos).any(axis=1).all())
+
+
+def after_eos(tokens: np.ndarray, eos: int, pad: int) -> np.ndarray:
+    """Each row up to and including its first `eos`, `pad` after it."""
+    hit = np.cumsum(tokens == eos, axis=1)
+    return np.where((hit > 1) | ((hit == 1) & (tokens != eos)), pad, tokens).astype(np.int32)
+
+
+def output_vocab(model: nnx.Module) -> int:
+    """The width of a language model's logits (a trace on one token, nothing computed)."""
+    graphdef, state = nnx.split(model)
+    return jax.eval_shape(lambda s, x: nnx.merge(graphdef, s)(x), state, jnp.zeros((1, 1), jnp.int32)).shape[-1]
+
+
+def recompute(model: nnx.Module, prompt: np.ndarray, new_tokens: int, vocab: int | None = None) -> np.ndarray:
+    """Greedy tokens by re-running the model on the whole sequence for each one, no cache: the reference the
+    cached loop must equal (tests, bench/generate.py). A causal model's outputs at a position do not depend on
+    what follows it, so the sequence is padded at its end to one length (one program)."""
+    return Generator(model)._uncached(np.asarray(prompt, np.int32), new_tokens, Sampling(0, vocab=vocab),
+                                      jax.random.key(0), None)
+
+
+def text_tokens(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def token_text(tokens) -> str:
+    return bytes(int(t) % BYTES for t in tokens).decode("utf-8", errors="replace")
+
+
+# ----------------------------------------------------------------------------- command line
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like every other refusal
+        raise UserError(f"{message}; usage: python -m shard.generate RUN [--prompt TEXT | --prompt-file FILE] "
+                        "[--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B] "
+                        "[--step N] [--trust-code] [key=value ...]")
+
+
+def main(argv: list[str]) -> int:
+    from shard.use import load
+
+    parser = _Parser(prog="python -m shard.generate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", metavar="RUN", help="run folder (or its checkpoints/ or a step folder)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="text to continue (default: a newline)")
+    source.add_argument("--prompt-file", help="file whose text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = all tokens")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = all tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=1, help="continuations of the prompt, sampled together")
+    load.add_loading_arguments(parser)
+    args, overrides, whole_mesh = load.parse_loading(parser, argv)
+    if args.max_new_tokens < 1 or args.batch < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} and --batch {args.batch} must be at least 1")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, vocab=BYTES).check()
+    prompt = args.prompt if args.prompt is not None else "\n"
+    if args.prompt_file:
+        try:
+            prompt = open(args.prompt_file, encoding="utf-8", errors="replace").read()
+        except OSError as e:
+            raise UserError(f"--prompt-file {args.prompt_file}: {e.strerror or e}") from None
+
+    loaded = load.load(args.run, overrides, step=args.step, whole_mesh=whole_mesh, key="RUN",
+                       trust_code=args.trust_code)
+    generator = Generator(loaded.model, loaded.mesh if whole_mesh else None, loaded.rules, loaded.cfg.train.dtype,
+                          window=loaded.cfg.data.seq_len)
+    tokens = np.tile(np.array(text_tokens(prompt), np.int32), (args.batch, 1))
+    start = time.perf_counter()
+    out = generator(tokens, args.max_new_tokens, sampling, seed=args.seed)
+    seconds = time.perf_counter() - start
+    for i, row in enumerate(out):
+        if args.batch > 1:
+            print(f"--- {i}")
+        print(prompt + token_text(row))
+    print(f"{loaded.cfg.model.name} at step {loaded.step} of {args.run}: {args.batch} x {args.max_new_tokens} tokens, "
+          f"{out.size / seconds:,.0f} tokens/s ({seconds:.2f} s, compiling included)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    exit_from(main, sys.argv[1:])
