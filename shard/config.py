@@ -113,6 +113,8 @@ class TrainConfig:
                                  "DiLoCo; each sync moves 1/F of the model)", min=1, job=True)
     outer_lr: float = option(0.7, "diloco: outer learning rate", min=0, job=True)
     outer_momentum: float = option(0.9, "diloco: outer Nesterov momentum (0 = plain SGD)", min=0, max=1, job=True)
+    ema: float = option(0.0, "keep an exponential moving average of the weights with this decay (e.g. 0.999), "
+                        "used by eval, the sample, load_model and export; 0 = off", min=0, max=0.99999, job=True)
     eval_every: int = option(0, "evaluate every N steps; 0 = only at the end", min=0)
     eval_batches: int = option(8, "batches per evaluation, spread evenly over the eval split; 0 = all of it", min=0)
     sample_len: int = option(200, "lm: bytes to generate after training; 0 disables", min=0)

@@ -14,7 +14,7 @@ def test_model_flops_are_the_textbook_count_and_xla_agrees_for_one_layer(tmp_pat
     and without the forward that activation checkpointing recomputes (MFU, not hardware utilisation).
     XLA's cost analysis counts a loop body once, so it agrees (within its elementwise extras and the
     masked half of the attention square its kernel computes) only for one layer."""
-    from shard.plan.flops import xla_flops
+    from shard.core.flops import xla_flops
     from shard.run.job import prepare
 
     cfg = config.load(None, overrides(tmp_path, *TINY_GPT, f"model.n_layers={layers}", "run.cpu_devices=1",

@@ -29,6 +29,7 @@ class TrainState:
     rest: nnx.State        # every other model variable (e.g. normalisation statistics)
     opt_state: optax.OptState
     outer: Any = None      # train.sync=local_sgd/diloco: the last sync's parameters and outer optimizer (shard/sync.py)
+    extra: Any = None      # other strategies' state beside the model, by strategy name (e.g. ema: averaged weights)
 
 
 def build_model(model_cls: type, kwargs: dict, seed: int) -> nnx.Module:

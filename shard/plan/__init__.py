@@ -12,6 +12,8 @@ compute + communication with no overlap (an upper bound for a well-overlapped st
   flops_per_device / peak FLOP/s  +  wire_bytes_per_device / link bandwidth.
 """
 
+from __future__ import annotations  # `job.Workload` in a signature: job imports the plan's neighbours
+
 import itertools
 import json
 import math
@@ -23,7 +25,8 @@ from shard.plan import hardware, hlo
 from shard.run import job
 from shard import partition, paths
 from shard.observe import plot
-from shard.strategies import pipeline as pipeline_lib
+from shard.strategies import registry as strategies
+from shard.strategies.base import mb
 from shard.core import mesh as mesh_lib
 from shard.core import state as state_lib
 from shard.errors import UserError
@@ -68,8 +71,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     text = step.as_text()
     ops = hlo.collectives(text, n)
     table, wire = hlo.summary(ops)
-    sync = sync_costs(prepared, ops, n)
-    wire += sync["cross_replica_bytes_per_step"] if sync and sync["mode"] != "allreduce" else 0.0
+    wire += sum(s.wire_bytes(prepared, n) for s in prepared.strategies)  # outside the step (e.g. DiLoCo's syncs)
     flops_device = work.flops_per_step / n  # the step's model FLOPs split evenly over the devices
     total = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes \
         + memory.temp_size_in_bytes
@@ -81,8 +83,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     capacity = hardware.memory_bytes(devices[0], cfg.run.device_memory_gb)
     peak = hardware.peak_flops(devices[0], cfg.run.peak_tflops)
     link = hardware.link_gbps(devices[0], cfg.run.link_gbps)
-    pipe = prepared.pipeline
-    idle = pipeline_lib.bubble(pipe.stages, pipe.repeats, pipe.microbatches) if pipe else 0.0
+    idle = max((s.idle_share() for s in prepared.strategies), default=0.0)
     estimate = None
     if peak and link:  # a pipeline's stages idle through its bubble: the compute takes 1/(1 - bubble) longer
         estimate = flops_device / peak / (1 - idle) + wire / (link * 1e9)
@@ -109,38 +110,15 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "auto_split": [{"param": r["param"], "shape": list(r["shape"]), "spec": _spec_text(r["spec"])}
                        for r in prepared.split if r["kind"] == "auto"],
         "collectives": table,
-        "context": None if prepared.context is None else {
-            "size": prepared.context.size, "strategy": prepared.context.strategy,
-            "balanced": prepared.context.order is not None},
-        "pipeline": None if pipe is None else {
-            "stages": pipe.stages, "repeats": pipe.repeats, "microbatches": pipe.microbatches,
-            "layers_per_stage": [n // pipe.stages for n in work.stacks], "bubble": idle},
-        "sync": sync,
-        "gradient_fallback": prepared.reduction.fallback if prepared.reduction else "",
         "wire_bytes_per_device": wire,
         "peak_tflops": peak / 1e12 if peak else None,
         "link_gbps": link,
         "estimated_step_s": estimate,
+        "strategies": [s.label for s in prepared.strategies],
+        # each strategy's own figures (pipeline, context, sync, ema, ...), with None for those not active
+        **{key: None for cls in strategies.ALL for key in cls.plan_keys},
+        **{k: v for s in prepared.strategies for k, v in s.plan(prepared, ops, n).items()},
     }
-
-
-def sync_costs(prepared, step_ops: list, n: int) -> dict | None:
-    """What crosses between replicas (mesh.replica > 1), per device. allreduce: the step's collectives over
-    groups of at least R devices, a multiple of R (the gradient reduction spans every replica); local_sgd and
-    diloco: the sync programs' collectives (all of them reduce over `replica`), each fragment's once every H
-    steps, so per step their sum / H; the peak is the largest single sync."""
-    r = prepared.mesh.shape["replica"]
-    if r == 1:
-        return None
-    if prepared.sync is None:
-        crossing = [op for op in step_ops if op.group >= r and op.group % r == 0]
-        per_step = hlo.summary(crossing)[1]
-        return {"mode": "allreduce", "replicas": r, "every": 1, "fragments": 1,
-                "bytes_per_sync_peak": per_step, "cross_replica_bytes_per_step": per_step}
-    per_sync = [hlo.summary(hlo.collectives(s.as_text(), n))[1] for s in prepared.sync_steps]
-    s = prepared.sync
-    return {"mode": s.mode, "replicas": r, "every": s.every, "fragments": len(s.fragments),
-            "bytes_per_sync_peak": max(per_sync), "cross_replica_bytes_per_step": sum(per_sync) / s.every}
 
 
 def report(plan: dict) -> str:
@@ -148,11 +126,11 @@ def report(plan: dict) -> str:
     mesh = " x ".join(f"{a}={s}" for a, s in plan["mesh"].items())
     lines = [f"plan: {plan['param_count']:,} parameters on {plan['devices']} {plan['device_kind']} device(s), "
              f"mesh {mesh}",
-             f"  memory per device: params {_mb(mem['params'])}, optimizer {_mb(mem['optimizer'])}, "
-             f"gradients {_mb(mem['gradients'])}, arguments {_mb(mem['arguments'])}, temp {_mb(mem['temp'])}, "
-             f"total {_mb(mem['total'])}" + (f" on the device, {_mb(mem['host'])} in host memory" if mem["host"] else "")
-             + (f" of {_mb(mem['capacity'])} ({'fits' if mem['fits'] else 'does NOT fit'})" if mem["capacity"] else ""),
-             f"  per step: {plan['flops_per_step']:.3g} FLOPs, each device sends {_mb(plan['wire_bytes_per_device'])}",
+             f"  memory per device: params {mb(mem['params'])}, optimizer {mb(mem['optimizer'])}, "
+             f"gradients {mb(mem['gradients'])}, arguments {mb(mem['arguments'])}, temp {mb(mem['temp'])}, "
+             f"total {mb(mem['total'])}" + (f" on the device, {mb(mem['host'])} in host memory" if mem["host"] else "")
+             + (f" of {mb(mem['capacity'])} ({'fits' if mem['fits'] else 'does NOT fit'})" if mem["capacity"] else ""),
+             f"  per step: {plan['flops_per_step']:.3g} FLOPs, each device sends {mb(plan['wire_bytes_per_device'])}",
              f"  each device executes {plan['executed_flops_per_device']:.3g} matrix-product FLOPs per step, "
              f"{plan['executed_flops_per_device'] / max(plan['flops_per_device'], 1):.2f}x its share of the model's "
              "(recomputation, masked attention, pipeline bubbles, work repeated across stages)"]
@@ -164,26 +142,11 @@ def report(plan: dict) -> str:
     if any("tensor" in r["spec"] for r in plan["auto_split"]):
         lines.append("    (split over tensor without logical names: correct, but only names let Megatron pair a "
                      "column split with the next row split and share one all-reduce)")
-    if pipe := plan["pipeline"]:
-        lines.append(f"  pipeline: {pipe['stages']} stages x {pipe['repeats']} repeat(s) "
-                     f"({'GPipe' if pipe['repeats'] == 1 else 'circular'}), {pipe['microbatches']} microbatches, "
-                     f"{'/'.join(map(str, pipe['layers_per_stage']))} layers per stage; bubble "
-                     f"(S-1)/(R*M+S-1) = {pipe['bubble']:.1%} of the step")
-    if ctx := plan.get("context"):
-        how = {"all_gather": "each device gathers every layer's keys and values",
-               "ring": "keys and values pass round the devices, one chunk per step"}[ctx["strategy"]]
-        lines.append(f"  context: each sequence split over {ctx['size']} devices ({ctx['strategy']}: {how})"
-                     + ("; causal work balanced (chunks i and 2N-1-i on device i)" if ctx["balanced"] else ""))
-    if fallback := plan.get("gradient_fallback"):
-        lines.append(f"  note: {fallback}")
-    if sync := plan.get("sync"):
-        when = "every step" if sync["mode"] == "allreduce" else (
-            f"every {sync['every']} steps" + (f", {sync['fragments']} fragments staggered" if sync["fragments"] > 1 else ""))
-        lines.append(f"  replicas: {sync['replicas']} ({sync['mode']}, {when}); across replicas each device sends "
-                     f"{_mb(sync['cross_replica_bytes_per_step'])} per step, {_mb(sync['bytes_per_sync_peak'])} at a sync")
+    for cls in strategies.ALL:  # each active strategy's lines (its keys in plan.json)
+        lines += [f"  {line}" for line in cls.report(plan)]
     used = {k: v for k, v in plan["collectives"].items() if v["count"]}
     if used:
-        lines.append("  collectives: " + ", ".join(f"{k} x{v['count']} ({_mb(v['bytes'])})" for k, v in used.items()))
+        lines.append("  collectives: " + ", ".join(f"{k} x{v['count']} ({mb(v['bytes'])})" for k, v in used.items()))
     if plan["estimated_step_s"] is not None:
         lines.append(f"  estimated step: {plan['estimated_step_s'] * 1e3:.2f} ms "
                      f"({plan['peak_tflops']:.0f} TFLOP/s, {plan['link_gbps']:.0f} GB/s links)")
@@ -197,10 +160,6 @@ AUTO_SHOWN = 20  # auto-split parameters listed in the printed report (plan.json
 
 def _spec_text(spec) -> str:
     return "(" + ", ".join("None" if e is None else "+".join(partition.axes_of(e)) for e in spec) + ")"
-
-
-def _mb(n) -> str:
-    return f"{n / 2**20:.2f} MiB" if n is not None else "?"
 
 
 def candidate_meshes(n_devices: int, sequences: bool = False) -> list[tuple[str, dict]]:
@@ -292,8 +251,8 @@ def comparison_table(rows: list[dict]) -> str:
             continue
         est = f"{r['estimated_step_s'] * 1e3:.3g} ms" if r["estimated_step_s"] is not None else "?"
         fits = {True: "yes", False: "no", None: "?"}[r["memory_per_device"]["fits"]]
-        lines.append(f"{r['label']:<36} {_mb(r['memory_per_device']['total']):>14} "
-                     f"{_mb(r['wire_bytes_per_device']):>14} {est:>11}  {fits}")
+        lines.append(f"{r['label']:<36} {mb(r['memory_per_device']['total']):>14} "
+                     f"{mb(r['wire_bytes_per_device']):>14} {est:>11}  {fits}")
     skipped = [r for r in rows if "skipped" in r]
     if skipped:
         lines.append(f"skipped {len(skipped)}:")
@@ -318,7 +277,7 @@ def choose(rows: list[dict]) -> tuple[dict, str]:
     else:
         among = f"of {len(ok)} meshes that fit"
     why = (f"mesh=auto chose {best['label']}: {basis} {among} "
-           f"({_mb(best['memory_per_device']['total'])} per device, sends {_mb(best['wire_bytes_per_device'])})")
+           f"({mb(best['memory_per_device']['total'])} per device, sends {mb(best['wire_bytes_per_device'])})")
     return best, why
 
 

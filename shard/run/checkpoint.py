@@ -70,6 +70,8 @@ def _items(state: TrainState) -> dict:
     optimizer = {"opt_state": state.opt_state, "step": state.step}
     if state.outer is not None:  # train.sync=local_sgd/diloco: the outer state too
         optimizer["outer"] = state.outer
+    if state.extra:  # other strategies' state (shard/strategies/base.py), by strategy name
+        optimizer["extra"] = state.extra
     return {"model": {"params": state.params, "rest": state.rest}, "optimizer": optimizer}
 
 
@@ -131,6 +133,10 @@ class Checkpoints:
 def restore_step(manager: ocp.CheckpointManager, step: int, target: TrainState,
                  model_only: bool = False) -> tuple[TrainState, dict]:
     check_shapes(manager, step, target)
+    if target.extra and not model_only:  # a strategy's state the checkpoint lacks is left None: the job fills it
+        saved = manager.item_metadata(step)["optimizer"].tree.get("extra") or {}
+        kept = {k: v for k, v in target.extra.items() if k in saved}
+        target = target.replace(extra=kept or None)
     items = _items(target)
     if model_only:
         items = {"model": items["model"]}
@@ -140,7 +146,7 @@ def restore_step(manager: ocp.CheckpointManager, step: int, target: TrainState,
     state = target.replace(params=model["params"], rest=model["rest"])
     if not model_only:
         state = state.replace(opt_state=restored["optimizer"]["opt_state"], step=restored["optimizer"]["step"],
-                              outer=restored["optimizer"].get("outer"))
+                              outer=restored["optimizer"].get("outer"), extra=restored["optimizer"].get("extra"))
     return state, dict(restored["meta"])
 
 
@@ -271,3 +277,22 @@ def restore_path(path: str, key: str, target: TrainState, model_only: bool,
     with _named_checkpoint(path, key) as (manager, newest):
         _check_step(manager, path, key, step)
         return restore_step(manager, newest if step is None else step, target, model_only=model_only)
+
+
+def _tree_manager(directory) -> ocp.CheckpointManager:
+    handlers = {"model": ocp.PyTreeCheckpointHandler(), "optimizer": ocp.PyTreeCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(Path(directory), options=ocp.CheckpointManagerOptions(create=False),
+                                 item_handlers=handlers)
+
+
+def read_parts(directory, step: int, items: dict) -> dict:
+    """Only the arrays `items` names ({"model": {...}, "optimizer": {...}}, targets with shardings) of a step,
+    with its meta: Orbax's partial restore reads nothing else."""
+    manager = _tree_manager(directory)
+    try:
+        args = {k: ocp.args.PyTreeRestore(v, restore_args=ocp.checkpoint_utils.construct_restore_args(v),
+                                          partial_restore=True) for k, v in items.items()}
+        return manager.restore(step, args=ocp.args.Composite(**args, meta=ocp.args.JsonRestore()))
+    finally:
+        manager.close()

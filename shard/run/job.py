@@ -6,6 +6,7 @@ mesh itself, every array's sharding and the compiled steps. `--compare` builds t
 a job per candidate mesh; a training run builds one of each (shard/trainer.py).
 """
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -15,16 +16,16 @@ import jax.numpy as jnp
 from shard.run import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
-from shard.strategies import context, gradients
+from shard.strategies import gradients
+from shard.strategies import registry as strategies
+from shard.strategies.base import Strategy
 from shard.run import distributed
 from shard import hooks, partition, paths
 from shard.core import losses, optim, registry
-from shard.plan import flops as flops_lib
+from shard.core import flops as flops_lib
 from shard.core import mesh as mesh_lib
-from shard.strategies import pipeline as pipeline_lib
 from shard.core import state as state_lib
 from shard.core import step as step_lib
-from shard.strategies import sync as sync_lib
 from shard.errors import UserError
 
 
@@ -50,7 +51,7 @@ class Workload:
 
 @dataclass
 class Job:
-    """A workload laid out on a mesh: shardings and compiled steps."""
+    """A workload laid out on a mesh: shardings, the active strategies and the compiled steps."""
     work: Workload
     mesh: object
     rules: dict
@@ -63,15 +64,64 @@ class Job:
     eval_step: object       # None for the plan
     compile_s: float        # seconds to trace, lower and compile the train step
     split: list             # per parameter: shape, spec and how it was split (state.split_report)
-    pipeline: object = None # the pipeline Schedule under mesh.stage > 1 (shard/pipeline.py), else None
-    context: object = None  # the context split under mesh.context > 1 (shard/context.py), else None
-    reduction: object = None  # how the gradients are accumulated and reduced (shard/gradients.py)
-    abstract: object = None   # the train state's shapes on this mesh (the workload's, or every replica's under sync)
+    strategies: tuple = ()  # the active strategies, in the order they apply (shard/strategies/registry.py)
+    reduction: object = None  # how the gradients are accumulated and reduced (shard/strategies/gradients.py)
+    abstract: object = None   # the train state's shapes on this mesh, with every strategy's state
     init: object = None       # builds that state (jitted with `shardings` by state.init_state)
-    sync: object = None       # train.sync=local_sgd/diloco: the Sync (shard/sync.py), else None
-    sync_steps: tuple = ()    # its compiled programs, one per fragment
-    layout: object = None     # a circular pipeline's order of the stacked layers in the state (shard/pipeline.py)
-    one_target: object = None  # under sync: one replica's target (what a checkpoint of another layout is read into)
+    one_target: object = None  # the model's own train state's target, before any strategy added to it
+    fill: object = None       # compiled: sets strategies' state from the model (a checkpoint without it)
+
+    def strategy(self, name: str):
+        """The active strategy of that name, else None (for tests and tools that look at one)."""
+        return next((s for s in self.strategies if s.name == name), None)
+
+    def notes(self) -> list[str]:
+        return [line for s in self.strategies for line in s.notes()]
+
+    def to_running(self, state):
+        for s in self.strategies:
+            state = s.to_running(state)
+        return state
+
+    def to_stored(self, state):
+        for s in reversed(self.strategies):
+            state = s.to_stored(state)
+        return state
+
+    def model_view(self, state):
+        """The model a (stored) state stands for: what eval, the sample, load_model and export see."""
+        for s in reversed(self.strategies):
+            state = s.model_view(state)
+        return state
+
+    def after_step(self, state, done: int):
+        for s in self.strategies:
+            state = s.after_step(state, done)
+        return state
+
+    def take(self, folder, step: int, resume: bool):
+        """A checkpoint of another layout than this job's, as its strategies read it; None: read as usual."""
+        return next((got for s in self.strategies if (got := s.take(self, folder, step, resume))), None)
+
+    def filled(self, state, always: bool = False):
+        """`state` with the strategies' own state set from its model where it lacks it (or `always`: after
+        the weights were replaced, by train.init_from)."""
+        if self.fill is None or not (always or any(s.lacks(state) for s in self.strategies)):
+            return state
+        return self.fill(state)
+
+
+@dataclass
+class Placement:
+    """What the strategies are told while a job is prepared (filled in as it goes)."""
+    cfg: object
+    work: Workload
+    mesh: object
+    rules: dict
+    auto_min: object
+    strategies: tuple
+    split: list = None
+    device_shardings: object = None  # the state's shardings with everything in device memory
 
 
 def workload(cfg: config_lib.Config, devices: list) -> Workload:
@@ -109,8 +159,9 @@ def _loss_context(cfg, loss_fn, data, forward, batch) -> str:
 
 
 def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None, training: bool = True) -> Job:
-    """cfg's workload (built here unless given) on cfg's mesh over these devices, compiled.
-    `training=False` (the plan) compiles only the train step and leaves checkpoints alone."""
+    """cfg's workload (built here unless given) on cfg's mesh over these devices, compiled, with every active
+    strategy applied in turn. `training=False` (the plan) compiles only the train step and leaves checkpoints
+    alone."""
     if cfg.mesh.preset == "auto":
         raise UserError("mesh=auto is resolved before a job is prepared (shard.plan.apply_auto, as train.py does)")
     work = work or workload(cfg, devices)
@@ -118,26 +169,22 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         distributed.check_same_config(cfg, registry.with_defaults(work.model_cls, work.kwargs))
     mesh = mesh_lib.build_mesh(cfg.mesh, devices)
     rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
-    abstract = work.abstract
-
-    pipe = pipeline_lib.settings(cfg, dict(mesh.shape), rules, work)
-    seq = context.settings(cfg, dict(mesh.shape), work)
-    sync = sync_lib.settings(cfg, dict(mesh.shape), abstract.params)
-    order = seq.order if seq else None  # the load-balanced token order under context parallelism
-    with partition.activate(mesh, rules), hooks.use(cfg.train.remat, cfg.train.attention, pipe, seq):
-        auto_min = state_lib.auto_min_size(cfg.mesh)
-        device_shardings = state_lib.state_shardings(abstract, mesh, rules, auto_min, cfg.mesh.zero)
-        state_lib.check_offload(cfg.train.offload, devices[0])
-        shardings = state_lib.host_shardings(device_shardings, cfg.train.offload)
-        moved = None if shardings is device_shardings else device_shardings  # what each step moves in
-        split = state_lib.split_report(abstract.params, dict(mesh.shape), rules, auto_min)
+    active = strategies.build(cfg, dict(mesh.shape), rules, work)
+    traced = {k: v for s in active for k, v in s.hooks().items()}
+    with partition.activate(mesh, rules), hooks.use(cfg.train.remat, cfg.train.attention, **traced):
+        place = Placement(cfg, work, mesh, rules, state_lib.auto_min_size(cfg.mesh), active)
+        shardings = state_lib.state_shardings(work.abstract, mesh, rules, place.auto_min)
+        for s in active:
+            shardings = s.shardings(shardings, place)  # ZeRO's split moments, offload's host memory
+        place.device_shardings = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+        place.split = split = state_lib.split_report(work.abstract.params, dict(mesh.shape), rules, place.auto_min)
         batch_shardings = state_lib.batch_shardings(work.batch, mesh, rules)
         eval_shardings = state_lib.batch_shardings(work.eval_batch, mesh, rules)
-        init, one_target = work.init, None
-        if sync:
-            one_target = ckpt_lib.abstract_target(abstract, shardings)  # every replica's state, and the outer state
-            abstract, init = sync_lib.abstract_state(sync, abstract), sync_lib.init(sync, init)
-            shardings = sync_lib.shardings(sync, shardings, mesh)
+        abstract, init, one_target = work.abstract, work.init, ckpt_lib.abstract_target(work.abstract, shardings)
+        # a strategy that reads checkpoints of another layout (replicas) checks them against one model's shapes
+        one_target = one_target if any(s.other_layouts for s in active) else None
+        for s in active:
+            abstract, init, shardings = s.add_state(abstract, init, shardings, place)
         # Checkpoints to read must fit this model: checked before the (slower) compile.
         target = ckpt_lib.abstract_target(abstract, shardings)
         checkpoint_dir = paths.resolve(cfg.checkpoint.dir or paths.resolve(cfg.run.dir) / "checkpoints")
@@ -148,14 +195,14 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
                               ("train.init_from", cfg.train.init_from)):
                 if path:
                     ckpt_lib.check_path(path, key, target, one_target)
-        check_grad_accum(cfg, dict(mesh.shape), rules)
-        reduction = gradient_reduction(cfg, mesh, rules, work, split, auto_min, device_shardings.params)
+        options = {k: v for s in active for k, v in s.step_options(place).items()}
+        reduction = gradients.Reduction(**{k: v for k, v in options.items() if k in REDUCTION_FIELDS})
+        moved, order = options.get("device_shardings"), options.get("order")
         train_fn = step_lib.make_train_step(work.graphdef, work.tx, work.loss_fn, work.dtype,
                                             cfg.train.skip_nonfinite, reduction, moved, order, work.schedule)
         eval_fn = step_lib.make_eval_step(work.graphdef, work.loss_fn, work.data.task, work.dtype, moved, order)
-        if sync:  # every replica steps on its own share of the batch; eval sees their mean
-            train_fn, plain_eval = sync_lib.local_step(train_fn, sync), eval_fn
-            eval_fn = lambda state, batch: plain_eval(sync_lib.global_view(state), batch)
+        for s in active:
+            train_fn, eval_fn = s.wrap_train(train_fn), s.wrap_eval(eval_fn)
         compile_start = time.perf_counter()
         train_step = step_lib.compile_step(train_fn, abstract, shardings, work.batch, batch_shardings, mesh,
                                            donate=True, returns_state=True, what="the train step")
@@ -163,74 +210,18 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         eval_step = None if not training else step_lib.compile_step(
             eval_fn, abstract, shardings, work.eval_batch, eval_shardings, mesh, donate=False, returns_state=False,
             what="the eval step")
-        sync_steps = tuple(jax.jit(sync_lib.sync_program(sync, f), in_shardings=(shardings,), out_shardings=shardings,
-                                   donate_argnums=0).lower(abstract).compile()
-                           for f in range(len(sync.fragments))) if sync else ()
+        for s in active:
+            s.compile(abstract, shardings)
+        fill = None
+        if training and any(type(s).fill is not Strategy.fill for s in active):
+            def fill_all(state):
+                for s in active:
+                    state = s.fill(state)
+                return state
+            fill = jax.jit(fill_all, out_shardings=shardings)
 
     return Job(work, mesh, rules, shardings, batch_shardings, eval_shardings, target, checkpoint_dir, train_step,
-               eval_step, compile_s, split, pipe, seq, reduction, abstract, init, sync, sync_steps,
-               pipeline_lib.layout(pipe, work.graphdef, work.abstract, work.batch["inputs"]), one_target)
+               eval_step, compile_s, split, active, reduction, abstract, init, one_target, fill)
 
 
-def gradient_reduction(cfg, mesh, rules: dict, work: Workload, split: list, auto_min,
-                       param_shardings) -> gradients.Reduction:
-    """How the step sums and reduces its gradients (shard/gradients.py): each device keeps its own over the
-    leading data axes that split no parameter, for models whose examples stay apart."""
-    param_axes = {a for r in split for entry in r["spec"] for a in partition.axes_of(entry)}
-    local = gradients.local_axes(rules, dict(mesh.shape), param_axes)
-    wire = jnp.dtype(cfg.train.grad_dtype)
-    needed = cfg.train.grad_accum > 1 or wire != jnp.float32 or (cfg.mesh.zero and mesh.shape["data"] > 1) \
-        or mesh.shape["stage"] > 1  # a pipeline would reduce each group's gradient at every microbatch it passes
-    ring = cfg.train.context_strategy == "ring" and mesh.shape["context"] > 1
-    interacts = gradients.interaction(work.model_cls, work.abstract.rest)
-    fallback = ""
-    if local and ring:  # the ring's shard_map cannot run under the per-shard vmap
-        if wire != jnp.float32:
-            raise UserError(f"train.grad_dtype={cfg.train.grad_dtype} with train.context_strategy=ring: the ring's "
-                            "shard_map cannot run per data shard; use train.context_strategy=all_gather or "
-                            "train.grad_dtype=float32")
-        local, fallback = (), "train.context_strategy=ring cannot run per data shard"
-    if local and interacts:
-        if wire != jnp.float32:
-            raise UserError(f"train.grad_dtype={cfg.train.grad_dtype} sums each device's own gradient, and model "
-                            f"{cfg.model.name!r} has none: its examples meet in the forward pass ({interacts}); "
-                            "use train.grad_dtype=float32")
-        local, fallback = (), f"model {cfg.model.name!r} has examples that meet in the forward pass ({interacts})"
-    if fallback and needed:
-        fallback = (f"gradients are reduced by XLA inside the backward pass, not once a step per device: {fallback}; "
-                    + _fallback_cost(cfg, mesh))
-    else:
-        fallback = ""
-    if wire != jnp.float32 and not local:
-        shown = " x ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names if mesh.shape[a] > 1) or "one device"
-        raise UserError(f"train.grad_dtype={cfg.train.grad_dtype} lowers the data axis's gradient reduction, and "
-                        f"mesh {shown} splits the batch over no axis that leaves the parameters whole (fsdp and "
-                        "expert reduce inside the backward pass); add mesh.data > 1 or use train.grad_dtype=float32")
-    zero = cfg.mesh.zero and mesh.shape["data"] > 1
-    return gradients.Reduction(
-        accum=cfg.train.grad_accum, accum_dtype=jnp.dtype(cfg.train.accum_dtype), wire_dtype=wire,
-        local_axes=local if needed else (),
-        update_shardings=state_lib.update_shardings(work.abstract.params, mesh, rules, auto_min) if zero else None,
-        param_shardings=param_shardings, split_sum=cfg.mesh.zero == 2, fallback=fallback)
-
-
-def _fallback_cost(cfg, mesh) -> str:
-    """What reducing inside the backward pass costs against once a step, for the knobs that wanted the latter."""
-    costs = []
-    if cfg.train.grad_accum > 1:
-        costs.append(f"each of the {cfg.train.grad_accum} microbatches' gradients is reduced on its own "
-                     f"({cfg.train.grad_accum}x the reduction bytes)")
-    if mesh.shape["stage"] > 1:
-        costs.append("the pipeline reduces each layer group's gradient at every microbatch it passes")
-    if cfg.mesh.zero and mesh.shape["data"] > 1:
-        costs.append("ZeRO's reduction into each device's slice is placed by XLA's partitioner")
-    return "; ".join(costs) or "no extra bytes on this mesh"
-
-
-def check_grad_accum(cfg, mesh_shape: dict, rules: dict) -> None:
-    """train.grad_accum=K: the batch must cut into K microbatches that the batch's shards divide."""
-    k, shards = cfg.train.grad_accum, partition.batch_shards(rules, mesh_shape)
-    if k > 1 and (cfg.data.batch_size % k or (cfg.data.batch_size // k) % shards):
-        raise UserError(f"train.grad_accum={k}: data.batch_size={cfg.data.batch_size} does not cut into {k} "
-                        f"microbatches that the batch's {shards} shards divide; use a batch size that is a "
-                        f"multiple of {k * shards}")
+REDUCTION_FIELDS = {f.name for f in dataclasses.fields(gradients.Reduction)}

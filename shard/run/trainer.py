@@ -25,10 +25,7 @@ from shard.plan import hardware
 from shard import paths
 from shard.observe import plot, profiling
 from shard.core import mesh as mesh_lib
-from shard.strategies import pipeline as pipeline_lib
 from shard.core import state as state_lib
-from shard.strategies import sync as sync_lib
-from shard.strategies import sync_io
 from shard.observe.board import Board
 from shard.errors import NonFiniteLoss, UserError, warn
 from shard.run.job import Job, prepare
@@ -92,15 +89,14 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
     say(state_lib.split_summary(job.split))
     if idle := state_lib.idle_axes(job.split, dict(job.mesh.shape)):
         warn(state_lib.idle_axis_warning(idle, job.split, dict(job.mesh.shape), cfg.mesh.auto_shard))
-    if job.reduction.fallback:
-        warn(job.reduction.fallback)
+    for note in job.notes():  # what a strategy had to settle for
+        warn(note)
 
     # ---- state: resumed, restored from another run, or freshly initialised (always sharded)
     log = None
     try:
         try:
-            state = start_state(cfg, checkpoints, job.init, job.shardings, job.target, say, job.sync, job.one_target)
-            state = pipeline_lib.to_schedule(job.layout, state)  # a circular pipeline's order of the layers
+            state = job.to_running(start_state(cfg, checkpoints, job, say))  # e.g. a circular pipeline's layer order
             result = Result(graphdef=work.graphdef, shardings=job.shardings, mesh=job.mesh,
                             train_step=job.train_step, start_step=int(state.step))
             log = metrics_log(cfg, run_dir, result.start_step, work, main)
@@ -113,7 +109,7 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
         finally:
             if checkpoints:
                 checkpoints.close()  # waits for the last save: a stop from here on finds it written
-        result.state = pipeline_lib.to_layers(job.layout, state)  # the model's own layer order
+        result.state = job.to_stored(state)  # the model's own layout
         if result.preempted:
             return result
 
@@ -146,8 +142,7 @@ def end_sample(cfg, job: Job, state) -> str | None:
     """The end-of-run sample: `train.sample_len` bytes after `train.sample_prompt`, generated as
     `python -m shard.generate` does (a cache, on the run's mesh). Text is bytes: a model whose vocabulary
     is not the 256 byte values gets none (None; its tokens would print as garbage)."""
-    if job.sync:
-        state = sync_lib.global_view(state)
+    state = job.model_view(state)  # e.g. the replicas' global view, the averaged weights
     model = nnx.merge(job.work.graphdef, state_lib.in_device_memory(state.params), state.rest)
     vocab = generate.output_vocab(model)
     if vocab != generate.BYTES:
@@ -176,16 +171,14 @@ def draw_curves(run_dir) -> None:
         warn(f"curves.png was not drawn: {e}")
 
 
-def start_state(cfg, checkpoints, init, shardings, target, say, sync=None, one=None) -> state_lib.TrainState:
+def start_state(cfg, checkpoints, job: Job, say) -> state_lib.TrainState:
     """This run's newest checkpoint wins; else `checkpoint.restore_from`; else a fresh init (plus
-    `train.init_from` parameters). Every array is read or created straight into its sharding. Under
-    train.sync (`sync`, `one`: one replica's target) a checkpoint of another layout gives its global view to
-    every replica (shard/sync_io.py)."""
-    other_layout = lambda folder, step, resume: sync_io.take(sync, folder, step, init, shardings, target, one, resume)
+    `train.init_from` parameters). Every array is read or created straight into its sharding. A checkpoint
+    of another layout than the job's (e.g. a plain one for a DiLoCo run) is read as the strategy that knows it
+    says (`job.take`); a strategy's state the checkpoint lacks is set from its model (`job.filled`)."""
     resumed = None
-    if sync and checkpoints and checkpoints.steps():
-        resumed = other_layout(checkpoints.directory, checkpoints.steps()[-1], True)
-    resumed = resumed or (checkpoints.restore_latest(target) if checkpoints else None)
+    if checkpoints and checkpoints.steps():
+        resumed = job.take(checkpoints.directory, checkpoints.steps()[-1], True) or checkpoints.restore_latest(job.target)
     if resumed:
         state, meta = resumed
         say(f"resuming from step {meta['step']} of {checkpoints.directory}")
@@ -197,22 +190,21 @@ def start_state(cfg, checkpoints, init, shardings, target, say, sync=None, one=N
         if meta.get("seed", cfg.train.seed) != cfg.train.seed:
             warn(f"train.seed={cfg.train.seed} but the checkpoint was trained with seed {meta['seed']}: "
                  "the data order from here on differs from the original run's")
-        return state
+        return job.filled(state)
     if cfg.checkpoint.restore_from:
-        restored = other_layout(*ckpt_lib.open_named(cfg.checkpoint.restore_from, "checkpoint.restore_from"),
-                                True) if sync else None
-        state, meta = restored or ckpt_lib.restore_path(cfg.checkpoint.restore_from, "checkpoint.restore_from",
-                                                        target, model_only=False)
+        named = ckpt_lib.open_named(cfg.checkpoint.restore_from, "checkpoint.restore_from")
+        state, meta = job.take(*named, True) or ckpt_lib.restore_path(
+            cfg.checkpoint.restore_from, "checkpoint.restore_from", job.target, model_only=False)
         say(f"restored step {meta['step']} from {cfg.checkpoint.restore_from}")
-        return state
-    if sync and cfg.train.init_from:  # every replica and DiLoCo's anchor start from the loaded model
-        state, meta = other_layout(*ckpt_lib.open_named(cfg.train.init_from, "train.init_from"), False)
+        return job.filled(state)
+    if cfg.train.init_from and (taken := job.take(*ckpt_lib.open_named(cfg.train.init_from, "train.init_from"), False)):
+        state, meta = taken  # e.g. every replica and DiLoCo's anchor start from the loaded model
         say(f"parameters from step {meta['step']} of {cfg.train.init_from}")
         return state
-    state = state_lib.init_state(init, shardings)
+    state = state_lib.init_state(job.init, job.shardings)
     if cfg.train.init_from:
-        loaded, meta = ckpt_lib.restore_path(cfg.train.init_from, "train.init_from", target, model_only=True)
-        state = state.replace(params=loaded.params, rest=loaded.rest)
+        loaded, meta = ckpt_lib.restore_path(cfg.train.init_from, "train.init_from", job.target, model_only=True)
+        state = job.filled(state.replace(params=loaded.params, rest=loaded.rest), always=True)
         say(f"parameters from step {meta['step']} of {cfg.train.init_from}")
     return state
 
@@ -282,8 +274,7 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 batch = next(batches)  # the time the loop waits for input, apart from the step's own
                 waited += time.perf_counter() - t_wait
                 state, out = distributed.finished(train_step(state, batch))
-                for fragment in job.sync.due(done) if job.sync else ():  # local SGD / DiLoCo: the replicas meet
-                    state = distributed.finished(job.sync_steps[fragment](state))
+                state = job.after_step(state, done)  # e.g. local SGD / DiLoCo: the replicas meet
             profiler.after(done, out)
             # At most one step waits behind the running one: the device never idles, and a stop request
             # is seen (and the state checkpointed) within a step or two, not after a queue of them.
@@ -325,7 +316,7 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 continue
             look_at(done)  # a checkpoint, an eval or the end needs this step's state anyway
             if save_now:
-                checkpoints.save(pipeline_lib.to_layers(job.layout, state), done, seed=cfg.train.seed,
+                checkpoints.save(job.to_stored(state), done, seed=cfg.train.seed,
                                  train_steps=cfg.train.steps, wait=bool(stopping))
                 last_saved = done
             if stopping:

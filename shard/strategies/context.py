@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec
 
 from shard import partition
 from shard.errors import UserError
+from shard.strategies.base import Strategy
 
 AXIS = "context"
 
@@ -223,9 +224,6 @@ def settings(cfg, mesh_shape: dict, work) -> Split | None:
         raise UserError(f"train.attention={cfg.train.attention} with mesh.context={n}: the fused kernel takes whole "
                         "sequences, and the context strategies compute attention from their chunks with XLA's "
                         "matrix products; use train.attention=xla")
-    if cfg.train.context_strategy == "ring" and mesh_shape["stage"] > 1:  # shard_map inside the pipeline's vmap
-        raise UserError(f"train.context_strategy=ring does not run inside a pipeline (mesh.stage={mesh_shape['stage']}): "
-                        "JAX cannot batch its shard_map over the stages; use train.context_strategy=all_gather")
     order = None
     if work.data.task == "lm":  # causal: the load-balanced layout
         length = work.batch["inputs"].shape[1]
@@ -235,3 +233,54 @@ def settings(cfg, mesh_shape: dict, work) -> Split | None:
                             f"multiple of {2 * n}")
         order = balanced_order(length, n)
     return Split(n, cfg.train.context_strategy, order)
+
+
+# ----------------------------------------------------------------------------- the strategy
+
+class Context(Strategy):
+    """mesh.context > 1: each sequence split over the context devices; attention by all-gather or ring."""
+    name = "context"
+    keys = ("mesh.context", "train.context_strategy")
+    refuses = {("ring", "bf16 reduction"): "the ring's shard_map cannot run per data shard, where a bfloat16 "
+                                           "reduction sums; use train.context_strategy=all_gather or "
+                                           "train.grad_dtype=float32"}
+
+    def __init__(self, split: Split):
+        self.split = split
+
+    @classmethod
+    def build(cls, cfg, mesh_shape, rules, work):
+        split = settings(cfg, mesh_shape, work)
+        return None if split is None else cls(split)
+
+    @property
+    def tags(self) -> tuple:
+        return ("context", self.split.strategy)
+
+    @property
+    def label(self) -> str:
+        return "train.context_strategy=ring" if self.split.strategy == "ring" else f"mesh.context={self.split.size}"
+
+    def hooks(self) -> dict:
+        return {"split": self.split}
+
+    def step_options(self, place) -> dict:
+        return {"order": self.split.order}
+
+    def per_shard(self) -> str:
+        return "train.context_strategy=ring cannot run per data shard" if self.split.strategy == "ring" else ""
+
+    def plan(self, job, step_ops, n) -> dict:
+        s = self.split
+        return {"context": {"size": s.size, "strategy": s.strategy, "balanced": s.order is not None}}
+
+    plan_keys = ("context",)
+
+    @staticmethod
+    def report(plan: dict) -> list:
+        if not (ctx := plan.get("context")):
+            return []
+        how = {"all_gather": "each device gathers every layer's keys and values",
+               "ring": "keys and values pass round the devices, one chunk per step"}[ctx["strategy"]]
+        return [f"context: each sequence split over {ctx['size']} devices ({ctx['strategy']}: {how})"
+                + ("; causal work balanced (chunks i and 2N-1-i on device i)" if ctx["balanced"] else "")]

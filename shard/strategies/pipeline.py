@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shard import hooks, partition
 from shard.errors import UserError
+from shard.strategies.base import Strategy
 
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 
@@ -253,3 +254,59 @@ def to_schedule(layout_: Layout | None, state):
 def to_layers(layout_: Layout | None, state):
     """The step's state in the model's layer order (to save, or to hand to anything outside the step)."""
     return state if layout_ is None else layout_.convert(state, False)
+
+
+# ----------------------------------------------------------------------------- the strategy
+
+class Pipeline(Strategy):
+    """mesh.stage > 1: the stacked layers run as a pipeline (GPipe, or circular with pipeline.repeats > 1)."""
+    name = "pipeline"
+    keys = ("mesh.stage", "pipeline.microbatches", "pipeline.repeats")
+    refuses = {("pipeline", "ring"): "JAX cannot batch the ring's shard_map over the stages; use "
+                                     "train.context_strategy=all_gather"}
+
+    def __init__(self, schedule: Schedule, layout_: Layout | None, stacks: tuple):
+        self.schedule, self.layout, self.stacks = schedule, layout_, stacks
+
+    @classmethod
+    def build(cls, cfg, mesh_shape, rules, work):
+        schedule = settings(cfg, mesh_shape, rules, work)
+        if schedule is None:
+            return None
+        return cls(schedule, layout(schedule, work.graphdef, work.abstract, work.batch["inputs"]), work.stacks)
+
+    @property
+    def label(self) -> str:
+        return f"mesh.stage={self.schedule.stages}"
+
+    def hooks(self) -> dict:
+        return {"pipeline": self.schedule}
+
+    def reduce_once(self) -> str:
+        return "the pipeline reduces each layer group's gradient at every microbatch it passes"
+
+    def to_running(self, state):
+        return to_schedule(self.layout, state)
+
+    def to_stored(self, state):
+        return to_layers(self.layout, state)
+
+    def idle_share(self) -> float:
+        p = self.schedule
+        return bubble(p.stages, p.repeats, p.microbatches)
+
+    def plan(self, job, step_ops, n) -> dict:
+        p = self.schedule
+        return {"pipeline": {"stages": p.stages, "repeats": p.repeats, "microbatches": p.microbatches,
+                             "layers_per_stage": [k // p.stages for k in self.stacks], "bubble": self.idle_share()}}
+
+    plan_keys = ("pipeline",)
+
+    @staticmethod
+    def report(plan: dict) -> list:
+        if not (pipe := plan.get("pipeline")):
+            return []
+        return [f"pipeline: {pipe['stages']} stages x {pipe['repeats']} repeat(s) "
+                f"({'GPipe' if pipe['repeats'] == 1 else 'circular'}), {pipe['microbatches']} microbatches, "
+                f"{'/'.join(map(str, pipe['layers_per_stage']))} layers per stage; bubble "
+                f"(S-1)/(R*M+S-1) = {pipe['bubble']:.1%} of the step"]

@@ -70,14 +70,6 @@ def settings(cfg, mesh_shape: dict, abstract_params) -> Sync | None:
         return None
     if r == 1:
         raise UserError(f"train.sync={mode} needs replicas to sync: set mesh.replica > 1 (e.g. mesh.replica=4)")
-    refused = {"mesh.stage": mesh_shape["stage"] > 1, "train.grad_accum": cfg.train.grad_accum > 1,
-               "train.grad_dtype": cfg.train.grad_dtype != "float32", "mesh.zero": bool(cfg.mesh.zero),
-               "train.offload": cfg.train.offload != "none",
-               "train.context_strategy=ring": cfg.train.context_strategy == "ring" and mesh_shape["context"] > 1}
-    bad = [k for k, v in refused.items() if v]
-    if bad:
-        raise UserError(f"train.sync={mode} runs each replica's step under a vmap, which {bad[0]} cannot run in; "
-                        f"leave {bad[0]} at its default, or use train.sync=allreduce")
     variables = jax.tree.leaves(abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     units = _units(variables)
     f = cfg.train.sync_fragments

@@ -21,8 +21,7 @@ from shard import partition, paths
 from shard.core import registry
 from shard.core import mesh as mesh_lib
 from shard.core import state as state_lib
-from shard.strategies import sync as sync_lib
-from shard.strategies import sync_io
+from shard.strategies import registry as strategies
 from shard.errors import UserError
 
 # What a loaded model takes from its run's config.yaml: the mesh and devices are the loader's.
@@ -112,8 +111,9 @@ def load(path: str, overrides: list[str], step: int | None = None, whole_mesh: b
     abstract = state_lib.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, rest=rest, opt_state=None)
     shardings = state_lib.state_shardings(abstract, mesh, rules, state_lib.auto_min_size(cfg.mesh))
     target = ckpt_lib.abstract_target(abstract, shardings)
-    if cfg.train.sync in sync_lib.LOCAL:  # every replica was saved: the run's global view (DiLoCo's anchor)
-        restored, meta = sync_io.read_global(*ckpt_lib.open_named(path, key, step), target)
-    else:
-        restored, meta = ckpt_lib.restore_path(path, key, target, model_only=True, step=step)
+    # A strategy that keeps the model elsewhere says where (DiLoCo's anchor, the weights' average); else the
+    # checkpoint's own weights.
+    folder, at = ckpt_lib.open_named(path, key, step)
+    got = next((g for cls in strategies.ALL if (g := cls.read_model(cfg, folder, at, target))), None)
+    restored, meta = got or ckpt_lib.restore_path(path, key, target, model_only=True, step=at)
     return Loaded(nnx.merge(graphdef, restored.params, restored.rest), cfg, mesh, rules, int(meta["step"]))

@@ -1,0 +1,95 @@
+"""An exponential moving average of the weights (`train.ema=DECAY`, e.g. 0.999): after every update
+ema <- DECAY * ema + (1 - DECAY) * params, starting from the initial (or loaded) parameters. Eval, the
+end-of-run sample, `shard.load_model`, generation and export use the averaged weights; training itself
+steps the raw ones. The average is kept in float32 beside the model, sharded like the parameters (in host
+memory where they are, under `train.offload=params`), and checkpointed with the optimizer state. A
+checkpoint without it (an older run, `train.init_from`) starts the average from the weights it holds."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from shard.run import checkpoint as ckpt_lib
+from shard.strategies.base import Strategy, mb
+
+KEY = "ema"
+
+
+def _without(extra: dict | None) -> dict | None:
+    rest = {k: v for k, v in (extra or {}).items() if k != KEY}
+    return rest or None  # no other strategy's state: the same tree as a job without any
+
+
+class EMA(Strategy):
+    name = "ema"
+    keys = ("train.ema",)
+    refuses = {("ema", "sync"): "the replicas' weights part between syncs, so there is no one model to average; "
+                                "use train.ema=0 or train.sync=allreduce"}
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.device = None  # the average's shardings in device memory (for the update inside the step)
+
+    @classmethod
+    def build(cls, cfg, mesh_shape, rules, work):
+        return cls(cfg.train.ema) if cfg.train.ema else None
+
+    @property
+    def label(self) -> str:
+        return f"train.ema={self.decay}"
+
+    def add_state(self, abstract, init, shardings, place):
+        self.device = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings.params)
+
+        def build():
+            state = init()
+            return state.replace(extra={**(state.extra or {}), KEY: state.params})
+
+        return (abstract.replace(extra={**(abstract.extra or {}), KEY: abstract.params}), build,
+                shardings.replace(extra={**(shardings.extra or {}), KEY: shardings.params}))
+
+    def fill(self, state):
+        return state.replace(extra={**(state.extra or {}), KEY: state.params})
+
+    def lacks(self, state) -> bool:
+        return (state.extra or {}).get(KEY) is None
+
+    def wrap_train(self, train_fn):
+        d = self.decay
+
+        def step(state, batch):
+            new, out = train_fn(state.replace(extra=_without(state.extra)), batch)  # the step never sees the average
+            old = jax.device_put(state.extra[KEY], self.device)
+            ema = jax.tree.map(lambda e, p: jnp.where(out["finite"], d * e + (1 - d) * p, e), old, new.params)
+            return new.replace(extra={**(new.extra or {}), KEY: ema}), out
+
+        return step
+
+    def wrap_eval(self, eval_fn):
+        return lambda state, batch: eval_fn(self.model_view(state), batch)
+
+    def model_view(self, state):
+        return state.replace(params=state.extra[KEY], extra=_without(state.extra))
+
+    @classmethod
+    def read_model(cls, cfg, folder, step: int, target):
+        if not cfg.train.ema:
+            return None
+        got = ckpt_lib.read_parts(folder, step, {"model": {"rest": target.rest},
+                                                 "optimizer": {"extra": {KEY: target.params}}})
+        return target.replace(params=got["optimizer"]["extra"][KEY], rest=got["model"]["rest"]), dict(got["meta"])
+
+    def plan(self, job, step_ops, n) -> dict:
+        shards = [math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in
+                  zip(jax.tree.leaves(job.work.abstract.params), jax.tree.leaves(job.shardings.extra[KEY]))]
+        return {"ema": {"decay": self.decay, "bytes_per_device": sum(shards)}}
+
+    plan_keys = ("ema",)
+
+    @staticmethod
+    def report(plan: dict) -> list:
+        if not (ema := plan.get("ema")):
+            return []
+        return [f"ema: weights averaged with decay {ema['decay']} (eval, load and export use the average); the "
+                f"average holds {mb(ema['bytes_per_device'])} per device beside the parameters"]

@@ -1,0 +1,42 @@
+"""Every strategy, in the order the job applies them, and the rules for combining them.
+
+A strategy added to the framework is one module in this folder plus one entry in ALL. The combination
+rules are each strategy's `refuses` (data, not code): `build` checks them for a job, and `table` writes them
+out for docs/meshes.md (tests/test_docs.py checks that the page shows this table).
+"""
+
+from shard.errors import UserError
+from shard.strategies.accumulation import Accumulation
+from shard.strategies.context import Context
+from shard.strategies.ema import EMA
+from shard.strategies.low_comm import LowCommunication
+from shard.strategies.offload import Offload
+from shard.strategies.pipeline import Pipeline
+from shard.strategies.reduction import Reduction
+from shard.strategies.zero import Zero
+
+# Their state is added and their steps wrapped in this order (the last wraps outermost): the replicas' vmap
+# wraps the ordinary step, the weights' average wraps what the replicas would make of it.
+ALL = (Accumulation, Pipeline, Context, Zero, Offload, Reduction, LowCommunication, EMA)
+
+
+def build(cfg, mesh_shape: dict, rules: dict, work) -> tuple:
+    """The strategies cfg switches on for this mesh and workload, each checked on its own and then against
+    the others: a refused pair is one line naming both settings and why."""
+    active = tuple(s for cls in ALL if (s := cls.build(cfg, mesh_shape, rules, work)) is not None)
+    for a in active:
+        for b in active:
+            why = next((a.refuses[(mine, theirs)] for mine in a.tags for theirs in b.tags
+                        if (mine, theirs) in a.refuses), None)
+            if a is not b and why:
+                raise UserError(f"{a.label} with {b.label}: {why}")
+    return active
+
+
+def table() -> str:
+    """The combinations refused, as a Markdown table: every other pair of strategies combines."""
+    rows = ["| strategy | does not combine with | why |", "|---|---|---|"]
+    for cls in ALL:
+        for (mine, theirs), why in cls.refuses.items():
+            rows.append(f"| {cls.name}{'' if mine == cls.name else f' ({mine})'} | {theirs} | {why} |")
+    return "\n".join(rows)
