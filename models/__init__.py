@@ -7,10 +7,10 @@ A model class takes its hyperparameters as keyword arguments plus `rngs: nnx.Rng
 
 # name -> "module:Class", imported only when picked.
 REGISTRY = {
-    "cnn": "models.cnn:ResNet",
-    "gpt": "models.gpt:GPT",
-    "lstm": "models.lstm:LSTM",
-    "mlp": "models.mlp:MLP",
-    "moe": "models.moe:MoE",
-    "vit": "models.vit:ViT",
+    "cnn": "shard.models.cnn:ResNet",
+    "gpt": "shard.models.gpt:GPT",
+    "lstm": "shard.models.lstm:LSTM",
+    "mlp": "shard.models.mlp:MLP",
+    "moe": "shard.models.moe:MoE",
+    "vit": "shard.models.vit:ViT",
 }

@@ -10,10 +10,11 @@ import math
 
 from flax import nnx
 
-from models.layers import norm as make_norm
-from models.layers import Attention, Block, MLPBlock, check_choice, param, stacked
 from shard.hooks import positions, stack
 from shard.partition import constrain
+
+from .layers import norm as make_norm
+from .layers import Attention, Block, MLPBlock, check_choice, param, stacked
 
 
 class GPT(nnx.Module):

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import param, stacked
 from shard.hooks import recurrence, stack
 from shard.partition import constrain
+
+from .layers import param, stacked
 
 
 class LSTMLayer(nnx.Module):

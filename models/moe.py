@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.gpt import GPT
-from models.layers import param
 from shard.hooks import positions
 from shard.partition import constrain
 from shard.recorded import AuxLoss, Stat
+
+from .gpt import GPT
+from .layers import param
 
 
 class ExpertLoad(nnx.Variable):

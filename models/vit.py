@@ -8,9 +8,10 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import Attention, Block, MLPBlock, check_choice, norm, param, stacked
 from shard.hooks import stack
 from shard.partition import constrain
+
+from .layers import Attention, Block, MLPBlock, check_choice, norm, param, stacked
 
 
 class ViT(nnx.Module):

@@ -120,7 +120,7 @@ class StackedResidual(nnx.Module):
 
     def __init__(self, in_features: int = 16, d: int = 32, layers: int = 4, classes: int = 8, norm: str = "dropout",
                  rate: float = 0.3, *, rngs: nnx.Rngs):
-        from models.layers import stacked
+        from shard.models.layers import stacked
 
         self.inp = nnx.Linear(in_features, d, rngs=rngs)
         self.blocks = stacked(layers, lambda r: _Residual(d, norm, rate, r), rngs)

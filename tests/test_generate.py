@@ -52,6 +52,16 @@ def untrained(loaded: load.Loaded) -> nnx.Module:
     return state_lib.build_model(*registry.load(loaded.cfg.model), seed=1)
 
 
+def edited_copy(folder, other, old: str, new: str):
+    """A run folder `other` sharing `folder`'s checkpoints, its config.yaml with `old` replaced by `new` once."""
+    text = (folder / "config.yaml").read_text()
+    assert old in text
+    other.mkdir()
+    (other / "config.yaml").write_text(text.replace(old, new, 1))
+    (other / "checkpoints").symlink_to(folder / "checkpoints")
+    return other
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_cached_greedy_decoding_equals_recomputing_the_whole_sequence(runs, name):
     one = load.load(runs(name), [], whole_mesh=False)
@@ -113,11 +123,9 @@ def test_load_model_from_python_and_its_errors(runs, tmp_path):
         shard.load_model(str(folder), step=12345)
     with pytest.raises(UserError, match="does not exist"):
         shard.load_model(str(tmp_path / "nothing"))
-    (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "config.yaml").write_text((folder / "config.yaml").read_text().replace("d_model: 32", "d_model: 64"))
-    (tmp_path / "other" / "checkpoints").symlink_to(folder / "checkpoints")
+    other = edited_copy(folder, tmp_path / "other", "d_model: 32", "d_model: 64")
     with pytest.raises(UserError, match="has shape .* but this model's is"):
-        shard.load_model(str(tmp_path / "other"))
+        shard.load_model(str(other))
 
 
 def generate_cli(*args):
@@ -155,13 +163,9 @@ def test_the_speed_bench_checks_its_tokens_and_reports_both_rates():
 
 def test_a_run_folder_from_elsewhere_runs_no_code_unless_trusted(runs, tmp_path, monkeypatch):
     """A config.yaml naming a module outside the model library must not import it (importing runs its code)."""
-    folder = runs("gpt")
-    other = tmp_path / "downloaded"
-    other.mkdir()
-    (other / "config.yaml").write_text((folder / "config.yaml").read_text().replace("name: gpt", "name: planted:GPT"))
-    (other / "checkpoints").symlink_to(folder / "checkpoints")
+    other = edited_copy(runs("gpt"), tmp_path / "downloaded", "  name: gpt\n", "  name: planted:GPT\n")
     marker = tmp_path / "imported"
-    (tmp_path / "planted.py").write_text(f"open({str(marker)!r}, 'w').close()\nfrom models.gpt import GPT\n")
+    (tmp_path / "planted.py").write_text(f"open({str(marker)!r}, 'w').close()\nfrom shard.models.gpt import GPT\n")
     monkeypatch.chdir(tmp_path)
     path = list(__import__("sys").path)
     with pytest.raises(UserError, match="names model 'planted:GPT', a module outside the model library.*trust_code"):
@@ -174,14 +178,17 @@ def test_a_run_folder_from_elsewhere_runs_no_code_unless_trusted(runs, tmp_path,
     assert __import__("sys").path == path  # the working directory was not left on sys.path
 
 
+def test_a_run_folder_from_before_the_library_moved_under_shard_still_loads(runs, tmp_path):
+    """Its config.yaml may name the library's class by its old top-level path: still the library's, no trust needed."""
+    from shard.models.gpt import GPT
+
+    other = edited_copy(runs("gpt"), tmp_path / "old", "  name: gpt\n", "  name: models.gpt:GPT\n")
+    model = shard.load_model(str(other))
+    assert type(model) is GPT and model(np.zeros((1, 8), np.int32)).shape == (1, 8, 256)
+
+
 def test_a_loaded_model_keeps_the_rules_it_was_trained_with(runs, tmp_path):
-    folder = runs("gpt")
-    other = tmp_path / "ruled"
-    other.mkdir()
-    text = (folder / "config.yaml").read_text()
-    assert "  rules: {}\n" in text
-    (other / "config.yaml").write_text(text.replace("  rules: {}\n", "  rules: {my_features: tensor, heads: null}\n", 1))
-    (other / "checkpoints").symlink_to(folder / "checkpoints")
+    other = edited_copy(runs("gpt"), tmp_path / "ruled", "  rules: {}\n", "  rules: {my_features: tensor, heads: null}\n")
     loaded = load.load(str(other), ["mesh=tp"], whole_mesh=False)
     assert (loaded.rules["my_features"], loaded.rules["heads"]) == ("tensor", None)  # the run's rules come along
     loaded = load.load(str(other), ["mesh=tp", "mesh.rules.heads=tensor"], whole_mesh=False)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.gpt import GPT
-from models.layers import rotary
+from shard.models.gpt import GPT
+from shard.models.layers import rotary
 
 
 def test_rotary_scores_depend_only_on_relative_position():
@@ -119,7 +119,7 @@ def test_dense_is_the_matrix_product_with_tokens_merged_unless_the_sequence_is_s
 # ----------------------------------------------------------------------------- mixture of experts
 
 def moe_layer(top_k=2, capacity_factor=8.0, n_experts=4):
-    from models.moe import MoELayer
+    from shard.models.moe import MoELayer
 
     with nnx.use_eager_sharding(False):
         return MoELayer(d_model=8, d_ff=16, n_experts=n_experts, top_k=top_k, capacity_factor=capacity_factor,
@@ -153,7 +153,7 @@ def test_moe_drops_tokens_over_an_experts_capacity_in_order():
     norms = np.linalg.norm(np.asarray(y[0]), axis=-1)
     assert (norms[:2] > 0).all() and (norms[2:] == 0).all()  # the first two are served, the rest dropped
     np.testing.assert_allclose(layer.load.get_value(), [1, 0, 0, 0])
-    from models.moe import balancing_loss
+    from shard.models.moe import balancing_loss
 
     loss = balancing_loss(layer.load.get_value(), layer.router_mean.get_value(), 1.0)
     assert float(loss) == pytest.approx(4.0, rel=1e-4)  # n x f_0 x p_0 = 4 x 1 x 1: worst case
@@ -163,14 +163,14 @@ def test_moe_balancing_loss_is_one_when_the_router_is_uniform():
     layer = moe_layer(top_k=1)
     layer.router[...] = jnp.zeros((8, 4))  # every expert equally likely
     layer(jax.random.normal(jax.random.key(4), (2, 6, 8)))
-    from models.moe import balancing_loss
+    from shard.models.moe import balancing_loss
 
     assert float(balancing_loss(layer.load.get_value(), layer.router_mean.get_value(), 1.0)) == pytest.approx(1.0, rel=1e-6)
     assert float(jnp.sum(layer.load.get_value())) == pytest.approx(1.0)
 
 
 def test_moe_model_records_aux_loss_and_expert_share():
-    from models.moe import MoE
+    from shard.models.moe import MoE
     from shard.recorded import collect
 
     with nnx.use_eager_sharding(False):
@@ -178,7 +178,7 @@ def test_moe_model_records_aux_loss_and_expert_share():
                     aux_loss_weight=0.5, rngs=nnx.Rngs(0))
     assert model(jnp.zeros((2, 8), jnp.int32)).shape == (2, 8, 32)
     aux, stats = collect(model)
-    from models.moe import balancing_loss
+    from shard.models.moe import balancing_loss
 
     load, mean = model.blocks.ffn.load.get_value(), model.blocks.ffn.router_mean.get_value()
     per_layer = [float(balancing_loss(load[i], mean[i], 0.5)) for i in range(2)]
@@ -190,7 +190,7 @@ def test_moe_model_records_aux_loss_and_expert_share():
 # ----------------------------------------------------------------------------- LSTM
 
 def test_lstm_cell_follows_the_textbook_equations():
-    from models.lstm import LSTMLayer
+    from shard.models.lstm import LSTMLayer
 
     with nnx.use_eager_sharding(False):
         layer = LSTMLayer(4, nnx.Rngs(0))
@@ -209,7 +209,7 @@ def test_lstm_classifier_learns_an_order_dependent_task():
     """Label: the sign of the first of 6 inputs. A bag of inputs cannot tell; a recurrence that
     carries the first input to the end can."""
     import optax
-    from models.lstm import LSTM
+    from shard.models.lstm import LSTM
 
     with nnx.use_eager_sharding(False):
         model = LSTM(vocab_size=0, in_features=1, d_model=16, n_layers=1, num_classes=2, rngs=nnx.Rngs(0))
@@ -233,7 +233,7 @@ def test_lstm_classifier_learns_an_order_dependent_task():
 
 
 def test_weight_decay_reaches_matrices_only_in_scanned_and_recurrent_models():
-    from models.lstm import LSTM
+    from shard.models.lstm import LSTM
     from shard.core.optim import decay_mask
 
     with nnx.use_eager_sharding(False):

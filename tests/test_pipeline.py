@@ -145,7 +145,7 @@ def test_pipelined_dropout_masks_differ_between_microbatches_layers_and_steps():
     """The masks themselves: a stack of bare Dropout layers over ones shows each example's mask product."""
     from flax import nnx
 
-    from models.layers import stacked
+    from shard.models.layers import stacked
     from shard import hooks, partition
     from shard.strategies import pipeline
 

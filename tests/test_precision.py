@@ -76,7 +76,7 @@ def test_float32_step_has_no_bfloat16(train, monkeypatch):
 
 
 def test_moe_router_chooses_from_float32_scores_under_bfloat16():
-    from models.moe import MoE
+    from shard.models.moe import MoE
 
     with nnx.use_eager_sharding(False):
         model = MoE(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_len=16, n_experts=8, rngs=nnx.Rngs(0))

@@ -14,6 +14,7 @@ from jax.experimental import mesh_utils
 
 from shard.errors import UserError
 
+PRESETS = "shard.meshes"  # the package of preset YAML files (the repository's meshes/ folder)
 AXES = ("replica", "stage", "data", "expert", "fsdp", "context", "tensor")  # mesh axis order, slowest-varying first
 # (replicas outermost: under local SGD / DiLoCo they exchange parameters only every few steps; pipeline stages
 # next: only activations at stage boundaries cross them, so they suit slow links; context and tensor innermost:
@@ -21,12 +22,12 @@ AXES = ("replica", "stage", "data", "expert", "fsdp", "context", "tensor")  # me
 
 
 def preset_names() -> list[str]:
-    return sorted(p.name[: -len(".yaml")] for p in importlib.resources.files("meshes").iterdir()
+    return sorted(p.name[: -len(".yaml")] for p in importlib.resources.files(PRESETS).iterdir()
                   if p.name.endswith(".yaml"))
 
 
 def load_preset(name: str) -> dict:
-    path = importlib.resources.files("meshes") / f"{name}.yaml"
+    path = importlib.resources.files(PRESETS) / f"{name}.yaml"
     if not path.is_file():
         raise UserError(f"unknown mesh preset {name!r}; presets are: {', '.join(preset_names())}")
     preset = yaml_load(path.read_text()) or {}

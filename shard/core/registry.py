@@ -1,18 +1,21 @@
 """Find the model class named by `model.name` and check `model.*` arguments against its signature.
 
-`model.name` is a name from models.REGISTRY or any importable `package.module:Class`, so a user's
+`model.name` is a name from shard.models.REGISTRY or any importable `package.module:Class`, so a user's
 own Flax NNX module trains through the framework without changes to it. Importing a module runs its code,
 so a name read back from a run folder (load_model, generate, export) is imported only when the caller
 trusts it (`trust_code=True`, `--trust-code`); a name the user gives train.py is their own choice.
 """
 
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
 import typing
 
 from shard.errors import UserError
+
+LIBRARY = "shard.models"  # the model library's package (the repository's models/ folder)
 
 
 def load(model_cfg, trusted: bool = True, source: str = "") -> tuple[type, dict]:
@@ -23,16 +26,16 @@ def load(model_cfg, trusted: bool = True, source: str = "") -> tuple[type, dict]
 
 
 def resolve(name: str, trusted: bool = True, source: str = "") -> type:
-    from models import REGISTRY
+    from shard.models import REGISTRY
 
-    target = REGISTRY.get(name, name)
+    target = _library_path(REGISTRY.get(name, name))
     if ":" not in target:
         raise UserError(f"unknown model {name!r}; registered models: {', '.join(sorted(REGISTRY))}, "
                         "or give package.module:Class")
-    if not trusted and name not in REGISTRY:
+    module_name, _, class_name = target.partition(":")
+    if not trusted and name not in REGISTRY and not _in_library(module_name):
         raise UserError(f"{source or 'the run'} names model {name!r}, a module outside the model library: importing "
                         "it would run its code; pass trust_code=True (--trust-code on the command line) if you trust it")
-    module_name, _, class_name = target.partition(":")
     try:
         module = _import(module_name)
     except (ImportError, ValueError, TypeError) as e:  # also '' or '..x' as a module name
@@ -43,6 +46,22 @@ def resolve(name: str, trusted: bool = True, source: str = "") -> type:
     if "rngs" not in inspect.signature(cls.__init__).parameters:
         raise UserError(f"model.name={name!r}: the class must take an `rngs` argument (nnx.Rngs) to initialise its parameters")
     return cls
+
+
+def _library_path(target: str) -> str:
+    """The library was installed as a top-level `models` package before it moved under shard: run
+    folders from then may name `models.gpt:GPT`, which is now `shard.models.gpt:GPT`. Only the
+    library's modules move; a user's own `models.mynet` (a module the library lacks) keeps its name."""
+    parts = target.partition(":")[0].split(".")
+    if len(parts) > 1 and parts[0] == "models" and parts[1].isidentifier() \
+            and importlib.util.find_spec(f"{LIBRARY}.{parts[1]}"):
+        return f"shard.{target}"
+    return target
+
+
+def _in_library(module_name: str) -> bool:
+    """Our own modules: importing them runs no code from outside the framework, so no trust is needed."""
+    return module_name == LIBRARY or module_name.startswith(LIBRARY + ".")
 
 
 def _import(module_name: str):
