@@ -28,7 +28,7 @@ for _name in ("models", "meshes"):
 
 
 def load_model(path, *, mesh=None, step=None, trust_code=False):
-    """A trained run's Flax NNX module (see shard/load.py). Imported on first use: `import shard` stays
+    """A trained run's Flax NNX module (see shard/use/load.py). Imported on first use: `import shard` stays
     light for the command lines that only parse a config."""
     from shard.use.load import load_model as load
 
