@@ -28,7 +28,9 @@ class TrainState:
     params: nnx.State      # trainable parameters (nnx.Param), float32
     rest: nnx.State        # every other model variable (e.g. normalisation statistics)
     opt_state: optax.OptState
-    outer: Any = None      # train.sync=local_sgd/diloco: the last sync's parameters and outer optimizer (shard/sync.py)
+    # low-communication training's state (shard/strategies/sync.py): the last sync's parameters and outer optimizer;
+    # it predates `extra` and keeps its own field so that its checkpoints read as they always have
+    outer: Any = None
     extra: Any = None      # other strategies' state beside the model, by strategy name (e.g. ema: averaged weights)
 
 
