@@ -1,0 +1,261 @@
+"""The config schema: every key, defined once, as a dataclass field with its type, default and help.
+
+YAML files and the command line only set values (`shard.config.loading`). The `model` section is the
+exception by design: apart from `model.name`, its keys are the model class's constructor arguments, so
+the class signature is their schema (checked in `shard.core.registry`).
+"""
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+def option(default: Any, help: str, choices: tuple | None = None, key: str | None = None,
+           min: float | None = None, max: float | None = None, job: bool | None = None):
+    """A schema field: its default, one line of help, optionally the allowed values or range, and the key
+    users write where it differs from the field name (`checkpoint.async`: `async` is a Python keyword).
+    `job`: whether the key changes what is trained, and so the run's folder (`job_key`); None takes the
+    section's rule (`shard.config.naming.JOB_SECTIONS`)."""
+    meta = {"help": help, "choices": choices, "key": key, "min": min, "max": max, "job": job}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    name: str = option("gpt", "registered model name (see models/) or package.module:Class")
+    # Filled by the loader with every other model.* key; checked against the class signature.
+    kwargs: dict = field(default_factory=dict, metadata={"internal": True})
+
+
+@dataclass
+class DataConfig:
+    name: str = option("text", "data source", choices=("text", "digits", "tabular", "arrays", "array_record", "synthetic"))
+    task: str = option("auto", "what is predicted; auto = the source's own task",
+                       choices=("auto", "lm", "classification", "binary", "regression"))
+    path: Optional[str] = option(None, "text: file, folder or glob (default: Python's own .py sources); tabular: "
+                                 "diabetes (default), breast_cancer or a CSV; arrays: .npz or folder; array_record: files")
+    target: str = option("target", "tabular CSV: the column to predict")
+    batch_size: int = option(32, "global batch size (all devices together)", min=1)
+    seq_len: int = option(128, "tokens per sequence (sequence data)", min=1)
+    eval_fraction: float = option(0.05, "text: share held out for eval (by file; by bytes for one file)", min=0.001, max=0.999)
+    features: list = option([16], "synthetic: shape of one input example")
+    classes: int = option(10, "synthetic: number of classes (classification)", min=2)
+    size: int = option(65536, "synthetic: examples in the train split", min=1)
+    prefetch: Optional[int] = option(None, "batches a background thread keeps on the devices ahead of the step; "
+                                     "default: 2 on accelerators, 0 on CPU (where the thread competes with "
+                                     "XLA for the cores: bench/overhead.py)", min=0, job=False)
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = option("adamw", "the optimizer: adamw, or sgd (with optimizer.momentum)", choices=("adamw", "sgd"))
+    lr: float = option(3e-3, "peak learning rate", min=0)
+    warmup_steps: int = option(50, "linear warmup from 0 to lr", min=0)
+    min_lr_ratio: float = option(0.1, "cosine decay ends at lr * min_lr_ratio", min=0, max=1)
+    weight_decay: float = option(0.1, "decoupled weight decay (matrices only)", min=0)
+    b1: float = option(0.9, "Adam beta1", min=0, max=1)
+    b2: float = option(0.95, "Adam beta2", min=0, max=1)
+    eps: float = option(1e-8, "Adam epsilon", min=0)
+    momentum: float = option(0.0, "sgd: momentum (0 = none)", min=0, max=1)
+    clip_norm: float = option(1.0, "clip gradients to this global norm; 0 disables", min=0)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = option(300, "optimizer steps", min=1)
+    seed: int = option(0, "seed for parameters and data order", min=0, job=True)
+    dtype: str = option("float32", "compute dtype; parameters stay float32",
+                        choices=("float32", "bfloat16"), job=True)
+    loss: str = option("auto", "loss name (see shard/losses.py); auto = the task's default", job=True)
+    remat: str = option("none", "activation checkpointing of each scanned layer: keep all, recompute all, "
+                        "or keep matmul outputs", choices=("none", "full", "dots"))
+    context_strategy: str = option("all_gather", "attention under mesh.context > 1: all_gather (each device keeps "
+                                   "its queries and gathers every key and value) or ring (keys and values pass "
+                                   "round the context devices, never whole on one)", choices=("all_gather", "ring"))
+    attention: str = option("xla", "attention kernel: xla (any device) or cudnn (fused flash attention; NVIDIA "
+                            "GPU, bfloat16, head size <= 128)", choices=("xla", "cudnn"))
+    init_from: Optional[str] = option(None, "load parameters only from this checkpoint (run, checkpoints or step folder), e.g. to fine-tune", job=True)
+    deterministic: bool = option(False, "bitwise-reproducible GPU kernels (XLA's --xla_gpu_deterministic_ops; "
+                                 "slower); CPU runs are deterministic anyway")
+    skip_nonfinite: bool = option(False, "skip an update whose loss or gradients are not finite, instead of stopping")
+    grad_accum: int = option(1, "gradient accumulation: run each batch as this many microbatches one after "
+                             "another, one update (less activation memory, the same update)", min=1)
+    grad_dtype: str = option("float32", "dtype the gradients are summed in across the data axis (bfloat16 halves "
+                             "the data-parallel reduction's bytes)", choices=("float32", "bfloat16"), job=True)
+    accum_dtype: str = option("float32", "dtype the microbatches' gradients are summed in under grad_accum > 1",
+                              choices=("float32", "bfloat16"), job=True)
+    offload: str = option("none", "keep state in host memory between steps (pinned_host), moved to the device "
+                          "inside the step: the optimizer state, or also the parameters",
+                          choices=("none", "optimizer", "params"))
+    sync: str = option("allreduce", "how the replicas (mesh.replica) meet: allreduce (gradients averaged every "
+                       "step), local_sgd (parameters averaged every sync_every steps) or diloco (an outer Nesterov "
+                       "step on the averaged change every sync_every steps)", choices=("allreduce", "local_sgd", "diloco"), job=True)
+    sync_every: int = option(16, "local_sgd, diloco: steps between syncs (H)", min=1, job=True)
+    sync_fragments: int = option(1, "local_sgd, diloco: parameter fragments synced at staggered steps (streaming "
+                                 "DiLoCo; each sync moves 1/F of the model)", min=1, job=True)
+    outer_lr: float = option(0.7, "diloco: outer learning rate", min=0, job=True)
+    outer_momentum: float = option(0.9, "diloco: outer Nesterov momentum (0 = plain SGD)", min=0, max=1, job=True)
+    ema: float = option(0.0, "keep an exponential moving average of the weights with this decay (e.g. 0.999), "
+                        "used by eval, the sample, load_model and export; 0 = off", min=0, max=0.99999, job=True)
+    eval_every: int = option(0, "evaluate every N steps; 0 = only at the end", min=0)
+    eval_batches: int = option(8, "batches per evaluation, spread evenly over the eval split; 0 = all of it", min=0)
+    sample_len: int = option(200, "lm: bytes to generate after training; 0 disables", min=0)
+    sample_prompt: str = option("def ", "lm: prompt for the generated sample")
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = option(True, "write checkpoints and resume from them")
+    every: int = option(100, "save every N steps, and always at the end; 0 = only at the end", min=0)
+    keep: int = option(3, "how many of the newest checkpoints to keep", min=1)
+    async_: bool = option(True, "write in the background while training goes on", key="async")
+    dir: Optional[str] = option(None, "checkpoint folder; default: <run.dir>/checkpoints")
+    restore_from: Optional[str] = option(None, "start from another run's checkpoint (whole state: parameters, optimizer, step)", job=True)
+
+
+@dataclass
+class MeshConfig:
+    preset: str = option("dp", "mesh preset in meshes/ (also settable as mesh=NAME); auto = the fastest "
+                         "estimated mesh that fits (see --compare)")
+    replica: Optional[int] = option(None, "replica axis size: copies of the job that sync as train.sync says "
+                                    "(allreduce: one more data axis); -1 = remaining devices; default: preset's, else 1")
+    stage: Optional[int] = option(None, "pipeline axis size: the stacked layers are cut into this many stages "
+                                  "(see pipeline.*); -1 = remaining devices; default: preset's, else 1")
+    data: Optional[int] = option(None, "data-parallel axis size; -1 = remaining devices; default: preset's, else 1")
+    expert: Optional[int] = option(None, "expert-parallel axis size (experts split over it; it also splits the batch); "
+                                   "-1 = remaining devices; default: preset's, else 1")
+    fsdp: Optional[int] = option(None, "fully-sharded (ZeRO-3) axis size; -1 = remaining devices; default: preset's, else 1")
+    context: Optional[int] = option(None, "context (sequence) axis size: each sequence is split over it (see "
+                                    "train.context_strategy); -1 = remaining devices; default: preset's, else 1")
+    tensor: Optional[int] = option(None, "tensor (Megatron) axis size; -1 = remaining devices; default: preset's, else 1")
+    rules: dict = option({}, "logical axis -> mesh axis or list of axes (null = replicated), over the preset's")
+    zero: Optional[int] = option(None, "ZeRO stage over the data axis: 1 splits the optimizer state over it, 2 also "
+                                 "the gradients (parameters stay whole; fsdp is stage 3); default: preset's, else 0",
+                                 choices=(0, 1, 2))
+    auto_shard: bool = option(True, "split parameters that logical names leave whole: unnamed ones over fsdp, "
+                              "tensor and expert, named ones over fsdp (ZeRO-3), each on its largest divisible free "
+                              "dimension")
+    auto_shard_min_size: int = option(16384, "parameters with fewer elements stay whole under auto_shard "
+                                      "(biases, norm scales: gathering them costs more than they save)", min=1)
+    # Multi-slice / multi-node: how many of an axis's devices lie across the slow network between
+    # slices (TPU) or processes (GPU nodes). Each divides its axis; all of them together multiply
+    # to the number of slices or processes.
+    dcn_data: Optional[int] = option(None, "part of the data axis across slices/nodes; default: the number of "
+                                     "TPU slices when there are several, else 1", min=1)
+    dcn_replica: int = option(1, "part of the replica axis across slices/nodes", min=1)
+    dcn_stage: int = option(1, "part of the stage axis across slices/nodes", min=1)
+    dcn_expert: int = option(1, "part of the expert axis across slices/nodes", min=1)
+    dcn_fsdp: int = option(1, "part of the fsdp axis across slices/nodes", min=1)
+    dcn_context: int = option(1, "part of the context axis across slices/nodes", min=1)
+    dcn_tensor: int = option(1, "part of the tensor axis across slices/nodes", min=1)
+
+
+@dataclass
+class PipelineConfig:
+    microbatches: Optional[int] = option(None, "microbatches the global batch is cut into under mesh.stage > 1 "
+                                         "(M); default: twice the stages", min=1)
+    repeats: int = option(1, "layer groups each stage holds (R): 1 = GPipe; more = a circular schedule, each "
+                          "stage holding R non-adjacent groups, bubble (S-1)/(R*M+S-1)", min=1)
+
+
+@dataclass
+class RunConfig:
+    dir: Optional[str] = option(None, "run folder: resolved config, metrics.jsonl, checkpoints. null (the default): "
+                                "runs/<config file name>, plus -<8 hex digits> when the command line changes what "
+                                "is trained (model, data, optimizer, train.seed/dtype/loss/init_from, "
+                                "checkpoint.restore_from; not train.steps, eval, sample, log, mesh, run or checkpoint "
+                                "keys), so the same command resumes its own run and another job gets another folder; "
+                                "a config file outside configs/ always gets the suffix")
+    log_every: int = option(10, "log metrics every N steps", min=1)
+    cpu_devices: Optional[int] = option(None, "run on N simulated CPU devices per process (set before JAX starts)", min=1)
+    distributed: str = option("auto", "join several processes into one mesh: auto = when the environment says so "
+                              "(coordinator set, SLURM tasks, TPU pod), on = always (JAX detects the cluster), off",
+                              choices=("auto", "on", "off"))
+    coordinator: Optional[str] = option(None, "host:port of process 0 (else JAX_COORDINATOR_ADDRESS or detected)")
+    num_processes: Optional[int] = option(None, "processes in the job (else JAX_NUM_PROCESSES or detected)", min=1)
+    process_id: Optional[int] = option(None, "this process's index (else JAX_PROCESS_ID or detected)", min=0)
+    init_timeout_s: int = option(300, "seconds to wait for every process to join before giving up", min=1)
+    heartbeat_timeout_s: int = option(30, "seconds without a heartbeat before a process counts as dead and the "
+                                      "others stop", min=1)
+    peak_tflops: Optional[float] = option(None, "device peak TFLOP/s for MFU; default: known accelerators only", min=0)
+    device_memory_gb: Optional[float] = option(None, "memory of one device for the plan's fits check; default: what "
+                                               "the runtime lets JAX use (GPU, TPU), unknown on CPU", min=0)
+    link_gbps: Optional[float] = option(None, "bytes/s (GB) one device sends over its links, for the plan's step "
+                                        "estimate; default: known accelerators only", min=0)
+    progress: bool = option(True, "show progress: a bar on a terminal, else a line every log_every steps")
+    tensorboard: bool = option(True, "write TensorBoard event files to <run.dir>/tensorboard (process 0)")
+    plot: bool = option(True, "draw <run.dir>/curves.png when the run ends (loss, eval loss, throughput)")
+    profile_steps: Optional[str] = option(None, "START:END traces steps START..END-1 with jax.profiler into "
+                                          "<run.dir>/profile (TensorBoard's profile plugin, XProf, Perfetto)")
+    compile_cache: Optional[str] = option(None, "folder for JAX's persistent compilation cache: restarts skip compiling")
+    reuse_host_memory: bool = option(True, "on CPU, glibc's malloc keeps the memory a step frees for the next step "
+                                     "instead of unmapping it (XLA:CPU allocates every step's buffers anew; saves "
+                                     "their page faults, ~17% of the default job's step); false, or any MALLOC_* or "
+                                     "GLIBC_TUNABLES variable set, leaves malloc as it is")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+_SECTION_CLASSES = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+FREE_FORM = {("model",), ("mesh", "rules")}  # keys below these are not schema fields
+
+
+def schema_fields(section: str) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(_SECTION_CLASSES[section]) if not f.metadata.get("internal")]
+
+
+def key_of(f: dataclasses.Field) -> str:
+    """The name users write for a field."""
+    return f.metadata.get("key") or f.name
+
+
+def renamed(layer: dict, to_field: bool) -> dict:
+    """User keys <-> field names, where they differ (only `checkpoint.async` today)."""
+    out = dict(layer)
+    for section, values in layer.items():
+        if section not in SECTIONS or section == "model" or not isinstance(values, dict):
+            continue
+        names = {key_of(f): f.name for f in schema_fields(section)}
+        if not to_field:
+            names = {v: k for k, v in names.items()}
+        out[section] = {names.get(k, k): v for k, v in values.items()}
+    return out
+
+
+def type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(type_name(a) for a in args) + " or null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def to_dict(cfg: Config, model_kwargs: dict | None = None) -> dict:
+    """The config as plain data, with model kwargs back in the model section (as a user writes it)."""
+    out = dataclasses.asdict(cfg)
+    kwargs = cfg.model.kwargs if model_kwargs is None else model_kwargs
+    out["model"] = {"name": cfg.model.name, **kwargs}
+    return plain(renamed(out, to_field=False))
+
+
+def plain(x):
+    """Tuples as lists, all the way down: what YAML writes and what compares equal to what it reads."""
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain(v) for v in x]
+    return x
