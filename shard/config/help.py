@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 
 from shard.config.loading import fill_mesh_from_preset
+from shard.config.naming import JOB_KEYS
 from shard.config.schema import SECTIONS, Config, MeshConfig, key_of, plain, schema_fields, type_name
 from shard.errors import UserError
 
@@ -42,6 +43,7 @@ def help_text(cfg: "Config | None" = None, model_signature: list[tuple[str, str,
             choices = f.metadata.get("choices")
             low, high = f.metadata.get("min"), f.metadata.get("max")
             extra = f" [{'|'.join(map(str, choices))}]" if choices else ""
+            extra += " [picks the folder]" if f"{section}.{key_of(f)}" in JOB_KEYS else ""
             extra += f" [{low}..{high}]" if high is not None else f" [>={low}]" if low is not None else ""
             rows.append((f"{section}.{key_of(f)}", type_name(f.type), _value_text(getattr(obj, f.name), default),
                          f.metadata["help"] + extra))

@@ -166,9 +166,9 @@ class PipelineConfig:
 class RunConfig:
     dir: Optional[str] = option(None, "run folder: resolved config, metrics.jsonl, checkpoints. null (the default): "
                                 "runs/<config file name>, plus -<8 hex digits> when the command line changes what "
-                                "is trained (model, data, optimizer, train.seed/dtype/loss/init_from, "
-                                "checkpoint.restore_from; not train.steps, eval, sample, log, mesh, run or checkpoint "
-                                "keys), so the same command resumes its own run and another job gets another folder; "
+                                "is trained (a model, data or optimizer key but data.prefetch, or one marked [picks "
+                                "the folder] here; not train.steps, nor eval, sample, log, mesh or run keys), so the same command "
+                                "resumes its own run and another job gets another folder; "
                                 "a config file outside configs/ always gets the suffix")
     log_every: int = option(10, "log metrics every N steps", min=1)
     cpu_devices: Optional[int] = option(None, "run on N simulated CPU devices per process (set before JAX starts)", min=1)
