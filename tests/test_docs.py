@@ -19,8 +19,10 @@ command must be one this file knows how to check:
   start, which .ci/run runs verbatim; `python bench/X.py`: the script exists (each takes minutes);
   `tensorboard ...`: not a dependency, not run.
 
-Beyond commands: the list of keys that pick a run folder (docs/runs.md) is the schema's, every path
-the pages name exists, and every link between the pages reaches a file and a heading.
+The ```python blocks run too: writing-a-model.md's class trains (above), and trained-model.md's
+`shard.load_model` lines load the scratch default job. Beyond code: the list of keys that pick a run
+folder (docs/runs.md) is the schema's, every path the pages name exists, and every link between the
+pages reaches a file and a heading.
 """
 
 import argparse
@@ -268,10 +270,10 @@ def test_the_help_and_print_config_commands_run(command, own_model, capsys):
     assert ("run.dir" in out) if "--help" in command.flags else (f"dir: {command.load().run.dir}" in out), out
 
 
-def test_the_jobs_that_could_collide_train_one_after_another_and_plot(tmp_path, monkeypatch, capsys):
+def test_the_jobs_that_could_collide_train_one_after_another_then_plot_and_load(tmp_path, monkeypatch, capsys):
     """On a fresh clone, in order: the default job, a deeper bf16 model on the same config (its own
     folder: no 'use a new run.dir' error), then the default job on another mesh, which resumes it; then
-    the README's `python -m shard.plot` draws the first two."""
+    the README's `python -m shard.plot` draws the first two and trained-model.md's Python loads one."""
     (tmp_path / "configs").symlink_to(ROOT / "configs")  # a clone's configs/; runs/ lands in tmp_path
     monkeypatch.chdir(tmp_path)
     default = TRAINING[0]
@@ -291,6 +293,12 @@ def test_the_jobs_that_could_collide_train_one_after_another_and_plot(tmp_path, 
     plot = next(c for c in of("module") if c.argv[0] == "shard.plot" and c.page == README)
     assert importlib.import_module("shard.plot").main(plot.argv[1:]) == 0
     assert (tmp_path / "compare.png").stat().st_size > 0
+
+    # trained-model.md's load_model lines, on the default job just trained: one device, then split.
+    page = text(ROOT / "docs" / "trained-model.md")
+    namespace = {}
+    exec(re.search(r"^```python\n(.*?)^```", page, flags=re.S | re.M).group(1), namespace)
+    assert type(namespace["model"]).__name__ == "GPT"
 
 
 def test_the_own_model_command_trains_the_class_the_page_shows(tmp_path, monkeypatch, own_model, capsys):
