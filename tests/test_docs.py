@@ -14,7 +14,8 @@ command must be one this file knows how to check:
   slurm sbatch; both only print here, and gke only prints anyway).
 - `python -m shard.generate|export|plot ...`: the module exists and its argument parser takes the
   arguments; key=value overrides load as a config. They need a trained run (and export jax2onnx), so
-  they are parsed, not run, except shard.plot, which draws the scratch runs above.
+  they are parsed, not run, except the README's shard.plot and shard.generate, which use the scratch
+  runs above.
 - `pip install -e ...`: the extras it names exist in pyproject.toml; `python -m pytest ...`: the quick
   start, which .ci/run runs verbatim; `python bench/X.py`: the script exists (each takes minutes);
   `tensorboard ...`: not a dependency, not run.
@@ -287,7 +288,8 @@ def test_the_help_and_print_config_commands_run(command, own_model, capsys):
 def test_the_jobs_that_could_collide_train_one_after_another_then_plot_and_load(tmp_path, monkeypatch, capsys):
     """On a fresh clone, in order: the default job, a deeper bf16 model on the same config (its own
     folder: no 'use a new run.dir' error), then the default job on another mesh, which resumes it; then
-    the README's `python -m shard.plot` draws the first two and trained-model.md's Python loads one."""
+    the README's `python -m shard.plot` draws the first two, its `python -m shard.generate` samples the
+    first, and trained-model.md's Python loads it."""
     (tmp_path / "configs").symlink_to(ROOT / "configs")  # a clone's configs/; runs/ lands in tmp_path
     monkeypatch.chdir(tmp_path)
     default = TRAINING[0]
@@ -304,8 +306,9 @@ def test_the_jobs_that_could_collide_train_one_after_another_then_plot_and_load(
     assert "resuming from step 1" in out and "already past train.steps=1" in out, out
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(f.name for f in folders[:2])
 
-    plot = next(c for c in of("module") if c.argv[0] == "shard.plot" and c.page == README)
-    assert importlib.import_module("shard.plot").main(plot.argv[1:]) == 0
+    for name in ("shard.plot", "shard.generate"):  # the README's: both runs' curves, then text from the first
+        command = next(c for c in of("module") if c.argv[0] == name and c.page == README)
+        assert importlib.import_module(name).main(command.argv[1:]) == 0, command
     assert (tmp_path / "compare.png").stat().st_size > 0
 
     # trained-model.md's load_model lines, on the default job just trained: one device, then split.
