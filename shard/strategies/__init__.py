@@ -1,2 +1,3 @@
-"""The parallelism strategies beyond the rules table: pipeline, context, gradient reduction and accumulation,
-low-communication training."""
+"""The strategies beyond the rules table, one class each behind the interface of base.py, listed in
+registry.ALL: pipeline, context, gradient accumulation, ZeRO, host offload, the data-parallel reduction,
+low-communication training (local SGD, DiLoCo) and the weights' moving average (EMA)."""

@@ -12,6 +12,7 @@ from shard.strategies.base import Strategy
 class Accumulation(Strategy):
     name = "accumulation"
     keys = ("train.grad_accum", "train.accum_dtype")
+    switches = {"accumulation": "`train.grad_accum` > 1"}
 
     def __init__(self, k: int, dtype):
         self.k, self.dtype = k, dtype

@@ -21,6 +21,7 @@ class Strategy:
     keys: ClassVar[tuple[str, ...]] = ()  # the config keys it reads (the docs' table shows them)
     # Strategies it cannot run with, in one line each (the combination rules, as data):
     refuses: ClassVar[dict[tuple[str, str], str]] = {}  # (one of my tags, one of theirs) -> why
+    switches: ClassVar[dict[str, str]] = {}  # each of its tags -> the setting that gives it (the docs' table)
     other_layouts: bool = False  # `take` reads checkpoints whose state has another shape than this job's
 
     @classmethod

@@ -241,6 +241,7 @@ class Context(Strategy):
     """mesh.context > 1: each sequence split over the context devices; attention by all-gather or ring."""
     name = "context"
     keys = ("mesh.context", "train.context_strategy")
+    switches = {"context": "`mesh.context` > 1", "ring": "`train.context_strategy=ring`"}
     refuses = {("ring", "bf16 reduction"): "the ring's shard_map cannot run per data shard, where a bfloat16 "
                                            "reduction sums; use train.context_strategy=all_gather or "
                                            "train.grad_dtype=float32"}

@@ -24,6 +24,7 @@ def _without(extra: dict | None) -> dict | None:
 class EMA(Strategy):
     name = "ema"
     keys = ("train.ema",)
+    switches = {"ema": "`train.ema` > 0"}
     refuses = {("ema", "sync"): "the replicas' weights part between syncs, so there is no one model to average; "
                                 "use train.ema=0 or train.sync=allreduce"}
 

@@ -18,6 +18,7 @@ class LowCommunication(Strategy):
     name = "sync"
     keys = ("mesh.replica", "train.sync", "train.sync_every", "train.sync_fragments", "train.outer_lr",
             "train.outer_momentum")
+    switches = {"sync": "`train.sync=local_sgd` or `diloco`", "replicas": "`mesh.replica` > 1"}
     refuses = {("sync", "pipeline"): VMAP.format("mesh.stage"),
                ("sync", "accumulation"): VMAP.format("train.grad_accum"),
                ("sync", "bf16 reduction"): VMAP.format("train.grad_dtype"),

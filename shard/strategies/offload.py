@@ -8,6 +8,7 @@ from shard.strategies.base import Strategy
 class Offload(Strategy):
     name = "offload"
     keys = ("train.offload",)
+    switches = {"offload": "`train.offload=optimizer` or `params`"}
 
     def __init__(self, what: str):
         self.what = what

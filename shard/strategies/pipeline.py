@@ -262,6 +262,7 @@ class Pipeline(Strategy):
     """mesh.stage > 1: the stacked layers run as a pipeline (GPipe, or circular with pipeline.repeats > 1)."""
     name = "pipeline"
     keys = ("mesh.stage", "pipeline.microbatches", "pipeline.repeats")
+    switches = {"pipeline": "`mesh.stage` > 1"}
     refuses = {("pipeline", "ring"): "JAX cannot batch the ring's shard_map over the stages; use "
                                      "train.context_strategy=all_gather"}
 

@@ -17,6 +17,7 @@ class Reduction(Strategy):
     """Always active: every job reduces its gradients somehow; this decides how."""
     name = "reduction"
     keys = ("train.grad_dtype",)
+    switches = {"bf16 reduction": "`train.grad_dtype=bfloat16`"}
 
     def __init__(self, wire, model_name: str, interacts: str):
         self.wire, self.model_name, self.interacts = wire, model_name, interacts

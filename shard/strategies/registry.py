@@ -34,9 +34,11 @@ def build(cfg, mesh_shape: dict, rules: dict, work) -> tuple:
 
 
 def table() -> str:
-    """The combinations refused, as a Markdown table: every other pair of strategies combines."""
-    rows = ["| strategy | does not combine with | why |", "|---|---|---|"]
+    """The combinations refused, as a Markdown table (every other pair of strategies combines): each row the
+    settings that switch the two on, and why."""
+    setting = {tag: text for cls in ALL for tag, text in cls.switches.items()}
+    rows = ["| this | with | why it is refused |", "|---|---|---|"]
     for cls in ALL:
         for (mine, theirs), why in cls.refuses.items():
-            rows.append(f"| {cls.name}{'' if mine == cls.name else f' ({mine})'} | {theirs} | {why} |")
+            rows.append(f"| {setting[mine]} | {setting[theirs]} | {why} |")
     return "\n".join(rows)

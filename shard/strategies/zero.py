@@ -13,6 +13,7 @@ from shard.strategies.base import Strategy
 class Zero(Strategy):
     name = "zero"
     keys = ("mesh.zero",)
+    switches = {"zero": "`mesh.zero=1` or `2`"}
 
     def __init__(self, stage: int, data: int):
         self.stage, self.data = stage, data
