@@ -30,6 +30,7 @@ _STACKS: contextvars.ContextVar = contextvars.ContextVar("shard_stacks_seen", de
 _CONTEXT: contextvars.ContextVar = contextvars.ContextVar("shard_context_split", default=None)
 _DECODE: contextvars.ContextVar = contextvars.ContextVar("shard_decode_calls", default=None)
 _UNROLL: contextvars.ContextVar = contextvars.ContextVar("shard_unroll_layers", default=False)
+_PACKED: contextvars.ContextVar = contextvars.ContextVar("shard_packed_rows", default=None)
 
 
 # train.remat -> what a layer keeps for the backward pass (everything, nothing, or matmul outputs).
@@ -58,14 +59,28 @@ def use(remat: str = "none", attention: str = "xla", pipeline=None, split: conte
             var.reset(token)
 
 
+@contextlib.contextmanager
+def packed(segment_ids: jax.Array | None, token_positions: jax.Array | None):
+    """While the step runs the model on a packed batch (data.packing=documents): each row's document ids
+    (batch, length; 0 = padding), which attention keeps apart, and each token's position in its document,
+    which `positions` returns. None (an unpacked batch): nothing changes."""
+    token = _PACKED.set(None if segment_ids is None else (segment_ids, token_positions))
+    try:
+        yield
+    finally:
+        _PACKED.reset(token)
+
+
 def positions(length: int) -> jax.Array:
     """The position of each of a sequence's `length` tokens as the step lays them out: 0..length-1, or
     under context parallelism the load-balanced order (shard/context.py), or while generating the
-    positions after those already cached. Position embeddings, learned or rotary, index with this so
-    they follow the tokens."""
+    positions after those already cached, or in a packed batch each token's place in its own document
+    (batch, length). Position embeddings, learned or rotary, index with this so they follow the tokens."""
     calls = _DECODE.get()
     if calls is not None:
         return calls.index + jnp.arange(length, dtype=jnp.int32)
+    if (rows := _PACKED.get()) is not None and rows[1].shape[-1] == length:
+        return rows[1]
     return context.positions(_CONTEXT.get(), length)
 
 
@@ -175,13 +190,17 @@ def check_attention(attention: str, device, dtype) -> None:
 CAUSAL_NAME, FULL_NAME = "shard_attention_causal", "shard_attention_full"
 
 
-def _kernel(q, k, v, implementation, is_causal):
+def _kernel(q, k, v, implementation, is_causal, segments=None):
     if implementation == "xla" and jax.default_backend() == "cpu":
-        return _cpu_attention(q, k, v, is_causal)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, implementation=implementation)
+        return _cpu_attention(q, k, v, is_causal, segments)
+    if segments is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, implementation=implementation)
+    # Packed rows: a query sees only keys of its own document (padding, id 0, sees padding: no empty row).
+    mask = (segments[:, :, None] == segments[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, implementation=implementation)
 
 
-def _cpu_attention(q, k, v, is_causal):
+def _cpu_attention(q, k, v, is_causal, segments=None):
     """jax.nn.dot_product_attention's XLA path, written so XLA's CPU backend compiles it faster: the
     scale applied to the queries rather than the scores, the causal mask one (length, length) table
     rather than a mask the size of the scores, and the products as 3-D batched products over (batch x
@@ -195,8 +214,12 @@ def _cpu_attention(q, k, v, is_causal):
     q = q.reshape(b, t, kv_heads, groups, d).transpose(0, 2, 3, 1, 4).reshape(b * kv_heads, groups * t, d)
     k, v = (a.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, a.shape[-1]) for a in (k, v))
     scores = jnp.einsum("nqd,nsd->nqs", q, k, preferred_element_type=jnp.float32)
-    if is_causal:  # query i sees keys 0..i, aligned at the top left, masked with JAX's large negative
-        mask = jnp.tile(jnp.tri(t, s, dtype=bool), (groups, 1))
+    mask = jnp.tile(jnp.tri(t, s, dtype=bool), (groups, 1)) if is_causal else None
+    if segments is not None:  # packed rows: a query sees its own document's keys only
+        same = segments[:, :, None] == segments[:, None, :]  # (b, t, s)
+        same = jnp.broadcast_to(same[:, None, None], (b, kv_heads, groups, t, s)).reshape(b * kv_heads, groups * t, s)
+        mask = same if mask is None else mask & same
+    if mask is not None:  # query i sees keys 0..i, aligned at the top left, masked with JAX's large negative
         scores = jnp.where(mask, scores, -0.7 * jnp.finfo(jnp.float32).max)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("nqs,nsd->nqd", probs, v)
@@ -204,8 +227,8 @@ def _cpu_attention(q, k, v, is_causal):
 
 
 def _named(name: str, is_causal: bool):
-    def fn(q, k, v, implementation):
-        return _kernel(q, k, v, implementation, is_causal)
+    def fn(q, k, v, implementation, segments=None):  # flops.py reads the shapes of (q, k, v), the first three
+        return _kernel(q, k, v, implementation, is_causal, segments)
 
     fn.__name__ = fn.__qualname__ = name
     return jax.jit(fn, static_argnames="implementation")
@@ -221,13 +244,23 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool) -> j
     implementation, split = _ATTENTION.get(), _CONTEXT.get()
     if (calls := _DECODE.get()) is not None:  # generating: over the cached keys and values
         return decoding.attend(q, k, v, bool(is_causal), calls)
+    segments = None
+    if (rows := _PACKED.get()) is not None:
+        segments = rows[0]
+        if segments.shape != q.shape[:2] or k.shape[1] != q.shape[1]:
+            raise UserError(f"data.packing=documents: attention over {q.shape[:2]} (batch, length) queries and "
+                            f"{k.shape[1]} keys does not match the batch's segment ids {segments.shape}; packed "
+                            "rows need self-attention over whole rows (a pipeline's microbatches do not carry them)")
+        if implementation == "cudnn":
+            raise UserError("train.attention=cudnn with data.packing=documents: jax.nn.dot_product_attention's "
+                            "cuDNN path takes no segment ids; use train.attention=xla")
     if split is not None and split.size > 1:  # the sequence is split over the context devices
-        return context.attention(q, k, v, bool(is_causal), split)
+        return context.attention(q, k, v, bool(is_causal), split, *(() if segments is None else (segments,)))
     head_dim = q.shape[-1]
     if implementation == "cudnn" and (head_dim > 128 or head_dim % 8):
         raise UserError(f"train.attention=cudnn needs a head size <= 128 and a multiple of 8, got {head_dim}; "
                         "use train.attention=xla")
-    return _CALLS[bool(is_causal)](q, k, v, implementation=implementation)
+    return _CALLS[bool(is_causal)](q, k, v, implementation=implementation, segments=segments)
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -73,7 +73,7 @@ def attention_flops(jaxpr: Jaxpr) -> float:
         causal = _attention_call(eqn)
         if causal is None:
             return None
-        return hooks.attention_flops(*(v.aval.shape for v in eqn.invars), causal)
+        return hooks.attention_flops(*(v.aval.shape for v in eqn.invars[:3]), causal)  # q, k, v (then segment ids)
 
     return _walk(jaxpr, eqn_flops)
 

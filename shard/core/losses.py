@@ -64,6 +64,28 @@ def resolve(name: str, task: str):
     return LOSSES[name]
 
 
+def per_token(fn, outputs, targets):
+    """`fn`'s value at each (row, position) of a sequence batch: (batch, length) losses, each the loss of
+    that one target (the mean over a single element)."""
+    one = lambda o, t: fn(o[None, None], t[None, None])
+    return jax.vmap(jax.vmap(one))(outputs, targets)
+
+
+def token_weights(loss_mask):
+    """A packed batch's loss mask (1 where a target counts) scaled so that the plain mean over all of the
+    global batch's slots of weight x token loss is the sum over real targets / their number. Every
+    microbatch and data shard holds as many slots, so the equal-weight means over them that accumulation
+    and the per-device reduction take stay the global token mean, whatever each row's real count.
+    Returns (weights, number of real targets)."""
+    count = jnp.sum(loss_mask)
+    return loss_mask * (loss_mask.size / jnp.maximum(count, 1.0)), count
+
+
+def weighted(fn, outputs, targets, weights):
+    """The mean over every slot of weights x `fn`'s per-token loss (token_weights makes it a token mean)."""
+    return jnp.mean(weights * per_token(fn, outputs, targets))
+
+
 def accuracy(outputs, targets, task: str):
     """Share of correct predictions: argmax for classes and tokens, sign of the logit for binary."""
     if task == "binary":

@@ -6,6 +6,7 @@ The train step donates the old state: its buffers are reused for the new one.
 """
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -15,8 +16,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.strategies import context, gradients
-from shard import recorded
+from shard import hooks, recorded
 from shard.errors import UserError, first_line
+from shard.core import losses
 from shard.core.losses import accuracy
 from shard.core.state import TrainState
 
@@ -51,8 +53,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
     def objective(params, rest, batch):
         batch = context.reorder(batch, order)
         model = nnx.merge(graphdef, cast_floats(params, dtype), rest, copy=True)
-        outputs = model(cast_floats(batch["inputs"], dtype))
-        loss = loss_fn(outputs.astype(jnp.float32), batch["targets"])
+        outputs = run_model(model, batch, dtype).astype(jnp.float32)
+        if "loss_mask" in batch:  # packed rows: the real targets' mean (weights from token_weights)
+            loss = losses.weighted(loss_fn, outputs, batch["targets"], batch["loss_mask"])
+        else:
+            loss = loss_fn(outputs, batch["targets"])
         aux, stats = recorded.collect(model)  # e.g. a router's load-balancing loss
         if aux is not None:
             stats = {"aux_loss": aux, **stats}
@@ -63,6 +68,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
 
     def train_step(state: TrainState, batch: dict):
         state = to_device(state, device_shardings)
+        packed = {}
+        if "loss_mask" in batch:  # normalised over the whole global batch, before it is cut up
+            weights, count = losses.token_weights(batch["loss_mask"])
+            batch = {**batch, "loss_mask": weights}
+            packed = {"target_tokens": count, "packing_efficiency": count / weights.size}
         (total, (rest, loss, stats)), grads = gradient(state.params, state.rest, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -73,12 +83,19 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
         if skip_nonfinite:  # keep the old parameters and optimizer state; the batch is still consumed
             skipped = state.replace(step=state.step + 1)
             new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, skipped)
-        out = {"loss": loss, "grad_norm": grad_norm, "finite": finite, **stats}
+        out = {"loss": loss, "grad_norm": grad_norm, "finite": finite, **stats, **packed}
         if schedule is not None:
             out["lr"] = schedule(state.step)
         return new_state, out
 
     return train_step
+
+
+def run_model(model, batch: dict, dtype):
+    """The model on a batch's inputs; a packed batch's segment ids and positions reach its attention and
+    position embeddings through the hooks (shard/hooks.py), so the model itself does not change."""
+    with hooks.packed(batch.get("segment_ids"), batch.get("positions")):
+        return model(cast_floats(batch["inputs"], dtype))
 
 
 def to_device(state, device_shardings):
@@ -94,9 +111,12 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable, task: str, dtype, 
         state, batch = to_device(state, device_shardings), context.reorder(batch, order)
         model = nnx.merge(graphdef, cast_floats(state.params, dtype), state.rest)
         model.eval()  # e.g. normalisation layers use their running statistics
-        outputs = model(cast_floats(batch["inputs"], dtype)).astype(jnp.float32)
+        outputs = run_model(model, batch, dtype).astype(jnp.float32)
         targets, mask = batch["targets"], batch["mask"]
         per_example = lambda fn: jax.vmap(lambda o, t: fn(o[None], t[None]))(outputs, targets)
+        if "loss_mask" in batch:  # packed rows: every real target counts once, padding not at all
+            mask, per_example = mask[:, None] * batch["loss_mask"], partial(losses.per_token, outputs=outputs,
+                                                                           targets=targets)
         sums = {"count": jnp.sum(mask), "loss": jnp.sum(mask * per_example(loss_fn))}
         if task in ("classification", "binary", "lm"):
             sums["accuracy"] = jnp.sum(mask * per_example(lambda o, t: accuracy(o, t, task)))

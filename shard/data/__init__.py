@@ -17,7 +17,7 @@ import grain
 import jax
 import numpy as np
 
-from shard.data import sources
+from shard.data import packing, sources
 from shard.errors import UserError
 
 TARGET_DTYPES = {"lm": np.int32, "classification": np.int32, "binary": np.float32, "regression": np.float32}
@@ -41,6 +41,12 @@ class Data:
 
 def load_splits(cfg, seed: int) -> tuple:
     """(train source, eval source, the source's own task)."""
+    if cfg.packing == "documents":
+        if cfg.name != "text":
+            raise UserError(f"data.packing=documents packs language-model documents; data.name={cfg.name} has "
+                            "none (use data.name=text, or data.packing=concat)")
+        return (*(packing.PackedRows(docs, cfg.seq_len) for docs in sources.text_documents(cfg.path, cfg.eval_fraction)),
+                "lm")
     if cfg.name == "text":
         return (*sources.text_splits(cfg.path, cfg.seq_len, cfg.eval_fraction), "lm")
     if cfg.name == "digits":
@@ -73,7 +79,8 @@ def build(cfg, seed: int) -> Data:
         raise UserError(f"data.batch_size={cfg.batch_size} is larger than the train split "
                         f"({len(train_src)} examples of data.name={cfg.name})")
     dtype = TARGET_DTYPES[task]
-    cast = lambda batch: {"inputs": batch["inputs"], "targets": np.asarray(batch["targets"], dtype)}
+    # a packed batch's segment_ids, positions and loss_mask (shard/data/packing.py) pass through
+    cast = lambda batch: {**batch, "targets": np.asarray(batch["targets"], dtype)}
     # Grain's index shuffle costs 10-60 us an index, most of what reading an in-memory example used to cost:
     # those sources are ordered by a numpy permutation of each epoch instead. Records on disk keep Grain's
     # shuffle (and their order): there may be more of them than a permutation array should hold, and

@@ -55,18 +55,26 @@ def text_files(path: str | None) -> list[Path]:
 def text_splits(path: str | None, seq_len: int, eval_fraction: float) -> tuple[ByteWindows, ByteWindows]:
     """Byte-level train and eval splits, split by file so eval text is never trained on (by bytes when
     there is a single file)."""
+    split = text_documents(path, eval_fraction)
+    streams = [np.frombuffer(b"\n".join(d.tobytes() for d in docs), dtype=np.uint8) for docs in split]
+    return ByteWindows(streams[0], seq_len), ByteWindows(streams[1], seq_len)
+
+
+def text_documents(path: str | None, eval_fraction: float) -> tuple[list, list]:
+    """The `text` files' bytes as documents (one per file), train and eval, split by file so eval text is
+    never trained on (a single file: its last bytes held out, each part one document)."""
     files = text_files(path)
+    read = lambda f: np.frombuffer(f.read_bytes(), dtype=np.uint8)
     if len(files) == 1:  # one corpus file: hold out its last bytes
-        tokens = np.frombuffer(files[0].read_bytes(), dtype=np.uint8)
+        tokens = read(files[0])
         cut = int(len(tokens) * (1 - eval_fraction))
-        return ByteWindows(tokens[:cut], seq_len), ByteWindows(tokens[cut:], seq_len)
+        return [tokens[:cut]], [tokens[cut:]]
     n_eval = min(len(files) - 1, max(1, round(len(files) * eval_fraction)))
     eval_index = {int((k + 0.5) * len(files) / n_eval) for k in range(n_eval)}  # spread over the sorted files
-    split = {"train": [], "eval": []}
+    split = ([], [])
     for i, f in enumerate(files):
-        split["eval" if i in eval_index else "train"].append(f.read_bytes())
-    streams = {k: np.frombuffer(b"\n".join(v), dtype=np.uint8) for k, v in split.items()}
-    return ByteWindows(streams["train"], seq_len), ByteWindows(streams["eval"], seq_len)
+        split[i in eval_index].append(read(f))
+    return split
 
 
 class Synthetic:
