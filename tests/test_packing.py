@@ -1,0 +1,166 @@
+"""Packed rows (`data.packing=documents`): the packer fills rows first-fit with whole documents; in a packed
+row a document's logits do not depend on the other documents (bitwise, under every kind of split); positions
+restart with each document; padding counts for nothing; the loss is the global batch's real-target mean
+whatever the microbatches and data shards; a packed run logs its target tokens and packing efficiency."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from conftest import ROOT, TINY_GPT, overrides
+from shard import config, hooks, partition
+from shard.core import state as state_lib
+from shard.core import step as step_lib
+from shard.data import packing
+from shard.run import job as job_lib
+from shard.strategies import context
+
+L, B = 32, 16  # TINY_GPT's seq_len and batch size
+# A small corpus of documents (this repository's docs): packing the standard library costs seconds a job.
+PACKED = [*TINY_GPT, f"data.path={ROOT / 'docs'}", "data.packing=documents"]
+
+
+def test_rows_are_filled_first_fit_with_whole_documents():
+    docs = [np.arange(1, 6), np.arange(10, 22), np.arange(30, 34), np.arange(40, 43), [7]]  # 4, 11, 3, 2, 0 pairs
+    rows = list(packing.pack(docs, 8))
+    # 4 pairs open row A; 11 > 8 is cut into 8 (a new row, full: out first) and 3, which fit in A (4 + 3);
+    # doc 3's 3 pairs do not (1 free), so they open row C, which doc 4's 2 pairs join; doc 5 has no pair.
+    assert [r["segment_ids"].tolist() for r in rows] == [[1] * 8, [1, 1, 1, 1, 2, 2, 2, 0], [1, 1, 1, 2, 2, 0, 0, 0]]
+    full, first = rows[0], rows[1]
+    assert full["inputs"].tolist() == list(range(10, 18)) and full["targets"].tolist() == list(range(11, 19))
+    assert first["inputs"][4:7].tolist() == [18, 19, 20] and first["targets"][4:7].tolist() == [19, 20, 21]
+    assert first["positions"].tolist() == [0, 1, 2, 3, 0, 1, 2, 0]  # restart per document (and padding)
+    assert first["loss_mask"].tolist() == [1, 1, 1, 1, 1, 1, 1, 0]
+    pairs = sorted((int(i), int(t)) for r in rows for i, t, m in zip(r["inputs"], r["targets"], r["loss_mask"]) if m)
+    want = sorted((int(a), int(b)) for d in docs for a, b in zip(d[:-1], d[1:]))
+    assert pairs == want  # every (input, next token) pair of every document exactly once
+    assert [r["segment_ids"].tolist() for r in packing.pack(docs, 8)] == [r["segment_ids"].tolist() for r in rows]
+    source = packing.PackedRows(docs, 8)
+    got = source.read_batch(np.arange(3))
+    for key in packing.KEYS:
+        np.testing.assert_array_equal(got[key], np.stack([r[key] for r in rows]))
+
+
+def documents_batch(seed=0) -> dict:
+    """B packed rows of random byte documents of 3..24 tokens, row 0 one with at least 3 documents."""
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, 256, rng.integers(3, 25)) for _ in range(200)]
+    rows = sorted(list(packing.pack(docs, L))[:B], key=lambda r: -min(r["segment_ids"].max(), 3))
+    return {k: np.stack([r[k] for r in rows]) for k in packing.KEYS}
+
+
+def prepared(*extra, devices=None):
+    cfg = config.load(None, overrides("/tmp/unused", *PACKED, *extra))
+    return cfg, job_lib.prepare(cfg, devices or jax.devices(), training=False)
+
+
+def logits_fn(cfg, j):
+    """The job's model on a batch as its train step runs it (split, reordered, hooked), logits back in order."""
+    ctx = j.strategy("context")
+    order = ctx.split.order if ctx else None
+    traced = {k: v for s in j.strategies for k, v in s.hooks().items()}
+
+    def logits(state, batch):
+        model = nnx.merge(j.work.graphdef, state.params, state.rest)
+        out = step_lib.run_model(model, context.reorder(batch, order), jnp.float32)
+        return out if order is None else out[:, np.argsort(order)]
+
+    with partition.activate(j.mesh, j.rules), hooks.use(cfg.train.remat, cfg.train.attention, **traced):
+        fn = jax.jit(logits, in_shardings=(j.shardings, j.batch_shardings)).lower(j.abstract, j.work.batch).compile()
+    state = state_lib.init_state(j.init, j.shardings)
+    return lambda batch: np.asarray(fn(state, jax.device_put(batch, j.batch_shardings)))
+
+
+MESHES = {"dp": ["mesh=dp"], "fsdp": ["mesh=fsdp"], "tp": ["mesh=tp"], "cp_all_gather": ["mesh=cp"],
+          "cp_ring": ["mesh=cp", "train.context_strategy=ring"]}
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    cfg, j = prepared(devices=jax.devices()[:1])
+    return logits_fn(cfg, j)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_a_document_sees_only_itself_bitwise(mesh, one_device):
+    batch = documents_batch()
+    row, doc = 0, 2
+    assert batch["segment_ids"][row].max() >= 3, "row 0 must hold a document on each side of the changed one"
+    changed = {k: v.copy() for k, v in batch.items()}
+    inside = changed["segment_ids"][row] == doc
+    changed["inputs"][row, inside] = (changed["inputs"][row, inside] + 1 + np.arange(inside.sum())) % 256
+    cfg, j = prepared(*MESHES[mesh])
+    run = logits_fn(cfg, j)
+    before, after = run(batch), run(changed)
+    others = np.ones(batch["inputs"].shape, bool)
+    others[row, inside] = False
+    assert not np.array_equal(before[row, inside], after[row, inside])  # the changed document's own do change
+    np.testing.assert_array_equal(before[others], after[others])        # nobody else's, to the bit
+    np.testing.assert_allclose(before, one_device(batch), rtol=2e-5, atol=2e-5)  # and the split is the model
+
+
+def test_positions_restart_and_a_document_packed_equals_it_alone(one_device):
+    """Document 2 of row 0, at its place in the packed row, against the same tokens alone at the start of a row."""
+    batch = documents_batch()
+    inside = batch["segment_ids"][0] == 2
+    n = int(inside.sum())
+    assert batch["positions"][0, inside].tolist() == list(range(n)) and np.argmax(inside) > 0
+    alone = {k: v.copy() for k, v in batch.items()}
+    alone["inputs"][0], alone["segment_ids"][0] = 0, 0
+    alone["inputs"][0, :n], alone["segment_ids"][0, :n] = batch["inputs"][0, inside], 1
+    alone["positions"][0] = packing.row_positions(alone["segment_ids"][0])
+    np.testing.assert_allclose(one_device(batch)[0, inside], one_device(alone)[0, :n], rtol=1e-5, atol=1e-5)
+
+
+def train_outputs(*extra, batch):
+    cfg, j = prepared(*extra, "optimizer.warmup_steps=2")
+    state = state_lib.init_state(j.init, j.shardings)
+    _, out = j.train_step(state, jax.device_put(batch, j.batch_shardings))
+    return {k: float(v) for k, v in out.items()} | {"local_axes": j.reduction.local_axes}
+
+
+def test_the_loss_is_the_global_token_mean_over_microbatches_and_shards(one_device):
+    """Rows of very different real counts (even rows whole, odd rows 3 targets), so microbatch and shard
+    means weighted 1/K, 1/N each would be wrong; padding's own tokens change nothing, to the bit."""
+    batch = documents_batch()
+    for key in ("segment_ids", "loss_mask"):
+        batch[key][1::2, 3:] = 0
+    batch["positions"] = packing.row_positions(batch["segment_ids"])
+    token = np.asarray(optax.softmax_cross_entropy_with_integer_labels(jnp.asarray(one_device(batch)),
+                                                                       batch["targets"]))
+    mask = batch["loss_mask"]
+    global_mean = (token * mask).sum() / mask.sum()
+    micro = [(token[k::2] * mask[k::2]).sum() / mask[k::2].sum() for k in range(2)]
+    assert abs(np.mean(micro) - global_mean) > 1e-3  # what averaging microbatch means would give instead
+    whole = train_outputs("mesh=dp", batch=batch)
+    accumulated = train_outputs("mesh=dp", "train.grad_accum=2", batch=batch)
+    assert accumulated["local_axes"] == ("data",)  # each device's own gradient, reduced once: 1/8 each
+    np.testing.assert_allclose(whole["loss"], global_mean, rtol=1e-6)
+    np.testing.assert_allclose(accumulated["loss"], global_mean, rtol=1e-6)
+    np.testing.assert_allclose(accumulated["grad_norm"], whole["grad_norm"], rtol=1e-5)
+    assert whole["target_tokens"] == mask.sum() and whole["packing_efficiency"] == mask.mean()
+    padded = {k: v.copy() for k, v in batch.items()}
+    pad = batch["segment_ids"] == 0
+    padded["inputs"][pad], padded["targets"][pad] = 17, 99
+    again = train_outputs("mesh=dp", batch=padded)
+    assert (again["loss"], again["grad_norm"]) == (whole["loss"], whole["grad_norm"])
+
+
+def test_a_packed_run_trains_and_logs_its_target_tokens(train):
+    run = train(*PACKED, "train.steps=4", "run.log_every=1", "optimizer.warmup_steps=2", "run.cpu_devices=1")
+    first, last = run.history[0], run.history[-1]
+    assert last["loss"] < first["loss"]
+    assert all(0.9 < r["packing_efficiency"] <= 1 and r["target_tokens"] == r["packing_efficiency"] * B * L
+               for r in run.history)
+    assert np.isfinite(run.eval["eval_loss"])
+
+
+def test_packing_needs_documents(tmp_path):
+    from shard.errors import UserError
+    with pytest.raises(UserError, match="data.packing=documents packs language-model documents"):
+        config_job = config.load(None, overrides(tmp_path, "data.name=digits", "data.packing=documents",
+                                                 "model.name=mlp"))
+        job_lib.workload(config_job, jax.devices()[:1])
