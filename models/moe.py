@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.hooks import positions
+from shard.hooks import layout
 from shard.partition import constrain
 from shard.recorded import AuxLoss, Stat
 
@@ -67,8 +67,8 @@ class MoELayer(nnx.Module):
         chosen = jax.nn.one_hot(top_e, n, dtype=jnp.float32)       # (b, t, k, n)
 
         # Queue position of each choice at its expert: first choices of all tokens before second choices, tokens
-        # in sequence order (the framework may hold them in another: shard.hooks.positions).
-        in_order = jnp.argsort(positions(t))  # the tokens as they stand in the sequence
+        # in row order (the framework may hold them in another: shard.hooks.layout).
+        in_order = jnp.argsort(layout(t))  # the tokens as they stand in the row
         by_rank = chosen[:, in_order].transpose(0, 2, 1, 3).reshape(b, k * t, n)
         position = (jnp.cumsum(by_rank, axis=1) - 1).reshape(b, k, t, n).transpose(0, 2, 1, 3)[:, jnp.argsort(in_order)]
         kept = chosen * (position < cap)

@@ -84,6 +84,13 @@ def positions(length: int) -> jax.Array:
     return context.positions(_CONTEXT.get(), length)
 
 
+def layout(length: int) -> jax.Array:
+    """Where each of a row's `length` tokens stands in the row as the step lays them out (0..length-1, or
+    the load-balanced order under context parallelism), whatever document it belongs to: for a model that
+    orders tokens by their place in the row (a mixture of experts' queue), not by position embedding."""
+    return context.positions(_CONTEXT.get(), length)
+
+
 @contextlib.contextmanager
 def watch_stacks():
     """Yields a list that gets the layer count of every `stack` call traced inside (the checks of
