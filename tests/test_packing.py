@@ -115,8 +115,8 @@ def test_positions_restart_and_a_document_packed_equals_it_alone(one_device):
     np.testing.assert_allclose(one_device(batch)[0, inside], one_device(alone)[0, :n], rtol=1e-5, atol=1e-5)
 
 
-def train_outputs(*extra, batch):
-    cfg, j = prepared(*extra, "optimizer.warmup_steps=2")
+def train_outputs(*extra, batch, devices=None):
+    cfg, j = prepared(*extra, "optimizer.warmup_steps=2", devices=devices)
     state = state_lib.init_state(j.init, j.shardings)
     _, out = j.train_step(state, jax.device_put(batch, j.batch_shardings))
     return {k: float(v) for k, v in out.items()} | {"local_axes": j.reduction.local_axes}
@@ -164,3 +164,12 @@ def test_packing_needs_documents(tmp_path):
         config_job = config.load(None, overrides(tmp_path, "data.name=digits", "data.packing=documents",
                                                  "model.name=mlp"))
         job_lib.workload(config_job, jax.devices()[:1])
+
+
+@pytest.mark.parametrize("mesh", ["cp_all_gather", "cp_ring"])
+def test_split_packed_rows_train_as_on_one_device(mesh):
+    """The forward and backward of packed rows split over the context devices: loss and gradient norm."""
+    batch = documents_batch(seed=1)
+    one = train_outputs(batch=batch, devices=jax.devices()[:1])
+    split = train_outputs(*MESHES[mesh], batch=batch)
+    np.testing.assert_allclose([split["loss"], split["grad_norm"]], [one["loss"], one["grad_norm"]], rtol=1e-5)

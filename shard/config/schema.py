@@ -38,12 +38,12 @@ class DataConfig:
                        choices=("auto", "lm", "classification", "binary", "regression"))
     path: Optional[str] = option(None, "text: file, folder or glob (default: Python's own .py sources); tabular: "
                                  "diabetes (default), breast_cancer or a CSV; arrays: .npz or folder; array_record: files")
-    target: str = option("target", "tabular CSV: the column to predict")
-    batch_size: int = option(32, "global batch size (all devices together)", min=1)
-    seq_len: int = option(128, "tokens per sequence (sequence data)", min=1)
     packing: str = option("concat", "lm: concat = the documents joined and cut into rows; documents = whole "
                           "documents packed first-fit, attention and positions kept inside each, padding "
                           "out of the loss", choices=("concat", "documents"))
+    target: str = option("target", "tabular CSV: the column to predict")
+    batch_size: int = option(32, "global batch size (all devices together)", min=1)
+    seq_len: int = option(128, "tokens per sequence (sequence data)", min=1)
     eval_fraction: float = option(0.05, "text: share held out for eval (by file; by bytes for one file)", min=0.001, max=0.999)
     features: list = option([16], "synthetic: shape of one input example")
     classes: int = option(10, "synthetic: number of classes (classification)", min=2)
