@@ -38,8 +38,8 @@ def rotary(x, theta: float):
     angle that grows with the position, so q.k depends on relative position."""
     half = x.shape[-1] // 2
     freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions(x.shape[1]).astype(jnp.float32)[:, None] * freqs  # (length, half)
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    angles = positions(x.shape[1]).astype(jnp.float32)[..., None] * freqs  # (length, half); packed: (batch, length, half)
+    cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]  # a heads axis to broadcast over
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 

@@ -102,8 +102,16 @@ def test_a_document_sees_only_itself_bitwise(mesh, one_device):
     np.testing.assert_allclose(before, one_device(batch), rtol=2e-5, atol=2e-5)  # and the split is the model
 
 
-def test_positions_restart_and_a_document_packed_equals_it_alone(one_device):
+@pytest.fixture(scope="module")
+def one_device_rope():
+    cfg, j = prepared("model.position=rope", devices=jax.devices()[:1])
+    return logits_fn(cfg, j)
+
+
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_positions_restart_and_a_document_packed_equals_it_alone(position, request):
     """Document 2 of row 0, at its place in the packed row, against the same tokens alone at the start of a row."""
+    one_device = request.getfixturevalue({"learned": "one_device", "rope": "one_device_rope"}[position])
     batch = documents_batch()
     inside = batch["segment_ids"][0] == 2
     n = int(inside.sum())
