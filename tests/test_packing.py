@@ -15,6 +15,7 @@ from shard import config, hooks, partition
 from shard.core import state as state_lib
 from shard.core import step as step_lib
 from shard.data import packing
+from shard.errors import UserError
 from shard.run import job as job_lib
 from shard.strategies import context
 
@@ -42,6 +43,20 @@ def test_rows_are_filled_first_fit_with_whole_documents():
     got = source.read_batch(np.arange(3))
     for key in packing.KEYS:
         np.testing.assert_array_equal(got[key], np.stack([r[key] for r in rows]))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_cpu_kernel_masks_documents_as_jax_does(causal):
+    """The CPU kernel's segment mask (grouped heads folded into rows) against jax.nn's attention with the mask."""
+    b, t, h, kv, d = 2, 16, 4, 2, 8
+    q, k, v = (jax.random.normal(key, (b, t, n, d)) for key, n in zip(jax.random.split(jax.random.key(0), 3), (h, kv, kv)))
+    segments = jnp.asarray(np.repeat([[1, 2, 3, 0], [1, 1, 2, 2]], 4, axis=1))
+    ours = hooks._cpu_attention(q, k, v, causal, segments)
+    mask = (segments[:, :, None] == segments[:, None, :])[:, None]
+    want = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal)
+    np.testing.assert_allclose(ours, want, rtol=1e-6, atol=1e-6)
+    with hooks.use(attention="cudnn"), hooks.packed(segments, segments), pytest.raises(UserError, match="segment ids"):
+        hooks.attention(q, k, v, is_causal=causal)
 
 
 def documents_batch(seed=0) -> dict:
@@ -167,7 +182,6 @@ def test_a_packed_run_trains_and_logs_its_target_tokens(train):
 
 
 def test_packing_needs_documents(tmp_path):
-    from shard.errors import UserError
     with pytest.raises(UserError, match="data.packing=documents packs language-model documents"):
         config_job = config.load(None, overrides(tmp_path, "data.name=digits", "data.packing=documents",
                                                  "model.name=mlp"))
