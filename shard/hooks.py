@@ -160,12 +160,27 @@ def unrolled(layers: nnx.Module, x):
 
 
 def recurrence(step, carry, xs):
-    """`jax.lax.scan(step, carry, xs)` for a model's recurrence over time (an LSTM's): while generating, it
-    goes on from the carry the previous call ended with (shard/decoding.py)."""
+    """`jax.lax.scan(step, carry, xs)` for a model's recurrence over time (an LSTM's), xs time-major and the
+    carry's arrays batch-major: while generating, it goes on from the carry the previous call ended with
+    (shard/decoding.py); over packed rows, the carry goes back to the one it started with at each
+    document's first token, so no state passes from one document into the next."""
     calls = _DECODE.get()
-    if calls is None:
+    if calls is not None:
+        return decoding.recur(step, carry, xs, calls)
+    if (rows := _PACKED.get()) is None:
         return jax.lax.scan(step, carry, xs)
-    return decoding.recur(step, carry, xs, calls)
+    starts = rows[1].T == 0  # (length, batch): where a document begins
+    if jax.tree.leaves(xs)[0].shape[0] != starts.shape[0] or any(
+            c.shape[:1] != starts.shape[1:] for c in jax.tree.leaves(carry)):
+        raise UserError(f"data.packing=documents: a recurrence over packed rows {rows[1].shape} needs its inputs "
+                        "time-major and its carry batch-major, to restart it at each document")
+
+    def restarting(state, x):
+        x, start = x
+        state = jax.tree.map(lambda c, c0: jnp.where(start.reshape(-1, *(1,) * (c.ndim - 1)), c0, c), state, carry)
+        return step(state, x)
+
+    return jax.lax.scan(restarting, carry, (xs, starts))
 
 
 def layer(fn):

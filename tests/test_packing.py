@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
-from conftest import ROOT, TINY_GPT, overrides
+from conftest import ROOT, TINY_GPT, TINY_MODELS, overrides
 from shard import config, hooks, partition
 from shard.core import state as state_lib
 from shard.core import step as step_lib
@@ -136,6 +136,20 @@ def test_positions_restart_and_a_document_packed_equals_it_alone(position, reque
     alone["inputs"][0, :n], alone["segment_ids"][0, :n] = batch["inputs"][0, inside], 1
     alone["positions"][0] = packing.row_positions(alone["segment_ids"][0])
     np.testing.assert_allclose(one_device(batch)[0, inside], one_device(alone)[0, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_a_recurrence_restarts_at_each_document():
+    """The LSTM's state does not pass from one document into the next: later documents' logits bitwise alone."""
+    lstm = [*(a for a in TINY_MODELS["lstm"] if not a.startswith("data.")), f"data.seq_len={L}", f"data.batch_size={B}"]
+    cfg = config.load(None, overrides("/tmp/unused", *lstm, f"data.path={ROOT / 'docs'}", "data.packing=documents"))
+    run = logits_fn(cfg, job_lib.prepare(cfg, jax.devices()[:1], training=False))
+    batch = documents_batch()
+    changed = {k: v.copy() for k, v in batch.items()}
+    first = changed["segment_ids"][0] == 1
+    changed["inputs"][0, first] = (changed["inputs"][0, first] + 7) % 256
+    before, after = run(batch), run(changed)
+    assert not np.array_equal(before[0, first], after[0, first])
+    np.testing.assert_array_equal(before[0, ~first], after[0, ~first])
 
 
 def train_outputs(*extra, batch, devices=None):
