@@ -62,19 +62,24 @@ def pack(documents: Iterable, seq_len: int, open_rows: int = 1024) -> Iterator[d
     past `open_rows` open rows, the oldest is yielded as it stands (the stream may be endless); at the end,
     the rest in the order they opened. Deterministic: the same documents give the same rows."""
     rows: list[_Row] = []
+    free = np.zeros(0, np.int64)  # each open row's free slots, in the order they opened: the search is numpy's
     for document in documents:
         for piece in pieces(document, seq_len):
             need = len(piece) - 1
-            row = next((r for r in rows if seq_len - r.used >= need), None)
-            if row is None:
+            fits = np.flatnonzero(free >= need)
+            if fits.size:
+                i = int(fits[0])
+            else:
                 if len(rows) == open_rows:
                     yield rows.pop(0).done()
-                row = _Row(seq_len)
-                rows.append(row)
-            row.add(piece)
-            if row.used == seq_len:
-                rows.remove(row)
-                yield row.done()
+                    free = free[1:]
+                rows.append(_Row(seq_len))
+                free, i = np.append(free, seq_len), len(rows) - 1
+            rows[i].add(piece)
+            free[i] -= need
+            if free[i] == 0:
+                yield rows.pop(i).done()
+                free = np.delete(free, i)
     for row in rows:
         yield row.done()
 
