@@ -4,10 +4,10 @@ settings that give the most of it.
 Each setting is a fresh `python train.py CONFIG ...` process (XLA_FLAGS are read when JAX starts)
 that trains STEPS steps and logs every LOG_EVERY; its figures are medians over the log blocks after
 the first two (the first holds the compile). Reported per setting: tokens/s, model TFLOP/s per
-device, MFU against the device's peak dense bf16 rate (shard/metrics.py's table, or
+device, MFU against the device's peak dense bf16 rate (shard/observe/metrics.py's table, or
 run.peak_tflops=), peak device memory, compile seconds.
 
-The FLOP count is the framework's (shard/flops.py, counted on the step's jaxpr): 2 FLOPs per
+The FLOP count is the framework's (shard/core/flops.py, counted on the step's jaxpr): 2 FLOPs per
 multiply-add of every matrix product, forward and backward, i.e. 6 x (parameters in matrix products)
 x tokens, plus attention (4 x layers x length x width per token forward, twice that backward, the
 causal mask not discounted), and without the forward that activation checkpointing recomputes

@@ -14,7 +14,7 @@ ours), and its scaled_dot_product_attention, which picks flash attention itself 
 `train.attention=cudnn`).
 
 On a CPU there are three as shipped and three more given the host allocator settings our trainer makes by
-default (`run.reuse_host_memory`, shard/host_malloc.py). Three, because one PyTorch process can run ~20%
+default (`run.reuse_host_memory`, shard/run/host_malloc.py). Three, because one PyTorch process can run ~20%
 faster or slower than the next for its whole life. The second kind shows which part of the gap is the
 allocator and which the compiled step: under glibc's defaults PyTorch's eager step flips between two
 speeds about a fifth apart on this model (bench/RESULTS.md).

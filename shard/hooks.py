@@ -7,7 +7,7 @@ computes attention with `attention(q, k, v, is_causal=...)`, takes its tokens' p
 `positions(length)`, multiplies token activations by a weight matrix with `dense(x, w)` and runs a
 recurrence over time with `recurrence(step, carry, xs)`; what those do
 is set by the run (`mesh.stage` and `pipeline.*`, `train.remat`, `train.attention`, `mesh.context` and
-`train.context_strategy`; generation's caches, shard/decoding.py; export's unrolled layers) while its
+`train.context_strategy`; generation's caches, shard/use/decoding.py; export's unrolled layers) while its
 step is traced, under `use(...)`. Outside the framework they are plain JAX (a scan, no remat, XLA's
 attention, positions in order), so a model stays an ordinary Flax module.
 """
@@ -44,10 +44,10 @@ REMAT_POLICIES = {
 def use(remat: str = "none", attention: str = "xla", pipeline=None, split: context.Split | None = None,
         decode: decoding.Calls | None = None, unroll: bool = False):
     """While tracing: `layer` applies this activation-checkpointing policy, `attention` this kernel,
-    `stack` hands its layers to `pipeline(layers, x)` (shard/pipeline.py's Schedule; None: a scan), and
+    `stack` hands its layers to `pipeline(layers, x)` (shard/strategies/pipeline.py's Schedule; None: a scan), and
     under context parallelism (`split`) attention runs over the context devices and `positions` gives
     the tokens' positions in their load-balanced order. `decode`: generating, attention, positions,
-    stacks and recurrences keep their state in these calls' entries (shard/decoding.py). `unroll`: the
+    stacks and recurrences keep their state in these calls' entries (shard/use/decoding.py). `unroll`: the
     stack runs its layers one after another in Python, without a scan (ONNX export)."""
     variables = ((_REMAT, remat), (_ATTENTION, attention), (_PIPELINE, pipeline), (_CONTEXT, split),
                  (_DECODE, decode), (_UNROLL, unroll))
@@ -73,8 +73,8 @@ def packed(segment_ids: jax.Array | None, token_positions: jax.Array | None):
 
 def positions(length: int) -> jax.Array:
     """The position of each of a sequence's `length` tokens as the step lays them out: 0..length-1, or
-    under context parallelism the load-balanced order (shard/context.py), or while generating the
-    positions after those already cached, or in a packed batch each token's place in its own document
+    under context parallelism the load-balanced order (shard/strategies/context.py), or while generating
+    the positions after those already cached, or in a packed batch each token's place in its own document
     (batch, length). Position embeddings, learned or rotary, index with this so they follow the tokens."""
     calls = _DECODE.get()
     if calls is not None:
@@ -162,7 +162,7 @@ def unrolled(layers: nnx.Module, x):
 def recurrence(step, carry, xs):
     """`jax.lax.scan(step, carry, xs)` for a model's recurrence over time (an LSTM's), xs time-major and the
     carry's arrays batch-major: while generating, it goes on from the carry the previous call ended with
-    (shard/decoding.py); over packed rows, the carry goes back to the one it started with at each
+    (shard/use/decoding.py); over packed rows, the carry goes back to the one it started with at each
     document's first token, so no state passes from one document into the next."""
     calls = _DECODE.get()
     if calls is not None:
@@ -206,9 +206,10 @@ def check_attention(attention: str, device, dtype) -> None:
                         f"{device.platform} device and {dtype}; use train.attention=xla")
 
 
-# Every attention call is a jitted function of exactly (q, k, v) with one of these names, so that
-# shard/flops.py finds it in a step's jaxpr and counts its FLOPs from the shapes, whichever kernel
-# runs inside (XLA's matrix products, or cuDNN's fused primitive that no FLOP count sees).
+# Every attention call is a jitted function of (q, k, v), and a packed batch's segment ids, with one of
+# these names, so that shard/core/flops.py finds it in a step's jaxpr and counts its FLOPs from the shapes
+# of the first three, whichever kernel runs inside (XLA's matrix products, or cuDNN's fused primitive that
+# no FLOP count sees).
 CAUSAL_NAME, FULL_NAME = "shard_attention_causal", "shard_attention_full"
 
 

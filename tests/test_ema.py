@@ -3,6 +3,7 @@ average follows its recursion step by step, eval and load_model use it, it start
 of a checkpoint without one, resumes bitwise, gives the one-device figures under fsdp x tensor, a circular
 pipeline and gradient accumulation, and is refused in one line with DiLoCo."""
 
+import json
 import shutil
 
 import jax
@@ -91,3 +92,14 @@ def test_the_plan_counts_the_average_and_diloco_is_refused(tmp_path):
     with pytest.raises(UserError, match="train.ema=0.5 with train.sync=diloco: the replicas' weights part"):
         plan.analyse(config.load(None, overrides(tmp_path, *BASE, "run.cpu_devices=4", "mesh.replica=2",
                                                  "train.sync=diloco")), jax.devices()[:4])
+
+
+def test_two_processes_average_as_one(train, tmp_path):
+    from test_multihost import losses as logged, train_processes
+
+    args = [*BASE, "mesh=fsdp", "train.sample_len=8"]
+    one = train(*args, "run.cpu_devices=8", subdir="one")
+    train_processes(tmp_path / "two", 2, *args, "mesh.dcn_fsdp=2")  # the average's shards span the processes
+    np.testing.assert_allclose(logged(tmp_path / "two"), [r["loss"] for r in one.history], rtol=1e-5)
+    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert next(r for r in records if "eval_loss" in r)["eval_loss"] == pytest.approx(one.eval["eval_loss"], rel=1e-5)

@@ -1,4 +1,4 @@
-"""On CPU the framework has glibc's malloc keep freed memory for reuse (shard/host_malloc.py): a big block
+"""On CPU the framework has glibc's malloc keep freed memory for reuse (shard/run/host_malloc.py): a big block
 freed and asked for again costs no page faults. Each case runs in a fresh process, since the setting is
 the process's and the environment can veto it."""
 

@@ -234,7 +234,7 @@ def test_bad_launch_options_are_one_line_exit_2(args, message):
 
 
 def test_on_simulated_cpu_devices_a_program_ends_before_the_next_is_dispatched():
-    # XLA:CPU can hang when two programs' collectives overlap on its shared thread pool (shard/distributed.py):
+    # XLA:CPU can hang when two programs' collectives overlap on its shared thread pool (shard/run/distributed.py):
     # the trainer's, evaluation's and generation's loops pass each program's outputs through `finished`.
     import jax
     import jax.numpy as jnp

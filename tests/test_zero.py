@@ -98,7 +98,7 @@ def compiled_text(tmp_path, *extra) -> str:
 
 def test_bfloat16_reduction_runs_in_bfloat16_and_trains_the_float32_curve(plans, curves):
     """The compiled all-reduce carries the gradients rounded to bfloat16 (XLA's CPU backend widens the
-    collective itself to float32; shard/hlo.py reads the rounding), 2 bytes a parameter against 4, and the
+    collective itself to float32; shard/plan/hlo.py reads the rounding), 2 bytes a parameter against 4, and the
     loss follows float32's closely without being float32's."""
     psi = plans("mesh=dp")["param_count"]
     reduced = [plans("mesh=dp", f"train.grad_dtype={d}")["collectives"]["all-reduce"] for d in ("float32", "bfloat16")]

@@ -73,7 +73,7 @@ class TrainConfig:
     seed: int = option(0, "seed for parameters and data order", min=0, job=True)
     dtype: str = option("float32", "compute dtype; parameters stay float32",
                         choices=("float32", "bfloat16"), job=True)
-    loss: str = option("auto", "loss name (see shard/losses.py); auto = the task's default", job=True)
+    loss: str = option("auto", "loss name (see shard/core/losses.py); auto = the task's default", job=True)
     remat: str = option("none", "activation checkpointing of each scanned layer: keep all, recompute all, "
                         "or keep matmul outputs", choices=("none", "full", "dots"))
     context_strategy: str = option("all_gather", "attention under mesh.context > 1: all_gather (each device keeps "

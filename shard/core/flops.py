@@ -13,7 +13,7 @@ value shapes: forward 2 x (query, key) pairs x (head_dim + value dim) per head, 
 Causal attention counts the pairs on or below the diagonal, about half the square: the work actually
 needed (the convention of MaxText's and PaLM's MFU), not the masked square XLA's kernel computes.
 With activation checkpointing the recomputed forward is counted too (it is work the device does);
-MFU and the plan count a trace without it (shard/job.py).
+MFU and the plan count a trace without it (shard/run/job.py).
 """
 
 import math

@@ -43,10 +43,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
                     skip_nonfinite: bool = False, reduction: gradients.Reduction = gradients.Reduction(),
                     device_shardings=None, order: tuple | None = None, schedule: Callable | None = None) -> Callable:
     """The train step: the loss (each microbatch's mean loss counting 1/K under accumulation, so the update is
-    the whole batch's), gradients reduced as `reduction` says (shard/gradients.py), one optimizer update.
+    the whole batch's), gradients reduced as `reduction` says (shard/strategies/gradients.py), one optimizer update.
     `device_shardings` (host offload) is the state's layout in device memory: what lives on the host between
     steps is moved there for the step and back after it (the out shardings say where). `order`: context
-    parallelism's load-balanced token order, in which inputs and targets are laid out (shard/context.py).
+    parallelism's load-balanced token order, in which inputs and targets are laid out (shard/strategies/context.py).
     `schedule`: the learning rate's, whose value at this step is an output (computed in the step, the trainer
     never dispatches a computation of its own to read it, which on a CPU would wait for the running step)."""
 
@@ -131,7 +131,7 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable, task: str, dtype, 
 
 class Forward(NamedTuple):
     outputs: jax.ShapeDtypeStruct  # the model's output on one batch
-    jaxpr: object                  # its forward pass (shard/flops.py counts attention there)
+    jaxpr: object                  # its forward pass (shard/core/flops.py counts attention there)
 
 
 def model_forward(graphdef: nnx.GraphDef, abstract_state, abstract_batch: dict, dtype, model_name: str,

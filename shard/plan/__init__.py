@@ -7,7 +7,7 @@ dimensions allow; `mesh=auto` trains with the fastest estimate that fits.
 
 Every figure is per device and per step. Memory comes from XLA's memory analysis of the compiled
 program (arguments, outputs not aliased to donated inputs, temporaries) and from the shardings of the
-state; collectives and their bytes from the program's HLO (shard/hlo.py). The step-time estimate is
+state; collectives and their bytes from the program's HLO (shard/plan/hlo.py). The step-time estimate is
 compute + communication with no overlap (an upper bound for a well-overlapped step):
   flops_per_device / peak FLOP/s  +  wire_bytes_per_device / link bandwidth.
 """
@@ -46,14 +46,10 @@ def _on_host(leaf) -> bool:
 
 
 def _gradient_bytes(abstract_params, prepared) -> int:
-    """Bytes of the gradients as the step keeps them per device: split like the parameters, or like the
-    optimizer state under ZeRO-2 with microbatches (train.grad_accum > 1), which it sums into that split
-    (ZeRO-1 sums them whole). With one microbatch there is nothing to keep: the backward pass makes each
-    gradient whole before its reduce-scatter under ZeRO-2 as under ZeRO-1 (XLA compiles the same program,
-    tests/test_zero.py), so the split saves nothing and is not counted."""
-    red = prepared.reduction
-    zero2 = red is not None and red.split_sum and red.update_shardings and red.accum > 1
-    layout = prepared.reduction.update_shardings if zero2 else prepared.shardings.params
+    """Bytes of the gradients as the step keeps them per device: split like the parameters, unless a strategy
+    keeps them in another layout (ZeRO-2 with microbatches: the optimizer state's split)."""
+    kept = [g for s in prepared.strategies if (g := s.gradient_shardings(prepared)) is not None]
+    layout = kept[0] if kept else prepared.shardings.params
     return _shard_bytes(jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                      abstract_params, layout))
 

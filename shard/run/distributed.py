@@ -165,7 +165,7 @@ def _client():
         client = jax_distributed.global_state.client
     except (ImportError, AttributeError) as e:
         raise RuntimeError(f"jax {jax.__version__} moved its distributed-runtime client "
-                           f"(jax._src.distributed.global_state.client: {first_line(e)}); shard/distributed.py "
+                           f"(jax._src.distributed.global_state.client: {first_line(e)}); shard/run/distributed.py "
                            "needs updating for this JAX version") from None
     if client is None:
         raise RuntimeError("the distributed runtime is not initialised (jax.distributed.initialize)")

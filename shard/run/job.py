@@ -3,7 +3,7 @@
 Two parts. The workload is what the mesh does not change: model class and arguments, data, loss,
 optimizer, the state's shapes and the step's model FLOPs. The job adds what the mesh decides: the
 mesh itself, every array's sharding and the compiled steps. `--compare` builds the workload once and
-a job per candidate mesh; a training run builds one of each (shard/trainer.py).
+a job per candidate mesh; a training run builds one of each (shard/run/trainer.py).
 """
 
 import dataclasses
@@ -45,7 +45,7 @@ class Workload:
     init: object          # builds the train state (jitted with its shardings by state.init_state)
     batch: dict           # one global batch's shapes, train and eval
     eval_batch: dict
-    flops_per_step: float  # model FLOPs of one train step, all devices together (shard/flops.py)
+    flops_per_step: float  # model FLOPs of one train step, all devices together (shard/core/flops.py)
     stacks: tuple = ()     # the layer count of each stack the model runs through shard.hooks.stack
 
 

@@ -48,7 +48,7 @@ class Result:
 
 
 def run(cfg: config_lib.Config) -> Result:
-    """The whole run. SIGTERM/SIGINT are honoured in every phase (shard/stopping.py)."""
+    """The whole run. SIGTERM/SIGINT are honoured in every phase (shard/run/stopping.py)."""
     with stopping.StopRequest() as stop:
         return _run(cfg, stop)
 

@@ -130,6 +130,10 @@ class Strategy:
         """Its lines in the plan's report, from plan.json (the keys its `plan` wrote)."""
         return []
 
+    def gradient_shardings(self, job):
+        """Where the step keeps the gradients between microbatches, if not like the parameters (None)."""
+        return None
+
     def wire_bytes(self, job, n: int) -> float:
         """Bytes per device and step that move outside the train step's own program (e.g. DiLoCo's syncs)."""
         return 0.0

@@ -24,7 +24,7 @@ beside it, split like the parameters inside one replica; local SGD needs none. E
 sample, `shard.load_model` and export use the global view: DiLoCo's outer model (the anchor), local SGD's
 replicas' mean (at a sync step: the synced model). `train.init_from`, `checkpoint.restore_from` and a
 resume whose checkpoint has another layout (a plain one, or another mesh.replica) start every replica and
-the anchor from that checkpoint's global view (shard/sync_io.py).
+the anchor from that checkpoint's global view (shard/strategies/sync_io.py).
 """
 
 import math

@@ -1,4 +1,4 @@
-"""Checkpoints in and out of the replica layout of train.sync=local_sgd/diloco (shard/sync.py).
+"""Checkpoints in and out of the replica layout of train.sync=local_sgd/diloco (shard/strategies/sync.py).
 
 A checkpoint holds either one model (an ordinary run's: "plain") or R replicas' (a leading R dimension on the
 model and optimizer state). What a run can take from one that does not match its own layout is the saved

@@ -44,5 +44,13 @@ class Zero(Strategy):
             place.work.abstract.params, place.mesh, place.rules, place.auto_min)
         return {"update_shardings": split, "split_sum": self.stage == 2}
 
+    def gradient_shardings(self, job):
+        """ZeRO-2 with microbatches (train.grad_accum > 1) sums them into the optimizer state's split (ZeRO-1 sums
+        them whole). With one microbatch there is nothing to keep: the backward pass makes each gradient whole
+        before its reduce-scatter under ZeRO-2 as under ZeRO-1 (XLA compiles the same program,
+        tests/test_zero.py), so the split saves nothing and is not counted."""
+        red = job.reduction
+        return red.update_shardings if red.split_sum and red.update_shardings and red.accum > 1 else None
+
     def reduce_once(self) -> str:
         return "ZeRO's reduction into each device's slice is placed by XLA's partitioner" if self.data > 1 else ""

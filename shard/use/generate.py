@@ -5,7 +5,7 @@ through shard.hooks):
                              [--top-k K] [--top-p P] [--seed S] [--batch B] [key=value ...]
 
 One prefill pass runs the model over the prompt and fills its cache (attention's keys and values, an
-LSTM's state: shard/decoding.py); then one jitted loop adds a token at a time, each step running the model
+LSTM's state: shard/use/decoding.py); then one jitted loop adds a token at a time, each step running the model
 on that token alone. The cache carries logical names, so under any mesh (`mesh=tp run.cpu_devices=4`, as
 for training) it is split like the activations: heads over `tensor`, the batch over the batch axes.
 
