@@ -176,7 +176,7 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         shardings = state_lib.state_shardings(work.abstract, mesh, rules, place.auto_min)
         for s in active:
             shardings = s.shardings(shardings, place)  # ZeRO's split moments, offload's host memory
-        place.device_shardings = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+        place.device_shardings = state_lib.device_memory(shardings)
         place.split = split = state_lib.split_report(work.abstract.params, dict(mesh.shape), rules, place.auto_min)
         batch_shardings = state_lib.batch_shardings(work.batch, mesh, rules)
         eval_shardings = state_lib.batch_shardings(work.eval_batch, mesh, rules)
