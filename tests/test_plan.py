@@ -143,7 +143,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   %ag = (f32[16]{0}, bf16[4]{0}) all-gather(%a, %b), replica_groups={{0,1},{2,3}}, dimensions={0}
   %rs = f32[2]{0} reduce-scatter(%a), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, to_apply=%add
   %cp = f32[8]{0} collective-permute(%a), source_target_pairs={{0,1},{1,0}}
-  %aa = f32[8]{0} all-to-all(%a), replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}
+  %aa = f32[8]{0} all-to-all(%a), replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}
 }
 """
     ops = {op.kind: op for op in hlo.collectives(text, 8)}

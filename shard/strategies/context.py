@@ -133,18 +133,8 @@ def _gathered_causal(q, k, v, order, n):
                           preferred_element_type=jnp.float32) * scale
     visible = jnp.asarray(qpos)[:, :, None, None, :, None] >= jnp.asarray(kpos[:, n:])[:, :, None, None, None, :]
     s_blocks = jnp.where(visible, s_blocks, -jnp.inf)
-    # One softmax per query chunk over all its blocks: the late chunk's prefix and blocks, the early chunk's blocks.
-    is_late = jnp.asarray(late)[None, :, :, None, None, None]  # over (b, device, block, kv, group, chunk)
-    block_max = jax.lax.stop_gradient(s_blocks.max(-1))
-    m_late = jnp.maximum(jax.lax.stop_gradient(s_prefix.max(-1)), jnp.where(is_late, block_max, -jnp.inf).max(2))
-    m_early = jnp.where(is_late, -jnp.inf, block_max).max(2)
-    p_prefix = jnp.exp(s_prefix - m_late[..., None])
-    p_blocks = jnp.exp(s_blocks - jnp.where(is_late, m_late[:, :, None], m_early[:, :, None])[..., None])
-    sums = p_blocks.sum(-1)
-    l_late = p_prefix.sum(-1) + jnp.where(is_late, sums, 0).sum(2)
-    l_early = jnp.where(is_late, 0, sums).sum(2)
-    p_prefix = (p_prefix / l_late[..., None]).astype(v.dtype)  # normalised before the values, as jax.nn's
-    p_blocks = (p_blocks / jnp.where(is_late, l_late[:, :, None], l_early[:, :, None])[..., None]).astype(v.dtype)
+    p_prefix, p_blocks = _softmax(s_prefix, s_blocks, jnp.asarray(late)[None, :, :, None, None, None])
+    p_prefix, p_blocks = p_prefix.astype(v.dtype), p_blocks.astype(v.dtype)  # normalised before PV, as jax.nn's
     o_prefix = jnp.einsum("bingcjs,bijsnd->bicngd", p_prefix.reshape(b, n, kv, h // kv, c, n, c), vs[:, :, :n],
                           preferred_element_type=jnp.float32)
     o_blocks = jnp.einsum("bijngcs,bijsnd->bijcngd", p_blocks, vs[:, :, n:], preferred_element_type=jnp.float32)
@@ -152,6 +142,40 @@ def _gathered_causal(q, k, v, order, n):
     o_early = jnp.where(owner, 0, o_blocks).sum(2)
     out = jnp.stack([o_early, o_late], axis=2).astype(q.dtype)
     return partition.constrain(out.reshape(b, t, h, -1), ("batch", "length", "heads", "head_dim"))
+
+
+@jax.custom_jvp
+def _softmax(s_prefix, s_blocks, is_late):
+    """One softmax per query chunk over all its blocks: the late chunk's prefix (b, device, kv, group, chunk, keys)
+    and blocks, the early chunk's blocks (b, device, block, kv, group, chunk, keys); is_late says whose a block is."""
+    block_max = s_blocks.max(-1)
+    m_late = jnp.maximum(s_prefix.max(-1), jnp.where(is_late, block_max, -jnp.inf).max(2))
+    m_early = jnp.where(is_late, -jnp.inf, block_max).max(2)
+    p_prefix = jnp.exp(s_prefix - m_late[..., None])
+    p_blocks = jnp.exp(s_blocks - _per_block(m_late, m_early, is_late)[..., None])
+    l_late, l_early = _per_query(p_prefix.sum(-1), p_blocks.sum(-1), is_late)
+    return p_prefix / l_late[..., None], p_blocks / _per_block(l_late, l_early, is_late)[..., None]
+
+
+def _per_query(prefix_sums, block_sums, is_late):
+    """Row sums of the prefix and of the blocks gathered per query chunk: (late, early)."""
+    return prefix_sums + jnp.where(is_late, block_sums, 0).sum(2), jnp.where(is_late, 0, block_sums).sum(2)
+
+
+def _per_block(late, early, is_late):
+    """A value per query row of each block, from the late or early chunk's as the block is theirs."""
+    return jnp.where(is_late, late[:, :, None], early[:, :, None])
+
+
+@_softmax.defjvp
+def _softmax_jvp(primals, tangents):
+    # As jax.nn.softmax's: dp = p (ds - sum(p ds)) over each query's keys, so the backward is a single pass over the
+    # scores rather than autodiff's through the maxima, exponentials and sums.
+    (p_prefix, p_blocks), (ds_prefix, ds_blocks, _) = _softmax(*primals), tangents
+    is_late = primals[2]
+    late, early = _per_query((p_prefix * ds_prefix).sum(-1), (p_blocks * ds_blocks).sum(-1), is_late)
+    return (p_prefix, p_blocks), (p_prefix * (ds_prefix - late[..., None]),
+                                  p_blocks * (ds_blocks - _per_block(late, early, is_late)[..., None]))
 
 
 # ----------------------------------------------------------------------------- ring attention
