@@ -10,7 +10,8 @@ import pytest
 from conftest import TINY_GPT, TINY_MODELS, one_device_runs, overrides
 from shard import config, partition, plan
 from shard.strategies import context
-from shard.plan import flops, hlo
+from shard.core import flops
+from shard.plan import hlo
 from shard.run import job
 from shard.core import mesh as mesh_lib
 

@@ -378,7 +378,8 @@ class Context(Strategy):
     def report(plan: dict) -> list:
         if not (ctx := plan.get("context")):
             return []
-        how = {"all_gather": "each device gathers every layer's keys and values",
+        how = {"all_gather": "each device gathers every layer's keys and values" + (
+                   ", and scores only the blocks its queries see" if ctx["balanced"] else ""),
                "ring": "keys and values pass round the devices, one chunk per step"}[ctx["strategy"]]
         return [f"context: each sequence split over {ctx['size']} devices ({ctx['strategy']}: {how})"
                 + ("; causal work balanced (chunks i and 2N-1-i on device i)" if ctx["balanced"] else "")]
