@@ -97,7 +97,11 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable, task: str, dtype, 
         outputs = model(cast_floats(batch["inputs"], dtype)).astype(jnp.float32)
         targets, mask = batch["targets"], batch["mask"]
         per_example = lambda fn: jax.vmap(lambda o, t: fn(o[None], t[None]))(outputs, targets)
-        sums = {"count": jnp.sum(mask), "loss": jnp.sum(mask * per_example(loss_fn))}
+        losses = per_example(loss_fn)
+        sums = {"count": jnp.sum(mask), "loss": jnp.sum(mask * losses)}
+        if "bytes" in batch:  # the text the targets stand for: bits per byte whatever the tokenizer
+            sums["nats"] = jnp.sum(mask * losses) * targets.shape[1]  # each row's mean loss x its tokens
+            sums["bytes"] = jnp.sum(mask * batch["bytes"].astype(jnp.float32))
         if task in ("classification", "binary", "lm"):
             sums["accuracy"] = jnp.sum(mask * per_example(lambda o, t: accuracy(o, t, task)))
         if task == "regression":  # for R^2 = 1 - SSE / total sum of squares

@@ -11,8 +11,9 @@ for training) it is split like the activations: heads over `tensor`, the batch o
 
 A model with a fixed context (`max_len`: gpt, moe) generates past it with a sliding window: when the cache
 is full, its last half is prefilled again as a new start (positions restart at 0) and decoding goes on. A
-prompt longer than the context is refused. Text is bytes: the prompt's UTF-8 bytes are its tokens, and
-the model picks among the 256 byte values.
+prompt longer than the context is refused. Text goes through the run's tokenizer (`data.tokenizer`; bytes
+for the `text` source: the prompt's UTF-8 bytes are its tokens), and the model picks among its tokens;
+generation stops at the tokenizer's EOS, where it has one.
 """
 
 import argparse
@@ -227,8 +228,22 @@ def recompute(model: nnx.Module, prompt: np.ndarray, new_tokens: int, vocab: int
                                       jax.random.key(0), None)
 
 
+def run_tokenizer(data_cfg):
+    """The tokenizer a run's text went through (shard/data/tokenizer.py): data.tokenizer for documents, else bytes."""
+    from shard.data import tokenizer
+
+    return tokenizer.load(data_cfg.tokenizer if data_cfg.name == "documents" else "bytes")
+
+
 def text_tokens(text: str) -> list[int]:
     return list(text.encode("utf-8"))
+
+
+def until_eos(tokens, eos: int | None):
+    """A row's tokens before its first `eos` (all of them without one)."""
+    tokens = np.asarray(tokens)
+    hits = np.flatnonzero(tokens == eos) if eos is not None else []
+    return tokens[:hits[0]] if len(hits) else tokens
 
 
 def token_text(tokens) -> str:
@@ -262,7 +277,6 @@ def main(argv: list[str]) -> int:
     args, overrides, whole_mesh = load.parse_loading(parser, argv)
     if args.max_new_tokens < 1 or args.batch < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} and --batch {args.batch} must be at least 1")
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, vocab=BYTES).check()
     prompt = args.prompt if args.prompt is not None else "\n"
     if args.prompt_file:
         try:
@@ -274,14 +288,16 @@ def main(argv: list[str]) -> int:
                        trust_code=args.trust_code)
     generator = Generator(loaded.model, loaded.mesh if whole_mesh else None, loaded.rules, loaded.cfg.train.dtype,
                           window=loaded.cfg.data.seq_len)
-    tokens = np.tile(np.array(text_tokens(prompt), np.int32), (args.batch, 1))
+    tok = run_tokenizer(loaded.cfg.data)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, vocab=tok.vocab_size).check()
+    tokens = np.tile(np.array(tok.encode(prompt), np.int32), (args.batch, 1))
     start = time.perf_counter()
-    out = generator(tokens, args.max_new_tokens, sampling, seed=args.seed)
+    out = generator(tokens, args.max_new_tokens, sampling, seed=args.seed, eos=tok.eos)
     seconds = time.perf_counter() - start
     for i, row in enumerate(out):
         if args.batch > 1:
             print(f"--- {i}")
-        print(prompt + token_text(row))
+        print(prompt + tok.decode(until_eos(row, tok.eos)))
     print(f"{loaded.cfg.model.name} at step {loaded.step} of {args.run}: {args.batch} x {args.max_new_tokens} tokens, "
           f"{out.size / seconds:,.0f} tokens/s ({seconds:.2f} s, compiling included)", file=sys.stderr)
     return 0
