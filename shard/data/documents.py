@@ -16,6 +16,7 @@ from pathlib import Path
 from shard.errors import UserError
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet", ".arrow", ".txt")
+DATASETS_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json")  # save_to_disk's, beside its .arrow files
 BATCH = 1024  # texts per batch handed to the tokenizer
 
 
@@ -32,7 +33,7 @@ def corpus_files(path: str | None) -> list[Path]:
     if any(c in path for c in "*?["):
         files = sorted(Path(p) for p in glob.glob(path, recursive=True) if os.path.isfile(p))
     elif os.path.isdir(path):
-        files = sorted(p for p in Path(path).rglob("*") if p.is_file() and kind(p))
+        files = sorted(p for p in Path(path).rglob("*") if p.is_file() and kind(p) and p.name not in DATASETS_METADATA)
     elif os.path.isfile(path):
         files = [Path(path)]
     else:

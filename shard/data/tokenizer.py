@@ -103,12 +103,18 @@ class SentencePiece:
 
     def encode_batch(self, texts: list[str]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         ids, counts = [], []
-        for text, proto in zip(texts, self.sp.encode(texts, out_type="immutable_proto")):
+        for text, proto in zip(texts, self._protos(texts)):
             ids.append(np.array([p.id for p in proto.pieces], np.uint32))
             # begin/end are byte offsets into the text; the counts come straight from them
             ends = np.array([p.end for p in proto.pieces], np.int64)
             counts.append(_byte_counts(ends, len(text.encode("utf-8"))))
         return ids, counts
+
+    def _protos(self, texts: list[str]):
+        try:  # sentencepiece >= 0.2.1 names it proto; 0.2.0 immutable_proto
+            return self.sp.encode(texts, out_type="proto")
+        except ValueError:
+            return self.sp.encode(texts, out_type="immutable_proto")
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
