@@ -178,7 +178,7 @@ class PipelineConfig:
 class RunConfig:
     dir: Optional[str] = option(None, "run folder: resolved config, metrics.jsonl, checkpoints. null (the default): "
                                 "runs/<config file name>, plus -<8 hex digits> when the command line changes what "
-                                "is trained (a model, data or optimizer key but data.prefetch, or one marked [picks "
+                                "is trained (a model, data or optimizer key but data.prefetch and data.cache_dir, or one marked [picks "
                                 "the folder] here; not train.steps, nor eval, sample, log, mesh or run keys), so the same command "
                                 "resumes its own run and another job gets another folder; "
                                 "a config file outside configs/ always gets the suffix")

@@ -123,9 +123,11 @@ def _encode_all(files, field, spec, tok, scratch: Path, workers: int | None) -> 
                 lengths[job[0]] = _encode_file(*job, tok=tok)
                 bar.update(sizes[job[0]])
         else:
-            # fork: the workers import nothing again (spawning would import JAX in each, seconds apiece).
-            # They touch no JAX state, only numpy, the readers and the tokenizer.
-            context = multiprocessing.get_context("fork")
+            # A fork server, not a fork of this process: JAX's threads are running here, and a forked copy
+            # of a threaded process may deadlock. The server imports this module once (a second or two);
+            # each worker is a fork of it.
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload([__name__])
             with context.Pool(workers, initializer=tokenizer_lib.quiet_parallelism) as pool:
                 for i, got in pool.imap_unordered(_encode_job, jobs):
                     lengths[i] = got
