@@ -60,6 +60,7 @@ def made(tmp_path_factory):
     with gzip.open(root / "jsonl" / "b.jsonl.gz", "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows[half:])
     (root / "one.json").write_text(json.dumps(rows))
+    (root / "lines.json").write_text("".join(json.dumps(r) + "\n\n" for r in rows))  # JSON Lines named .json
     pq.write_table(pa.table({"text": DOCS, "id": list(range(len(DOCS)))}), root / "one.parquet", row_group_size=7)
     saved = root / "saved"  # what datasets' save_to_disk writes: Arrow IPC streams and two JSON files
     saved.mkdir()
@@ -101,7 +102,7 @@ def test_the_stream_is_the_tokenizers_own_encoding_joined_by_eos_and_counts_ever
     assert per_doc.tolist() == [len(d.encode()) + 1 for d in DOCS]  # the text's UTF-8 bytes, and one for EOS
 
 
-@pytest.mark.parametrize("path", ["jsonl", "one.json", "one.parquet", "saved", "txt", "jsonl/*.jsonl*"])
+@pytest.mark.parametrize("path", ["jsonl", "one.json", "lines.json", "one.parquet", "saved", "txt", "jsonl/*.jsonl*"])
 def test_every_format_reads_the_same_documents(made, path):
     files = documents.corpus_files(str(made["root"] / path))
     assert [t for f in files for batch in documents.texts(f, "text") for t in batch] == DOCS
@@ -244,6 +245,8 @@ BAD = {  # case: (corpus file name, its content or None, overrides, what the lin
     "empty corpus": ("a.jsonl", '{"text": ""}\n{"text": null}\n', [], "hold no documents"),
     "unreadable tokenizer": ("a.jsonl", '{"text": "a"}\n', ["data.tokenizer=BAD"], "is not a readable tokenizer.json"),
     "parquet without the column": ("a.parquet", None, [], "no column data.field='text'; its columns are: body"),
+    "tokenizer for the text source": ("a.jsonl", '{"text": "a"}\n', ["data.name=text", "data.tokenizer=BPE"],
+                                      "is read by data.name=documents only"),
     "tokenizer larger than the model": ("a.jsonl", '{"text": "a"}\n', ["data.tokenizer=BPE", "model.vocab_size=256"],
                                         "model.vocab_size=256 is smaller than data.tokenizer="),
 }

@@ -100,7 +100,9 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable, task: str, dtype, 
         losses = per_example(loss_fn)
         sums = {"count": jnp.sum(mask), "loss": jnp.sum(mask * losses)}
         if "bytes" in batch:  # the text the targets stand for: bits per byte whatever the tokenizer
-            sums["nats"] = jnp.sum(mask * losses) * targets.shape[1]  # each row's mean loss x its tokens
+            # each row's mean loss x the tokens it is the mean of (a row's loss_mask, where a packer gives one)
+            tokens = jnp.sum(batch["loss_mask"], axis=1) if "loss_mask" in batch else targets.shape[1]
+            sums["nats"] = jnp.sum(mask * losses * tokens)
             sums["bytes"] = jnp.sum(mask * batch["bytes"].astype(jnp.float32))
         if task in ("classification", "binary", "lm"):
             sums["accuracy"] = jnp.sum(mask * per_example(lambda o, t: accuracy(o, t, task)))

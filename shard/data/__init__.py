@@ -42,6 +42,8 @@ class Data:
 def load_splits(cfg, seed: int, cache_dir=None) -> tuple:
     """(train source, eval source, the source's own task). `cache_dir`: documents' token caches, unless
     data.cache_dir says where."""
+    if cfg.tokenizer != "bytes" and cfg.name != "documents":
+        raise UserError(f"data.tokenizer={cfg.tokenizer} is read by data.name=documents only (data.name={cfg.name})")
     if cfg.name == "text":
         return (*sources.text_splits(cfg.path, cfg.seq_len, cfg.eval_fraction), "lm")
     if cfg.name == "documents":
