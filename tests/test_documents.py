@@ -204,6 +204,7 @@ def test_training_learns_reports_bits_per_byte_and_generates_through_the_tokeniz
     from shard.use import generate, load
 
     assert "vocab_size: 300" in (run_dir / "config.yaml").read_text()
+    assert (run_dir / "tokenizer" / "tokenizer.json").read_bytes() == Path(made["bpe"]).read_bytes()  # the run's own copy
     tok = shard.load_tokenizer(str(run_dir))
     assert tok.decode(tok.encode("def héllo(x):")) == "def héllo(x):"
     out = subprocess.run([sys.executable, "-m", "shard.generate", str(run_dir), "--prompt", "def ", "--temperature", "0",
@@ -229,6 +230,9 @@ def test_resume_is_bitwise(made, train, tmp_path):
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "4")
     resumed = train(*corpus, subdir="resumed")
     assert resumed.start_step == 2
+    import shard
+
+    assert shard.load_tokenizer(str(tmp_path / "whole")).kind == "sentencepiece"  # from the run's copy of spm.model
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in whole.history][2:]  # bitwise
 
 

@@ -127,13 +127,32 @@ def load(spec: str | None):
     """The tokenizer `data.tokenizer` names: bytes, a tokenizer.json (or a folder with one) or a .model."""
     if spec in (None, "bytes"):
         return Bytes()
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        path = path / "tokenizer.json"
+    path = _file(spec)
     if not path.is_file():
         raise UserError(f"data.tokenizer={spec!r} does not exist; give bytes, a tokenizer.json (or a folder holding "
                         "one) or a SentencePiece .model")
     return SentencePiece(path) if path.suffix == ".model" else HuggingFace(path)
+
+
+def _file(spec: str) -> Path:
+    """The tokenizer's file: the path itself, or in a folder its tokenizer.json, else its one .model."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        models = sorted(path.glob("*.model"))
+        path = path / "tokenizer.json" if (path / "tokenizer.json").is_file() or len(models) != 1 else models[0]
+    return path
+
+
+def files(spec: str | None) -> dict[str, bytes]:
+    """name -> content of the files a tokenizer is read from (none for bytes): its own file, and a
+    tokenizer.json's tokenizer_config.json (BOS and EOS) where there is one beside it."""
+    if spec in (None, "bytes"):
+        return {}
+    path = _file(spec)
+    found = {path.name if path.suffix == ".model" else "tokenizer.json": path.read_bytes()}
+    if path.suffix == ".json" and (path.parent / "tokenizer_config.json").is_file():
+        found["tokenizer_config.json"] = (path.parent / "tokenizer_config.json").read_bytes()
+    return found
 
 
 def separator(tokenizer) -> tuple[np.ndarray, np.ndarray]:

@@ -76,6 +76,7 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
         if main:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(work.resolved)
+            generate.keep_tokenizer(cfg.data, run_dir)  # the folder stays all a trained model needs
         checkpoints = None
         if cfg.checkpoint.enabled:
             checkpoints = ckpt_lib.Checkpoints(job.checkpoint_dir, keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.use import decoding
 from shard.run import distributed
-from shard import hooks, partition
+from shard import hooks, partition, paths
 from shard.errors import UserError, exit_from
 from shard.core.step import cast_floats
 
@@ -228,11 +228,28 @@ def recompute(model: nnx.Module, prompt: np.ndarray, new_tokens: int, vocab: int
                                       jax.random.key(0), None)
 
 
-def run_tokenizer(data_cfg):
-    """The tokenizer a run's text went through (shard/data/tokenizer.py): data.tokenizer for documents, else bytes."""
+TOKENIZER_FOLDER = "tokenizer"  # in a run folder: a copy of data.tokenizer's files
+
+
+def run_tokenizer(data_cfg, run_folder=None):
+    """The tokenizer a run's text went through (shard/data/tokenizer.py): data.tokenizer for documents, else
+    bytes; the run folder's own copy where it has one (the original may have moved, or be on another machine)."""
     from shard.data import tokenizer
 
-    return tokenizer.load(data_cfg.tokenizer if data_cfg.name == "documents" else "bytes")
+    if data_cfg.name != "documents":
+        return tokenizer.load("bytes")
+    kept = run_folder / TOKENIZER_FOLDER if run_folder is not None else None
+    return tokenizer.load(str(kept) if kept is not None and kept.is_dir() else data_cfg.tokenizer)
+
+
+def keep_tokenizer(data_cfg, run_folder) -> None:
+    """Copy data.tokenizer's files into the run folder, where generation and load_tokenizer find them."""
+    from shard.data import tokenizer
+
+    if data_cfg.name == "documents":
+        for name, content in tokenizer.files(data_cfg.tokenizer).items():
+            (run_folder / TOKENIZER_FOLDER).mkdir(parents=True, exist_ok=True)
+            (run_folder / TOKENIZER_FOLDER / name).write_bytes(content)
 
 
 def text_tokens(text: str) -> list[int]:
@@ -288,7 +305,7 @@ def main(argv: list[str]) -> int:
                        trust_code=args.trust_code)
     generator = Generator(loaded.model, loaded.mesh if whole_mesh else None, loaded.rules, loaded.cfg.train.dtype,
                           window=loaded.cfg.data.seq_len)
-    tok = run_tokenizer(loaded.cfg.data)
+    tok = run_tokenizer(loaded.cfg.data, paths.resolve(load.run_config(args.run, "RUN")).parent)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, vocab=tok.vocab_size).check()
     tokens = np.tile(np.array(tok.encode(prompt), np.int32), (args.batch, 1))
     start = time.perf_counter()

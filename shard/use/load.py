@@ -62,7 +62,8 @@ def load_tokenizer(path: str):
     `encode(text) -> ids` and `decode(ids) -> text`: what turns a prompt into the model's tokens and back."""
     from shard.use.generate import run_tokenizer
 
-    return run_tokenizer(config_lib.load(run_config(path), [], sections=RUN_SECTIONS).data)
+    config_path = run_config(path)
+    return run_tokenizer(config_lib.load(config_path, [], sections=RUN_SECTIONS).data, paths.resolve(config_path).parent)
 
 
 def add_loading_arguments(parser) -> None:
