@@ -150,6 +150,41 @@ def test_an_interrupted_build_leaves_no_cache(made, tmp_path, monkeypatch):
     assert token_cache.load(files, "text", made["bpe"], tmp_path).documents == len(DOCS)
 
 
+KILLED_BUILD = """
+import sys, time
+from pathlib import Path
+from shard.data import documents, token_cache
+real = token_cache._encode_file
+def slow(index, *args, **kwargs):
+    if index == 1:  # the first file is written: the build is half done
+        Path(sys.argv[3]).touch()
+        time.sleep(60)
+    return real(index, *args, **kwargs)
+token_cache._encode_file = slow
+token_cache.load(documents.corpus_files(sys.argv[1]), "text", "bytes", sys.argv[2])
+"""
+
+
+def test_a_killed_build_leaves_no_cache_and_the_next_one_builds(made, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    started = tmp_path / "started"
+    child = subprocess.Popen([sys.executable, "-c", KILLED_BUILD, str(made["root"] / "jsonl"), str(tmp_path / "cache"),
+                              str(started)], cwd=ROOT, env=subprocess_env())
+    deadline = time.time() + 60
+    while not started.exists() and child.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    child.kill()
+    child.wait()
+    assert started.exists()
+    left = list((tmp_path / "cache").iterdir())
+    assert len(left) == 1 and left[0].name.startswith(".")  # only the scratch folder, never read
+    files = documents.corpus_files(str(made["root"] / "jsonl"))
+    assert token_cache.load(files, "text", "bytes", tmp_path / "cache").documents == len(DOCS)
+
+
 def test_a_parallel_build_writes_what_one_process_does(made, tmp_path, monkeypatch):
     files = documents.corpus_files(str(made["root"] / "txt"))
     serial = token_cache.load(files, "text", made["bpe"], tmp_path / "serial")
