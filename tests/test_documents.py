@@ -29,7 +29,7 @@ def _docs() -> list[str]:
     """~40 documents of real text (the starts of the standard library's modules), two of them not ASCII."""
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:38]
     return [f.read_text(errors="replace")[:1500] for f in files] + ["héllo wörld, naïve café ☃ 日本語\n" * 8,
-                                                                    "Ωμέγα — “quotes” and tabs\t\tend"]
+                                                                    "Ωμέγα — “quotes” 😀 and tabs\t\tend"]
 
 
 DOCS = _docs()

@@ -170,7 +170,8 @@ def _counts(text: str, char_ends: np.ndarray) -> np.ndarray:
     """Byte counts from character end offsets (Hugging Face offsets are in characters)."""
     data = text.encode("utf-8")
     if len(data) != len(text) and len(char_ends):  # not ASCII: character offsets -> byte offsets
-        widths = np.array([len(c.encode("utf-8")) for c in text], np.int64)
+        points = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), np.uint32)
+        widths = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000).astype(np.int64)
         char_ends = np.concatenate([[0], np.cumsum(widths)])[np.clip(char_ends, 0, len(text))]
     return _byte_counts(char_ends, len(data))
 
