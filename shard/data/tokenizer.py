@@ -64,7 +64,7 @@ class HuggingFace:
         return None if token is None else self.tok.token_to_id(token)
 
     def identity(self) -> str:
-        return f"huggingface:{_file_hash(self.path)}"
+        return f"huggingface:{_files_hash(self.path)}"  # tokenizer_config.json too: it names BOS and EOS
 
     def encode_batch(self, texts: list[str]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         encodings = self.tok.encode_batch(texts, add_special_tokens=False)
@@ -99,7 +99,7 @@ class SentencePiece:
         self.eos = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
 
     def identity(self) -> str:
-        return f"sentencepiece:{_file_hash(self.path)}"
+        return f"sentencepiece:{_files_hash(self.path)}"
 
     def encode_batch(self, texts: list[str]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         ids, counts = [], []
@@ -202,8 +202,11 @@ def _config_tokens(path: Path) -> dict:
     return out
 
 
-def _file_hash(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+def _files_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    for name, content in sorted(files(str(path)).items()):
+        digest.update(name.encode() + b"\0" + hashlib.sha256(content).digest())
+    return digest.hexdigest()[:16]
 
 
 def _line(e: Exception) -> str:
