@@ -97,7 +97,13 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable, task: str, dtype, 
         outputs = model(cast_floats(batch["inputs"], dtype)).astype(jnp.float32)
         targets, mask = batch["targets"], batch["mask"]
         per_example = lambda fn: jax.vmap(lambda o, t: fn(o[None], t[None]))(outputs, targets)
-        sums = {"count": jnp.sum(mask), "loss": jnp.sum(mask * per_example(loss_fn))}
+        losses = per_example(loss_fn)
+        sums = {"count": jnp.sum(mask), "loss": jnp.sum(mask * losses)}
+        if "bytes" in batch:  # the text the targets stand for: bits per byte whatever the tokenizer
+            # each row's mean loss x the tokens it is the mean of (a row's loss_mask, where a packer gives one)
+            tokens = jnp.sum(batch["loss_mask"], axis=1) if "loss_mask" in batch else targets.shape[1]
+            sums["nats"] = jnp.sum(mask * losses * tokens)
+            sums["bytes"] = jnp.sum(mask * batch["bytes"].astype(jnp.float32))
         if task in ("classification", "binary", "lm"):
             sums["accuracy"] = jnp.sum(mask * per_example(lambda o, t: accuracy(o, t, task)))
         if task == "regression":  # for R^2 = 1 - SSE / total sum of squares
