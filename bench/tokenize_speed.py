@@ -6,22 +6,16 @@ The corpus is the Python standard library's sources (repeated to MEGABYTES), as 
 one document per module; the tokenizer is a byte-level BPE of VOCAB tokens trained on a slice of it. The
 library's figure counts the texts' tokens only; the build's the same (its EOS separators are left out).
 
-Run: `python bench/tokenize.py [MEGABYTES] [FILES] [VOCAB]` (default 40 8 8192).
+Run: `python bench/tokenize_speed.py [MEGABYTES] [FILES] [VOCAB]` (default 40 8 8192).
 """
 
+import json
+import os
 import sys
-
-# This file's name is the standard library's `tokenize` (which `inspect` imports): python puts bench/ first
-# on the path, so take it off before anything imports that module.
-if sys.path and sys.path[0].endswith("bench"):
-    del sys.path[0]
-
-import json  # noqa: E402
-import os  # noqa: E402
-import sysconfig  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
