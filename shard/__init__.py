@@ -7,7 +7,7 @@ from pathlib import Path
 
 from shard.errors import UserError
 
-__all__ = ["UserError", "load_model"]
+__all__ = ["UserError", "load_model", "load_tokenizer"]
 
 
 def _load_from_checkout(name: str) -> None:
@@ -33,3 +33,10 @@ def load_model(path, *, mesh=None, step=None, trust_code=False):
     from shard.use.load import load_model as load
 
     return load(path, mesh=mesh, step=step, trust_code=trust_code)
+
+
+def load_tokenizer(path):
+    """A trained run's tokenizer (see shard/use/load.py): `encode(text)` and `decode(ids)`."""
+    from shard.use.load import load_tokenizer as load
+
+    return load(path)

@@ -278,7 +278,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool) -> j
             raise UserError("train.attention=cudnn with data.packing=documents: jax.nn.dot_product_attention's "
                             "cuDNN path takes no segment ids; use train.attention=xla")
     if split is not None and split.size > 1:  # the sequence is split over the context devices
-        return context.attention(q, k, v, bool(is_causal), split, *(() if segments is None else (segments,)))
+        return context.attention(q, k, v, bool(is_causal), split, segments)
     head_dim = q.shape[-1]
     if implementation == "cudnn" and (head_dim > 128 or head_dim % 8):
         raise UserError(f"train.attention=cudnn needs a head size <= 128 and a multiple of 8, got {head_dim}; "

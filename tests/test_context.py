@@ -10,6 +10,7 @@ import pytest
 from conftest import TINY_GPT, TINY_MODELS, one_device_runs, overrides
 from shard import config, partition, plan
 from shard.strategies import context
+from shard.core import flops
 from shard.plan import hlo
 from shard.run import job
 from shard.core import mesh as mesh_lib
@@ -64,6 +65,33 @@ def test_ring_attention_equals_unsplit_attention(causal):
         fn.grads = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * weights), argnums=(0, 1, 2)))(q, k, v)
     for ours, want in zip((ring.value, *ring.grads), (plain.value, *plain.grads)):
         assert float(jnp.max(jnp.abs(ours - want)) / jnp.max(jnp.abs(want))) < 1e-6
+
+
+def test_all_gather_computes_only_the_visible_blocks():
+    """Causal all_gather in the load-balanced layout scores each device's queries against the key chunks they
+    see, 2N+1 (query, key) chunk pairs of 4N: XLA's count of the compiled forward and backward stays well under
+    scoring every pair (about 0.47 of it here against 0.86 before the skip), and the results equal plain
+    attention's."""
+    n, t, h, d = 8, 512, 4, 64
+    mesh = jax.make_mesh(tuple(n if a == "context" else 1 for a in mesh_lib.AXES), mesh_lib.AXES,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_lib.AXES))
+    q, k, v, weights = (jax.random.normal(jax.random.key(i), (1, t, heads, d)) for i, heads in enumerate((h, 2, 2, h)))
+    order = np.asarray(context.balanced_order(t, n))
+    split = context.Split(n, "all_gather", tuple(order))
+
+    def gathered(q, k, v):
+        with partition.activate(mesh, partition.RULES):
+            laid_out = (partition.constrain(x[:, order], ("batch", "length", "heads", "head_dim")) for x in (q, k, v))
+            return context.attention(*laid_out, True, split)[:, np.argsort(order)]
+
+    plain = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    for fn in (plain, gathered):
+        fn.grad = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * weights), argnums=(0, 1, 2)))
+        fn.value, fn.grads = jax.jit(fn)(q, k, v), fn.grad(q, k, v)
+    for ours, want in zip((gathered.value, *gathered.grads), (plain.value, *plain.grads)):
+        assert float(jnp.max(jnp.abs(ours - want)) / jnp.max(jnp.abs(want))) < 1e-6
+    every_pair = 3 * 4 * h * (t // n) * t * d  # per device: QK^T and PV forward, four products backward
+    assert flops.xla_flops(gathered.grad.lower(q, k, v).compile()) < 0.6 * every_pair
 
 
 def compiled(tmp_path, *extra, devices=None):

@@ -143,6 +143,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   %ag = (f32[16]{0}, bf16[4]{0}) all-gather(%a, %b), replica_groups={{0,1},{2,3}}, dimensions={0}
   %rs = f32[2]{0} reduce-scatter(%a), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, to_apply=%add
   %cp = f32[8]{0} collective-permute(%a), source_target_pairs={{0,1},{1,0}}
+  %aa = f32[8]{0} all-to-all(%a), replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}
 }
 """
     ops = {op.kind: op for op in hlo.collectives(text, 8)}
@@ -150,7 +151,8 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert (ops["all-gather"].group, ops["all-gather"].bytes) == (2, 16 * 4 + 4 * 2)
     assert ops["reduce-scatter"].group == 4 and ops["reduce-scatter"].wire_bytes == 3 * 8
     assert ops["collective-permute"].wire_bytes == 32 * 2 / 8  # devices 0 and 1 send, of 8: averaged per device
-    table, wire = hlo.summary(list(ops.values()))
+    assert ops["all-to-all"].group == 4
+    table, wire = hlo.summary([op for op in ops.values() if op.kind != "all-to-all"])
     assert table["all-reduce"] == {"count": 5, "bytes": 160}
     assert wire == pytest.approx(5 * 2 * 3 / 4 * 32 + 1 / 2 * 72 + 24 + 8)
 

@@ -34,7 +34,7 @@ def job_keys_outside_sections() -> list[str]:
 
 
 def not_job_keys_inside_sections() -> list[str]:
-    """The keys of JOB_SECTIONS that do not (data.prefetch)."""
+    """The keys of JOB_SECTIONS that do not (data.prefetch, data.cache_dir)."""
     return [f"{s}.{key_of(f)}" for s in JOB_SECTIONS for f in schema_fields(s) if not job_key(s, f)]
 
 

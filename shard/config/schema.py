@@ -33,18 +33,27 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = option("text", "data source", choices=("text", "digits", "tabular", "arrays", "array_record", "synthetic"))
+    name: str = option("text", "data source", choices=("text", "documents", "digits", "tabular", "arrays", "array_record",
+                                                       "synthetic"))
     task: str = option("auto", "what is predicted; auto = the source's own task",
                        choices=("auto", "lm", "classification", "binary", "regression"))
-    path: Optional[str] = option(None, "text: file, folder or glob (default: Python's own .py sources); tabular: "
-                                 "diabetes (default), breast_cancer or a CSV; arrays: .npz or folder; array_record: files")
-    packing: str = option("concat", "lm: concat = the documents joined and cut into rows; documents = whole "
-                          "documents packed first-fit, attention and positions kept inside each, padding "
-                          "out of the loss", choices=("concat", "documents"))
+    path: Optional[str] = option(None, "text: file, folder or glob (default: Python's own .py sources); documents: "
+                                 "file, folder or glob of .jsonl(.gz), .json, .parquet, .txt, .arrow files or a datasets "
+                                 "save_to_disk folder; tabular: diabetes (default), breast_cancer or a CSV; arrays: .npz "
+                                 "or folder; array_record: files")
+    field: str = option("text", "documents: the column (JSON key) holding each document's text")
+    tokenizer: str = option("bytes", "documents: bytes (one token per UTF-8 byte), a Hugging Face tokenizer.json (or a "
+                            "folder holding one) or a SentencePiece .model; model.vocab_size follows it unless set")
+    packing: str = option("concat", "text, documents: concat = documents joined (documents: with EOS), cut into "
+                          "seq_len windows; documents = whole documents packed first-fit per row, attention and "
+                          "positions kept inside each, padding out of the loss", choices=("concat", "documents"))
+    cache_dir: Optional[str] = option(None, "documents: where token caches are kept (one per corpus, field and "
+                                      "tokenizer); default: .token_cache beside the run folder", job=False)
     target: str = option("target", "tabular CSV: the column to predict")
     batch_size: int = option(32, "global batch size (all devices together)", min=1)
     seq_len: int = option(128, "tokens per sequence (sequence data)", min=1)
-    eval_fraction: float = option(0.05, "text: share held out for eval (by file; by bytes for one file)", min=0.001, max=0.999)
+    eval_fraction: float = option(0.05, "text: share held out for eval (by file; by bytes for one file); documents: "
+                                  "share of the documents held out", min=0.001, max=0.999)
     features: list = option([16], "synthetic: shape of one input example")
     classes: int = option(10, "synthetic: number of classes (classification)", min=2)
     size: int = option(65536, "synthetic: examples in the train split", min=1)
@@ -106,7 +115,7 @@ class TrainConfig:
                         "used by eval, the sample, load_model and export; 0 = off", min=0, max=0.99999, job=True)
     eval_every: int = option(0, "evaluate every N steps; 0 = only at the end", min=0)
     eval_batches: int = option(8, "batches per evaluation, spread evenly over the eval split; 0 = all of it", min=0)
-    sample_len: int = option(200, "lm: bytes to generate after training; 0 disables", min=0)
+    sample_len: int = option(200, "lm: tokens to generate after training; 0 disables", min=0)
     sample_prompt: str = option("def ", "lm: prompt for the generated sample")
 
 
@@ -169,7 +178,7 @@ class PipelineConfig:
 class RunConfig:
     dir: Optional[str] = option(None, "run folder: resolved config, metrics.jsonl, checkpoints. null (the default): "
                                 "runs/<config file name>, plus -<8 hex digits> when the command line changes what "
-                                "is trained (a model, data or optimizer key but data.prefetch, or one marked [picks "
+                                "is trained (a model, data or optimizer key but data.prefetch and data.cache_dir, or one marked [picks "
                                 "the folder] here; not train.steps, nor eval, sample, log, mesh or run keys), so the same command "
                                 "resumes its own run and another job gets another folder; "
                                 "a config file outside configs/ always gets the suffix")

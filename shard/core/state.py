@@ -237,6 +237,11 @@ def host_shardings(shardings, what: str):
     return shardings.replace(params=host(shardings.params)) if what == "params" else shardings
 
 
+def device_memory(shardings):
+    """The shardings with what lives in host memory moved to the device's (the rest left as they are)."""
+    return jax.tree.map(lambda s: s.with_memory_kind("device") if s.memory_kind == "pinned_host" else s, shardings)
+
+
 def in_device_memory(tree):
     """Arrays offloaded to host memory, copied back to the device's (for code outside the train step)."""
     def one(x):

@@ -117,7 +117,12 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable, task: str, dtype, 
         if "loss_mask" in batch:  # packed rows: every real target counts once, padding not at all
             mask, per_example = mask[:, None] * batch["loss_mask"], partial(losses.per_token, outputs=outputs,
                                                                            targets=targets)
-        sums = {"count": jnp.sum(mask), "loss": jnp.sum(mask * per_example(loss_fn))}
+        token_losses = per_example(loss_fn)  # per row (mean), or per target of packed rows
+        sums = {"count": jnp.sum(mask), "loss": jnp.sum(mask * token_losses)}
+        if "bytes" in batch:  # the text the targets stand for: bits per byte whatever the tokenizer
+            # nats: packed rows' target losses summed, else each row's mean loss x the tokens it is the mean of
+            sums["nats"] = sums["loss"] if "loss_mask" in batch else jnp.sum(mask * token_losses * targets.shape[1])
+            sums["bytes"] = jnp.sum(batch["mask"] * batch["bytes"].astype(jnp.float32))
         if task in ("classification", "binary", "lm"):
             sums["accuracy"] = jnp.sum(mask * per_example(lambda o, t: accuracy(o, t, task)))
         if task == "regression":  # for R^2 = 1 - SSE / total sum of squares

@@ -17,7 +17,7 @@ import grain
 import jax
 import numpy as np
 
-from shard.data import packing, sources
+from shard.data import sources
 from shard.errors import UserError
 
 TARGET_DTYPES = {"lm": np.int32, "classification": np.int32, "binary": np.float32, "regression": np.float32}
@@ -39,16 +39,25 @@ class Data:
         return {k: jax.ShapeDtypeStruct((self.batch_size,) + v.shape[1:], v.dtype) for k, v in local.items()}
 
 
-def load_splits(cfg, seed: int) -> tuple:
-    """(train source, eval source, the source's own task)."""
-    if cfg.packing == "documents":
-        if cfg.name != "text":
-            raise UserError(f"data.packing=documents packs language-model documents; data.name={cfg.name} has "
-                            "none (use data.name=text, or data.packing=concat)")
+def load_splits(cfg, seed: int, cache_dir=None) -> tuple:
+    """(train source, eval source, the source's own task). `cache_dir`: documents' token caches, unless
+    data.cache_dir says where."""
+    if cfg.tokenizer != "bytes" and cfg.name != "documents":
+        raise UserError(f"data.tokenizer={cfg.tokenizer} is read by data.name=documents only (data.name={cfg.name})")
+    if cfg.packing == "documents" and cfg.name not in ("text", "documents"):
+        raise UserError(f"data.packing=documents packs language-model documents; data.name={cfg.name} has "
+                        "none (use data.name=text or documents, or data.packing=concat)")
+    if cfg.packing == "documents" and cfg.name == "text":  # each file a document
+        from shard.data import packing
+
         return (*(packing.PackedRows(docs, cfg.seq_len) for docs in sources.text_documents(cfg.path, cfg.eval_fraction)),
                 "lm")
     if cfg.name == "text":
         return (*sources.text_splits(cfg.path, cfg.seq_len, cfg.eval_fraction), "lm")
+    if cfg.name == "documents":
+        from shard.data import packing
+
+        return (*packing.splits(cfg, cache_dir or ".token_cache")[:2], "lm")
     if cfg.name == "digits":
         return sources.digits(cfg.eval_fraction)
     if cfg.name == "tabular":
@@ -59,17 +68,17 @@ def load_splits(cfg, seed: int) -> tuple:
         return sources.array_record(cfg.path, cfg.eval_fraction)
     task = "classification" if cfg.task == "auto" else cfg.task
     if task == "lm":
-        raise UserError("data.task=lm needs a text source (data.name=text)")
+        raise UserError("data.task=lm needs a text source (data.name=text or documents)")
     features = tuple(cfg.features)
     return (sources.Synthetic(cfg.size, features, task, cfg.classes, seed, split=0),
             sources.Synthetic(max(cfg.batch_size, cfg.size // 10), features, task, cfg.classes, seed, split=1), task)
 
 
-def build(cfg, seed: int) -> Data:
-    train_src, eval_src, own_task = load_splits(cfg, seed)
+def build(cfg, seed: int, cache_dir=None) -> Data:
+    train_src, eval_src, own_task = load_splits(cfg, seed, cache_dir)
     task = own_task if cfg.task == "auto" else cfg.task
     if (task == "lm") != (own_task == "lm"):
-        raise UserError(f"data.task={task}: the {cfg.name} source's task is {own_task}; lm goes with text only")
+        raise UserError(f"data.task={task}: the {cfg.name} source's task is {own_task}; lm goes with text and documents only")
 
     n_proc, proc = jax.process_count(), jax.process_index()
     rows = Rows(proc * (cfg.batch_size // n_proc), cfg.batch_size // n_proc)  # until the mesh says otherwise
@@ -89,9 +98,18 @@ def build(cfg, seed: int) -> Data:
     train = grain.MapDataset.source(TrainBatches(train_src, order, cfg.batch_size, rows)).map(cast)
     eval_batches = EvalBatches(eval_src, cast, cfg.batch_size, rows)
     tokens = cfg.seq_len if task == "lm" else 0
-    classes = {"lm": 256, "classification": _num_classes(cfg, train_src, task)}.get(task, 0)
+    classes = {"lm": vocab_size(cfg), "classification": _num_classes(cfg, train_src, task)}.get(task, 0)
     return Data(task=task, train=train, eval=eval_batches, batch_size=cfg.batch_size, tokens_per_example=tokens,
                 num_classes=classes, rows=rows)
+
+
+def vocab_size(cfg) -> int:
+    """A language model's vocabulary: the tokenizer's (documents), else the 256 byte values."""
+    if cfg.name != "documents":
+        return 256
+    from shard.data import tokenizer
+
+    return tokenizer.load(cfg.tokenizer).vocab_size
 
 
 def _num_classes(cfg, train_src, task: str) -> int:

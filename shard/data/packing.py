@@ -1,7 +1,14 @@
-"""Packing whole documents into rows (`data.packing=documents`).
+"""Documents (a token cache) cut into fixed-length language-model rows, `data.packing` says how.
 
-`data.packing=concat` joins a split's documents into one stream and cuts it into windows, so a row's
-attention crosses from one document into the next. With `documents`, each row holds whole documents
+`concat` (GPT-2 / nanoGPT): the split's documents, each ending in its separator (EOS), joined into one
+stream and cut into consecutive windows of seq_len + 1 tokens; inputs are a window's first seq_len tokens
+and targets its last seq_len, as for the byte-level `text` source. The split is by document: a fixed
+share of the documents (by `SPLIT_SEED`, not the run's seed) is held out for eval.
+
+Sources here are random access (`read_batch(indices)`), so a global batch depends only on its index and
+each host reads only its own rows of it, straight from the memory-mapped cache.
+
+`documents` (a `documents` corpus, or `text` files one document each): each row holds whole documents
 placed first-fit, in order (a document longer than a row is cut into row-sized pieces), and says which
 token belongs to which: a row's `segment_ids` number its documents from 1 (0 = padding), `positions`
 restart at 0 with each document, `loss_mask` is 1 where a target counts. The step hands the first two
@@ -15,6 +22,73 @@ is cut into pieces of seq_len + 1 tokens overlapping by one, so every pair is tr
 from collections.abc import Iterable, Iterator
 
 import numpy as np
+
+from shard.data import documents, token_cache
+from shard.data.sources import held_out_indices
+from shard.errors import UserError
+
+
+class Split:
+    """Some documents of a cache as one virtual stream: position p of the stream -> the cache's token index."""
+
+    def __init__(self, cache: token_cache.Cache, docs: np.ndarray):
+        self.cache = cache
+        self.starts = cache.doc_starts[docs]
+        self.offsets = np.concatenate([[0], np.cumsum(cache.doc_starts[docs + 1] - self.starts)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def locate(self, positions: np.ndarray) -> np.ndarray:
+        doc = np.searchsorted(self.offsets, positions, side="right") - 1
+        return self.starts[doc] + (positions - self.offsets[doc])
+
+
+class ConcatWindows:
+    """Consecutive, non-overlapping windows of a split's stream; `bytes` (with_bytes): per row, the UTF-8
+    bytes of the text its targets stand for, for eval's bits per byte."""
+
+    def __init__(self, split: Split, seq_len: int, with_bytes: bool = False):
+        self.split, self.seq_len, self.with_bytes = split, seq_len, with_bytes
+
+    def __len__(self) -> int:
+        return max(0, (len(self.split) - 1) // self.seq_len)
+
+    def __getitem__(self, i: int) -> dict:
+        return {k: v[0] for k, v in self.read_batch(np.array([i])).items()}
+
+    def read_batch(self, indices: np.ndarray) -> dict:
+        positions = np.asarray(indices, np.int64)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+        where = self.split.locate(positions)
+        window = self.split.cache.tokens[where].astype(np.int32)
+        batch = {"inputs": window[:, :-1], "targets": window[:, 1:]}
+        if self.with_bytes:
+            batch["bytes"] = self.split.cache.token_bytes[where[:, 1:]].sum(axis=1, dtype=np.int64).astype(np.int32)
+        return batch
+
+
+def splits(cfg, cache_dir) -> tuple:
+    """(train source, eval source, the cache) of `data.name=documents`."""
+    cache = token_cache.load(documents.corpus_files(cfg.path), cfg.field, cfg.tokenizer, cfg.cache_dir or cache_dir)
+    if cache.documents < 2:
+        raise UserError(f"data.path={cfg.path!r} holds {cache.documents} document; it needs at least 2 (one to hold out)")
+    train_docs, eval_docs = held_out_indices(cache.documents, cfg.eval_fraction)
+    if cfg.packing == "documents":
+        each = lambda array, ids: (array[cache.doc_starts[d]:cache.doc_starts[d + 1]] for d in ids)
+        train = PackedRows(each(cache.tokens, train_docs), cfg.seq_len)
+        held = PackedRows(each(cache.tokens, eval_docs), cfg.seq_len, each(cache.token_bytes, eval_docs))
+        if len(held) == 0:
+            raise UserError(f"the eval split ({len(eval_docs)} documents) has no document of 2 tokens or more")
+        return train, held, cache
+    train = ConcatWindows(Split(cache, train_docs), cfg.seq_len)
+    held = ConcatWindows(Split(cache, eval_docs), cfg.seq_len, with_bytes=True)
+    if len(held) == 0:
+        raise UserError(f"the eval split ({len(eval_docs)} documents, {len(held.split)} tokens) is shorter than one "
+                        f"row of data.seq_len={cfg.seq_len} + 1 tokens; raise data.eval_fraction or lower data.seq_len")
+    return train, held, cache
+
+
+# ----------------------------------------------------------------------------- whole documents per row
 
 KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -89,7 +163,7 @@ class PackedRows:
     each row's inputs, targets, segment_ids, positions and loss_mask. Tokens and segment ids are held in
     the smallest integer type that fits; positions and the mask are derived from the segment ids per read."""
 
-    def __init__(self, documents: Iterable, seq_len: int):
+    def __init__(self, documents: Iterable, seq_len: int, byte_counts: Iterable | None = None):
         rows = list(pack(documents, seq_len))
         stack = lambda key: np.stack([r[key] for r in rows]) if rows else np.zeros((0, seq_len), np.int32)
         tokens = [stack("inputs"), stack("targets")]
@@ -97,6 +171,11 @@ class PackedRows:
         self.inputs, self.targets = (t.astype(np.min_scalar_type(top)) for t in tokens)
         self.segment_ids = stack("segment_ids").astype(np.min_scalar_type(seq_len))
         self.seq_len = seq_len
+        self.bytes = None
+        if byte_counts is not None:  # per row, the UTF-8 bytes its targets stand for (eval's bits per byte): the
+            # counts packed as documents of their own land where their tokens did (placement goes by length)
+            counts = [r["targets"] * r["loss_mask"].astype(np.int64) for r in pack(byte_counts, seq_len)]
+            self.bytes = np.array([c.sum() for c in counts], np.int32)
 
     def __len__(self) -> int:
         return len(self.inputs)
@@ -108,7 +187,8 @@ class PackedRows:
         segments = self.segment_ids[indices].astype(np.int32)
         return {"inputs": self.inputs[indices].astype(np.int32), "targets": self.targets[indices].astype(np.int32),
                 "segment_ids": segments, "positions": row_positions(segments),
-                "loss_mask": (segments > 0).astype(np.float32)}
+                "loss_mask": (segments > 0).astype(np.float32),
+                **({} if self.bytes is None else {"bytes": self.bytes[indices]})}
 
     def efficiency(self) -> float:
         """The share of the rows' target slots that hold a real target."""

@@ -58,8 +58,9 @@ def shape_bytes(shape_text: str) -> float:
 
 def group_size(line: str, n_devices: int) -> int:
     """Size of the replica groups of a collective, in any of XLA's notations."""
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if mesh:  # mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: groups run along the named axes
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\S*?)?\s*\{([^}]*)\}", line)
+    if mesh:  # mesh['axis_0'=2,'axis_1'=4] {'axis_1'} (device_ids=(...) between when the devices are reordered):
+        # groups run along the named axes
         sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
         return math.prod(sizes[a] for a in re.findall(r"'([^']+)'", mesh.group(2)))
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
@@ -144,6 +145,20 @@ def _rounded_to(comp: list[str]) -> str | None:
     return None
 
 
+def _narrowed(operand: str, producers: dict, comps: dict) -> str | None:
+    """The narrower float the value `operand` names was rounded to, else None: its fusion rounds it, or it is a
+    scatter of values so rounded (a gather's gradient: the CPU backend widens the narrow scatter-add as well)."""
+    line = producers.get(operand, "")
+    call = _CALLED.search(line)
+    comp = comps.get(call.group(1), []) if call else []
+    narrow = _rounded_to(comp)
+    if narrow is None and any(re.search(r"\sscatter\(", c) for c in comp) and "fusion(" in line:
+        updates = _operands(line.split("fusion(", 1)[1])[-1:]  # scatter(operand, indices, updates)
+        updates_call = _CALLED.search(producers.get(updates[0], "")) if updates else None
+        narrow = _rounded_to(comps.get(updates_call.group(1), [])) if updates_call else None
+    return narrow
+
+
 def _result_bytes(shape: str, operands: list[str], producers: dict, comps: dict) -> float:
     """A collective's result bytes, each element in the dtype it was rounded to where XLA's CPU backend widened a
     narrower collective to float32 (its float normalization): what a GPU or TPU sends for the same program."""
@@ -152,8 +167,7 @@ def _result_bytes(shape: str, operands: list[str], producers: dict, comps: dict)
         return shape_bytes(shape)
     total = 0.0
     for (dtype, dims), operand in zip(arrays, operands):
-        call = _CALLED.search(producers.get(operand, ""))
-        narrow = _rounded_to(comps.get(call.group(1), [])) if call and dtype == "f32" else None
+        narrow = _narrowed(operand, producers, comps) if dtype == "f32" else None
         total += DTYPE_BYTES.get(narrow or dtype, 0) * math.prod(int(d) for d in dims.split(",") if d)
     return total
 

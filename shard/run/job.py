@@ -7,6 +7,8 @@ a job per candidate mesh; a training run builds one of each (shard/run/trainer.p
 """
 
 import dataclasses
+import inspect
+import os
 import time
 from dataclasses import dataclass
 
@@ -129,8 +131,9 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
     allocated)."""
     hooks.check_attention(cfg.train.attention, devices[0], jnp.dtype(cfg.train.dtype))
     model_cls, kwargs = registry.load(cfg.model)
+    kwargs = with_vocabulary(cfg, model_cls, kwargs)
     resolved = config_lib.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, kwargs))
-    data = data_lib.build(cfg.data, cfg.train.seed)
+    data = data_lib.build(cfg.data, cfg.train.seed, cache_dir=token_cache_dir(cfg))
     loss_fn = losses.resolve(cfg.train.loss, data.task)
     tx, schedule = optim.build(cfg.optimizer, cfg.train.steps)
     dtype = jnp.dtype(cfg.train.dtype)
@@ -150,6 +153,30 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
     flops = flops_lib.train_step_flops(train_jaxpr.jaxpr, forward.jaxpr)
     return Workload(model_cls, kwargs, resolved, data, loss_fn, tx, schedule, dtype, graphdef, abstract, init,
                     batch, eval_batch, flops, tuple(stacks))
+
+
+def with_vocabulary(cfg, model_cls, kwargs: dict) -> dict:
+    """A language model's vocabulary follows data.tokenizer: model.vocab_size is set from it where the model
+    takes one and the user left it out; one set smaller than the tokenizer is refused."""
+    if cfg.data.name != "documents":
+        return kwargs
+    vocab = data_lib.vocab_size(cfg.data)
+    if "vocab_size" in kwargs:
+        if isinstance(kwargs["vocab_size"], int) and kwargs["vocab_size"] < vocab:
+            raise UserError(f"model.vocab_size={kwargs['vocab_size']} is smaller than data.tokenizer="
+                            f"{cfg.data.tokenizer}'s {vocab} tokens; raise it or leave it out (it then follows the tokenizer)")
+        return kwargs
+    if "vocab_size" in inspect.signature(model_cls.__init__).parameters:
+        return {**kwargs, "vocab_size": vocab}
+    return kwargs
+
+
+def token_cache_dir(cfg) -> str:
+    """data.cache_dir, else `.token_cache` beside the run folder (shared by the runs there)."""
+    if cfg.data.cache_dir:
+        return cfg.data.cache_dir
+    run_dir = str(cfg.run.dir or "runs/x")
+    return os.path.join("runs" if paths.is_remote(run_dir) else os.path.dirname(os.path.abspath(run_dir)), ".token_cache")
 
 
 def _loss_context(cfg, loss_fn, data, forward, batch) -> str:
@@ -176,7 +203,7 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         shardings = state_lib.state_shardings(work.abstract, mesh, rules, place.auto_min)
         for s in active:
             shardings = s.shardings(shardings, place)  # ZeRO's split moments, offload's host memory
-        place.device_shardings = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+        place.device_shardings = state_lib.device_memory(shardings)
         place.split = split = state_lib.split_report(work.abstract.params, dict(mesh.shape), rules, place.auto_min)
         batch_shardings = state_lib.batch_shardings(work.batch, mesh, rules)
         eval_shardings = state_lib.batch_shardings(work.eval_batch, mesh, rules)

@@ -76,6 +76,7 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
         if main:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(work.resolved)
+            generate.keep_tokenizer(cfg.data, run_dir)  # the folder stays all a trained model needs
         checkpoints = None
         if cfg.checkpoint.enabled:
             checkpoints = ckpt_lib.Checkpoints(job.checkpoint_dir, keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
@@ -131,7 +132,7 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
     if data.task == "lm" and cfg.train.sample_len > 0:
         sample = end_sample(cfg, job, result.state)
         if sample is None:
-            say(f"sample skipped: the model's vocabulary is not the {generate.BYTES} byte values its text is made of")
+            say("sample skipped: the model's vocabulary is smaller than its tokenizer's (data.tokenizer)")
         else:
             result.sample = sample
             say(f"sample:\n{cfg.train.sample_prompt}{sample}")
@@ -139,19 +140,19 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
 
 
 def end_sample(cfg, job: Job, state) -> str | None:
-    """The end-of-run sample: `train.sample_len` bytes after `train.sample_prompt`, generated as
-    `python -m shard.generate` does (a cache, on the run's mesh). Text is bytes: a model whose vocabulary
-    is not the 256 byte values gets none (None; its tokens would print as garbage)."""
+    """The end-of-run sample: `train.sample_len` tokens after `train.sample_prompt`, generated as
+    `python -m shard.generate` does (a cache, on the run's mesh) and read back through the run's tokenizer. A
+    model whose vocabulary is smaller than the tokenizer's gets none (None)."""
     state = job.model_view(state)  # e.g. the replicas' global view, the averaged weights
     model = nnx.merge(job.work.graphdef, state_lib.in_device_memory(state.params), state.rest)
-    vocab = generate.output_vocab(model)
-    if vocab != generate.BYTES:
+    tok = generate.run_tokenizer(cfg.data)
+    if generate.output_vocab(model) < tok.vocab_size:
         return None
     generator = generate.Generator(model, job.mesh, job.rules, cfg.train.dtype, window=cfg.data.seq_len)
-    prompt = generate.text_tokens(cfg.train.sample_prompt) or generate.text_tokens("\n")  # something to condition on
+    prompt = tok.encode(cfg.train.sample_prompt) or tok.encode("\n")  # something to condition on
     tokens = generator(np.array([prompt[-generator.context:] if generator.context else prompt]), cfg.train.sample_len,
-                       generate.Sampling(vocab=generate.BYTES), seed=cfg.train.seed)
-    return generate.token_text(tokens[0])
+                       generate.Sampling(vocab=tok.vocab_size), seed=cfg.train.seed, eos=tok.eos)
+    return tok.decode(generate.until_eos(tokens[0], tok.eos))
 
 
 def metrics_log(cfg, run_dir, start_step: int, work, main: bool) -> MetricsLog:
@@ -370,7 +371,9 @@ def evaluate(eval_step, state, data: data_lib.Data, shardings: dict, cfg) -> dic
     if "sse" in totals:
         variance = totals["y2"] - totals["y"] ** 2 / totals["values"]
         metrics["eval_r2"] = 1.0 - totals["sse"] / max(variance, 1e-12)
-    if data.task == "lm":
+    if "bytes" in totals:  # tokens of any tokenizer: the loss over the UTF-8 bytes they stand for
+        metrics["eval_bits_per_byte"] = totals["nats"] / math.log(2) / max(totals["bytes"], 1.0)
+    elif data.task == "lm":  # byte-level tokens: one byte each
         metrics["eval_bits_per_byte"] = metrics["eval_loss"] / math.log(2)
     return metrics
 

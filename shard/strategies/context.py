@@ -5,7 +5,8 @@ Everything outside attention works on a device's own tokens (the logical name `l
 earlier key and value, and gets them one of two ways (`train.context_strategy`):
 
 - all_gather: each device keeps its queries and gathers the whole sequence's keys and values over
-  `context` (the partitioner inserts the all-gather, and a reduce-scatter of their gradients).
+  `context` (the partitioner inserts the all-gather, and a reduction of their gradients). Under causal
+  attention in the load-balanced layout (below) it scores only the blocks its queries see.
 - ring: keys and values travel round the devices, one chunk at a time, with collective permutes
   inside `shard_map`; each device folds every chunk into its queries' output with a running max and
   sum (the online softmax of flash attention), so none ever holds the whole sequence's. The backward
@@ -49,12 +50,16 @@ def balanced_order(length: int, n: int) -> tuple:
     return tuple(int(p) for i in range(n) for p in np.concatenate([chunks[i], chunks[2 * n - 1 - i]]))
 
 
+# A language-model batch's per-token arrays: a packed one's segment ids, positions and mask move with its tokens.
+TOKEN_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+
+
 def reorder(batch: dict, order: tuple | None) -> dict:
-    """A language-model batch's inputs and targets (batch, length) put in the load-balanced order."""
+    """A language-model batch's per-token arrays (batch, length) put in the load-balanced order."""
     if order is None:
         return batch
     index = np.asarray(order)
-    return {k: v[:, index] if k in ("inputs", "targets") and v.ndim >= 2 and v.shape[1] == len(order) else v
+    return {k: v[:, index] if k in TOKEN_KEYS and v.ndim >= 2 and v.shape[1] == len(order) else v
             for k, v in batch.items()}
 
 
@@ -64,22 +69,130 @@ def positions(split: Split | None, length: int) -> jax.Array:
     return jnp.arange(length, dtype=jnp.int32)
 
 
-def attention(q, k, v, is_causal: bool, split: Split) -> jax.Array:
-    """Attention over (batch, length, heads, head_dim) arrays split on length over `context`."""
+def attention(q, k, v, is_causal: bool, split: Split, segments=None) -> jax.Array:
+    """Attention over (batch, length, heads, head_dim) arrays split on length over `context`. `segments`
+    (batch, length), a packed batch's document ids: a query sees only keys of its own document."""
     pos = positions(split, q.shape[1])
     if split.strategy == "ring":
         mesh, _ = partition.active()
         spec = PartitionSpec(None, AXIS)
         halves = is_causal and split.order is not None and len(split.order) == q.shape[1]
         run = jax.shard_map(partial(_ring, causal=is_causal, n=split.size, halves=halves), mesh=mesh,
-                            in_specs=(spec, spec, spec, PartitionSpec(AXIS)), out_specs=spec, axis_names={AXIS})
-        return run(q, k, v, pos)
+                            in_specs=(spec, spec, spec, PartitionSpec(AXIS), spec), out_specs=spec, axis_names={AXIS})
+        return run(q, k, v, pos, segments)
     # all_gather: keys and values whole along length on every device; queries stay split.
     k, v = (partition.constrain(t, ("batch", None, "kv_heads", "head_dim")) for t in (k, v))
+    if is_causal and split.order is not None and len(split.order) == q.shape[1]:
+        return _gathered_causal(q, k, v, split.order, split.size, segments)
     mask = None
     if is_causal:
         mask = partition.constrain(pos[:, None] >= pos[None, :], ("length", None))[None, None]
+    if segments is not None:  # each query's document against every (gathered) key's
+        same = partition.constrain(segments[:, :, None] == partition.constrain(segments, ("batch", None))[:, None],
+                                   ("batch", "length", None))[:, None]
+        mask = same if mask is None else mask & same
     return jax.nn.dot_product_attention(q, k, v, mask=mask)
+
+
+# ----------------------------------------------------------------------------- all_gather, causal
+# Under the load-balanced layout device i's early chunk i sees key chunks 0..i and its late chunk 2N-1-i sees
+# 0..2N-1-i: 2N+1 (query chunk, key chunk) blocks on every device, of the 4N that scoring its queries against
+# the whole sequence computes. They are computed as two sets of equal shape on all devices:
+#   - the late chunk against chunks 0..N-1 (all visible to it);
+#   - N+1 single blocks, block j pairing key chunk W[i+j], W = (2N-1, ..., N, 0, ..., N-1), with the late chunk
+#     while j < N-i (its keys N..2N-1-i) and with the early chunk after (its keys 0..i).
+# The 2N+1 key chunks a device needs are taken from the gathered keys by one gather whose index is split over
+# `context` like the queries, so every product is local to a device and the keys' gradient is summed over the
+# devices once, by the transpose of that gather, as the unskipped version's is. (Taking the early keys with a
+# slice of the gathered array, every device the same, reduced that slice's gradient on its own: an all-reduce
+# of half the keys and values more per layer.)
+
+
+def _blocks(n: int):
+    """Per device, the layout slots (2i: chunk i, 2i+1: chunk 2N-1-i) of the 2N+1 key chunks it needs, and
+    for the N+1 single blocks whether the late query chunk takes them."""
+    slot = lambda m: 2 * m if m < n else 2 * (2 * n - 1 - m) + 1
+    window = [*range(2 * n - 1, n - 1, -1), *range(n)]
+    keys = np.array([[slot(m) for m in range(n)] + [slot(window[i + j]) for j in range(n + 1)] for i in range(n)])
+    late = np.array([[j < n - i for j in range(n + 1)] for i in range(n)])
+    return keys, late
+
+
+def _gathered_causal(q, k, v, order, n, segments=None):
+    """Causal attention of split queries over gathered keys and values in the load-balanced layout, computing
+    only the 2N+1 visible blocks of each device (the softmax is taken over all of a query's blocks at once)."""
+    b, t, h, d = q.shape
+    kv, c = k.shape[2], t // (2 * n)
+    keys, late = _blocks(n)
+    qc = partition.constrain(q.reshape(b, n, 2, c, kv, h // kv, d),  # (b, device, early/late, chunk, kv, group, d)
+                             ("batch", "length", None, None, "kv_heads", None, "head_dim"))
+    pos = np.asarray(order).reshape(2 * n, c)
+    kpos = pos[keys]  # (device, 2N+1, chunk)
+    qpos = np.where(late[..., None], pos[1::2][:, None], pos[0::2][:, None])  # (device, N+1, chunk)
+    owner = jnp.asarray(late)[None, :, :, None, None, None, None]
+    mixed_q = jnp.where(owner, qc[:, :, 1:], qc[:, :, :1])  # (b, device, N+1, chunk, kv, group, d)
+    ks, vs = (partition.constrain(x.reshape(b, 2 * n, c, kv, -1)[:, keys], ("batch", "length", None, None, "kv_heads",
+                                                                             "head_dim")) for x in (k, v))
+    scale = jnp.float32(1 / math.sqrt(d))
+    precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if q.dtype == jnp.bfloat16 else None  # as jax.nn's
+    # scores of the late chunk against chunks 0..N-1, (b, device, kv, group, chunk, N x chunk), and of the single
+    # blocks, (b, device, N+1, kv, group, chunk, chunk), these masked by position (the diagonal blocks)
+    s_prefix = jnp.einsum("bicngd,bijsnd->bingcjs", qc[:, :, 1], ks[:, :, :n], precision=precision,
+                          preferred_element_type=jnp.float32).reshape(b, n, kv, h // kv, c, n * c) * scale
+    s_blocks = jnp.einsum("bijcngd,bijsnd->bijngcs", mixed_q, ks[:, :, n:], precision=precision,
+                          preferred_element_type=jnp.float32) * scale
+    visible = jnp.asarray(qpos)[:, :, None, None, :, None] >= jnp.asarray(kpos[:, n:])[:, :, None, None, None, :]
+    if segments is not None:  # packed rows: a query's own document only (it always sees itself: no empty row)
+        qseg = partition.constrain(segments.reshape(b, n, 2, c), ("batch", "length", None, None))
+        kseg = partition.constrain(segments.reshape(b, 2 * n, c)[:, keys], ("batch", "length", None, None))
+        same_prefix = qseg[:, :, 1, :, None] == kseg[:, :, :n].reshape(b, n, 1, n * c)
+        s_prefix = jnp.where(same_prefix[:, :, None, None], s_prefix, -jnp.inf)
+        mixed_seg = jnp.where(jnp.asarray(late)[None, :, :, None], qseg[:, :, 1:], qseg[:, :, :1])  # (b, device, N+1, chunk)
+        visible = visible & (mixed_seg[..., :, None] == kseg[:, :, n:, None, :])[:, :, :, None, None]
+    s_blocks = jnp.where(visible, s_blocks, -jnp.inf)
+    p_prefix, p_blocks = _softmax(s_prefix, s_blocks, jnp.asarray(late)[None, :, :, None, None, None])
+    p_prefix, p_blocks = p_prefix.astype(v.dtype), p_blocks.astype(v.dtype)  # normalised before PV, as jax.nn's
+    o_prefix = jnp.einsum("bingcjs,bijsnd->bicngd", p_prefix.reshape(b, n, kv, h // kv, c, n, c), vs[:, :, :n],
+                          preferred_element_type=jnp.float32)
+    o_blocks = jnp.einsum("bijngcs,bijsnd->bijcngd", p_blocks, vs[:, :, n:], preferred_element_type=jnp.float32)
+    o_late = o_prefix + jnp.where(owner, o_blocks, 0).sum(2)
+    o_early = jnp.where(owner, 0, o_blocks).sum(2)
+    out = jnp.stack([o_early, o_late], axis=2).astype(q.dtype)
+    return partition.constrain(out.reshape(b, t, h, -1), ("batch", "length", "heads", "head_dim"))
+
+
+@jax.custom_jvp
+def _softmax(s_prefix, s_blocks, is_late):
+    """One softmax per query chunk over all its blocks: the late chunk's prefix (b, device, kv, group, chunk, keys)
+    and blocks, the early chunk's blocks (b, device, block, kv, group, chunk, keys); is_late says whose a block is."""
+    block_max = s_blocks.max(-1)
+    m_late = jnp.maximum(s_prefix.max(-1), jnp.where(is_late, block_max, -jnp.inf).max(2))
+    m_early = jnp.where(is_late, -jnp.inf, block_max).max(2)
+    p_prefix = jnp.exp(s_prefix - m_late[..., None])
+    p_blocks = jnp.exp(s_blocks - _per_block(m_late, m_early, is_late)[..., None])
+    l_late, l_early = _per_query(p_prefix.sum(-1), p_blocks.sum(-1), is_late)
+    return p_prefix / l_late[..., None], p_blocks / _per_block(l_late, l_early, is_late)[..., None]
+
+
+def _per_query(prefix_sums, block_sums, is_late):
+    """Row sums of the prefix and of the blocks gathered per query chunk: (late, early)."""
+    return prefix_sums + jnp.where(is_late, block_sums, 0).sum(2), jnp.where(is_late, 0, block_sums).sum(2)
+
+
+def _per_block(late, early, is_late):
+    """A value per query row of each block, from the late or early chunk's as the block is theirs."""
+    return jnp.where(is_late, late[:, :, None], early[:, :, None])
+
+
+@_softmax.defjvp
+def _softmax_jvp(primals, tangents):
+    # As jax.nn.softmax's: dp = p (ds - sum(p ds)) over each query's keys, so the backward is a single pass over the
+    # scores rather than autodiff's through the maxima, exponentials and sums.
+    (p_prefix, p_blocks), (ds_prefix, ds_blocks, _) = _softmax(*primals), tangents
+    is_late = primals[2]
+    late, early = _per_query((p_prefix * ds_prefix).sum(-1), (p_blocks * ds_blocks).sum(-1), is_late)
+    return (p_prefix, p_blocks), (p_prefix * (ds_prefix - late[..., None]),
+                                  p_blocks * (ds_blocks - _per_block(late, early, is_late)[..., None]))
 
 
 # ----------------------------------------------------------------------------- ring attention
@@ -98,46 +211,51 @@ def _grouped(q, k):
     return q.reshape(b, t, k.shape[2], h // k.shape[2], d).transpose(0, 2, 3, 1, 4)
 
 
-def _scores(qg, k, qpos, kpos, causal):
+def _scores(qg, k, qpos, kpos, causal, qseg=None, kseg=None):
     s = jnp.einsum("bhgqd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) / math.sqrt(qg.shape[-1])
-    return jnp.where(qpos[:, None] >= kpos[None, :], s, -jnp.inf) if causal else s
+    s = jnp.where(qpos[:, None] >= kpos[None, :], s, -jnp.inf) if causal else s
+    if qseg is None:
+        return s
+    # packed rows: other documents' keys masked too (every query sees itself on the diagonal, so never none)
+    return jnp.where((qseg[:, :, None] == kseg[:, None, :])[:, None, None], s, -jnp.inf)
 
 
 def _pass_on(tree, n):
     return jax.lax.ppermute(tree, AXIS, [(i, (i + 1) % n) for i in range(n)])
 
 
-def _forward(q, k, v, pos, causal, n, halves):
+def _forward(q, k, v, pos, seg, causal, n, halves):
     """Output and log-sum-exp of each query over every chunk: the device's own first (its diagonal, so
     every query has a visible key from the start), then n-1 chunks passed on from its neighbour. With
     `halves` (causal, load-balanced layout) only the visible half of each passed-on block is computed."""
     qg = _grouped(q, k)
 
-    def fold(state, qg, qpos, k, v, kpos):
+    def fold(state, qg, qpos, k, v, kpos, qseg=None, kseg=None):
         m, l, acc = state
-        s = _scores(qg, k, qpos, kpos, causal)
+        s = _scores(qg, k, qpos, kpos, causal, qseg, kseg)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
         scale = jnp.exp(m - m_new)
         acc = acc * scale[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, v.astype(jnp.float32))
         return m_new, l * scale + p.sum(-1), acc
 
-    def fold_visible(state, k, v, kpos):
+    def fold_visible(state, k, v, kpos, kseg=None):
         if not halves:
-            return fold(state, qg, pos, k, v, kpos)
+            return fold(state, qg, pos, k, v, kpos, seg, kseg)
         c = k.shape[1] // 2
-        first_keys = lambda state: fold(state, qg, pos, k[:, :c], v[:, :c], kpos[:c])
+        first_keys = lambda state: fold(state, qg, pos, k[:, :c], v[:, :c], kpos[:c], seg,
+                                        None if seg is None else kseg[:, :c])
 
         def last_queries(state):
             m, l, acc = fold((state[0][..., c:], state[1][..., c:], state[2][..., c:, :]), qg[..., c:, :], pos[c:],
-                             k, v, kpos)
+                             k, v, kpos, None if seg is None else seg[:, c:], kseg)
             return state[0].at[..., c:].set(m), state[1].at[..., c:].set(l), state[2].at[..., c:, :].set(acc)
 
         return jax.lax.cond(kpos[0] < pos[0], first_keys, last_queries, state)
 
     shape = qg.shape[:-1]
     state = fold((jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(qg.shape[:-1] + (v.shape[-1],))),
-                 qg, pos, k, v, pos)
+                 qg, pos, k, v, pos, seg, seg)
 
     def step(carry, _):
         kv, state = carry
@@ -147,69 +265,74 @@ def _forward(q, k, v, pos, causal, n, halves):
     # Unrolled: XLA's CPU runtime (jaxlib 0.10) does not keep a collective inside a loop in order with the
     # program's others; devices that took the ring's permutes and FSDP's all-gathers in different orders
     # deadlocked (bench/RESULTS.md, "The CI hang").
-    (_, (m, l, acc)), _ = jax.lax.scan(step, ((k, v, pos), state), None, length=n - 1, unroll=True)
+    travelling = (k, v, pos) if seg is None else (k, v, pos, seg)  # a packed row's ids go with their keys
+    (_, (m, l, acc)), _ = jax.lax.scan(step, (travelling, state), None, length=n - 1, unroll=True)
     out = acc / l[..., None]  # (b, kv_heads, group, chunk, d)
     b, t, h, _ = q.shape
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, -1).astype(q.dtype), m + jnp.log(l)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _ring(q, k, v, pos, causal, n, halves):
-    return _forward(q, k, v, pos, causal, n, halves)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ring(q, k, v, pos, seg, causal, n, halves):
+    return _forward(q, k, v, pos, seg, causal, n, halves)[0]
 
 
-def _ring_fwd(q, k, v, pos, causal, n, halves):
-    out, lse = _forward(q, k, v, pos, causal, n, halves)
-    return out, (q, k, v, pos, out, lse)
+def _ring_fwd(q, k, v, pos, seg, causal, n, halves):
+    out, lse = _forward(q, k, v, pos, seg, causal, n, halves)
+    return out, (q, k, v, pos, seg, out, lse)
 
 
 def _ring_bwd(causal, n, halves, residuals, d_out):
     """The backward ring: each chunk's keys and values travel again, with their gradients accumulated along
     the way; after n-1 steps one more pass brings every chunk's gradients home."""
-    q, k, v, pos, out, lse = residuals
+    q, k, v, pos, seg, out, lse = residuals
     qg, dog = _grouped(q, k), _grouped(d_out.astype(jnp.float32), k)
     delta = jnp.sum(dog * _grouped(out.astype(jnp.float32), k), axis=-1)  # rowsum(dO * O)
     scale = 1 / math.sqrt(q.shape[-1])
 
-    def fold(dq, qg, dog, lse, delta, qpos, k, v, kpos, dk, dv):
-        p = jnp.exp(_scores(qg, k, qpos, kpos, causal) - lse[..., None])
+    def fold(dq, qg, dog, lse, delta, qpos, k, v, kpos, dk, dv, qseg=None, kseg=None):
+        p = jnp.exp(_scores(qg, k, qpos, kpos, causal, qseg, kseg) - lse[..., None])
         dv = dv + jnp.einsum("bhgqk,bhgqd->bkhd", p, dog)
         ds = p * (jnp.einsum("bhgqd,bkhd->bhgqk", dog, v.astype(jnp.float32)) - delta[..., None])
         dq = dq + jnp.einsum("bhgqk,bkhd->bhgqd", ds, k.astype(jnp.float32)) * scale
         dk = dk + jnp.einsum("bhgqk,bhgqd->bkhd", ds, qg.astype(jnp.float32)) * scale
         return dq, dk, dv
 
-    def fold_visible(dq, k, v, kpos, dk, dv):  # the visible half of a passed-on block, as in _forward
+    def fold_visible(dq, k, v, kpos, dk, dv, kseg=None):  # the visible half of a passed-on block, as in _forward
         if not halves:
-            return fold(dq, qg, dog, lse, delta, pos, k, v, kpos, dk, dv)
+            return fold(dq, qg, dog, lse, delta, pos, k, v, kpos, dk, dv, seg, kseg)
         c = k.shape[1] // 2
 
         def first_keys(dq, dk, dv):
-            dq, dk_a, dv_a = fold(dq, qg, dog, lse, delta, pos, k[:, :c], v[:, :c], kpos[:c], dk[:, :c], dv[:, :c])
+            dq, dk_a, dv_a = fold(dq, qg, dog, lse, delta, pos, k[:, :c], v[:, :c], kpos[:c], dk[:, :c], dv[:, :c],
+                                  seg, None if seg is None else kseg[:, :c])
             return dq, dk.at[:, :c].set(dk_a), dv.at[:, :c].set(dv_a)
 
         def last_queries(dq, dk, dv):
             dq_b, dk, dv = fold(dq[..., c:, :], qg[..., c:, :], dog[..., c:, :], lse[..., c:], delta[..., c:],
-                                pos[c:], k, v, kpos, dk, dv)
+                                pos[c:], k, v, kpos, dk, dv, None if seg is None else seg[:, c:], kseg)
             return dq.at[..., c:, :].set(dq_b), dk, dv
 
         return jax.lax.cond(kpos[0] < pos[0], first_keys, last_queries, dq, dk, dv)
 
     zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-    dq, dk, dv = fold(jnp.zeros(qg.shape, jnp.float32), qg, dog, lse, delta, pos, k, v, pos, zeros(k), zeros(v))
+    dq, dk, dv = fold(jnp.zeros(qg.shape, jnp.float32), qg, dog, lse, delta, pos, k, v, pos, zeros(k), zeros(v),
+                      seg, seg)
 
     def step(carry, _):
         dq, chunk = carry
-        k, v, kpos, dk, dv = _pass_on(chunk, n)
-        dq, dk, dv = fold_visible(dq, k, v, kpos, dk, dv)
-        return (dq, (k, v, kpos, dk, dv)), None
+        chunk = _pass_on(chunk, n)
+        dq, dk, dv = fold_visible(dq, *chunk[:3], *chunk[3:5], *chunk[5:])
+        return (dq, (*chunk[:3], dk, dv, *chunk[5:])), None
 
-    (dq, (_, _, _, dk, dv)), _ = jax.lax.scan(step, (dq, (k, v, pos, dk, dv)), None, length=n - 1,
-                                               unroll=True)  # unrolled, as in _forward
+    travelling = (k, v, pos, dk, dv) + (() if seg is None else (seg,))
+    (dq, (_, _, _, dk, dv, *_)), _ = jax.lax.scan(step, (dq, travelling), None, length=n - 1,
+                                                   unroll=True)  # unrolled, as in _forward
     dk, dv = _pass_on((dk, dv), n)
     b, t, h, d = q.shape
     dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), np.zeros(pos.shape, jax.dtypes.float0)
+    no_grad = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), no_grad(pos), no_grad(seg)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

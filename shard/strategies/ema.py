@@ -10,6 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from shard.core import state as state_lib
 from shard.run import checkpoint as ckpt_lib
 from shard.strategies.base import Strategy, mb
 
@@ -41,7 +42,7 @@ class EMA(Strategy):
         return f"train.ema={self.decay}"
 
     def add_state(self, abstract, init, shardings, place):
-        self.device = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings.params)
+        self.device = state_lib.device_memory(shardings.params)
 
         def build():
             state = init()

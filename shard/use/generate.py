@@ -11,8 +11,9 @@ for training) it is split like the activations: heads over `tensor`, the batch o
 
 A model with a fixed context (`max_len`: gpt, moe) generates past it with a sliding window: when the cache
 is full, its last half is prefilled again as a new start (positions restart at 0) and decoding goes on. A
-prompt longer than the context is refused. Text is bytes: the prompt's UTF-8 bytes are its tokens, and
-the model picks among the 256 byte values.
+prompt longer than the context is refused. Text goes through the run's tokenizer (`data.tokenizer`; bytes
+for the `text` source: the prompt's UTF-8 bytes are its tokens), and the model picks among its tokens;
+generation stops at the tokenizer's EOS, where it has one.
 """
 
 import argparse
@@ -29,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.use import decoding
 from shard.run import distributed
-from shard import hooks, partition
+from shard import hooks, partition, paths
 from shard.errors import UserError, exit_from
 from shard.core.step import cast_floats
 
@@ -227,8 +228,39 @@ def recompute(model: nnx.Module, prompt: np.ndarray, new_tokens: int, vocab: int
                                       jax.random.key(0), None)
 
 
+TOKENIZER_FOLDER = "tokenizer"  # in a run folder: a copy of data.tokenizer's files
+
+
+def run_tokenizer(data_cfg, run_folder=None):
+    """The tokenizer a run's text went through (shard/data/tokenizer.py): data.tokenizer for documents, else
+    bytes; the run folder's own copy where it has one (the original may have moved, or be on another machine)."""
+    from shard.data import tokenizer
+
+    if data_cfg.name != "documents":
+        return tokenizer.load("bytes")
+    kept = run_folder / TOKENIZER_FOLDER if run_folder is not None else None
+    return tokenizer.load(str(kept) if kept is not None and kept.is_dir() else data_cfg.tokenizer)
+
+
+def keep_tokenizer(data_cfg, run_folder) -> None:
+    """Copy data.tokenizer's files into the run folder, where generation and load_tokenizer find them."""
+    from shard.data import tokenizer
+
+    if data_cfg.name == "documents":
+        for name, content in tokenizer.files(data_cfg.tokenizer).items():
+            (run_folder / TOKENIZER_FOLDER).mkdir(parents=True, exist_ok=True)
+            (run_folder / TOKENIZER_FOLDER / name).write_bytes(content)
+
+
 def text_tokens(text: str) -> list[int]:
     return list(text.encode("utf-8"))
+
+
+def until_eos(tokens, eos: int | None):
+    """A row's tokens before its first `eos` (all of them without one)."""
+    tokens = np.asarray(tokens)
+    hits = np.flatnonzero(tokens == eos) if eos is not None else []
+    return tokens[:hits[0]] if len(hits) else tokens
 
 
 def token_text(tokens) -> str:
@@ -262,7 +294,6 @@ def main(argv: list[str]) -> int:
     args, overrides, whole_mesh = load.parse_loading(parser, argv)
     if args.max_new_tokens < 1 or args.batch < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} and --batch {args.batch} must be at least 1")
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, vocab=BYTES).check()
     prompt = args.prompt if args.prompt is not None else "\n"
     if args.prompt_file:
         try:
@@ -274,14 +305,16 @@ def main(argv: list[str]) -> int:
                        trust_code=args.trust_code)
     generator = Generator(loaded.model, loaded.mesh if whole_mesh else None, loaded.rules, loaded.cfg.train.dtype,
                           window=loaded.cfg.data.seq_len)
-    tokens = np.tile(np.array(text_tokens(prompt), np.int32), (args.batch, 1))
+    tok = run_tokenizer(loaded.cfg.data, paths.resolve(load.run_config(args.run, "RUN")).parent)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, vocab=tok.vocab_size).check()
+    tokens = np.tile(np.array(tok.encode(prompt), np.int32), (args.batch, 1))
     start = time.perf_counter()
-    out = generator(tokens, args.max_new_tokens, sampling, seed=args.seed)
+    out = generator(tokens, args.max_new_tokens, sampling, seed=args.seed, eos=tok.eos)
     seconds = time.perf_counter() - start
     for i, row in enumerate(out):
         if args.batch > 1:
             print(f"--- {i}")
-        print(prompt + token_text(row))
+        print(prompt + tok.decode(until_eos(row, tok.eos)))
     print(f"{loaded.cfg.model.name} at step {loaded.step} of {args.run}: {args.batch} x {args.max_new_tokens} tokens, "
           f"{out.size / seconds:,.0f} tokens/s ({seconds:.2f} s, compiling included)", file=sys.stderr)
     return 0

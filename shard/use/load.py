@@ -3,6 +3,7 @@
     model = shard.load_model("runs/default")                     # one device, the newest checkpoint
     model = shard.load_model("runs/default", mesh="tp")          # split as the tp preset says
     model = shard.load_model("runs/default", mesh={"tensor": 4}, step=600)
+    tokenizer = shard.load_tokenizer("runs/default")              # text <-> the model's tokens
 
 The model is built from the `config.yaml` the run wrote (its class and arguments), and each parameter is
 read by Orbax straight into its place on the mesh, so a model too large for one device loads too.
@@ -54,6 +55,15 @@ def load_model(path: str, *, mesh: str | dict | None = None, step: int | None = 
     else:
         raise UserError(f"mesh={mesh!r}: give a preset name, a dict of mesh settings such as {{'tensor': 4}}, or None")
     return load(path, overrides, step=step, whole_mesh=mesh is not None, trust_code=trust_code).model
+
+
+def load_tokenizer(path: str):
+    """The tokenizer a run's text went through (data.tokenizer; bytes for the text source), with
+    `encode(text) -> ids` and `decode(ids) -> text`: what turns a prompt into the model's tokens and back."""
+    from shard.use.generate import run_tokenizer
+
+    config_path = run_config(path)
+    return run_tokenizer(config_lib.load(config_path, [], sections=RUN_SECTIONS).data, paths.resolve(config_path).parent)
 
 
 def add_loading_arguments(parser) -> None:
