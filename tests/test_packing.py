@@ -209,3 +209,24 @@ def test_split_packed_rows_train_as_on_one_device(mesh):
     one = train_outputs(batch=batch, devices=jax.devices()[:1])
     split = train_outputs(*MESHES[mesh], batch=batch)
     np.testing.assert_allclose([split["loss"], split["grad_norm"]], [one["loss"], one["grad_norm"]], rtol=1e-5)
+
+
+def test_a_documents_corpus_packs_whole_documents(train, tmp_path):
+    """data.name=documents with data.packing=documents: rows of whole documents, eval rows with the bytes
+    of their real targets, and a run that trains on them."""
+    import json
+
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "packing", "rows"]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": " ".join(rng.choice(words, rng.integers(2, 12)))})
+                                for _ in range(300)))
+    args = [*TINY_GPT, "data.name=documents", f"data.path={corpus}", "data.packing=documents",
+            f"data.cache_dir={tmp_path / 'cache'}", "data.eval_fraction=0.2"]
+    cfg = config.load(None, overrides(tmp_path / "run", *args))
+    trained, held, _ = packing.splits(cfg.data, tmp_path / "cache")
+    rows = held.read_batch(np.arange(len(held)))
+    assert set(packing.KEYS) <= set(rows) and 0 < rows["bytes"].sum() <= rows["loss_mask"].sum()
+    assert trained.efficiency() > 0.9 and rows["segment_ids"].max() > 2  # several documents a row
+    run = train(*args, "train.steps=3", "run.log_every=1", "run.cpu_devices=1")
+    assert all("target_tokens" in r for r in run.history) and np.isfinite(run.eval["eval_bits_per_byte"])
