@@ -2,13 +2,11 @@
 equal synchronous data parallelism, DiLoCo's outer step by hand, bitwise resume between syncs, the plan's
 cross-replica bytes (1/H of a sync's, each fragment 1/F), 2 processes as 2 replicas, and bad input."""
 
-import json
 import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import shard
