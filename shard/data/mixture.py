@@ -26,10 +26,12 @@ def check(mixture: dict, path) -> None:
 
 
 def labels(paths: list[str]) -> list[str]:
-    """Short, stable names for the sources: each path's stem (glob characters dropped), made unique."""
+    """Short, stable names for the sources: the stem of each path's last part without glob characters
+    (b/*.jsonl -> b), made unique."""
     names = []
     for path in paths:
-        stem = Path(path.rstrip("/").replace("*", "").replace("?", "")).name.split(".")[0] or "source"
+        plain = [part for part in Path(path).parts if not any(c in part for c in "*?[")]
+        stem = (plain[-1].split(".")[0] if plain else "") or "source"
         name, n = stem, 1
         while name in names:
             n += 1
