@@ -206,6 +206,10 @@ def _check_values(cfg: Config) -> None:
     if not isinstance(cfg.model.name, str) or not cfg.model.name:
         raise UserError("model.name must be a registered model name or package.module:Class")
     step_range(cfg.run.profile_steps, cfg.train.steps)
+    if cfg.data.mixture:  # before the run's folder is made
+        from shard.data.mixture import check
+
+        check(cfg.data.mixture, cfg.data.path)
 
 
 def step_range(spec: str | None, train_steps: int) -> range | None:

@@ -41,6 +41,9 @@ class DataConfig:
                                  "file, folder or glob of .jsonl(.gz), .json, .parquet, .txt, .arrow files or a datasets "
                                  "save_to_disk folder; tabular: diabetes (default), breast_cancer or a CSV; arrays: .npz "
                                  "or folder; array_record: files")
+    mixture: dict = option({}, "documents: several corpora sampled by weight, {path: weight, ...} (each path as "
+                           "data.path reads it; weights positive numbers, relative); eval reports each one's loss too; "
+                           "instead of data.path")
     field: str = option("text", "documents: the column (JSON key) holding each document's text")
     tokenizer: str = option("bytes", "documents: bytes (one token per UTF-8 byte), a Hugging Face tokenizer.json (or a "
                             "folder holding one) or a SentencePiece .model; model.vocab_size follows it unless set")

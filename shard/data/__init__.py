@@ -32,6 +32,7 @@ class Data:
     tokens_per_example: int  # seq_len for sequence data, else 0
     num_classes: int         # classes (or vocabulary) the targets range over; 0 for binary and regression
     rows: "Rows" = None      # which rows of each global batch this process reads (train and eval)
+    eval_parts: dict = None  # data.mixture: each source's eval split by its label (data.eval is them all)
 
     def abstract_batch(self, eval: bool = False) -> dict:
         """Shapes and dtypes of one global batch (eval batches also carry a `mask`)."""
@@ -75,6 +76,8 @@ def load_splits(cfg, seed: int, cache_dir=None) -> tuple:
 
 
 def build(cfg, seed: int, cache_dir=None) -> Data:
+    if cfg.mixture:
+        return _build_mixture(cfg, seed, cache_dir)
     train_src, eval_src, own_task = load_splits(cfg, seed, cache_dir)
     task = own_task if cfg.task == "auto" else cfg.task
     if (task == "lm") != (own_task == "lm"):
@@ -101,6 +104,27 @@ def build(cfg, seed: int, cache_dir=None) -> Data:
     classes = {"lm": vocab_size(cfg), "classification": _num_classes(cfg, train_src, task)}.get(task, 0)
     return Data(task=task, train=train, eval=eval_batches, batch_size=cfg.batch_size, tokens_per_example=tokens,
                 num_classes=classes, rows=rows)
+
+
+def _build_mixture(cfg, seed: int, cache_dir) -> Data:
+    """data.mixture: the sources' train splits mixed by weight (`mixture.MixOrder`), their eval splits apart."""
+    from shard.data import mixture
+
+    if cfg.name != "documents":
+        raise UserError(f"data.mixture is read by data.name=documents only (data.name={cfg.name})")
+    if cfg.task not in ("auto", "lm"):
+        raise UserError(f"data.task={cfg.task}: a mixture of documents is language modelling (lm)")
+    trains, evals, weights = mixture.splits(cfg, cache_dir or ".token_cache")
+    n_proc, proc = jax.process_count(), jax.process_index()
+    if cfg.batch_size % n_proc:
+        raise UserError(f"data.batch_size={cfg.batch_size} must be divisible by the {n_proc} processes")
+    rows = Rows(proc * (cfg.batch_size // n_proc), cfg.batch_size // n_proc)
+    concat = mixture.Concat(trains)
+    train = grain.MapDataset.source(TrainBatches(concat, mixture.MixOrder(concat, weights, seed), cfg.batch_size, rows))
+    parts = {name: EvalBatches(src, lambda b: b, cfg.batch_size, rows) for name, src in evals.items()}
+    everything = EvalBatches(mixture.Concat(list(evals.values())), lambda b: b, cfg.batch_size, rows)
+    return Data(task="lm", train=train, eval=everything, batch_size=cfg.batch_size, tokens_per_example=cfg.seq_len,
+                num_classes=vocab_size(cfg), rows=rows, eval_parts=parts)
 
 
 def vocab_size(cfg) -> int:
