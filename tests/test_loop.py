@@ -28,7 +28,7 @@ def test_a_log_point_fetches_only_finished_steps(train, monkeypatch):
 
 
 def test_eval_batches_are_spread_evenly_over_the_split():
-    from shard.run.trainer import eval_selection
+    from shard.run.evaluation import eval_selection
 
     assert list(eval_selection(range(10), 0)) == list(range(10))
     assert list(eval_selection(range(10), 20)) == list(range(10))

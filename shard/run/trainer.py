@@ -5,7 +5,6 @@ directory is touched, so a bad config never overwrites anything.
 """
 
 import contextlib
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from shard.core import state as state_lib
 from shard.observe.board import Board
 from shard.errors import NonFiniteLoss, UserError, warn
 from shard.run.job import Job, prepare
+from shard.run.evaluation import evaluate, prefetch_depth
 from shard.observe.metrics import MetricsLog, peak_memory_gb, seconds_since_process_start
 
 
@@ -338,75 +338,3 @@ def progress_line(record: dict, total: int, rate_key: str) -> str:
     """The progress bar's content as one line, for output that is not a terminal."""
     return (f"[{record['step']}/{total}] loss {record['loss']:.4f} | {record[rate_key]:,.0f} {rate_key} | "
             f"{record['step_time_s'] * 1e3:.1f} ms/step")
-
-
-def prefetch_depth(cfg, devices) -> int:
-    """data.prefetch, or by default 2 on accelerators and 0 on CPU: there JAX's asynchronous dispatch
-    already reads the next batch while the step runs, and a thread would compete with XLA's."""
-    if cfg.data.prefetch is not None:
-        return cfg.data.prefetch
-    return 0 if devices[0].platform == "cpu" else 2
-
-
-def evaluate(eval_step, state, data: data_lib.Data, shardings: dict, cfg) -> dict:
-    """Each eval metric over the eval split: all of it (`train.eval_batches=0`), or that many batches
-    spread evenly over it. A mixture (`data.eval_parts`) is evaluated source by source: each source's
-    metrics under `<metric>/<label>`, and the overall ones from all their sums together."""
-    if not data.eval_parts:
-        return eval_metrics(eval_totals(eval_step, state, data.eval, data, shardings, cfg), data.task)
-    parts = {name: eval_totals(eval_step, state, batches, data, shardings, cfg) for name, batches in data.eval_parts.items()}
-    overall = {k: math.fsum(t[k] for t in parts.values()) for k in next(iter(parts.values()))}
-    metrics = eval_metrics(overall, data.task)
-    for name, totals in parts.items():
-        metrics.update({f"{k}/{name}": v for k, v in eval_metrics(totals, data.task).items()})
-    return metrics
-
-
-def eval_totals(eval_step, state, eval_batches, data: data_lib.Data, shardings: dict, cfg) -> dict:
-    """The eval step's sums over (a selection of) `eval_batches`. Each batch's sums stay on the devices until
-    the last batch has run, then one fetch brings them all (no host transfer per batch), added up on the
-    host in float64. As in the train loop, at most one batch waits behind the running one: a deep queue of
-    programs with collectives deadlocks on CPU (gloo) across processes, and the device never idles with one queued."""
-    batches = eval_selection(eval_batches, cfg.train.eval_batches)
-    feed = data_lib.device_batches(batches, shardings, start=0, prefetch=min(2, prefetch_depth(cfg, jax.devices())),
-                                   batch_size=data.batch_size)
-    sums: list = []
-    with contextlib.closing(feed):
-        for _ in range(len(batches)):
-            sums.append(distributed.finished(eval_step(state, next(feed))))
-            if len(sums) > 1:
-                jax.block_until_ready(sums[-2])
-    return {k: math.fsum(float(s[k]) for s in jax.device_get(sums)) for k in sums[0]}
-
-
-def eval_metrics(totals: dict, task: str) -> dict:
-    """Eval metrics from the eval step's summed totals."""
-    count = totals["count"]
-    metrics = {"eval_loss": totals["loss"] / count}
-    if "accuracy" in totals:
-        metrics["eval_accuracy"] = totals["accuracy"] / count
-    if "sse" in totals:
-        variance = totals["y2"] - totals["y"] ** 2 / totals["values"]
-        metrics["eval_r2"] = 1.0 - totals["sse"] / max(variance, 1e-12)
-    if "bytes" in totals:  # tokens of any tokenizer: the loss over the UTF-8 bytes they stand for
-        metrics["eval_bits_per_byte"] = totals["nats"] / math.log(2) / max(totals["bytes"], 1.0)
-    elif task == "lm":  # byte-level tokens: one byte each
-        metrics["eval_bits_per_byte"] = metrics["eval_loss"] / math.log(2)
-    return metrics
-
-
-class eval_selection:
-    """The eval batches an evaluation reads: every one (n=0, or n >= their number), else n of them
-    spread evenly over the split (the middle batch of each of n equal parts), so that a partial eval
-    samples the whole held-out text rather than its first files."""
-
-    def __init__(self, batches, n: int):
-        total = len(batches)
-        self.batches = batches
-        self.indices = range(total) if n == 0 or n >= total else [(2 * i + 1) * total // (2 * n) for i in range(n)]
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i: int):
-        return self.batches[self.indices[i]]
