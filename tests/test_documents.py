@@ -325,3 +325,17 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(made, tmp_path, case, m
 def test_a_tokenizer_that_is_not_there_is_one_line():
     with pytest.raises(UserError, match="data.tokenizer='nowhere.json' does not exist"):
         tokenizer_lib.load("nowhere.json")
+
+
+@pytest.mark.parametrize("packing", ["concat", "documents"])
+def test_two_processes_read_their_own_rows_and_train_as_one(made, train, tmp_path, packing):
+    """Two real processes sharing one cache folder (both find it missing and race to build it) each read
+    only their rows of every global batch; the curve is one process's."""
+    from test_multihost import losses as logged, train_processes
+
+    corpus = [*GPT, f"data.path={made['root'] / 'jsonl'}", f"data.tokenizer={made['bpe']}", f"data.packing={packing}",
+              f"data.cache_dir={tmp_path / 'cache'}", "train.steps=4", "run.log_every=1", "mesh=fsdp",
+              "model.vocab_size=304"]  # the launcher puts the tests' tiny GPT (256 tokens) first
+    one = train(*corpus, "run.cpu_devices=8", f"data.cache_dir={tmp_path / 'one_cache'}", subdir="one")
+    train_processes(tmp_path / "two", 2, *corpus, "mesh.dcn_fsdp=2")
+    np.testing.assert_allclose(logged(tmp_path / "two"), [r["loss"] for r in one.history], rtol=1e-5)
