@@ -212,6 +212,15 @@ def init_state(init: Callable[[], TrainState], shardings) -> TrainState:
     return jax.jit(init, out_shardings=shardings)()
 
 
+def shard_bytes(tree) -> int:
+    """Bytes of one device's shards of an abstract tree (shape-dtype structs with shardings)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) else leaf.shape
+        total += math.prod(shape) * leaf.dtype.itemsize
+    return total
+
+
 def count_params(params) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
 

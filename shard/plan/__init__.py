@@ -32,15 +32,6 @@ from shard.core import state as state_lib
 from shard.errors import UserError
 
 
-def _shard_bytes(tree) -> int:
-    """Bytes of one device's shards of an abstract tree (shape-dtype structs with shardings)."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) else leaf.shape
-        total += math.prod(shape) * leaf.dtype.itemsize
-    return total
-
-
 def _on_host(leaf) -> bool:
     return getattr(getattr(leaf, "sharding", None), "memory_kind", None) == "pinned_host"
 
@@ -50,7 +41,7 @@ def _gradient_bytes(abstract_params, prepared) -> int:
     keeps them in another layout (ZeRO-2 with microbatches: the optimizer state's split)."""
     kept = [g for s in prepared.strategies if (g := s.gradient_shardings(prepared)) is not None]
     layout = kept[0] if kept else prepared.shardings.params
-    return _shard_bytes(jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+    return state_lib.shard_bytes(jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                      abstract_params, layout))
 
 
@@ -73,7 +64,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         + memory.temp_size_in_bytes
     # Host offload: the state kept in pinned host memory. Where XLA's analysis does not count host memory apart
     # (the CPU backend, whose "host" and "device" are the same RAM), it is taken out of the device total here.
-    host = _shard_bytes([leaf for leaf in jax.tree.leaves(sharded) if _on_host(leaf)])
+    host = state_lib.shard_bytes([leaf for leaf in jax.tree.leaves(sharded) if _on_host(leaf)])
     if host and not memory.host_argument_size_in_bytes:
         total -= host
     capacity = hardware.memory_bytes(devices[0], cfg.run.device_memory_gb)
@@ -92,8 +83,8 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "flops_per_device": flops_device,
         "executed_flops_per_device": hlo.dot_flops(text),
         "memory_per_device": {
-            "params": _shard_bytes(sharded.params) + _shard_bytes(sharded.rest),
-            "optimizer": _shard_bytes(sharded.opt_state),
+            "params": state_lib.shard_bytes(sharded.params) + state_lib.shard_bytes(sharded.rest),
+            "optimizer": state_lib.shard_bytes(sharded.opt_state),
             "gradients": _gradient_bytes(prepared.abstract.params, prepared),
             "host": host,
             "arguments": memory.argument_size_in_bytes,

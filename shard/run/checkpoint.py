@@ -279,20 +279,26 @@ def restore_path(path: str, key: str, target: TrainState, model_only: bool,
         return restore_step(manager, newest if step is None else step, target, model_only=model_only)
 
 
-def _tree_manager(directory) -> ocp.CheckpointManager:
+def tree_manager(directory) -> ocp.CheckpointManager:
+    """A read-only manager whose items are plain trees: what partial restores (`restore_parts`) read through."""
     handlers = {"model": ocp.PyTreeCheckpointHandler(), "optimizer": ocp.PyTreeCheckpointHandler(),
                 "meta": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(Path(directory), options=ocp.CheckpointManagerOptions(create=False),
                                  item_handlers=handlers)
 
 
-def read_parts(directory, step: int, items: dict) -> dict:
+def restore_parts(manager, step: int, items: dict) -> dict:
     """Only the arrays `items` names ({"model": {...}, "optimizer": {...}}, targets with shardings) of a step,
     with its meta: Orbax's partial restore reads nothing else."""
-    manager = _tree_manager(directory)
+    args = {k: ocp.args.PyTreeRestore(v, restore_args=ocp.checkpoint_utils.construct_restore_args(v),
+                                      partial_restore=True) for k, v in items.items()}
+    return manager.restore(step, args=ocp.args.Composite(**args, meta=ocp.args.JsonRestore()))
+
+
+def read_parts(directory, step: int, items: dict) -> dict:
+    """`restore_parts` of one step of a checkpoints folder."""
+    manager = tree_manager(directory)
     try:
-        args = {k: ocp.args.PyTreeRestore(v, restore_args=ocp.checkpoint_utils.construct_restore_args(v),
-                                          partial_restore=True) for k, v in items.items()}
-        return manager.restore(step, args=ocp.args.Composite(**args, meta=ocp.args.JsonRestore()))
+        return restore_parts(manager, step, items)
     finally:
         manager.close()

@@ -5,8 +5,6 @@ steps the raw ones. The average is kept in float32 beside the model, sharded lik
 memory where they are, under `train.offload=params`), and checkpointed with the optimizer state. A
 checkpoint without it (an older run, `train.init_from`) starts the average from the weights it holds."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -83,9 +81,8 @@ class EMA(Strategy):
         return target.replace(params=got["optimizer"]["extra"][KEY], rest=got["model"]["rest"]), dict(got["meta"])
 
     def plan(self, job, step_ops, n) -> dict:
-        shards = [math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize for a, s in
-                  zip(jax.tree.leaves(job.work.abstract.params), jax.tree.leaves(job.shardings.extra[KEY]))]
-        return {"ema": {"decay": self.decay, "bytes_per_device": sum(shards)}}
+        held = ckpt_lib.abstract_target(job.work.abstract.params, job.shardings.extra[KEY])
+        return {"ema": {"decay": self.decay, "bytes_per_device": state_lib.shard_bytes(held)}}
 
     plan_keys = ("ema",)
 

@@ -29,6 +29,7 @@ class LowCommunication(Strategy):
     def __init__(self, sync: sync_lib.Sync | None, replicas: int):
         self.sync, self.replicas = sync, replicas  # sync None: train.sync=allreduce over replicas > 1
         self.programs: tuple = ()
+        self._sync_bytes: dict = {}  # per device count: each sync program's bytes (_per_sync)
         self.other_layouts = sync is not None  # a plain checkpoint, or another replica count, seeds every replica
 
     @classmethod
@@ -83,9 +84,12 @@ class LowCommunication(Strategy):
         return None
 
     def _per_sync(self, n: int) -> list:
+        """Bytes each fragment's sync sends per device, read once from its compiled program (the plan asks twice)."""
         from shard.plan import hlo  # the plan's reader of compiled programs (imported late: the plan imports jobs)
 
-        return [hlo.summary(hlo.collectives(p.as_text(), n))[1] for p in self.programs]
+        if n not in self._sync_bytes:
+            self._sync_bytes[n] = [hlo.summary(hlo.collectives(p.as_text(), n))[1] for p in self.programs]
+        return self._sync_bytes[n]
 
     def wire_bytes(self, job, n: int) -> float:
         return sum(self._per_sync(n)) / self.sync.every if self.sync else 0.0

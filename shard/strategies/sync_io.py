@@ -11,7 +11,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.run import checkpoint as ckpt_lib
@@ -21,23 +20,10 @@ from shard.errors import warn
 from shard.core.state import TrainState
 
 
-def _manager(directory) -> ocp.CheckpointManager:
-    handlers = {"model": ocp.PyTreeCheckpointHandler(), "optimizer": ocp.PyTreeCheckpointHandler(),
-                "meta": ocp.JsonCheckpointHandler()}
-    return ocp.CheckpointManager(Path(directory), options=ocp.CheckpointManagerOptions(create=False),
-                                 item_handlers=handlers)
-
-
 def _copied(tree, r: int):
     """`tree`'s target with a leading dimension of R, copied to every device that holds a part."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
         (r, *a.shape), a.dtype, sharding=NamedSharding(a.sharding.mesh, PartitionSpec(None, *a.sharding.spec))), tree)
-
-
-def _restore(manager, step: int, items: dict):
-    args = {k: ocp.args.PyTreeRestore(v, restore_args=ocp.checkpoint_utils.construct_restore_args(v),
-                                      partial_restore=True) for k, v in items.items()}
-    return manager.restore(step, args=ocp.args.Composite(**args, meta=ocp.args.JsonRestore()))
 
 
 def has_anchor_momentum(manager, step: int) -> bool:
@@ -48,20 +34,21 @@ def has_anchor_momentum(manager, step: int) -> bool:
 
 def read_global(directory, step: int, one: TrainState) -> tuple[TrainState, dict]:
     """The saved run's global view (params and rest, in `one`'s shardings) and its meta."""
-    manager = _manager(directory)
+    manager = ckpt_lib.tree_manager(directory)
     try:
         r = ckpt_lib.layout(manager, step, one)
         if r is None:
             ckpt_lib.check_shapes(manager, step, one)  # names what differs
         if r == 0:
-            got = _restore(manager, step, {"model": {"params": one.params, "rest": one.rest}})
+            got = ckpt_lib.restore_parts(manager, step, {"model": {"params": one.params, "rest": one.rest}})
             return one.replace(params=got["model"]["params"], rest=got["model"]["rest"]), dict(got["meta"])
         if has_anchor_momentum(manager, step):  # DiLoCo: the anchor, and the first replica's other variables
-            got = _restore(manager, step, {"model": {"rest": _copied(one.rest, r)},
+            got = ckpt_lib.restore_parts(manager, step, {"model": {"rest": _copied(one.rest, r)},
                                            "optimizer": {"outer": {"anchor": one.params}}})
             params = got["optimizer"]["outer"]["anchor"]
         else:  # local SGD: the replicas' mean
-            got = _restore(manager, step, {"model": {"params": _copied(one.params, r), "rest": _copied(one.rest, r)}})
+            got = ckpt_lib.restore_parts(manager, step, {"model": {"params": _copied(one.params, r),
+                                                                   "rest": _copied(one.rest, r)}})
             params = jax.tree.map(lambda a, s: jax.device_put(jnp.mean(a, axis=0), s.sharding),
                                   got["model"]["params"], one.params)
         rest = jax.tree.map(lambda a, s: jax.device_put(a[0], s.sharding), got["model"]["rest"], one.rest)
@@ -72,10 +59,10 @@ def read_global(directory, step: int, one: TrainState) -> tuple[TrainState, dict
 
 def restore_without_anchor(directory, step: int, target: TrainState) -> tuple[TrainState, dict]:
     """A local-SGD checkpoint saved before local SGD dropped its unused anchor: all but the anchor, as saved."""
-    manager = _manager(directory)
+    manager = ckpt_lib.tree_manager(directory)
     try:
         items = ckpt_lib._items(target)
-        got = _restore(manager, step, items)
+        got = ckpt_lib.restore_parts(manager, step, items)
         model, opt = got["model"], got["optimizer"]
         return target.replace(params=model["params"], rest=model["rest"], opt_state=opt["opt_state"],
                               step=opt["step"]), dict(got["meta"])
@@ -88,7 +75,7 @@ def take(sync, directory, step: int, init, shardings, target: TrainState, one: T
     """A train.sync run's state from a checkpoint. `resume` (the run's own, or checkpoint.restore_from): None
     when it is in this run's layout (read as usual), else its global view on every replica, with the step
     counter and a warning. Else (train.init_from): its global view on every replica, from step 0."""
-    manager = _manager(directory)
+    manager = ckpt_lib.tree_manager(directory)
     try:
         saved = ckpt_lib.layout(manager, step, one)
         legacy = sync.mode != "diloco" and "outer" in manager.item_metadata(step)["optimizer"].tree
