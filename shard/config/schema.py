@@ -44,7 +44,12 @@ class DataConfig:
     mixture: dict = option({}, "documents: several corpora sampled by weight, {path: weight, ...} (each path as "
                            "data.path reads it; weights positive numbers, relative); eval reports each one's loss too; "
                            "instead of data.path")
-    field: str = option("text", "documents: the column (JSON key) holding each document's text")
+    field: str = option("text", "documents: the column (JSON key) holding each document's text, or a chat's messages "
+                        "(a list of {role, content}; rendered with the tokenizer's chat template, only the assistant's "
+                        "turns trained)")
+    prompt_field: Optional[str] = option(None, "documents: with data.completion_field, rows are prompt/completion pairs "
+                                         "and only the completion (and its EOS) is trained; the prompt's column")
+    completion_field: Optional[str] = option(None, "documents: the completion's column (with data.prompt_field)")
     tokenizer: str = option("bytes", "documents: bytes (one token per UTF-8 byte), a Hugging Face tokenizer.json (or a "
                             "folder holding one) or a SentencePiece .model; model.vocab_size follows it unless set")
     packing: str = option("concat", "text, documents: concat = documents joined (documents: with EOS), cut into "

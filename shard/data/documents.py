@@ -1,6 +1,8 @@
-"""Reading documents for `data.name=documents`: the texts of one column (`data.field`) of JSON Lines
-(.jsonl, .jsonl.gz), JSON (.json: an array of objects, or JSON Lines), Parquet, Arrow IPC streams (the
-*.arrow files of a `datasets` save_to_disk folder) and plain text files (one document each).
+"""Reading documents for `data.name=documents`: the values of one column (`data.field`), or two (a prompt's
+and its completion's), of JSON Lines (.jsonl, .jsonl.gz), JSON (.json: an array of objects, or JSON
+Lines), Parquet, Arrow IPC streams (the *.arrow files of a `datasets` save_to_disk folder) and plain text
+files (one document each). A value is text, or a chat's list of messages (shard/data/formats.py says what
+each becomes).
 
 Rows are streamed in batches (`BATCH` texts at a time), so a file larger than memory reads in constant
 memory; a .json array is the exception (JSON has no streaming form here: it is one file's worth).
@@ -13,6 +15,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from shard.data import formats
 from shard.errors import UserError
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet", ".arrow", ".txt")
@@ -47,12 +50,19 @@ def corpus_files(path: str | None) -> list[Path]:
 
 
 def texts(path: Path, field: str) -> Iterator[list[str]]:
-    """The file's documents, in batches of at most BATCH texts."""
+    """The file's documents (the text in `field`), in batches of at most BATCH texts."""
+    for batch in rows(path, (field,)):
+        yield [formats.text_value(values[0], f"data.field={field!r}", str(path)) for values in batch]
+
+
+def rows(path: Path, names: tuple[str, ...]) -> Iterator[list[tuple]]:
+    """The file's rows as tuples of the values in columns `names` (text, or a chat's list of messages), in
+    batches of at most BATCH rows. A missing column is one line naming the columns there are."""
     reader = {".jsonl": _jsonl, ".jsonl.gz": _jsonl, ".json": _json, ".parquet": _parquet, ".arrow": _arrow,
               ".txt": _txt}[kind(path)]
     batch = []
-    for text in reader(path, field):
-        batch.append(text)
+    for values in reader(path, names):
+        batch.append(values)
         if len(batch) == BATCH:
             yield batch
             batch = []
@@ -60,33 +70,36 @@ def texts(path: Path, field: str) -> Iterator[list[str]]:
         yield batch
 
 
-def _txt(path: Path, field: str):
-    yield path.read_bytes().decode("utf-8", errors="replace")
+def _txt(path: Path, names: tuple[str, ...]):
+    if len(names) > 1:
+        raise UserError(f"{path}: a .txt file is one document; prompt/completion rows come from JSON Lines, JSON, "
+                        "Parquet or Arrow files")
+    yield (path.read_bytes().decode("utf-8", errors="replace"),)
 
 
-def _jsonl(path: Path, field: str):
+def _jsonl(path: Path, names: tuple[str, ...]):
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rt", encoding="utf-8", errors="replace") as f:
             for number, line in enumerate(f, 1):
                 if line.strip():
-                    yield _text(_row(line, path, number), field, path, number)
+                    yield _values(_row(line, path, number), names, path, number)
     except (OSError, EOFError) as e:  # a truncated or corrupt .gz
         raise UserError(f"{path}: cannot be read ({e})") from None
 
 
-def _json(path: Path, field: str):
+def _json(path: Path, names: tuple[str, ...]):
     with open(path, encoding="utf-8", errors="replace") as f:
         head = f.read(4096).lstrip()
     if not head.startswith("["):  # JSON Lines under a .json name (what datasets' to_json writes)
-        yield from _jsonl(path, field)
+        yield from _jsonl(path, names)
         return
     try:
-        rows = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+        items = json.loads(path.read_text(encoding="utf-8", errors="replace"))
     except ValueError as e:
         raise UserError(f"{path}: malformed JSON ({e})") from None
-    for number, row in enumerate(rows, 1):
-        yield _text(row, field, path, number, "item")
+    for number, row in enumerate(items, 1):
+        yield _values(row, names, path, number, "item")
 
 
 def _row(line: str, path: Path, number: int):
@@ -96,41 +109,44 @@ def _row(line: str, path: Path, number: int):
         raise UserError(f"{path}:{number}: malformed JSON line ({e})") from None
 
 
-def _text(row, field: str, path: Path, number: int, what: str = "line"):
+def _values(row, names: tuple[str, ...], path: Path, number: int, what: str = "line") -> tuple:
     if not isinstance(row, dict):
         raise UserError(f"{path}:{number}: {what} {number} is a JSON {type(row).__name__}, not an object with "
-                        f"data.field={field!r}")
-    if field not in row:
-        raise UserError(f"{path}:{number}: no data.field={field!r}; its fields are: {', '.join(map(str, row)) or '(none)'}")
-    return _string(row[field], field, f"{path}:{number}")
+                        f"{_named(names)}")
+    for name in names:
+        if name not in row:
+            raise UserError(f"{path}:{number}: no {_named((name,), names)}; its fields are: "
+                            f"{', '.join(map(str, row)) or '(none)'}")
+    return tuple(row[name] for name in names)
 
 
-def _string(value, field: str, where: str) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise UserError(f"{where}: data.field={field!r} is a {type(value).__name__}, not text")
-    return value
+def _named(names: tuple[str, ...], of: tuple[str, ...] | None = None) -> str:
+    """How the config names these columns: data.field=..., or the prompt/completion fields."""
+    of = of or names
+    keys = ("data.prompt_field", "data.completion_field") if len(of) == 2 else ("data.field",)
+    return " and ".join(f"{keys[of.index(n)]}={n!r}" for n in names)
 
 
-def _column(schema, field: str, path: Path) -> None:
-    if field not in schema.names:
-        raise UserError(f"{path}: no column data.field={field!r}; its columns are: {', '.join(schema.names) or '(none)'}")
+def _columns(schema, names: tuple[str, ...], path: Path) -> None:
+    for name in names:
+        if name not in schema.names:
+            raise UserError(f"{path}: no column {_named((name,), names)}; its columns are: "
+                            f"{', '.join(schema.names) or '(none)'}")
 
 
-def _parquet(path: Path, field: str):
+def _parquet(path: Path, names: tuple[str, ...]):
     import pyarrow.parquet as pq
 
     try:
         parquet = pq.ParquetFile(path)
     except Exception as e:  # pyarrow's ArrowInvalid and friends
         raise UserError(f"{path}: not a readable Parquet file ({e})") from None
-    _column(parquet.schema_arrow, field, path)
-    for batch in parquet.iter_batches(batch_size=BATCH, columns=[field]):
-        yield from _strings(batch.column(0), field, path)
+    _columns(parquet.schema_arrow, names, path)
+    for batch in parquet.iter_batches(batch_size=BATCH, columns=list(names)):
+        yield from _batch_values(batch, names, path)
 
 
-def _arrow(path: Path, field: str):
+def _arrow(path: Path, names: tuple[str, ...]):
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
@@ -142,17 +158,22 @@ def _arrow(path: Path, field: str):
             reader = ipc.open_file(source)
         except pa.ArrowInvalid as e:
             raise UserError(f"{path}: not an Arrow IPC stream or file ({e})") from None
-    _column(reader.schema, field, path)
+    _columns(reader.schema, names, path)
     batches = reader if isinstance(reader, ipc.RecordBatchStreamReader) else \
         (reader.get_batch(i) for i in range(reader.num_record_batches))
     for batch in batches:
-        yield from _strings(batch.column(batch.schema.get_field_index(field)), field, path)
+        yield from _batch_values(batch, names, path)
 
 
-def _strings(column, field: str, path: Path):
+def _batch_values(batch, names: tuple[str, ...], path: Path):
+    """A record batch's rows as tuples: text columns, or list columns (a chat's messages)."""
     import pyarrow as pa
 
-    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        raise UserError(f"{path}: column data.field={field!r} is {column.type}, not text")
-    for value in column.to_pylist():
-        yield value or ""
+    columns = []
+    for name in names:
+        column = batch.column(batch.schema.get_field_index(name))
+        text = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+        if not (text or pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+            raise UserError(f"{path}: column {_named((name,), names)} is {column.type}, not text (or a chat's messages)")
+        columns.append(column.to_pylist())
+    yield from zip(*columns)

@@ -55,6 +55,10 @@ def splits(cfg, cache_dir) -> tuple:
             raise UserError(f"data.mixture: {path} holds no train row of data.seq_len={cfg.seq_len} + 1 tokens")
         trains.append(train)
         evals[name] = held
+    windows = [s for s in (*trains, *evals.values()) if isinstance(s, packing.ConcatWindows)]
+    if any(s.masked for s in windows):  # fine-tuning rows beside plain documents: one batch shape for all
+        for s in windows:
+            s.masked = True
     return trains, evals, [float(w) for w in cfg.mixture.values()]
 
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from shard.data import documents, token_cache
+from shard.data import documents, formats, token_cache
 from shard.data.sources import held_out_indices
 from shard.errors import UserError
 
@@ -46,10 +46,14 @@ class Split:
 
 class ConcatWindows:
     """Consecutive, non-overlapping windows of a split's stream; `bytes` (with_bytes): per row, the UTF-8
-    bytes of the text its targets stand for, for eval's bits per byte."""
+    bytes of the text its targets stand for, for eval's bits per byte. A cache of fine-tuning rows (with a
+    mask) gives each row a `loss_mask` too: 1 where the target is trained on (a completion's, an
+    assistant's), and only those targets' bytes count. `masked` may be set by a mixture, whose sources must
+    give batches of one shape: a row of plain documents then trains on every target."""
 
     def __init__(self, split: Split, seq_len: int, with_bytes: bool = False):
         self.split, self.seq_len, self.with_bytes = split, seq_len, with_bytes
+        self.masked = split.cache.mask is not None
 
     def __len__(self) -> int:
         return max(0, (len(self.split) - 1) // self.seq_len)
@@ -60,23 +64,31 @@ class ConcatWindows:
     def read_batch(self, indices: np.ndarray) -> dict:
         positions = np.asarray(indices, np.int64)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         where = self.split.locate(positions)
-        window = self.split.cache.tokens[where].astype(np.int32)
+        cache = self.split.cache
+        window = cache.tokens[where].astype(np.int32)
         batch = {"inputs": window[:, :-1], "targets": window[:, 1:]}
+        trained = cache.mask[where[:, 1:]] if cache.mask is not None else None
+        if self.masked:
+            batch["loss_mask"] = np.ones(batch["targets"].shape, np.float32) if trained is None else \
+                trained.astype(np.float32)
         if self.with_bytes:
-            batch["bytes"] = self.split.cache.token_bytes[where[:, 1:]].sum(axis=1, dtype=np.int64).astype(np.int32)
+            counts = cache.token_bytes[where[:, 1:]].astype(np.int64)
+            batch["bytes"] = (counts if trained is None else counts * trained).sum(axis=1).astype(np.int32)
         return batch
 
 
 def splits(cfg, cache_dir) -> tuple:
     """(train source, eval source, the cache) of `data.name=documents`."""
-    cache = token_cache.load(documents.corpus_files(cfg.path), cfg.field, cfg.tokenizer, cfg.cache_dir or cache_dir)
+    cache = token_cache.load(documents.corpus_files(cfg.path), formats.columns(cfg), cfg.tokenizer, cfg.cache_dir or cache_dir)
     if cache.documents < 2:
         raise UserError(f"data.path={cfg.path!r} holds {cache.documents} document; it needs at least 2 (one to hold out)")
     train_docs, eval_docs = held_out_indices(cache.documents, cfg.eval_fraction)
     if cfg.packing == "documents":
-        each = lambda array, ids: (array[cache.doc_starts[d]:cache.doc_starts[d + 1]] for d in ids)
-        train = PackedRows(each(cache.tokens, train_docs), cfg.seq_len)
-        held = PackedRows(each(cache.tokens, eval_docs), cfg.seq_len, each(cache.token_bytes, eval_docs))
+        each = lambda array, ids: None if array is None else (array[cache.doc_starts[d]:cache.doc_starts[d + 1]]
+                                                              for d in ids)
+        train = PackedRows(each(cache.tokens, train_docs), cfg.seq_len, masks=each(cache.mask, train_docs))
+        held = PackedRows(each(cache.tokens, eval_docs), cfg.seq_len, each(cache.token_bytes, eval_docs),
+                          each(cache.mask, eval_docs))
         if len(held) == 0:
             raise UserError(f"the eval split ({len(eval_docs)} documents) has no document of 2 tokens or more")
         return train, held, cache
@@ -161,9 +173,13 @@ def pack(documents: Iterable, seq_len: int, open_rows: int = 1024) -> Iterator[d
 class PackedRows:
     """A split's documents packed into rows, as a random-access source (shard/data/sources.py's protocol):
     each row's inputs, targets, segment_ids, positions and loss_mask. Tokens and segment ids are held in
-    the smallest integer type that fits; positions and the mask are derived from the segment ids per read."""
+    the smallest integer type that fits; positions and the mask are derived from the segment ids per read.
+    `masks` (fine-tuning rows): per document, 1 where a token as a target is trained on; a row's loss_mask
+    is then also 0 at a prompt's or a user's targets. Packed by the same lengths as the tokens, the masks
+    land where their tokens did (as the byte counts do)."""
 
-    def __init__(self, documents: Iterable, seq_len: int, byte_counts: Iterable | None = None):
+    def __init__(self, documents: Iterable, seq_len: int, byte_counts: Iterable | None = None,
+                 masks: Iterable | None = None):
         rows = list(pack(documents, seq_len))
         stack = lambda key: np.stack([r[key] for r in rows]) if rows else np.zeros((0, seq_len), np.int32)
         tokens = [stack("inputs"), stack("targets")]
@@ -171,10 +187,14 @@ class PackedRows:
         self.inputs, self.targets = (t.astype(np.min_scalar_type(top)) for t in tokens)
         self.segment_ids = stack("segment_ids").astype(np.min_scalar_type(seq_len))
         self.seq_len = seq_len
+        self.trained = None if masks is None else \
+            np.stack([r["targets"] for r in pack(masks, seq_len)] or [np.zeros(seq_len)]).astype(bool)[:len(rows)]
         self.bytes = None
         if byte_counts is not None:  # per row, the UTF-8 bytes its targets stand for (eval's bits per byte): the
             # counts packed as documents of their own land where their tokens did (placement goes by length)
             counts = [r["targets"] * r["loss_mask"].astype(np.int64) for r in pack(byte_counts, seq_len)]
+            if self.trained is not None:
+                counts = [c * t for c, t in zip(counts, self.trained)]
             self.bytes = np.array([c.sum() for c in counts], np.int32)
 
     def __len__(self) -> int:
@@ -185,9 +205,10 @@ class PackedRows:
 
     def read_batch(self, indices: np.ndarray) -> dict:
         segments = self.segment_ids[indices].astype(np.int32)
+        real = segments > 0
         return {"inputs": self.inputs[indices].astype(np.int32), "targets": self.targets[indices].astype(np.int32),
                 "segment_ids": segments, "positions": row_positions(segments),
-                "loss_mask": (segments > 0).astype(np.float32),
+                "loss_mask": (real if self.trained is None else real & self.trained[indices]).astype(np.float32),
                 **({} if self.bytes is None else {"bytes": self.bytes[indices]})}
 
     def efficiency(self) -> float:

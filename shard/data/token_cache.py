@@ -2,10 +2,13 @@
 
 A cache is a folder `<data.cache_dir>/<key>/`: `tokens.bin` (every document's tokens, each document ending
 in its separator, in file order), `bytes.bin` (uint16: the UTF-8 bytes of the text each token stands for,
-for eval's bits per byte), `docs.npy` (where each document starts, and the end) and `meta.json`. The key
+for eval's bits per byte), `docs.npy` (where each document starts, and the end) and `meta.json`; for
+fine-tuning rows (prompt/completion pairs, chats: shard/data/formats.py) also `mask.bin` (uint8: 1 where a
+token, as a target, is trained on), which plain documents do without (every target counts). The key
 hashes each file's absolute path, size and modification time (not its content: reading a large corpus to
-learn that it has not changed would cost what reading it to tokenize does), `data.field` and the tokenizer's
-own file content, so a changed file, another column or another tokenizer builds a new cache.
+learn that it has not changed would cost what reading it to tokenize does), the columns read (`data.field`,
+or the prompt and completion fields) and the tokenizer's own file content (its chat template included), so a
+changed file, another column or another tokenizer builds a new cache.
 
 The build runs in worker processes, one file at a time each (a tokenizer's `encode_batch` per batch of
 rows), writes into a temporary folder beside the cache and renames it into place when it is whole: a
@@ -26,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from shard.data import documents, tokenizer as tokenizer_lib
+from shard.data import documents, formats, tokenizer as tokenizer_lib
 from shard.errors import UserError
 
 FORMAT = 1                  # bump when the layout changes: old caches are then never read
@@ -40,14 +43,16 @@ class Cache:
     token_bytes: np.ndarray  # memory-mapped uint16, aligned with tokens
     doc_starts: np.ndarray  # int64, documents + 1 entries: document i is tokens[doc_starts[i]:doc_starts[i+1]]
     meta: dict
+    mask: np.ndarray | None = None  # memory-mapped uint8, aligned with tokens: fine-tuning rows' trained targets
 
     @property
     def documents(self) -> int:
         return len(self.doc_starts) - 1
 
 
-def key(files: list[Path], field: str, tokenizer) -> str:
+def key(files: list[Path], names: tuple[str, ...], tokenizer) -> str:
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    field = names[0] if len(names) == 1 else list(names)  # one column: the key it always had
     text = json.dumps({"format": FORMAT, "files": stats, "field": field, "tokenizer": tokenizer.identity()})
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
@@ -56,13 +61,16 @@ def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
 
-def load(files: list[Path], field: str, spec: str | None, cache_dir: str | Path, workers: int | None = None) -> Cache:
-    """The corpus's cache, built first if it does not exist yet."""
+def load(files: list[Path], names: tuple[str, ...] | str, spec: str | None, cache_dir: str | Path,
+         workers: int | None = None) -> Cache:
+    """The corpus's cache, built first if it does not exist yet. `names`: the columns each row is read
+    from (shard/data/formats.py: a document's or a chat's, or a prompt's and its completion's)."""
+    names = (names,) if isinstance(names, str) else tuple(names)
     tok = tokenizer_lib.load(spec)
     cache_dir = Path(cache_dir).expanduser()
-    folder = cache_dir / key(files, field, tok)
+    folder = cache_dir / key(files, names, tok)
     if not (folder / "meta.json").is_file():
-        build(files, field, spec, tok, folder, workers)
+        build(files, names, spec, tok, folder, workers)
     return open_cache(folder)
 
 
@@ -71,22 +79,27 @@ def open_cache(folder: Path) -> Cache:
     dtype = np.dtype(meta["dtype"])
     tokens = np.memmap(folder / "tokens.bin", dtype, "r", shape=(meta["tokens"],))
     counts = np.memmap(folder / "bytes.bin", np.uint16, "r", shape=(meta["tokens"],))
-    return Cache(folder, tokens, counts, np.load(folder / "docs.npy"), meta)
+    mask = np.memmap(folder / "mask.bin", np.uint8, "r", shape=(meta["tokens"],)) if meta.get("masked") else None
+    return Cache(folder, tokens, counts, np.load(folder / "docs.npy"), meta, mask)
 
 
-def build(files: list[Path], field: str, spec: str | None, tok, folder: Path, workers: int | None = None) -> None:
+def build(files: list[Path], names: tuple[str, ...], spec: str | None, tok, folder: Path,
+          workers: int | None = None) -> None:
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     except OSError as e:
         raise UserError(f"data.cache_dir={str(folder.parent)!r}: cannot write there ({e.strerror or e})") from None
     try:
-        lengths = _encode_all(files, field, spec, tok, scratch, workers)
+        lengths, masked = _encode_all(files, names, spec, tok, scratch, workers)
         if not lengths or sum(len(x) for x in lengths) == 0:
-            raise UserError(f"data.path: the {len(files)} file(s) hold no documents with text in data.field={field!r}")
+            raise UserError(f"data.path: the {len(files)} file(s) hold no documents with text in "
+                            f"{formats.describe(names)}")
         doc_lengths = np.concatenate(lengths)
         starts = np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64)
-        for name in ("tokens", "bytes"):  # the parts, joined in file order
+        for i in range(len(files) if not masked else 0):  # every target counts: no mask to keep
+            (scratch / f"mask.{i}").unlink()
+        for name in ("tokens", "bytes", "mask")[:3 if masked else 2]:  # the parts, joined in file order
             with open(scratch / f"{name}.bin", "wb") as out:
                 for i in range(len(files)):
                     part = scratch / f"{name}.{i}"
@@ -96,7 +109,8 @@ def build(files: list[Path], field: str, spec: str | None, tok, folder: Path, wo
         np.save(scratch / "docs.npy", starts)
         meta = {"format": FORMAT, "dtype": np.dtype(token_dtype(tok.vocab_size)).name, "tokens": int(starts[-1]),
                 "documents": len(doc_lengths), "vocab_size": tok.vocab_size, "bos": tok.bos, "eos": tok.eos,
-                "field": field, "tokenizer": spec or "bytes", "files": [str(f) for f in files]}
+                "field": names[0] if len(names) == 1 else list(names), "masked": masked,
+                "tokenizer": spec or "bytes", "files": [str(f) for f in files]}
         (scratch / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             os.rename(scratch, folder)
@@ -109,18 +123,20 @@ def build(files: list[Path], field: str, spec: str | None, tok, folder: Path, wo
         raise
 
 
-def _encode_all(files, field, spec, tok, scratch: Path, workers: int | None) -> list[np.ndarray]:
-    """Each file's document lengths (in tokens); its tokens and byte counts are written to `scratch`."""
+def _encode_all(files, names, spec, tok, scratch: Path, workers: int | None) -> tuple[list[np.ndarray], bool]:
+    """Each file's document lengths (in tokens), and whether any target is left out of training; its tokens,
+    byte counts and mask are written to `scratch`."""
     sizes = [f.stat().st_size for f in files]
     workers = min(workers or os.cpu_count() or 1, len(files))
     bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc=f"tokenizing {len(files)} file(s)",
                disable=None, leave=False, file=sys.stderr)
-    jobs = [(i, f, field, spec, scratch) for i, f in enumerate(files)]
-    lengths = [None] * len(files)
+    jobs = [(i, f, names, spec, scratch) for i, f in enumerate(files)]
+    lengths, masked = [None] * len(files), False
     with bar:
         if workers <= 1 or sum(sizes) < PARALLEL_MIN_BYTES:
             for job in jobs:
-                lengths[job[0]] = _encode_file(*job, tok=tok)
+                lengths[job[0]], some = _encode_file(*job, tok=tok)
+                masked |= some
                 bar.update(sizes[job[0]])
         else:
             # A fork server, not a fork of this process: JAX's threads are running here, and a forked copy
@@ -129,38 +145,57 @@ def _encode_all(files, field, spec, tok, scratch: Path, workers: int | None) -> 
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload([__name__])
             with context.Pool(workers, initializer=tokenizer_lib.quiet_parallelism) as pool:
-                for i, got in pool.imap_unordered(_encode_job, jobs):
+                for i, (got, some) in pool.imap_unordered(_encode_job, jobs):
                     lengths[i] = got
+                    masked |= some
                     bar.update(sizes[i])
-    return lengths
+    return lengths, masked
 
 
-def _encode_job(job) -> tuple[int, np.ndarray]:
+def _encode_job(job) -> tuple[int, tuple[np.ndarray, bool]]:
     return job[0], _encode_file(*job)
 
 
 _WORKER_TOKENIZER: dict = {}  # spec -> tokenizer, loaded once per worker process
 
 
-def _encode_file(index: int, path: Path, field: str, spec, scratch: Path, tok=None) -> np.ndarray:
-    """Tokenize one file into `scratch`/tokens.<index> and bytes.<index>; its documents' lengths."""
+def _encode_file(index: int, path: Path, names: tuple[str, ...], spec, scratch: Path, tok=None) -> tuple[np.ndarray, bool]:
+    """Tokenize one file into `scratch`/tokens.<index>, bytes.<index> and mask.<index>: its documents' lengths,
+    and whether any target is not trained on. A row's pieces (shard/data/formats.py) are tokenized apart, so
+    a prompt's last token never merges with its completion's first, and each token's mask is its piece's;
+    BOS takes the first piece's (it is a target only after the previous row's EOS), EOS the last's."""
     if tok is None:
         tok = _WORKER_TOKENIZER.get(spec) or _WORKER_TOKENIZER.setdefault(spec, tokenizer_lib.load(spec))
+    formatter = formats.Formatter(names, spec)
+    bos_text = formatter.tokens["bos_token"]
     dtype = token_dtype(tok.vocab_size)
     sep_ids, sep_bytes = tokenizer_lib.separator(tok)
-    head = [] if tok.bos is None else [tok.bos]
-    lengths = []
-    with open(scratch / f"tokens.{index}", "wb") as out, open(scratch / f"bytes.{index}", "wb") as out_bytes:
-        for texts in documents.texts(path, field):
-            ids, counts = tok.encode_batch(texts)
-            parts, byte_parts = [], []
-            for doc_ids, doc_counts in zip(ids, counts):
-                if not len(doc_ids):
+    lengths, masked = [], False
+    with open(scratch / f"tokens.{index}", "wb") as out, open(scratch / f"bytes.{index}", "wb") as out_bytes, \
+            open(scratch / f"mask.{index}", "wb") as out_mask:
+        for batch in documents.rows(path, names):
+            rows = [formatter.pieces(values, f"{path}:row {len(lengths) + n + 1}") for n, values in enumerate(batch)]
+            ids, counts = tok.encode_batch([text for pieces in rows for text, _ in pieces])
+            parts, byte_parts, mask_parts, at = [], [], [], 0
+            for pieces in rows:
+                took = slice(at, at + len(pieces))
+                at += len(pieces)
+                row_ids = [i.astype(dtype, copy=False) for i in ids[took]]
+                size = sum(len(i) for i in row_ids)
+                if not size:
                     continue  # an empty text is no document
-                parts += [np.asarray(head, dtype), doc_ids.astype(dtype, copy=False), sep_ids.astype(dtype)]
-                byte_parts += [np.zeros(len(head), np.uint16), doc_counts, sep_bytes]
-                lengths.append(len(head) + len(doc_ids) + len(sep_ids))
+                # a chat template may write BOS itself: then it is not added again
+                head = [] if tok.bos is None or (bos_text and pieces[0][0].startswith(bos_text)) else [tok.bos]
+                trained = [t for _, t in pieces]
+                parts += [np.asarray(head, dtype), *row_ids, sep_ids.astype(dtype)]
+                byte_parts += [np.zeros(len(head), np.uint16), *counts[took], sep_bytes]
+                mask_parts += [np.full(len(head), trained[0], np.uint8),
+                               *(np.full(len(i), t, np.uint8) for i, t in zip(row_ids, trained)),
+                               np.full(len(sep_ids), trained[-1], np.uint8)]
+                masked |= not all(trained)
+                lengths.append(len(head) + size + len(sep_ids))
             if parts:
                 out.write(np.concatenate(parts).tobytes())
                 out_bytes.write(np.concatenate(byte_parts).astype(np.uint16).tobytes())
-    return np.asarray(lengths, np.int64)
+                out_mask.write(np.concatenate(mask_parts).tobytes())
+    return np.asarray(lengths, np.int64), masked

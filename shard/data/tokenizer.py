@@ -55,7 +55,7 @@ class HuggingFace:
         except Exception as e:  # the library raises its own Exception subclasses for a bad file
             raise UserError(f"data.tokenizer={str(path)!r} is not a readable tokenizer.json: {_line(e)}") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        named = _config_tokens(path.parent / "tokenizer_config.json")
+        named = config_tokens(path.parent / "tokenizer_config.json")
         special = [t.content for t in self.tok.get_added_tokens_decoder().values() if t.special]
         self.bos = self._id(named.get("bos_token") or next((n for n in BOS_NAMES if n in special), None))
         self.eos = self._id(named.get("eos_token") or next((n for n in EOS_NAMES if n in special), None))
@@ -127,14 +127,14 @@ def load(spec: str | None):
     """The tokenizer `data.tokenizer` names: bytes, a tokenizer.json (or a folder with one) or a .model."""
     if spec in (None, "bytes"):
         return Bytes()
-    path = _file(spec)
+    path = tokenizer_file(spec)
     if not path.is_file():
         raise UserError(f"data.tokenizer={spec!r} does not exist; give bytes, a tokenizer.json (or a folder holding "
                         "one) or a SentencePiece .model")
     return SentencePiece(path) if path.suffix == ".model" else HuggingFace(path)
 
 
-def _file(spec: str) -> Path:
+def tokenizer_file(spec: str) -> Path:
     """The tokenizer's file: the path itself, or in a folder its tokenizer.json, else its one .model."""
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -148,7 +148,7 @@ def files(spec: str | None) -> dict[str, bytes]:
     tokenizer.json's tokenizer_config.json (BOS and EOS) where there is one beside it."""
     if spec in (None, "bytes"):
         return {}
-    path = _file(spec)
+    path = tokenizer_file(spec)
     found = {path.name if path.suffix == ".model" else "tokenizer.json": path.read_bytes()}
     if path.suffix == ".json" and (path.parent / "tokenizer_config.json").is_file():
         found["tokenizer_config.json"] = (path.parent / "tokenizer_config.json").read_bytes()
@@ -187,7 +187,7 @@ def _byte_counts(ends: np.ndarray, total: int) -> np.ndarray:
     return np.minimum(counts, np.iinfo(np.uint16).max).astype(np.uint16)
 
 
-def _config_tokens(path: Path) -> dict:
+def config_tokens(path: Path) -> dict:
     """bos_token / eos_token from a tokenizer_config.json beside the tokenizer (a string or {"content": ...})."""
     try:
         config = json.loads(path.read_text())
