@@ -134,7 +134,7 @@ def test_fine_tuning_trains_the_same_under_fsdp_and_accumulation(made, train):
     one = train(*TINY_GPT, *data, "run.cpu_devices=1", subdir="one")
     split = train(*TINY_GPT, *data, "mesh=fsdp", "run.cpu_devices=4", "train.grad_accum=2", subdir="split")
     np.testing.assert_allclose([r["loss"] for r in split.history], [r["loss"] for r in one.history], rtol=2e-5)
-    assert all(0 < r["target_tokens"] < 16 * 32 / 2 for r in one.history)
+    assert all(0 < r["target_tokens"] < 16 * 32 / 2 and "packing_efficiency" not in r for r in one.history)
     assert [r["target_tokens"] for r in split.history] == [r["target_tokens"] for r in one.history]
 
 

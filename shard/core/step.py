@@ -72,7 +72,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
         if "loss_mask" in batch:  # normalised over the whole global batch, before it is cut up
             weights, count = losses.token_weights(batch["loss_mask"])
             batch = {**batch, "loss_mask": weights}
-            packed = {"target_tokens": count, "packing_efficiency": count / weights.size}
+            packed = {"target_tokens": count}  # the targets trained on (a fine-tuning row's completion only)
+            if "segment_ids" in batch:  # packed rows: the share of target slots that hold a real token
+                packed["packing_efficiency"] = jnp.mean(batch["segment_ids"] > 0)
         (total, (rest, loss, stats)), grads = gradient(state.params, state.rest, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
