@@ -183,6 +183,8 @@ def test_a_killed_build_leaves_no_cache_and_the_next_one_builds(made, tmp_path):
     assert len(left) == 1 and left[0].name.startswith(".")  # only the scratch folder, never read
     files = documents.corpus_files(str(made["root"] / "jsonl"))
     assert token_cache.load(files, "text", "bytes", tmp_path / "cache").documents == len(DOCS)
+    assert not left[0].exists()  # the next build removed the dead one's scratch folder
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]
 
 
 def test_a_parallel_build_writes_what_one_process_does(made, tmp_path, monkeypatch):

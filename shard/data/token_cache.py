@@ -12,7 +12,8 @@ changed file, another column or another tokenizer builds a new cache.
 
 The build runs in worker processes, one file at a time each (a tokenizer's `encode_batch` per batch of
 rows), writes into a temporary folder beside the cache and renames it into place when it is whole: a
-killed build leaves no cache, only a `.<key>.*` folder that is never read. Every later run, and every host
+killed build leaves no cache, only a `.<key>.*` folder that is never read (and that the next build of the
+same cache on that host removes, once the process that wrote it is gone). Every later run, and every host
 reading the same folder, maps the files into memory and reads only the rows it needs.
 """
 
@@ -21,6 +22,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -87,7 +89,9 @@ def build(files: list[Path], names: tuple[str, ...], spec: str | None, tok, fold
           workers: int | None = None) -> None:
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
+        remove_abandoned(folder)
         scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        (scratch / OWNER).write_text(owner())
     except OSError as e:
         raise UserError(f"data.cache_dir={str(folder.parent)!r}: cannot write there ({e.strerror or e})") from None
     try:
@@ -121,6 +125,35 @@ def build(files: list[Path], names: tuple[str, ...], spec: str | None, tok, fold
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
+
+
+OWNER = "owner"  # in a scratch folder: the host and process id building it
+
+
+def owner() -> str:
+    return f"{socket.gethostname()} {os.getpid()}"
+
+
+def remove_abandoned(folder: Path) -> None:
+    """Scratch folders of this cache that a killed build left: those whose builder was a process of this host
+    that no longer runs. Another host's (on a shared file system), or a live one's, stay."""
+    for scratch in folder.parent.glob(f".{folder.name}.*"):
+        try:
+            host, pid = (scratch / OWNER).read_text().split()
+        except (OSError, ValueError):
+            continue  # not ours to judge (a build that has not written its owner yet, or another layout)
+        if host == socket.gethostname() and not _alive(int(pid)):
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def _encode_all(files, names, spec, tok, scratch: Path, workers: int | None) -> tuple[list[np.ndarray], bool]:
