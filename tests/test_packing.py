@@ -39,7 +39,7 @@ def test_rows_are_filled_first_fit_with_whole_documents():
     want = sorted((int(a), int(b)) for d in docs for a, b in zip(d[:-1], d[1:]))
     assert pairs == want  # every (input, next token) pair of every document exactly once
     assert [r["segment_ids"].tolist() for r in packing.pack(docs, 8)] == [r["segment_ids"].tolist() for r in rows]
-    source = packing.PackedRows(docs, 8)
+    source = packing.PackedRows(packing.Documents.of_arrays(docs), 8)
     got = source.read_batch(np.arange(3))
     for key in packing.KEYS:
         np.testing.assert_array_equal(got[key], np.stack([r[key] for r in rows]))

@@ -51,7 +51,8 @@ def load_splits(cfg, seed: int, cache_dir=None) -> tuple:
     if cfg.packing == "documents" and cfg.name == "text":  # each file a document
         from shard.data import packing
 
-        return (*(packing.PackedRows(docs, cfg.seq_len) for docs in sources.text_documents(cfg.path, cfg.eval_fraction)),
+        return (*(packing.PackedRows(packing.Documents.of_arrays(docs), cfg.seq_len)
+                  for docs in sources.text_documents(cfg.path, cfg.eval_fraction)),
                 "lm")
     if cfg.name == "text":
         return (*sources.text_splits(cfg.path, cfg.seq_len, cfg.eval_fraction), "lm")

@@ -19,7 +19,8 @@ A document of n tokens gives n - 1 (input, next token) pairs; a row holds `seq_l
 is cut into pieces of seq_len + 1 tokens overlapping by one, so every pair is trained on exactly once.
 """
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -84,11 +85,8 @@ def splits(cfg, cache_dir) -> tuple:
         raise UserError(f"data.path={cfg.path!r} holds {cache.documents} document; it needs at least 2 (one to hold out)")
     train_docs, eval_docs = held_out_indices(cache.documents, cfg.eval_fraction)
     if cfg.packing == "documents":
-        each = lambda array, ids: None if array is None else (array[cache.doc_starts[d]:cache.doc_starts[d + 1]]
-                                                              for d in ids)
-        train = PackedRows(each(cache.tokens, train_docs), cfg.seq_len, masks=each(cache.mask, train_docs))
-        held = PackedRows(each(cache.tokens, eval_docs), cfg.seq_len, each(cache.token_bytes, eval_docs),
-                          each(cache.mask, eval_docs))
+        train = PackedRows(Documents.of_cache(cache, train_docs), cfg.seq_len)
+        held = PackedRows(Documents.of_cache(cache, eval_docs, with_bytes=True), cfg.seq_len)
         if len(held) == 0:
             raise UserError(f"the eval split ({len(eval_docs)} documents) has no document of 2 tokens or more")
         return train, held, cache
@@ -105,12 +103,70 @@ def splits(cfg, cache_dir) -> tuple:
 KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
-def pieces(document, seq_len: int) -> Iterator[np.ndarray]:
-    """The document's tokens cut into pieces of at most seq_len + 1 tokens (seq_len pairs), each piece's
-    first token the last of the one before; a document of fewer than 2 tokens has no pair and no piece."""
-    tokens = np.asarray(document)
-    for start in range(0, max(len(tokens) - 1, 0), seq_len):
-        yield tokens[start:start + seq_len + 1]
+@dataclass
+class Documents:
+    """Documents as slices of one token array (a memory-mapped cache, or texts in memory): document i is
+    tokens[starts[i]:ends[i]]. `token_bytes` (eval's bits per byte) and `mask` (fine-tuning rows' trained
+    targets) are aligned with the tokens, where there are any."""
+    tokens: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+    token_bytes: np.ndarray | None = None
+    mask: np.ndarray | None = None
+
+    @classmethod
+    def of_cache(cls, cache: token_cache.Cache, docs: np.ndarray, with_bytes: bool = False) -> "Documents":
+        return cls(cache.tokens, cache.doc_starts[docs], cache.doc_starts[docs + 1],
+                   cache.token_bytes if with_bytes else None, cache.mask)
+
+    @classmethod
+    def of_arrays(cls, documents: Iterable) -> "Documents":
+        docs = [np.asarray(d) for d in documents]
+        ends = np.cumsum([len(d) for d in docs], dtype=np.int64)
+        tokens = np.concatenate(docs) if docs else np.zeros(0, np.int32)
+        return cls(tokens, ends - [len(d) for d in docs], ends)
+
+
+def place(lengths: np.ndarray, seq_len: int, open_rows: int = 1024) -> tuple[np.ndarray, ...]:
+    """First-fit placement of documents of `lengths` tokens into rows of `seq_len` (input, target) pairs; only
+    lengths are moved, never tokens. A document of n tokens has n - 1 pairs; a longer one than a row is cut
+    into pieces of seq_len pairs (seq_len + 1 tokens, each piece's first token the last of the one before).
+    Each piece goes into the first open row with room for it, else a new row; a row is closed when full, past
+    `open_rows` open rows the oldest is closed as it stands, and at the end the rest in the order they
+    opened. Rows are numbered in the order they close. Returns per piece, grouped by row in row order: its
+    row, its first slot in the row, its document, its first token's offset in the document and its pairs.
+    Deterministic: the same lengths give the same rows."""
+    out: list[tuple] = []
+    rows: list[list] = []                     # each open row's pieces: (slot, document, offset, pairs)
+    free = np.zeros(0, np.int64)              # each open row's free slots, in the order they opened
+    closed = 0
+
+    def close(i: int) -> None:
+        nonlocal closed
+        out.extend((closed, *piece) for piece in rows.pop(i))
+        closed += 1
+
+    for doc, n in enumerate(np.asarray(lengths, np.int64)):
+        for offset in range(0, max(int(n) - 1, 0), seq_len):
+            need = min(seq_len, int(n) - 1 - offset)
+            fits = np.flatnonzero(free >= need)
+            if fits.size:
+                i = int(fits[0])
+            else:
+                if len(rows) == open_rows:
+                    close(0)
+                    free = free[1:]
+                rows.append([])
+                free, i = np.append(free, seq_len), len(rows) - 1
+            rows[i].append((seq_len - int(free[i]), doc, offset, need))
+            free[i] -= need
+            if free[i] == 0:
+                close(i)
+                free = np.delete(free, i)
+    while rows:
+        close(0)
+    table = np.asarray(out, np.int64).reshape(-1, 5)
+    return tuple(table[:, k] for k in range(5))
 
 
 def row_positions(segment_ids: np.ndarray) -> np.ndarray:
@@ -121,96 +177,59 @@ def row_positions(segment_ids: np.ndarray) -> np.ndarray:
     return (index - np.maximum.accumulate(np.where(starts, index, 0), axis=-1)).astype(np.int32)
 
 
-class _Row:
-    def __init__(self, seq_len: int):
-        self.inputs = np.zeros(seq_len, np.int32)
-        self.targets = np.zeros(seq_len, np.int32)
-        self.segment_ids = np.zeros(seq_len, np.int32)
-        self.used, self.documents = 0, 0
-
-    def add(self, piece: np.ndarray) -> None:
-        n = len(piece) - 1
-        span = slice(self.used, self.used + n)
-        self.inputs[span], self.targets[span] = piece[:-1], piece[1:]
-        self.documents += 1
-        self.segment_ids[span] = self.documents
-        self.used += n
-
-    def done(self) -> dict:
-        mask = (self.segment_ids > 0).astype(np.float32)
-        return {"inputs": self.inputs, "targets": self.targets, "segment_ids": self.segment_ids,
-                "positions": row_positions(self.segment_ids), "loss_mask": mask}
-
-
-def pack(documents: Iterable, seq_len: int, open_rows: int = 1024) -> Iterator[dict]:
-    """Rows of `seq_len` slots (dicts of KEYS) filled first-fit from a stream of tokenized documents: each
-    piece goes into the first open row with room for it, else a new row. A row is yielded when it is full;
-    past `open_rows` open rows, the oldest is yielded as it stands (the stream may be endless); at the end,
-    the rest in the order they opened. Deterministic: the same documents give the same rows."""
-    rows: list[_Row] = []
-    free = np.zeros(0, np.int64)  # each open row's free slots, in the order they opened: the search is numpy's
-    for document in documents:
-        for piece in pieces(document, seq_len):
-            need = len(piece) - 1
-            fits = np.flatnonzero(free >= need)
-            if fits.size:
-                i = int(fits[0])
-            else:
-                if len(rows) == open_rows:
-                    yield rows.pop(0).done()
-                    free = free[1:]
-                rows.append(_Row(seq_len))
-                free, i = np.append(free, seq_len), len(rows) - 1
-            rows[i].add(piece)
-            free[i] -= need
-            if free[i] == 0:
-                yield rows.pop(i).done()
-                free = np.delete(free, i)
-    for row in rows:
-        yield row.done()
-
-
 class PackedRows:
-    """A split's documents packed into rows, as a random-access source (shard/data/sources.py's protocol):
-    each row's inputs, targets, segment_ids, positions and loss_mask. Tokens and segment ids are held in
-    the smallest integer type that fits; positions and the mask are derived from the segment ids per read.
-    `masks` (fine-tuning rows): per document, 1 where a token as a target is trained on; a row's loss_mask
-    is then also 0 at a prompt's or a user's targets. Packed by the same lengths as the tokens, the masks
-    land where their tokens did (as the byte counts do)."""
+    """Documents packed into rows of whole documents (`place`), as a random-access source (shard/data/sources.py's
+    protocol): each row's inputs, targets, segment_ids (its documents numbered from 1, 0 = padding), positions
+    (restarting at 0 with each document) and loss_mask (1 where a target counts: a real one, and for
+    fine-tuning rows a trained one); `bytes` too where the documents carry byte counts (eval's bits per byte).
+    Only the placement is held (a few integers a piece); a read gathers its rows' tokens from the documents'
+    array, so a memory-mapped corpus stays on disk."""
 
-    def __init__(self, documents: Iterable, seq_len: int, byte_counts: Iterable | None = None,
-                 masks: Iterable | None = None):
-        rows = list(pack(documents, seq_len))
-        stack = lambda key: np.stack([r[key] for r in rows]) if rows else np.zeros((0, seq_len), np.int32)
-        tokens = [stack("inputs"), stack("targets")]
-        top = max([int(t.max()) for t in tokens if t.size] + [0])
-        self.inputs, self.targets = (t.astype(np.min_scalar_type(top)) for t in tokens)
-        self.segment_ids = stack("segment_ids").astype(np.min_scalar_type(seq_len))
-        self.seq_len = seq_len
-        self.trained = None if masks is None else \
-            np.stack([r["targets"] for r in pack(masks, seq_len)] or [np.zeros(seq_len)]).astype(bool)[:len(rows)]
-        self.bytes = None
-        if byte_counts is not None:  # per row, the UTF-8 bytes its targets stand for (eval's bits per byte): the
-            # counts packed as documents of their own land where their tokens did (placement goes by length)
-            counts = [r["targets"] * r["loss_mask"].astype(np.int64) for r in pack(byte_counts, seq_len)]
-            if self.trained is not None:
-                counts = [c * t for c, t in zip(counts, self.trained)]
-            self.bytes = np.array([c.sum() for c in counts], np.int32)
+    def __init__(self, documents: Documents, seq_len: int):
+        self.docs, self.seq_len = documents, seq_len
+        row, self.slot, doc, offset, self.pairs = place(documents.ends - documents.starts, seq_len)
+        self.start = documents.starts[doc] + offset  # each piece's first token in the token array
+        self.rows = int(row[-1]) + 1 if len(row) else 0
+        self.first = np.searchsorted(row, np.arange(self.rows + 1))  # row r's pieces: first[r]:first[r + 1]
 
     def __len__(self) -> int:
-        return len(self.inputs)
+        return self.rows
 
     def __getitem__(self, i: int) -> dict:
         return {k: v[0] for k, v in self.read_batch(np.array([i])).items()}
 
     def read_batch(self, indices: np.ndarray) -> dict:
-        segments = self.segment_ids[indices].astype(np.int32)
-        real = segments > 0
-        return {"inputs": self.inputs[indices].astype(np.int32), "targets": self.targets[indices].astype(np.int32),
-                "segment_ids": segments, "positions": row_positions(segments),
-                "loss_mask": (real if self.trained is None else real & self.trained[indices]).astype(np.float32),
-                **({} if self.bytes is None else {"bytes": self.bytes[indices]})}
+        indices = np.asarray(indices, np.int64)
+        lo, hi = self.first[indices], self.first[indices + 1]
+        count = hi - lo
+        piece = np.repeat(hi - np.cumsum(count), count) + np.arange(count.sum())  # the rows' pieces, in order
+        which = np.repeat(np.arange(len(indices)), count)                           # each piece's row in the batch
+        segment = piece - np.repeat(lo, count) + 1
+        pairs = self.pairs[piece]
+        within = np.arange(pairs.sum()) - np.repeat(np.cumsum(pairs) - pairs, pairs)  # each pair's place in its piece
+        at = (np.repeat(which, pairs), np.repeat(self.slot[piece], pairs) + within)
+        source = np.repeat(self.start[piece], pairs) + within                   # each pair's input token
+        shape = (len(indices), self.seq_len)
+        batch = {key: np.zeros(shape, np.int32) for key in ("inputs", "targets", "segment_ids")}
+        batch["inputs"][at] = self.docs.tokens[source]
+        batch["targets"][at] = self.docs.tokens[source + 1]
+        batch["segment_ids"][at] = np.repeat(segment, pairs)
+        batch["positions"] = row_positions(batch["segment_ids"])
+        trained = np.ones(len(source), bool) if self.docs.mask is None else self.docs.mask[source + 1].astype(bool)
+        batch["loss_mask"] = np.zeros(shape, np.float32)
+        batch["loss_mask"][at] = trained
+        if self.docs.token_bytes is not None:
+            counts = self.docs.token_bytes[source + 1].astype(np.int64) * trained
+            batch["bytes"] = np.bincount(at[0], weights=counts, minlength=len(indices)).astype(np.int32)
+        return batch
 
     def efficiency(self) -> float:
         """The share of the rows' target slots that hold a real target."""
-        return float(np.mean(self.segment_ids > 0)) if len(self) else 0.0
+        return float(self.pairs.sum() / (self.rows * self.seq_len)) if self.rows else 0.0
+
+
+def pack(documents: Iterable, seq_len: int) -> list[dict]:
+    """Documents held in memory (token arrays) packed into rows: dicts of KEYS, in row order."""
+    rows = PackedRows(Documents.of_arrays(documents), seq_len)
+    batch = rows.read_batch(np.arange(len(rows)))
+    return [{k: batch[k][r] for k in KEYS} for r in range(len(rows))]
