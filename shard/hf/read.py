@@ -88,6 +88,13 @@ def plan(folder: Folder, params, kwargs: dict) -> list[tables.Row]:
     return rows
 
 
+def check(path: str, params, kwargs: dict) -> None:
+    """Before the run folder is touched: every tensor present with its shape, and the tokenizer fits."""
+    folder = Folder(path)
+    plan(folder, params, kwargs)
+    check_tokenizer(folder, arch._with_defaults(kwargs)["vocab_size"])
+
+
 def check_tokenizer(folder: Folder, vocab_size: int) -> None:
     """The folder's tokenizer must not have more tokens than the embedding has rows."""
     path = folder.tokenizer()
@@ -178,13 +185,18 @@ def load_params(folder: Folder, target_params, kwargs: dict):
     """`target_params` (abstract arrays with shardings) read from the folder: every array built from the slices
     this process's devices hold, each read on its own (nothing whole on the host unless a device holds it)."""
     rows = plan(folder, target_params, kwargs)
-    size = tables.sizes(arch._with_defaults(kwargs), folder.kind)
+    g = arch._with_defaults(kwargs)
+    size = tables.sizes(g, folder.kind)
     handles: dict = {}
 
     def build(path, leaf):
         name = ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
         mine = [r for r in rows if r.ours == name]
         layered = mine[0].layered
+        want = ((g["n_layers"],) if layered else ()) + tuple({**size, "s": 2}[l] for l in mine[0].letters())
+        if tuple(leaf.shape) != want:
+            raise UserError(f"{folder.where}: parameter {name} is {list(leaf.shape)} here, but the folder fills "
+                            f"{list(want)}: read it into the model's own layout")
         dtype = np.dtype(leaf.dtype)
         return jax.make_array_from_callback(
             leaf.shape, leaf.sharding,
