@@ -44,8 +44,8 @@ def load(path: "str | Path | None", overrides: list[str], sections: tuple | None
 
 
 def _hf_layer(layers: list[dict]) -> dict | None:
-    """Where train.init_from is a Hugging Face folder: its model (config.json) and, unless data.tokenizer is
-    set, its tokenizer.json, as a layer of settings."""
+    """Where train.init_from is a Hugging Face folder: its model (config.json) and, for documents unless
+    data.tokenizer is set, its tokenizer.json, as a layer of settings."""
     from shard import hf
 
     init_from = next((v for layer in reversed(layers) if (v := (layer.get("train") or {}).get("init_from"))), None)
@@ -55,7 +55,9 @@ def _hf_layer(layers: list[dict]) -> dict | None:
 
     folder = Folder(init_from)
     layer = {"model": {"name": "gpt", **folder.gpt_kwargs()}}
-    if folder.tokenizer() and not any((given.get("data") or {}).get("tokenizer") for given in layers):
+    data = [given.get("data") or {} for given in layers]
+    documents = next((d["name"] for d in reversed(data) if d.get("name")), _schema().data.name) == "documents"
+    if documents and folder.tokenizer() and not any(d.get("tokenizer") for d in data):
         layer["data"] = {"tokenizer": folder.tokenizer()}
     return layer
 
