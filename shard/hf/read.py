@@ -145,7 +145,7 @@ def to_ours(r: tables.Row, block: np.ndarray, axes: list) -> np.ndarray:
 
 
 def read_slice(folder: Folder, rows: list[tables.Row], shape: tuple, index: tuple, size: dict, layered: bool,
-               dtype, handles: dict) -> np.ndarray:
+               dtype) -> np.ndarray:
     """Our parameter's block at `index` (a tuple of slices, the layers axis first where stacked)."""
     index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
     layer_range = range(index[0].start, index[0].stop) if layered else [None]
@@ -161,24 +161,25 @@ def read_slice(folder: Folder, rows: list[tables.Row], shape: tuple, index: tupl
                       if l in r.at and l not in _their_letters(r) else slice(None) for l in r.letters())
         for j, layer in enumerate(layer_range):
             name = r.theirs.format(i=layer) if layered else r.theirs
-            block = _slice(folder, name, handles)[tuple(slice(a[0], a[1]) for a in axes)]
-            values = to_ours(r, np.asarray(block), axes).astype(dtype)
+            block = _read(folder, name, tuple(slice(a[0], a[1]) for a in axes))
+            values = to_ours(r, block, axes).astype(dtype)
             out[(j, *place) if layered else place] = values
     return out
 
 
-def _slice(folder: Folder, name: str, handles: dict):
-    """The tensor's lazy slice reader: numpy's, or for bfloat16 (which numpy lacks) JAX's."""
+def _read(folder: Folder, name: str, index: tuple) -> np.ndarray:
+    """One block of a tensor. The file is opened for this read alone: safetensors memory-maps it, and the
+    pages a read touches (all of them, for a slice across rows) stay resident while it is open, so keeping
+    files open would hold the whole checkpoint in memory by the end. bfloat16 (which numpy lacks) is read
+    through JAX's reader."""
     from safetensors import safe_open
 
-    def handle(framework):
-        key = (folder.files[name], framework)
-        if key not in handles:
-            handles[key] = safe_open(key[0], framework=framework)
-        return handles[key]
-
-    got = handle("numpy").get_slice(name)
-    return handle("flax").get_slice(name) if got.get_dtype() == "BF16" else got
+    with safe_open(folder.files[name], framework="numpy") as st:
+        view = st.get_slice(name)
+        if view.get_dtype() != "BF16":
+            return np.asarray(view[index])
+    with safe_open(folder.files[name], framework="flax") as st:
+        return np.asarray(st.get_slice(name)[index])
 
 
 def load_params(folder: Folder, target_params, kwargs: dict):
@@ -187,7 +188,6 @@ def load_params(folder: Folder, target_params, kwargs: dict):
     rows = plan(folder, target_params, kwargs)
     g = arch._with_defaults(kwargs)
     size = tables.sizes(g, folder.kind)
-    handles: dict = {}
 
     def build(path, leaf):
         name = ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
@@ -200,9 +200,6 @@ def load_params(folder: Folder, target_params, kwargs: dict):
         dtype = np.dtype(leaf.dtype)
         return jax.make_array_from_callback(
             leaf.shape, leaf.sharding,
-            lambda index: read_slice(folder, mine, leaf.shape, index, size, layered, dtype, handles))
+            lambda index: read_slice(folder, mine, leaf.shape, index, size, layered, dtype))
 
-    try:
-        return jax.tree_util.tree_map_with_path(build, target_params)
-    finally:
-        handles.clear()
+    return jax.tree_util.tree_map_with_path(build, target_params)
