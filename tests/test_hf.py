@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 import shard  # noqa: E402
 from shard import config, partition  # noqa: E402
 from shard.errors import UserError  # noqa: E402
-from shard.hf import tables  # noqa: E402
+from shard.hf import tables, write  # noqa: E402
 from shard.run import trainer  # noqa: E402
 from shard.use import export, generate, load  # noqa: E402
 
@@ -104,9 +104,10 @@ FINE_TUNE = ["data.name=text", "data.seq_len=16", "data.batch_size=8", "train.st
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_fine_tune_first_loss_and_export_round_trip(folders, kind, tmp_path):
+def test_fine_tune_first_loss_and_export_round_trip(folders, kind, tmp_path, monkeypatch):
     """One step of full fine-tuning from the folder (fsdp): its loss is transformers' on the same batch; the
-    run exports to a folder transformers loads with this run's logits."""
+    run exports (read sharded; gpt2 and gemma in several files) to a folder transformers loads with this run's
+    logits."""
     path, model = folders[kind]
     cfg = config.load(None, overrides(tmp_path / "run", f"train.init_from={path}", "mesh=fsdp", "run.cpu_devices=4",
                                       "checkpoint.enabled=true", *FINE_TUNE))
@@ -118,14 +119,18 @@ def test_fine_tune_first_loss_and_export_round_trip(folders, kind, tmp_path):
     assert abs(result.history[0]["loss"] - float(want)) < 1e-4 * float(want)
 
     out = tmp_path / "hf"
-    assert export.main([str(tmp_path / "run"), "--format", "hf", "--out", str(out)]) == 0
+    if kind in ("gpt2", "gemma"):
+        monkeypatch.setattr(write, "SHARD_BYTES", 100_000)
+    assert export.main([str(tmp_path / "run"), "--format", "hf", "--out", str(out), "mesh=fsdp_tp",
+                        "run.cpu_devices=4"]) == 0
+    assert (out / "model.safetensors.index.json").is_file() == (kind in ("gpt2", "gemma"))
     again = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
     assert json.loads((out / "config.json").read_text())["model_type"] == ("llama" if kind == "mistral" else kind)
     ours = load.load(str(tmp_path / "run"), [], whole_mesh=False)
     assert relative(torch_logits(again, TOKENS), jax_logits(ours)) < 1e-4
 
 
-@pytest.mark.parametrize("mesh", ["dp", "tp", "fsdp_tp", "zero1", "zero2", "pp", "cp", "hybrid"])
+@pytest.mark.parametrize("mesh", ["dp", "tp", "fsdp_tp", "zero1", "zero2", "pp", "cp", "ep", "hybrid"])
 def test_fine_tuning_works_under_every_preset(folders, mesh, tmp_path):
     path, model = folders["llama"]
     devices = {"pp": 2, "hybrid": 4, "fsdp_tp": 4}.get(mesh, 2)

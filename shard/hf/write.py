@@ -58,9 +58,9 @@ def host_value(x) -> np.ndarray:
 
 
 def write_folder(params, model_name: str, kwargs: dict, out: Path, tokenizer_dir: Path | None,
-                 shard_bytes: int = SHARD_BYTES) -> tuple[int, int]:
+                 shard_bytes: int | None = None) -> tuple[int, int]:
     """Write the folder (into a scratch folder beside `out`, renamed when complete): (files, bytes)."""
-    config = arch.from_gpt(kwargs, model_name)
+    config, shard_bytes = arch.from_gpt(kwargs, model_name), shard_bytes or SHARD_BYTES
     kind, g = config["model_type"], arch._with_defaults(kwargs)
     ours = flat_paths(params)
     rows = tables.rows(kind, set(ours))
