@@ -212,3 +212,31 @@ def test_export_of_a_model_outside_the_list_is_one_line(train, tmp_path):
     with pytest.raises(UserError, match="none of the architectures a Hugging Face folder can hold") as e:
         export.main([str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf")])
     assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
+
+
+def test_a_documents_run_takes_the_folders_tokenizer_and_exports_it(folders, tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(200)]
+    path = tmp_path / "llama"
+    shutil.copytree(folders["llama"][0], path)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+                                                       show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.save(str(path / "tokenizer.json"))
+    (corpus := tmp_path / "corpus").mkdir()
+    for i in range(0, 200, 20):
+        (corpus / f"{i}.txt").write_text("".join(texts[i:i + 20]))
+    cfg = config.load(None, overrides(tmp_path / "run", f"train.init_from={path}", "data.name=documents",
+                                      f"data.path={corpus}", "data.seq_len=16", "data.batch_size=8", "train.steps=1",
+                                      "checkpoint.enabled=true", "mesh=fsdp", "run.cpu_devices=2"))
+    assert cfg.data.tokenizer == str(path / "tokenizer.json")
+    trainer.run(cfg)
+    out = tmp_path / "hf"
+    assert export.main([str(tmp_path / "run"), "--format", "hf", "--out", str(out)]) == 0
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def f7(x):\n    return x"
+    assert theirs.encode(text, add_special_tokens=False) == shard.load_tokenizer(str(tmp_path / "run")).encode(text)
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == bpe.token_to_id("<|endoftext|>")
