@@ -61,7 +61,7 @@ class LoRA(Strategy):
         ("lora", "offload"): "the adapters' optimizer state is small, keep it on the device: use train.offload=none",
         ("lora", "ema"): "train.ema averages the frozen weights, not the adapters; use train.ema=0",
         ("lora", "sync"): "the replicas' syncs move the weights, not the adapters; use train.sync=allreduce",
-        ("lora", "replicas"): "the replicas' syncs move the weights, not the adapters; use mesh.replica=1",
+        ("lora", "replicas"): "the replicas keep a copy of the weights each, not of the adapters; use mesh.replica=1",
     }
 
     def __init__(self, rank: int, alpha: float, targets: tuple, site_list: tuple, seed: int):
