@@ -130,8 +130,9 @@ def _set(tree: dict, keys: tuple, value) -> None:
     tree[keys[-1]] = value
 
 
-def _get(tree, keys: tuple):
-    for k in keys:
+def pair(tree, site: Site) -> dict:
+    """A site's {"lora_a": A, "lora_b": B} in an adapters' tree."""
+    for k in site.key:
         tree = tree[k]
     return tree
 
@@ -177,8 +178,8 @@ def merged(params, adapters: dict, site_list, scale: float):
             return var
         w = var[...]
         for s in here:
-            pair = _get(adapters, s.key)
-            d = delta(s, pair["lora_a"][...], pair["lora_b"][...], scale).astype(w.dtype)
+            ab = pair(adapters, s)
+            d = delta(s, ab["lora_a"][...], ab["lora_b"][...], scale).astype(w.dtype)
             if s.weight.pick is None:
                 w = w + d
             else:

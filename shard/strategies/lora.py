@@ -128,27 +128,28 @@ class LoRA(Strategy):
         return lambda state, batch: eval_fn(self.model_view(state), batch)
 
     @classmethod
-    def read_adapters(cls, cfg, folder, step: int, target, model_cls=None):
-        """(sites, scale, adapters, weights' state, meta) of a LoRA run's checkpoint, read into `target`'s
-        shardings (the adapters split like the weights they adapt)."""
+    def adapters_target(cls, cfg, model_cls, params, mesh) -> tuple:
+        """(sites, scale, the adapters' abstract target) of a LoRA run of this model (`params`: its abstract
+        parameters), laid out on `mesh` by the run's rules (split like the weights they adapt)."""
         rank, alpha, targets = settings(cfg)
-        model_cls = model_cls or registry.resolve(cfg.model.name)  # a user's model was trusted by the caller
-        site_list = adapters.sites(model_cls, target.params, targets, cfg.model.name)
+        site_list = adapters.sites(model_cls, params, targets, cfg.model.name)
         abstract = jax.eval_shape(lambda: adapters.create(site_list, rank, 0))
-        mesh = jax.tree.leaves(target.params)[0].sharding.mesh
         rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
         laid = state_lib.state_shardings(abstract, mesh, rules, state_lib.auto_min_size(cfg.mesh))
-        got = ckpt_lib.read_parts(folder, step, {"model": {"params": target.params, "rest": target.rest},
-                                                 "optimizer": {"extra": {KEY: ckpt_lib.abstract_target(abstract, laid)}}})
-        return site_list, alpha / rank, got["optimizer"]["extra"][KEY], got["model"], dict(got["meta"])
+        return site_list, alpha / rank, ckpt_lib.abstract_target(abstract, laid)
 
     @classmethod
     def read_model(cls, cfg, folder, step: int, target):
         if settings(cfg) is None:
             return None
-        site_list, scale, ad, model, meta = cls.read_adapters(cfg, folder, step, target)
-        params = jax.jit(adapters.merged, static_argnums=(2, 3))(model["params"], ad, site_list, scale)
-        return target.replace(params=params, rest=model["rest"]), meta
+        model_cls = registry.resolve(cfg.model.name)  # load_model resolved it first, with its trust check
+        mesh = jax.tree.leaves(target.params)[0].sharding.mesh
+        site_list, scale, held = cls.adapters_target(cfg, model_cls, target.params, mesh)
+        got = ckpt_lib.read_parts(folder, step, {"model": {"params": target.params, "rest": target.rest},
+                                                 "optimizer": {"extra": {KEY: held}}})
+        params = jax.jit(adapters.merged, static_argnums=(2, 3))(got["model"]["params"], got["optimizer"]["extra"][KEY],
+                                                                 site_list, scale)
+        return target.replace(params=params, rest=got["model"]["rest"]), dict(got["meta"])
 
     # ---- the plan
     def plan(self, job, step_ops, n) -> dict:
