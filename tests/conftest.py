@@ -85,6 +85,17 @@ def one_device_runs(tmp_path_factory, configs: dict, *extra):
     return get
 
 
+def same_curve_as_one_device(train, base: list, mesh: list) -> None:
+    """`base` trained on `mesh` and on one device (with the mesh's model.* settings): the same losses and eval."""
+    import numpy as np
+
+    layers = [a for a in mesh if a.startswith("model.")]
+    one = train(*base, *layers, "run.cpu_devices=1", subdir="one")
+    many = train(*base, *mesh, subdir="many")
+    np.testing.assert_allclose([r["loss"] for r in many.history], [r["loss"] for r in one.history], rtol=2e-5)
+    assert many.eval["eval_loss"] == pytest.approx(one.eval["eval_loss"], rel=2e-5)
+
+
 def subprocess_env() -> dict:
     """This environment for a child process, less the 8-device flag."""
     return {**os.environ, "XLA_FLAGS": FAST_COMPILE}

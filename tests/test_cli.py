@@ -149,7 +149,7 @@ def test_help_columns_line_up_and_fit_the_width(width):
     rows = help_rows(text)
     key_w = max(len(k) for k in rows)
     type_col = 2 + key_w + 2
-    helps = {f"{s}.{config.key_of(f)}": f.metadata["help"] for s in config.SECTIONS for f in config.schema_fields(s)}
+    helps = {key: f.metadata["help"] for s in config.SECTIONS for key, f, _ in config.keys_of(s)}
     value_cols, help_cols = set(), set()
     for key, line in rows.items():
         assert line[:type_col] == f"  {key}".ljust(type_col) and line[type_col] != " ", line

@@ -70,7 +70,7 @@ def test_every_train_and_checkpoint_key_is_decided_one_way_or_the_other():
                   "train.grad_accum", "train.offload", "train.context_strategy",
                   "train.eval_every", "train.eval_batches", "train.sample_len", "train.sample_prompt",
                   "checkpoint.enabled", "checkpoint.every", "checkpoint.keep", "checkpoint.async", "checkpoint.dir"}
-    keys = {f"{s}.{config.key_of(f)}" for s in ("train", "checkpoint") for f in config.schema_fields(s)}
+    keys = {key for s in ("train", "checkpoint") for key, _, _ in config.keys_of(s)}
     assert keys == continuing | (config.JOB_KEYS & keys) and not continuing & config.JOB_KEYS
 
 

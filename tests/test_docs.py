@@ -60,7 +60,7 @@ _FOLDER = re.search(r"changes what is trained: (.*?)\(each key says so", text(RO
                     flags=re.S).group(1)
 JOB_SECTIONS = tuple(re.findall(r"`(\w+)\.\*`", _FOLDER))
 NOT_JOB = tuple(k for part in re.findall(r"\(except (.*?)\)", _FOLDER) for k in re.findall(r"`([\w.]+)`", part))
-JOB_KEYS = tuple(k for k in re.findall(r"`(\w+\.\w+)`", _FOLDER) if k not in NOT_JOB)
+JOB_KEYS = tuple(k for k in re.findall(r"`(\w+\.[\w.]*\w)`", _FOLDER) if k not in NOT_JOB)
 
 
 def _trains(key: str) -> bool:

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import shard
-from conftest import TINY_GPT, overrides
+from conftest import TINY_GPT, overrides, same_curve_as_one_device
 from shard import config, plan
 from shard.errors import UserError
 
@@ -76,11 +76,7 @@ def test_resume_is_bitwise(train, tmp_path):
                                   ["mesh=dp", "train.grad_accum=2", "run.cpu_devices=4"]],
                          ids=["fsdp_tp", "circular_pipeline", "accumulation"])
 def test_on_any_mesh_the_average_evaluates_as_on_one_device(train, mesh):
-    layers = [a for a in mesh if a.startswith("model.")]
-    one = train(*BASE, *layers, "run.cpu_devices=1", subdir="one")
-    many = train(*BASE, *mesh, subdir="many")
-    np.testing.assert_allclose([r["loss"] for r in many.history], [r["loss"] for r in one.history], rtol=2e-5)
-    assert many.eval["eval_loss"] == pytest.approx(one.eval["eval_loss"], rel=2e-5)
+    same_curve_as_one_device(train, BASE, mesh)
 
 
 def test_the_plan_counts_the_average_and_diloco_is_refused(tmp_path):

@@ -13,4 +13,4 @@ from shard.config.naming import (CONFIGS, JOB_KEYS, JOB_SECTIONS, NOT_JOB, RUNS,
                                  job_keys_outside_sections, job_values, not_job_keys_inside_sections)
 from shard.config.schema import (FREE_FORM, SECTIONS, CheckpointConfig, Config, DataConfig, MeshConfig,
                                  ModelConfig, OptimizerConfig, PipelineConfig, RunConfig, TrainConfig, key_of,
-                                 option, schema_fields, to_dict, type_name)
+                                 keys_of, option, schema_fields, to_dict, type_name)

@@ -9,7 +9,7 @@ import yaml
 
 from shard.config.loading import fill_mesh_from_preset
 from shard.config.naming import JOB_KEYS
-from shard.config.schema import SECTIONS, Config, MeshConfig, key_of, plain, schema_fields, type_name
+from shard.config.schema import SECTIONS, Config, MeshConfig, keys_of, plain, type_name
 from shard.errors import UserError
 
 USAGE = "usage: python train.py [CONFIG.yaml] [key=value ...] [--print-config] [--dry-run] [--compare] [--help]"
@@ -36,17 +36,19 @@ def help_text(cfg: "Config | None" = None, model_signature: list[tuple[str, str,
     for section in SECTIONS:
         rows.append(f"{section}:")
         obj = getattr(shown_cfg, section)
-        for f in schema_fields(section):
+        for key, f, attrs in keys_of(section):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             if section == "mesh" and f.name in from_preset:
                 default = getattr(preset_mesh, f.name)
+            value = obj
+            for attr in attrs:
+                value = getattr(value, attr)
             choices = f.metadata.get("choices")
             low, high = f.metadata.get("min"), f.metadata.get("max")
             extra = f" [{'|'.join(map(str, choices))}]" if choices else ""
-            extra += " [picks the folder]" if f"{section}.{key_of(f)}" in JOB_KEYS else ""
+            extra += " [picks the folder]" if key in JOB_KEYS else ""
             extra += f" [{low}..{high}]" if high is not None else f" [>={low}]" if low is not None else ""
-            rows.append((f"{section}.{key_of(f)}", type_name(f.type), _value_text(getattr(obj, f.name), default),
-                         f.metadata["help"] + extra))
+            rows.append((key, type_name(f.type), _value_text(value, default), f.metadata["help"] + extra))
         if section == "model" and model_signature is None and cfg is not None:
             rows.append(f"  constructor arguments of {shown_cfg.model.name!r}: unknown (the class did not load)")
         if section == "model" and model_signature is not None:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shard.config.schema import SECTIONS, Config, key_of, schema_fields, to_dict
+from shard.config.schema import SECTIONS, Config, key_of, keys_of, schema_fields, to_dict
 
 # The repository's configs/ folder: a config file there names its runs alone (`runs/default`).
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -30,7 +30,7 @@ def job_key(section: str, f: dataclasses.Field) -> bool:
 
 def job_keys_outside_sections() -> list[str]:
     """The keys outside JOB_SECTIONS that change what is trained, in schema order."""
-    return [f"{s}.{key_of(f)}" for s in SECTIONS if s not in JOB_SECTIONS for f in schema_fields(s) if job_key(s, f)]
+    return [key for s in SECTIONS if s not in JOB_SECTIONS for key, f, _ in keys_of(s) if job_key(s, f)]
 
 
 def not_job_keys_inside_sections() -> list[str]:

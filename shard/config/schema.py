@@ -85,6 +85,15 @@ class OptimizerConfig:
 
 
 @dataclass
+class LoraConfig:
+    """train.lora.*: low-rank adapters (shard/strategies/lora.py); checked by the strategy (rank >= 0, alpha > 0)."""
+    rank: int = option(0, "train low-rank adapters of this rank instead of the weights (LoRA); 0 = off", job=True)
+    alpha: Optional[float] = option(None, "adapters' scale is alpha / rank; default: 2 x rank (scale 2)", job=True)
+    targets: list = option(["q", "k", "v", "o"], "weights adapted: q, k, v, o, mlp (the library's transformers), a "
+                           "model's own adapter_targets, or any weight's name", job=True)
+
+
+@dataclass
 class TrainConfig:
     steps: int = option(300, "optimizer steps", min=1)
     seed: int = option(0, "seed for parameters and data order", min=0, job=True)
@@ -121,6 +130,7 @@ class TrainConfig:
     outer_momentum: float = option(0.9, "diloco: outer Nesterov momentum (0 = plain SGD)", min=0, max=1, job=True)
     ema: float = option(0.0, "keep an exponential moving average of the weights with this decay (e.g. 0.999), "
                         "used by eval, the sample, load_model and export; 0 = off", min=0, max=0.99999, job=True)
+    lora: LoraConfig = field(default_factory=LoraConfig, metadata={"group": LoraConfig, "job": True})
     eval_every: int = option(0, "evaluate every N steps; 0 = only at the end", min=0)
     eval_batches: int = option(8, "batches per evaluation, spread evenly over the eval split; 0 = all of it", min=0)
     sample_len: int = option(200, "lm: tokens to generate after training; 0 disables", min=0)
@@ -237,6 +247,18 @@ FREE_FORM = {("model",), ("mesh", "rules")}  # keys below these are not schema f
 
 def schema_fields(section: str) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(_SECTION_CLASSES[section]) if not f.metadata.get("internal")]
+
+
+def keys_of(section: str) -> list[tuple[str, dataclasses.Field, tuple]]:
+    """(key as users write it, field, attribute path) of every key of a section, a group's keys one by one
+    (`train.lora.rank`: the field `rank` of the group `lora`)."""
+    out = []
+    for f in schema_fields(section):
+        if group := f.metadata.get("group"):
+            out += [(f"{section}.{f.name}.{key_of(g)}", g, (f.name, g.name)) for g in dataclasses.fields(group)]
+        else:
+            out.append((f"{section}.{key_of(f)}", f, (f.name,)))
+    return out
 
 
 def key_of(f: dataclasses.Field) -> str:

@@ -41,18 +41,23 @@ def cast_floats(tree, dtype):
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable, dtype,
                     skip_nonfinite: bool = False, reduction: gradients.Reduction = gradients.Reduction(),
-                    device_shardings=None, order: tuple | None = None, schedule: Callable | None = None) -> Callable:
+                    device_shardings=None, order: tuple | None = None, schedule: Callable | None = None,
+                    trainable=None) -> Callable:
     """The train step: the loss (each microbatch's mean loss counting 1/K under accumulation, so the update is
     the whole batch's), gradients reduced as `reduction` says (shard/strategies/gradients.py), one optimizer update.
     `device_shardings` (host offload) is the state's layout in device memory: what lives on the host between
     steps is moved there for the step and back after it (the out shardings say where). `order`: context
     parallelism's load-balanced token order, in which inputs and targets are laid out (shard/strategies/context.py).
     `schedule`: the learning rate's, whose value at this step is an output (computed in the step, the trainer
-    never dispatches a computation of its own to read it, which on a CPU would wait for the running step)."""
+    never dispatches a computation of its own to read it, which on a CPU would wait for the running step).
+    `trainable` (low-rank adapters): what the step trains instead of `state.params`, as an object with
+    `get(state)` (the trained tree), `put(state, tree)` and `weights(state, tree)` (the model's parameters
+    they stand for); the rest of the state is a constant of the differentiation, so it gets no gradient."""
 
-    def objective(params, rest, batch):
+    def objective(params, rest, batch, weights=None):
         batch = context.reorder(batch, order)
-        model = nnx.merge(graphdef, cast_floats(params, dtype), rest, copy=True)
+        model = nnx.merge(graphdef, cast_floats(params if weights is None else weights(params), dtype), rest,
+                          copy=True)
         outputs = run_model(model, batch, dtype).astype(jnp.float32)
         if "loss_mask" in batch:  # packed rows: the real targets' mean (weights from token_weights)
             loss = losses.weighted(loss_fn, outputs, batch["targets"], batch["loss_mask"])
@@ -68,6 +73,12 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
 
     def train_step(state: TrainState, batch: dict):
         state = to_device(state, device_shardings)
+        if trainable is not None:
+            return step_parts(state, batch, trainable.get(state), trainable.put, gradients.build(jax.value_and_grad(
+                partial(objective, weights=partial(trainable.weights, state)), has_aux=True), reduction))
+        return step_parts(state, batch, state.params, lambda s, p: s.replace(params=p), gradient)
+
+    def step_parts(state: TrainState, batch: dict, params, put, gradient):
         packed = {}
         if "loss_mask" in batch:  # normalised over the whole global batch, before it is cut up
             weights, count = losses.token_weights(batch["loss_mask"])
@@ -75,11 +86,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
             packed = {"target_tokens": count}  # the targets trained on (a fine-tuning row's completion only)
             if "segment_ids" in batch:  # packed rows: the share of target slots that hold a real token
                 packed["packing_efficiency"] = jnp.mean(batch["segment_ids"] > 0)
-        (total, (rest, loss, stats)), grads = gradient(state.params, state.rest, batch)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        (total, (rest, loss, stats)), grads = gradient(params, state.rest, batch)
+        updates, opt_state = tx.update(grads, state.opt_state, params)
         rest = jax.tree.map(lambda new, old: new.astype(old.dtype), rest, state.rest)
-        new_state = state.replace(step=state.step + 1, params=params, rest=rest, opt_state=opt_state)
+        new_state = put(state.replace(step=state.step + 1, rest=rest, opt_state=opt_state),
+                        optax.apply_updates(params, updates))
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
         if skip_nonfinite:  # keep the old parameters and optimizer state; the batch is still consumed

@@ -229,7 +229,8 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         reduction = gradients.Reduction(**{k: v for k, v in options.items() if k in REDUCTION_FIELDS})
         moved, order = options.get("device_shardings"), options.get("order")
         train_fn = step_lib.make_train_step(work.graphdef, work.tx, work.loss_fn, work.dtype,
-                                            cfg.train.skip_nonfinite, reduction, moved, order, work.schedule)
+                                            cfg.train.skip_nonfinite, reduction, moved, order, work.schedule,
+                                            options.get("trainable"))
         eval_fn = step_lib.make_eval_step(work.graphdef, work.loss_fn, work.data.task, work.dtype, moved, order)
         for s in active:
             train_fn, eval_fn = s.wrap_train(train_fn), s.wrap_eval(eval_fn)

@@ -130,6 +130,11 @@ class Strategy:
         """Its lines in the plan's report, from plan.json (the keys its `plan` wrote)."""
         return []
 
+    def trained(self, abstract):
+        """What the train step differentiates and updates where it is not `abstract.params` (low-rank adapters),
+        else None: the gradients' and the optimizer state's shapes."""
+        return None
+
     def gradient_shardings(self, job):
         """Where the step keeps the gradients between microbatches, if not like the parameters (None)."""
         return None

@@ -9,6 +9,7 @@ from shard.errors import UserError
 from shard.strategies.accumulation import Accumulation
 from shard.strategies.context import Context
 from shard.strategies.ema import EMA
+from shard.strategies.lora import LoRA
 from shard.strategies.low_comm import LowCommunication
 from shard.strategies.offload import Offload
 from shard.strategies.pipeline import Pipeline
@@ -16,8 +17,9 @@ from shard.strategies.reduction import Reduction
 from shard.strategies.zero import Zero
 
 # Their state is added and their steps wrapped in this order (the last wraps outermost): the replicas' vmap
-# wraps the ordinary step, the weights' average wraps what the replicas would make of it.
-ALL = (Accumulation, Pipeline, Context, Zero, Offload, Reduction, LowCommunication, EMA)
+# wraps the ordinary step, the weights' average wraps what the replicas would make of it. The adapters' step
+# options come after the reduction's: their gradients are what it reduces.
+ALL = (Accumulation, Pipeline, Context, Zero, Offload, Reduction, LoRA, LowCommunication, EMA)
 
 
 def build(cfg, mesh_shape: dict, rules: dict, work) -> tuple:

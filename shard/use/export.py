@@ -2,6 +2,7 @@
 
     python -m shard.export RUN --format onnx [--out FILE.onnx] [--batch B] [--step N] [--trust-code] [key=value ...]
     python -m shard.export RUN --format hf --out FOLDER [--step N] [key=value ...]
+    python -m shard.export RUN --adapters-only --out FOLDER [--step N] [key=value ...]
 
 The converter is jax2onnx. The stack of layers is written out layer by layer (the converter does not take
 Flax's scan), the batch dimension is symbolic unless --batch fixes it, and the computation is float32
@@ -17,6 +18,8 @@ lstm and moe. A model using an operation jax2onnx has no converter for fails in 
 --format hf writes config.json, safetensors shards (float32) and the run's tokenizer into a new folder that
 transformers' AutoModelForCausalLM.from_pretrained reads, for a gpt whose options are one of Llama, Qwen2,
 Gemma or GPT-2 (shard/hf/arch.py); the parameters come to the host one at a time (shard/hf/write.py).
+A LoRA run (train.lora.rank > 0) exports its merged weights (W + alpha/r A B) in either format;
+--adapters-only writes the adapters alone in the layout Hugging Face's peft loads (shard/hf/peft.py).
 """
 
 import argparse
@@ -118,7 +121,7 @@ def example_batch(cfg, rows: int) -> np.ndarray:
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, like every other refusal
         raise UserError(f"{message}; usage: python -m shard.export RUN --format onnx|hf [--out FILE.onnx|FOLDER] "
-                        "[--batch B] [--step N] [--trust-code] [key=value ...]")
+                        "[--batch B] [--step N] [--trust-code] [key=value ...], or RUN --adapters-only --out FOLDER")
 
 
 def main(argv: list[str]) -> int:
@@ -126,11 +129,23 @@ def main(argv: list[str]) -> int:
 
     parser = _Parser(prog="python -m shard.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("run", metavar="RUN", help="run folder (or its checkpoints/ or a step folder)")
-    parser.add_argument("--format", required=True, choices=FORMATS)
+    parser.add_argument("--format", choices=FORMATS)
+    parser.add_argument("--adapters-only", action="store_true",
+                        help="a LoRA run's adapters alone, as PEFT's adapter_config.json and adapter_model.safetensors")
     parser.add_argument("--out", help="file to write (default: <RUN>/model.onnx); --format hf: a new folder")
     parser.add_argument("--batch", type=int, help="a fixed batch size (default: symbolic)")
     load.add_loading_arguments(parser)
     args, overrides, whole_mesh = load.parse_loading(parser, argv)
+    if args.adapters_only:
+        from shard.hf import peft
+
+        if args.format:
+            raise UserError(f"--adapters-only with --format {args.format}: give one (the adapters alone, or the "
+                            "merged model in that format)")
+        print(peft.export(args.run, overrides, args.step, args.out, args.trust_code))
+        return 0
+    if not args.format:
+        parser.error("the following arguments are required: --format (or --adapters-only)")
     if args.format == "hf":
         return export_hf(args, overrides, whole_mesh)
     if args.batch is not None and args.batch < 1:

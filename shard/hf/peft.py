@@ -1,0 +1,117 @@
+"""A LoRA run's adapters alone, in the layout Hugging Face's `peft` library loads
+(`python -m shard.export RUN --adapters-only --out FOLDER`): adapter_config.json (r, lora_alpha,
+target_modules, base_model_name_or_path) and adapter_model.safetensors, with for every adapted Linear
+`base_model.model.<module>.lora_A.weight` (r, in) and `.lora_B.weight` (out, r), so that
+`PeftModel.from_pretrained(base, FOLDER)` runs the base model plus (lora_alpha / r) B A: our merged weights.
+
+Which Hugging Face module each adapted weight is comes from the architecture's tensor table (tables.py): a
+Llama-style GPT (llama, mistral, qwen2, gemma). GPT-2's fused Conv1D c_attn has no per-projection module for
+PEFT's q/k/v adapters, so it is refused.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from shard.errors import UserError
+from shard.hf import arch, tables
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def row_for(kind: str, site) -> tables.Row:
+    """The table row of the Hugging Face Linear that this adapted weight (or fused half) is."""
+    ours = ".".join(site.path)
+    for r in tables.TABLES[kind]:
+        picked = [v for l, v in r.at.items() if l not in {x for g in r.groups() for x in g}]
+        if r.ours == ours and picked == ([] if site.weight.pick is None else [site.weight.pick]):
+            if len(r.groups()) == 2 and r.theirs.endswith(".weight"):
+                return r
+    raise UserError(f"--adapters-only: the adapted weight {ours} ({site.target}) is no single Linear of a {kind} "
+                    "model, so PEFT has no module for its adapters; export the merged model with --format hf")
+
+
+def linear_pair(row: tables.Row, site, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One layer's A (our input dims..., r) and B (r, our output dims...) as PEFT's lora_A (r, in) and lora_B
+    (out, r), the flattened dimensions in the order of the Hugging Face weight (out, in)."""
+    letters = [l for l in row.letters() if not (l in row.at and l not in {x for g in row.groups() for x in g})]
+    _, n_in, _ = site.split
+    ins, outs = letters[:n_in], letters[n_in:]
+    their_out, their_in = row.groups()
+    if sorted(their_in) != sorted(ins) or sorted(their_out) != sorted(outs):
+        raise UserError(f"--adapters-only: {row.theirs} is not laid out (out, in) over {site.target}'s dimensions")
+    a = a.transpose([ins.index(l) for l in their_in] + [len(ins)]).reshape(-1, a.shape[-1])
+    b = b.transpose([0] + [1 + outs.index(l) for l in their_out]).reshape(b.shape[0], -1)
+    return np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)
+
+
+def tensors(kind: str, site_list, values: dict, n_layers: int) -> tuple[dict, list[str]]:
+    """{PEFT tensor name: array} for every adapted weight and layer, and the target module names."""
+    out, modules = {}, []
+    for s in site_list:
+        row = row_for(kind, s)
+        pair = values[s.key]
+        module = row.theirs.removesuffix(".weight")
+        modules.append(module.rsplit(".", 1)[-1])
+        for i in (range(n_layers) if row.layered else [None]):
+            a, b = (pair[k] if i is None else pair[k][i] for k in ("lora_a", "lora_b"))
+            lora_a, lora_b = linear_pair(row, s, a, b)
+            name = "base_model.model." + (module.format(i=i) if row.layered else module)
+            out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = lora_a, lora_b
+    return out, sorted(set(modules))
+
+
+def write(out: Path, kind: str, site_list, values: dict, n_layers: int, rank: int, alpha: float,
+          base: str | None) -> int:
+    """The folder: adapter_config.json and adapter_model.safetensors. Returns the bytes written."""
+    from safetensors.numpy import save_file
+
+    named, modules = tensors(kind, site_list, values, n_layers)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "target_modules": modules, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "inference_mode": True, "base_model_name_or_path": base}
+    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: v.astype(np.float32) for k, v in named.items()}, str(out / WEIGHTS))
+    return sum(math.prod(v.shape) * 4 for v in named.values())
+
+
+def export(run: str, overrides: list[str], step: int | None, out_arg: str | None, trust_code: bool) -> str:
+    """`python -m shard.export RUN --adapters-only --out FOLDER`: the adapters of the run's checkpoint, read on
+    one device (they are small), written as PEFT's folder. Returns the line to print."""
+    from shard.core import mesh as mesh_lib
+    from shard.core import registry
+    from shard.core import state as state_lib
+    from shard.hf import write as hf_write
+    from shard.run import checkpoint as ckpt_lib
+    from shard.strategies import adapters, lora
+    from shard.use import load
+    from flax import nnx
+
+    if not out_arg:
+        raise UserError("--adapters-only needs --out FOLDER (a new or empty folder)")
+    out = Path(out_arg).expanduser().absolute()
+    hf_write.check_out(out)
+    cfg = load.run_settings(run, overrides, "RUN")
+    got = lora.settings(cfg)
+    if got is None:
+        raise UserError(f"RUN {run!r} trained no adapters (train.lora.rank=0); export its model with --format hf")
+    rank, alpha, _ = got
+    kind = arch.from_gpt(cfg.model.kwargs, cfg.model.name)["model_type"]
+    if kind not in tables.TABLES or kind == "gpt2":
+        raise UserError(f"--adapters-only writes PEFT adapters for Llama-style GPTs; this run's model is a {kind}: "
+                        "export the merged model with --format hf")
+    model_cls, kwargs = registry.load(cfg.model, trusted=trust_code, source=f"RUN={run!r} (its config.yaml)")
+    params = nnx.split(nnx.eval_shape(lambda: state_lib.build_model(model_cls, kwargs, cfg.train.seed)), nnx.Param, ...)[1]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(mesh_lib.AXES)), mesh_lib.AXES)
+    site_list, _, held = lora.LoRA.adapters_target(cfg, model_cls, params, mesh)
+    folder, at = ckpt_lib.open_named(run, "RUN", step)
+    read = ckpt_lib.read_parts(folder, at, {"optimizer": {"extra": {lora.KEY: held}}})["optimizer"]["extra"][lora.KEY]
+    values = {s.key: {k: np.asarray(v[...]) for k, v in adapters.pair(read, s).items()} for s in site_list}
+    base = cfg.train.init_from
+    size = write(out, kind, site_list, values, arch._with_defaults(cfg.model.kwargs)["n_layers"], rank, alpha, base)
+    return (f"wrote {out} ({len(site_list)} adapted weights, rank {rank}, alpha {alpha:g}, {size / 1e6:.2f} MB, "
+            f"step {at} of {run}); load it with peft.PeftModel.from_pretrained(<the base model>, {str(out)!r})")

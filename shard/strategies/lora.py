@@ -1,0 +1,172 @@
+"""Low-rank adapters (LoRA, `train.lora.rank=R`): the model's weights stay frozen and the step trains, for every
+targeted weight W, a pair A (in, R) and B (R, out) with the model running on W + (alpha / R) * A @ B
+(shard/strategies/adapters.py; targets `train.lora.targets`, e.g. [q, k, v, o, mlp]).
+
+The state keeps the model's own weights in `params`, exactly as a run without adapters does, so checkpoints,
+`train.init_from` (the usual start: a trained model) and every tool that reads a model's weights read them as
+always; the adapters sit in `extra["lora"]` as `nnx.LoRAParam`s, and the optimizer state is theirs alone
+(`tx.init(adapters)`). The step differentiates with respect to the adapters only (`trainable` below): the
+weights enter the objective as constants, so they get no gradient, no optimizer moments and no update, and
+stay bitwise as loaded. Eval, the sample, `load_model`, generation and export see the merged weights
+(`model_view`, `read_model`); `python -m shard.export RUN --adapters-only` writes the adapters alone in PEFT's
+layout (shard/use/peft.py).
+"""
+
+import jax
+
+from shard import partition
+from shard.core import registry
+from shard.core import state as state_lib
+from shard.errors import UserError
+from shard.run import checkpoint as ckpt_lib
+from shard.strategies import adapters
+from shard.strategies.base import Strategy, mb
+
+KEY = "lora"
+
+
+def _without(extra: dict | None) -> dict | None:
+    rest = {k: v for k, v in (extra or {}).items() if k != KEY}
+    return rest or None
+
+
+def settings(cfg) -> tuple[int, float, tuple] | None:
+    """(rank, alpha, targets) as cfg sets them, checked; None where the adapters are off."""
+    lora = cfg.train.lora
+    if lora.rank == 0:
+        return None
+    if lora.rank < 0:
+        raise UserError(f"train.lora.rank={lora.rank}: the adapters' rank must be positive (0 turns them off)")
+    alpha = 2.0 * lora.rank if lora.alpha is None else float(lora.alpha)
+    if alpha <= 0:
+        raise UserError(f"train.lora.alpha={lora.alpha:g}: must be positive (the adapters' scale is alpha / rank); "
+                        "leave it out for 2 x rank")
+    targets = tuple(str(t) for t in (lora.targets or ()))
+    if not targets:
+        raise UserError("train.lora.targets is empty; name the weights to adapt, e.g. [q, k, v, o]")
+    return lora.rank, alpha, targets
+
+
+def sites_for(cfg, model_cls, params) -> tuple:
+    rank, alpha, targets = settings(cfg)
+    return adapters.sites(model_cls, params, targets, cfg.model.name)
+
+
+class LoRA(Strategy):
+    name = "lora"
+    keys = ("train.lora.rank", "train.lora.alpha", "train.lora.targets")
+    switches = {"lora": "`train.lora.rank` > 0"}
+    refuses = {
+        ("lora", "zero"): "ZeRO splits optimizer state the size of the weights; the adapters' is small: use mesh.zero=0",
+        ("lora", "offload"): "the adapters' optimizer state is small, keep it on the device: use train.offload=none",
+        ("lora", "ema"): "train.ema averages the frozen weights, not the adapters; use train.ema=0",
+        ("lora", "sync"): "the replicas' syncs move the weights, not the adapters; use train.sync=allreduce",
+        ("lora", "replicas"): "the replicas keep a copy of the weights each, not of the adapters; use mesh.replica=1",
+    }
+
+    def __init__(self, rank: int, alpha: float, targets: tuple, site_list: tuple, seed: int):
+        self.rank, self.alpha, self.targets, self.sites, self.seed = rank, alpha, targets, site_list, seed
+        self.scale = alpha / rank
+        self.device = None  # the adapters' shardings (the reduction's layout for their gradients)
+
+    @classmethod
+    def build(cls, cfg, mesh_shape, rules, work):
+        got = settings(cfg)
+        if got is None:
+            return None
+        if mesh_shape.get("stage", 1) > 1 and cfg.pipeline.repeats > 1:
+            raise UserError(f"train.lora.rank={got[0]} with pipeline.repeats={cfg.pipeline.repeats}: the circular "
+                            "schedule's layer order is not kept for the adapters; use pipeline.repeats=1 (GPipe)")
+        site_list = adapters.sites(work.model_cls, work.abstract.params, got[2], cfg.model.name)
+        return cls(*got, site_list, cfg.train.seed)
+
+    @property
+    def label(self) -> str:
+        return f"train.lora.rank={self.rank}"
+
+    # ---- the state
+    def fresh(self) -> dict:
+        return adapters.create(self.sites, self.rank, self.seed)
+
+    def add_state(self, abstract, init, shardings, place):
+        tx = place.work.tx
+
+        def build():
+            state, ad = init(), self.fresh()
+            return state.replace(opt_state=tx.init(ad), extra={**(state.extra or {}), KEY: ad})
+
+        new = jax.eval_shape(build)
+        laid = state_lib.state_shardings(new.replace(params=None, rest=None), place.mesh, place.rules, place.auto_min)
+        self.device = laid.extra[KEY]
+        return new, build, shardings.replace(opt_state=laid.opt_state, extra={**(shardings.extra or {}), KEY: self.device})
+
+    # ---- what the step trains (shard/core/step.py's `trainable`)
+    def get(self, state):
+        return state.extra[KEY]
+
+    def put(self, state, trained):
+        return state.replace(extra={**state.extra, KEY: trained})
+
+    def weights(self, state, trained):
+        return adapters.merged(jax.lax.stop_gradient(state.params), trained, self.sites, self.scale)
+
+    def trained(self, abstract):
+        return abstract.extra[KEY]
+
+    def gradient_shardings(self, job):
+        return self.device
+
+    def step_options(self, place) -> dict:
+        # after the reduction's: the gradients it reduces are the adapters', laid out like them
+        return {"trainable": self, "param_shardings": self.device}
+
+    # ---- the model it stands for
+    def model_view(self, state):
+        return state.replace(params=self.weights(state, state.extra[KEY]), extra=_without(state.extra))
+
+    def wrap_eval(self, eval_fn):
+        return lambda state, batch: eval_fn(self.model_view(state), batch)
+
+    @classmethod
+    def adapters_target(cls, cfg, model_cls, params, mesh) -> tuple:
+        """(sites, scale, the adapters' abstract target) of a LoRA run of this model (`params`: its abstract
+        parameters), laid out on `mesh` by the run's rules (split like the weights they adapt)."""
+        rank, alpha, targets = settings(cfg)
+        site_list = adapters.sites(model_cls, params, targets, cfg.model.name)
+        abstract = jax.eval_shape(lambda: adapters.create(site_list, rank, 0))
+        rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
+        laid = state_lib.state_shardings(abstract, mesh, rules, state_lib.auto_min_size(cfg.mesh))
+        return site_list, alpha / rank, ckpt_lib.abstract_target(abstract, laid)
+
+    @classmethod
+    def read_model(cls, cfg, folder, step: int, target):
+        if settings(cfg) is None:
+            return None
+        model_cls = registry.resolve(cfg.model.name)  # load_model resolved it first, with its trust check
+        mesh = jax.tree.leaves(target.params)[0].sharding.mesh
+        site_list, scale, held = cls.adapters_target(cfg, model_cls, target.params, mesh)
+        got = ckpt_lib.read_parts(folder, step, {"model": {"params": target.params, "rest": target.rest},
+                                                 "optimizer": {"extra": {KEY: held}}})
+        params = jax.jit(adapters.merged, static_argnums=(2, 3))(got["model"]["params"], got["optimizer"]["extra"][KEY],
+                                                                 site_list, scale)
+        return target.replace(params=params, rest=got["model"]["rest"]), dict(got["meta"])
+
+    # ---- the plan
+    def plan(self, job, step_ops, n) -> dict:
+        held = ckpt_lib.abstract_target(job.abstract.extra[KEY], self.device)
+        frozen = state_lib.count_params(job.abstract.params)
+        return {"lora": {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets),
+                         "weights_adapted": len(self.sites), "trainable_params": adapters.count(held),
+                         "frozen_params": frozen, "adapter_bytes_per_device": state_lib.shard_bytes(held)}}
+
+    plan_keys = ("lora",)
+
+    @staticmethod
+    def report(plan: dict) -> list:
+        if not (lora := plan.get("lora")):
+            return []
+        share = lora["trainable_params"] / max(lora["frozen_params"], 1)
+        return [f"lora: rank {lora['rank']}, alpha {lora['alpha']:g} on {', '.join(lora['targets'])} "
+                f"({lora['weights_adapted']} weights): {lora['trainable_params']:,} trainable adapter parameters "
+                f"({share:.2%} of the {lora['frozen_params']:,} frozen ones), "
+                f"{mb(lora['adapter_bytes_per_device'])} per device; the optimizer state is the adapters' alone"]
