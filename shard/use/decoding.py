@@ -19,7 +19,8 @@ The caches carry logical names, so the rules shard them like the activations the
 Each row of the batch keeps its own place in its cache: `index`, the slot its next token is written to, and
 `start`, the slot of its first real token (its position 0). Slots before `start` are padding (a shorter
 prompt left-padded to the batch's length): never attended, and a recurrence's carry passes over them
-unchanged. Rows need not move together, so one cache can hold sequences that began at different times (a
+unchanged; a call may also end a row's real tokens early (`end`: a prompt right-padded to a compiled
+length, written at slots that later tokens overwrite). Rows need not move together, so one cache can hold sequences that began at different times (a
 server's slots, shard/serve).
 """
 
@@ -41,6 +42,7 @@ class Calls:
     capacity: int           # slots each attention cache holds
     given: list | None      # the previous pass's entries; None for the prefill
     made: list = field(default_factory=list)
+    end: jax.Array | None = None  # (batch,) int: from this slot on, this call's tokens are padding (None: none)
 
     def slots(self, length: int) -> jax.Array:
         """(batch, length): the cache slots of this call's tokens."""
@@ -52,7 +54,9 @@ class Calls:
 
     def real(self, length: int) -> jax.Array:
         """(batch, length) bool: which of this call's tokens are not padding."""
-        return self.slots(length) >= self.start[:, None]
+        slots = self.slots(length)
+        real = slots >= self.start[:, None]
+        return real if self.end is None else real & (slots < self.end[:, None])
 
     def take(self):
         """The previous pass's entry for the next call (None at the prefill)."""
@@ -68,7 +72,7 @@ class Calls:
 
     def inner(self, given) -> "Calls":
         """The calls of one layer inside a stack, at the same position."""
-        return Calls(self.index, self.start, self.capacity, None if self.given is None else given)
+        return Calls(self.index, self.start, self.capacity, None if self.given is None else given, end=self.end)
 
 
 def attend(q, k, v, is_causal: bool, calls: Calls):

@@ -85,7 +85,7 @@ class Generator:
         self.context = getattr(model, "max_len", None)  # a fixed context (learned positions), else unbounded
         self.window = window  # for a model that keeps nothing through the hooks: how many tokens it sees (seq_len)
         self.mesh, self.rules, self.dtype = mesh, rules, jnp.dtype(dtype)
-        self._prefill = jax.jit(self._forward, static_argnames="capacity")
+        self._prefill = jax.jit(self.forward, static_argnames="capacity")
         # The cache is donated: each chunk writes its tokens into the buffers it was given, not into a copy.
         self._decode = jax.jit(self._decode_steps, static_argnames=("capacity", "steps", "sampling"),
                                donate_argnames="cache")
@@ -98,20 +98,23 @@ class Generator:
         model.eval()
         return model
 
-    def _forward(self, state, tokens, index, start, cache, capacity: int):
-        """Logits of the last of `tokens` (float32) and the cache with them written at each row's `index`
-        (its padding before its `start`: shard/use/decoding.py)."""
+    def forward(self, state, tokens, index, start, cache, capacity: int, end=None, last=None):
+        """Logits of the last of `tokens` (float32; of each row's column `last` where given) and the cache with
+        them written at each row's `index` (its padding before its `start` and from its `end`:
+        shard/use/decoding.py)."""
         model = self._model(state)
-        calls = decoding.Calls(jnp.asarray(index, jnp.int32), jnp.asarray(start, jnp.int32), capacity, cache)
+        calls = decoding.Calls(jnp.asarray(index, jnp.int32), jnp.asarray(start, jnp.int32), capacity, cache,
+                               end=None if end is None else jnp.asarray(end, jnp.int32))
         with hooks.use(decode=calls):
             logits = model(tokens)
-        return logits[:, -1].astype(jnp.float32), calls.made
+        logits = logits[:, -1] if last is None else jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+        return logits.astype(jnp.float32), calls.made
 
     def _decode_steps(self, state, cache, token, index, start, key, capacity: int, steps: int, sampling: Sampling):
         """`steps` tokens after `token`, one forward pass each, in one scan."""
         def step(carry, key):
             cache, token, index = carry
-            logits, cache = self._forward(state, token[:, None], index, start, cache, capacity)
+            logits, cache = self.forward(state, token[:, None], index, start, cache, capacity)
             token = sampling.pick(logits, key)
             return (cache, token, index + 1), token
 
@@ -134,12 +137,12 @@ class Generator:
             padded = np.zeros((len(seq), width), np.int32)
             padded[:, :window.shape[1]] = window
             key, sub = jax.random.split(key)
-            made.append(np.asarray(self._whole(self.state, self._place(padded, rules), window.shape[1] - 1, sub,
+            made.append(np.asarray(self._whole(self.state, self.place(padded, rules), window.shape[1] - 1, sub,
                                                sampling=sampling)))
             seq = np.concatenate([seq, made[-1][:, None]], axis=1)
         return np.stack(made, axis=1)
 
-    def _rules(self, batch: int) -> dict | None:
+    def batch_rules(self, batch: int) -> dict | None:
         """The training rules, less what one token at a time cannot use: the length split over `context`, and
         the batch axes where they do not divide the batch (the batch is then copied to each device)."""
         if self.mesh is None:
@@ -152,7 +155,7 @@ class Generator:
     def caches(self) -> bool:
         """Whether any call of the model keeps a cache (a trace, no compile), known at the first call."""
         if self._caches is None:
-            probe = functools.partial(self._forward, index=np.zeros(1), start=np.zeros(1), cache=None, capacity=1)
+            probe = functools.partial(self.forward, index=np.zeros(1), start=np.zeros(1), cache=None, capacity=1)
             self._caches = bool(jax.tree.leaves(jax.eval_shape(probe, self.state, jnp.zeros((1, 1), jnp.int32))[1]))
         return self._caches
 
@@ -187,7 +190,7 @@ class Generator:
         if length > capacity:
             raise UserError(f"the prompt is {length} tokens but the model's context is {self.context} (max_len); "
                             f"shorten the prompt to at most {self.context} tokens")
-        rules, key = self._rules(batch), jax.random.key(seed)
+        rules, key = self.batch_rules(batch), jax.random.key(seed)
         seq, made, cache, index = prompt, [], None, 0
         with partition.activate(self.mesh, rules):
             if not self.caches():
@@ -198,7 +201,7 @@ class Generator:
                     window = seq if cache is None else seq[:, -(capacity // 2):]
                     start = np.maximum(pads - (seq.shape[1] - window.shape[1]), 0).astype(np.int32)
                     logits, cache = distributed.finished(self._prefill(
-                        self.state, self._place(window, rules), np.zeros(batch, np.int32), start, None,
+                        self.state, self.place(window, rules), np.zeros(batch, np.int32), start, None,
                         capacity=capacity))
                     token, index = sampling.pick(logits, sub), window.shape[1]
                     chunk = np.asarray(token)[:, None]
@@ -213,7 +216,7 @@ class Generator:
         out = np.concatenate(made, axis=1)[:, :new_tokens]
         return np.pad(out, ((0, 0), (0, new_tokens - out.shape[1])), constant_values=eos if eos is not None else 0)
 
-    def _place(self, tokens: np.ndarray, rules):
+    def place(self, tokens: np.ndarray, rules):
         if self.mesh is None:
             return jnp.asarray(tokens)
         spec = partition.logical_to_spec(("batch", None), rules, self.mesh.shape)
