@@ -8,6 +8,7 @@ Q/K/V and the first MLP matrices by columns, the output projections by rows) and
 
 import math
 
+import jax.numpy as jnp
 from flax import nnx
 
 from shard.hooks import positions, stack
@@ -15,48 +16,59 @@ from shard.partition import constrain
 
 from .layers import norm as make_norm
 from .layers import Attention, Block, MLPBlock, check_choice, param, stacked
+from .rope import Rope
 
 
 class GPT(nnx.Module):
     """Causal LM: int tokens (batch, length) -> logits (batch, length, vocab).
 
-    position: "learned" (GPT-2) or "rope"; norm: "layernorm" or "rmsnorm"; mlp: "gelu" or "swiglu";
-    n_kv_heads: key/value heads (0 = n_heads; fewer = grouped-query attention); tie_embeddings: the
-    output layer reuses the token embedding. d_ff=0 means 4 x d_model (8/3 x d_model for SwiGLU).
+    position: "learned" (GPT-2) or "rope"; norm: "layernorm", "rmsnorm" or "rmsnorm+1" (the weight stored
+    as an offset from 1, Gemma's); mlp: "gelu", "swiglu" or "geglu"; n_kv_heads: key/value heads (0 =
+    n_heads; fewer = grouped-query attention); tie_embeddings: the output layer reuses the token embedding.
+    d_ff=0 means 4 x d_model (8/3 x d_model for the gated MLPs). head_dim: each head's width (0 = d_model /
+    n_heads). qkv_bias: biases on queries, keys and values (Qwen2); bias: on every linear layer (GPT-2).
+    norm_eps: the norms' epsilon. embed_scale: multiply the embeddings by sqrt(d_model) (Gemma).
+    rope_scaling: Llama 3's {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}.
     """
 
     def __init__(self, vocab_size: int = 256, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
                  d_ff: int = 0, max_len: int = 512, n_kv_heads: int = 0, position: str = "learned",
                  norm: str = "layernorm", mlp: str = "gelu", tie_embeddings: bool = False,
-                 rope_theta: float = 10000.0, *, rngs: nnx.Rngs):
+                 rope_theta: float = 10000.0, head_dim: int = 0, qkv_bias: bool = False, bias: bool = False,
+                 norm_eps: float = 1e-6, embed_scale: bool = False, rope_scaling: dict | None = None,
+                 *, rngs: nnx.Rngs):
         n_kv_heads = n_kv_heads or n_heads
         check_choice("position", position, ("learned", "rope"))
-        check_choice("norm", norm, ("layernorm", "rmsnorm"))
-        check_choice("mlp", mlp, ("gelu", "swiglu"))
-        if d_model % n_heads:
-            raise ValueError(f"d_model={d_model} must be a multiple of n_heads={n_heads}")
+        check_choice("norm", norm, ("layernorm", "rmsnorm", "rmsnorm+1"))
+        check_choice("mlp", mlp, ("gelu", "swiglu", "geglu"))
+        if not head_dim and d_model % n_heads:
+            raise ValueError(f"d_model={d_model} must be a multiple of n_heads={n_heads} (or set head_dim)")
+        head_dim = head_dim or d_model // n_heads
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
-        if position == "rope" and (d_model // n_heads) % 2:
-            raise ValueError(f"rotary embeddings need an even head size, got {d_model // n_heads}")
+        if position == "rope" and head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head size, got {head_dim}")
         d_ff = d_ff or (4 * d_model if mlp == "gelu" else 8 * d_model // 3)
         out_std = 0.02 / math.sqrt(2 * n_layers)  # GPT-2: keep the residual stream's variance flat in depth
-        self.max_len = max_len
+        self.max_len, self.embed_scale = max_len, math.sqrt(d_model) if embed_scale else None
         self.tok = param(rngs, (vocab_size, d_model), ("vocab", "embed"), 0.02)
         self.pos = param(rngs, (max_len, d_model), (None, "embed"), 0.01) if position == "learned" else None
-        rope = rope_theta if position == "rope" else None
+        rope = Rope(rope_theta, rope_scaling_tuple(rope_scaling)) if position == "rope" else None
 
         def make_block(rngs):
-            attn = Attention(d_model, n_heads, n_kv_heads, rope, out_std, causal=True, rngs=rngs)
-            return Block(d_model, norm, attn, self.feed_forward(d_model, d_ff, mlp == "swiglu", out_std, rngs), rngs)
+            attn = Attention(d_model, n_heads, n_kv_heads, rope, out_std, causal=True, rngs=rngs, head_dim=head_dim,
+                             qkv_bias=qkv_bias or bias, out_bias=bias)
+            ffn = self.feed_forward(d_model, d_ff, mlp, out_std, rngs, bias)
+            return Block(d_model, norm, attn, ffn, rngs, norm_eps)
 
         self.blocks = stacked(n_layers, make_block, rngs)
-        self.ln_f = make_norm(norm, d_model, rngs)
+        self.ln_f = make_norm(norm, d_model, rngs, norm_eps)
         self.head = None if tie_embeddings else param(rngs, (d_model, vocab_size), ("embed", "vocab"), 0.02)
 
-    def feed_forward(self, d_model: int, d_ff: int, swiglu: bool, out_std: float, rngs: nnx.Rngs) -> nnx.Module:
+    def feed_forward(self, d_model: int, d_ff: int, mlp: str, out_std: float, rngs: nnx.Rngs,
+                     bias: bool = False) -> nnx.Module:
         """The feed-forward part of each block (a subclass may swap it, e.g. for experts)."""
-        return MLPBlock(d_model, d_ff, swiglu, out_std, rngs)
+        return MLPBlock(d_model, d_ff, mlp, out_std, rngs, bias)
 
     def __call__(self, tokens):
         length = tokens.shape[1]
@@ -65,9 +77,24 @@ class GPT(nnx.Module):
         # Gather rows from a table whole along `embed`: a lookup into a table split on its columns
         # forces XLA to rematerialise it at every use.
         x = constrain(self.tok[...], ("vocab", None))[tokens]
+        if self.embed_scale is not None:
+            x = x * jnp.asarray(self.embed_scale, x.dtype)  # rounded to the compute dtype first, as Gemma's
         if self.pos is not None:
             x = x + self.pos[...][positions(length)]  # in the order the framework holds the tokens
         x = constrain(x, ("batch", "length", "embed"))
         x = self.ln_f(stack(self.blocks, x))
         logits = x @ self.tok[...].T if self.head is None else x @ self.head[...]
         return constrain(logits, ("batch", "length", "vocab"))
+
+
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope_scaling_tuple(scaling: dict | None) -> tuple | None:
+    """Llama 3's rope scaling settings in Rope's order; None or {} for none."""
+    if not scaling:
+        return None
+    missing = [k for k in ROPE_SCALING_KEYS if k not in scaling]
+    if missing or set(scaling) - set(ROPE_SCALING_KEYS):
+        raise ValueError(f"rope_scaling={dict(scaling)}: give exactly {', '.join(ROPE_SCALING_KEYS)} (Llama 3's)")
+    return tuple(float(scaling[k]) for k in ROPE_SCALING_KEYS)

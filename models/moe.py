@@ -121,9 +121,11 @@ class MoE(GPT):
         self.min_expert_share = Stat(jnp.zeros(()))
         self.aux_loss = AuxLoss(jnp.zeros(()))
 
-    def feed_forward(self, d_model, d_ff, swiglu, out_std, rngs):
+    def feed_forward(self, d_model, d_ff, mlp, out_std, rngs, bias=False):
+        if mlp == "geglu" or bias:
+            raise ValueError("the experts take mlp=gelu or swiglu, without biases")
         return MoELayer(d_model, d_ff, self.n_experts, self.top_k, self.capacity_factor, self.aux_loss_weight,
-                        swiglu, out_std, rngs)
+                        mlp == "swiglu", out_std, rngs)
 
     def __call__(self, tokens):
         logits = super().__call__(tokens)

@@ -29,6 +29,10 @@ def load(path: "str | Path | None", overrides: list[str], sections: tuple | None
         layer = _read_yaml(Path(path))
         layers.append(layer if sections is None else {k: v for k, v in layer.items() if k in sections})
     layers.append(_parse_overrides(overrides))
+    # A new run's train.init_from naming a Hugging Face folder: its settings under the command line, over the
+    # file (a finished run's config.yaml already holds them, maybe changed on its command line).
+    if sections is None and (imported := _hf_layer(layers)) is not None:
+        layers.insert(len(layers) - 1, imported)
     for layer in layers:
         _check_keys(layer)
     cfg = _merge(layers)
@@ -37,6 +41,25 @@ def load(path: "str | Path | None", overrides: list[str], sections: tuple | None
         cfg.run.dir = default_run_dir(path, _merge(layers[:-1]), cfg)
     fill_mesh_from_preset(cfg.mesh)
     return cfg
+
+
+def _hf_layer(layers: list[dict]) -> dict | None:
+    """Where train.init_from is a Hugging Face folder: its model (config.json) and, for documents unless
+    data.tokenizer is set, its tokenizer.json, as a layer of settings."""
+    from shard import hf
+
+    init_from = next((v for layer in reversed(layers) if (v := (layer.get("train") or {}).get("init_from"))), None)
+    if not hf.is_folder(init_from):
+        return None
+    from shard.hf.read import Folder
+
+    folder = Folder(init_from)
+    layer = {"model": {"name": "gpt", **folder.gpt_kwargs()}}
+    data = [given.get("data") or {} for given in layers]
+    documents = next((d["name"] for d in reversed(data) if d.get("name")), _schema().data.name) == "documents"
+    if documents and folder.tokenizer() and not any(d.get("tokenizer") for d in data):
+        layer["data"] = {"tokenizer": folder.tokenizer()}
+    return layer
 
 
 def _merge(layers: list[dict]) -> "Config":

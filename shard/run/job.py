@@ -22,7 +22,8 @@ from shard.strategies import gradients
 from shard.strategies import registry as strategies
 from shard.strategies.base import Strategy
 from shard.run import distributed
-from shard import hooks, partition, paths
+from shard import hf, hooks, partition, paths
+from shard.hf import read as hf_read
 from shard.core import losses, optim, registry
 from shard.core import flops as flops_lib
 from shard.core import mesh as mesh_lib
@@ -220,7 +221,9 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
                 ckpt_lib.check_resumable(checkpoint_dir, target, one_target)
             for key, path in (("checkpoint.restore_from", cfg.checkpoint.restore_from),
                               ("train.init_from", cfg.train.init_from)):
-                if path:
+                if path and key == "train.init_from" and hf.is_folder(path):
+                    hf_read.check(path, work.abstract.params, cfg.model.kwargs)
+                elif path:
                     ckpt_lib.check_path(path, key, target, one_target)
         options = {k: v for s in active for k, v in s.step_options(place).items()}
         reduction = gradients.Reduction(**{k: v for k, v in options.items() if k in REDUCTION_FIELDS})

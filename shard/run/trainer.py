@@ -21,7 +21,8 @@ from shard import data as data_lib
 from shard.run import distributed, host_malloc, stopping
 from shard.use import generate
 from shard.plan import hardware
-from shard import paths
+from shard import hf, paths
+from shard.hf import read as hf_read
 from shard.observe import plot, profiling
 from shard.core import mesh as mesh_lib
 from shard.core import state as state_lib
@@ -198,6 +199,11 @@ def start_state(cfg, checkpoints, job: Job, say) -> state_lib.TrainState:
             cfg.checkpoint.restore_from, "checkpoint.restore_from", job.target, model_only=False)
         say(f"restored step {meta['step']} from {cfg.checkpoint.restore_from}")
         return job.filled(state)
+    if hf.is_folder(cfg.train.init_from):  # a Hugging Face folder: each process reads its slices
+        state = state_lib.init_state(job.init, job.shardings)
+        params = hf_read.load_params(hf_read.Folder(cfg.train.init_from), job.target.params, cfg.model.kwargs)
+        say(f"parameters from the Hugging Face folder {cfg.train.init_from}")
+        return job.filled(state.replace(params=params), always=True)
     if cfg.train.init_from and (taken := job.take(*ckpt_lib.open_named(cfg.train.init_from, "train.init_from"), False)):
         state, meta = taken  # e.g. every replica and DiLoCo's anchor start from the loaded model
         say(f"parameters from step {meta['step']} of {cfg.train.init_from}")

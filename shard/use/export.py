@@ -1,6 +1,7 @@
-"""A trained model's forward pass as an ONNX file, for other runtimes:
+"""A trained model's forward pass as an ONNX file, for other runtimes, or a GPT as a Hugging Face folder:
 
     python -m shard.export RUN --format onnx [--out FILE.onnx] [--batch B] [--step N] [--trust-code] [key=value ...]
+    python -m shard.export RUN --format hf --out FOLDER [--step N] [key=value ...]
 
 The converter is jax2onnx. The stack of layers is written out layer by layer (the converter does not take
 Flax's scan), the batch dimension is symbolic unless --batch fixes it, and the computation is float32
@@ -12,6 +13,10 @@ straight into its place, for a model too large for one device's memory; otherwis
 
 Models of the library that convert: mlp, cnn, gpt (both position kinds, every norm and MLP option), vit,
 lstm and moe. A model using an operation jax2onnx has no converter for fails in one line naming it.
+
+--format hf writes config.json, safetensors shards (float32) and the run's tokenizer into a new folder that
+transformers' AutoModelForCausalLM.from_pretrained reads, for a gpt whose options are one of Llama, Qwen2,
+Gemma or GPT-2 (shard/hf/arch.py); the parameters come to the host one at a time (shard/hf/write.py).
 """
 
 import argparse
@@ -32,7 +37,7 @@ from shard import hooks
 from shard.errors import UserError, exit_from, first_line
 
 TOLERANCE = 1e-4
-FORMATS = ("onnx",)
+FORMATS = ("onnx", "hf")
 
 
 def forward_fn(model: nnx.Module):
@@ -112,8 +117,8 @@ def example_batch(cfg, rows: int) -> np.ndarray:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, like every other refusal
-        raise UserError(f"{message}; usage: python -m shard.export RUN --format onnx [--out FILE.onnx] [--batch B] "
-                        "[--step N] [--trust-code] [key=value ...]")
+        raise UserError(f"{message}; usage: python -m shard.export RUN --format onnx|hf [--out FILE.onnx|FOLDER] "
+                        "[--batch B] [--step N] [--trust-code] [key=value ...]")
 
 
 def main(argv: list[str]) -> int:
@@ -122,10 +127,12 @@ def main(argv: list[str]) -> int:
     parser = _Parser(prog="python -m shard.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("run", metavar="RUN", help="run folder (or its checkpoints/ or a step folder)")
     parser.add_argument("--format", required=True, choices=FORMATS)
-    parser.add_argument("--out", help="file to write (default: <RUN>/model.onnx)")
+    parser.add_argument("--out", help="file to write (default: <RUN>/model.onnx); --format hf: a new folder")
     parser.add_argument("--batch", type=int, help="a fixed batch size (default: symbolic)")
     load.add_loading_arguments(parser)
     args, overrides, whole_mesh = load.parse_loading(parser, argv)
+    if args.format == "hf":
+        return export_hf(args, overrides, whole_mesh)
     if args.batch is not None and args.batch < 1:
         raise UserError(f"--batch {args.batch}: must be at least 1 (or leave it out for a symbolic batch)")
     out = Path(args.out or Path(load.run_config(args.run, "RUN")).parent / "model.onnx")
@@ -150,6 +157,29 @@ def main(argv: list[str]) -> int:
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, step {loaded.step} of {args.run}, batch "
           f"{args.batch or 'symbolic'}) in {time.perf_counter() - start:.1f} s; onnxruntime matches JAX on "
           f"{len(inputs)} held-out examples within {error:.1e}")
+    return 0
+
+
+def export_hf(args, overrides: list[str], whole_mesh: bool) -> int:
+    from shard.hf import write
+    from shard.use import load
+    from shard.use.generate import TOKENIZER_FOLDER
+
+    if not args.out:
+        raise UserError("--format hf needs --out FOLDER (a new or empty folder)")
+    out = Path(args.out).expanduser().absolute()
+    write.check_out(out)
+    run_folder = Path(load.run_config(args.run, "RUN")).parent
+    cfg = load.run_settings(args.run, overrides, "RUN")
+    write.check_model(cfg.model.name, cfg.model.kwargs)  # before the (slow) read
+    loaded = load.load(args.run, overrides, step=args.step, whole_mesh=whole_mesh, key="RUN",
+                       trust_code=args.trust_code)
+    _, params, _ = nnx.split(loaded.model, nnx.Param, ...)
+    start = time.perf_counter()
+    files, size = write.write_folder(params, loaded.cfg.model.name, loaded.cfg.model.kwargs, out,
+                                     run_folder / TOKENIZER_FOLDER)
+    print(f"wrote {out} ({files} safetensors file{'s' * (files > 1)}, {size / 1e6:.1f} MB, step {loaded.step} of "
+          f"{args.run}) in {time.perf_counter() - start:.1f} s")
     return 0
 
 

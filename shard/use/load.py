@@ -3,6 +3,7 @@
     model = shard.load_model("runs/default")                     # one device, the newest checkpoint
     model = shard.load_model("runs/default", mesh="tp")          # split as the tp preset says
     model = shard.load_model("runs/default", mesh={"tensor": 4}, step=600)
+    model = shard.load_model("path/to/hf-folder", mesh="fsdp")   # a Hugging Face causal LM (shard/hf)
     tokenizer = shard.load_tokenizer("runs/default")              # text <-> the model's tokens
 
 The model is built from the `config.yaml` the run wrote (its class and arguments), and each parameter is
@@ -60,8 +61,14 @@ def load_model(path: str, *, mesh: str | dict | None = None, step: int | None = 
 def load_tokenizer(path: str):
     """The tokenizer a run's text went through (data.tokenizer; bytes for the text source), with
     `encode(text) -> ids` and `decode(ids) -> text`: what turns a prompt into the model's tokens and back."""
+    from shard import hf
     from shard.use.generate import run_tokenizer
 
+    if hf.is_folder(path):
+        from shard.data import tokenizer
+        from shard.hf.read import Folder
+
+        return tokenizer.load(Folder(path, "path").tokenizer() or "bytes")
     config_path = run_config(path)
     return run_tokenizer(config_lib.load(config_path, [], sections=RUN_SECTIONS).data, paths.resolve(config_path).parent)
 
@@ -102,15 +109,28 @@ def run_rules(config_path: str) -> dict:
     return rules if isinstance(rules, dict) else {}
 
 
+def run_settings(path: str, overrides: list[str], key: str = "path") -> config_lib.Config:
+    """The config a run (its config.yaml's model, data and train sections) or a Hugging Face folder stands for,
+    with `overrides`."""
+    from shard import hf
+
+    if hf.is_folder(path):
+        return config_lib.load(None, [f"train.init_from={path}", *overrides])
+    config_path = run_config(path, key)
+    cfg = config_lib.load(config_path, overrides, sections=RUN_SECTIONS)
+    cfg.mesh.rules = {**run_rules(config_path), **cfg.mesh.rules}
+    return cfg
+
+
 def load(path: str, overrides: list[str], step: int | None = None, whole_mesh: bool = True,
          key: str = "path", trust_code: bool = False) -> Loaded:
     """The run's model, with its config's model, data and train sections plus `overrides` (key=value, e.g.
     the mesh and devices), restored over the devices (all of them, or with `whole_mesh=False` the first).
     The run's `mesh.rules` come along (a model may need a rule for a logical name of its own), under the
-    loader's mesh's rules; its axis sizes do not."""
-    config_path = run_config(path, key)
-    cfg = config_lib.load(config_path, overrides, sections=RUN_SECTIONS)
-    cfg.mesh.rules = {**run_rules(config_path), **cfg.mesh.rules}
+    loader's mesh's rules; its axis sizes do not. A Hugging Face folder: its model (shard/hf), step 0."""
+    from shard import hf
+
+    cfg = run_settings(path, overrides, key)
     model_cls, kwargs = registry.load(cfg.model, trusted=trust_code, source=f"{key}={path!r} (its config.yaml)")
     devices = distributed.start(cfg.run)
     devices = devices if whole_mesh else devices[:1]
@@ -121,6 +141,11 @@ def load(path: str, overrides: list[str], step: int | None = None, whole_mesh: b
     abstract = state_lib.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, rest=rest, opt_state=None)
     shardings = state_lib.state_shardings(abstract, mesh, rules, state_lib.auto_min_size(cfg.mesh))
     target = ckpt_lib.abstract_target(abstract, shardings)
+    if hf.is_folder(path):
+        from shard.hf.read import Folder, load_params
+
+        params = load_params(Folder(path, key), target.params, cfg.model.kwargs)
+        return Loaded(nnx.merge(graphdef, params, rest), cfg, mesh, rules, 0)
     # A strategy that keeps the model elsewhere says where (DiLoCo's anchor, the weights' average); else the
     # checkpoint's own weights.
     folder, at = ckpt_lib.open_named(path, key, step)

@@ -1,0 +1,208 @@
+"""Reading a Hugging Face folder into the GPT's parameters, lazily and sharded: each process reads only
+the slices of each tensor its own devices hold (safetensors' slice reads, memory-mapped), straight into
+the parameter's sharding, in the target's dtype. Nothing is read before every tensor's name and shape
+have been checked against the model."""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from shard.errors import UserError
+from shard.hf import arch, tables
+
+INDEX = "model.safetensors.index.json"
+
+
+class Folder:
+    """A Hugging Face model folder: its config.json, its weight files and which tensor is in which."""
+
+    def __init__(self, path: str, key: str = "train.init_from"):
+        self.path, self.where = Path(path).expanduser(), f"{key}={path!r}"
+        if not (self.path / "config.json").is_file():
+            raise UserError(f"{self.where}: no config.json in the folder (a Hugging Face model folder needs one)")
+        try:
+            self.config = json.loads((self.path / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"{self.where}: config.json is not readable JSON: {e}") from None
+        self.kind = arch.model_type(self.config, self.where)
+        self.files = self._files()
+
+    def _files(self) -> dict[str, Path]:
+        """tensor name -> its file (the index's map, or each .safetensors file's own list)."""
+        from safetensors import safe_open
+
+        if (self.path / INDEX).is_file():
+            weight_map = json.loads((self.path / INDEX).read_text()).get("weight_map", {})
+            return {name: self.path / f for name, f in weight_map.items()}
+        found = sorted(self.path.glob("*.safetensors"))
+        if not found:
+            extra = " (.bin weights are pickles, which are never loaded: save with safe_serialization)" \
+                if any(self.path.glob("*.bin")) else ""
+            raise UserError(f"{self.where}: no weights (.safetensors files) in the folder{extra}")
+        out = {}
+        for f in found:
+            with safe_open(f, framework="numpy") as st:
+                out.update({name: f for name in st.keys()})
+        return out
+
+    def gpt_kwargs(self) -> dict:
+        return arch.to_gpt(self.config, self.where)
+
+    def tokenizer(self) -> str | None:
+        return str(self.path / "tokenizer.json") if (self.path / "tokenizer.json").is_file() else None
+
+    def shape(self, name: str) -> tuple:
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], framework="numpy") as st:
+            return tuple(st.get_slice(name).get_shape())
+
+
+def flat_paths(params) -> dict[str, object]:
+    """Our parameters by dotted path ("blocks.attn.q") -> the leaf (an array or its abstract)."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)): leaf for path, leaf in leaves}
+
+
+def plan(folder: Folder, params, kwargs: dict) -> list[tables.Row]:
+    """The rows that fill `params`, each tensor checked present with its shape; one line for the first not."""
+    ours = flat_paths(params)
+    g = arch._with_defaults(kwargs)
+    size, n_layers = tables.sizes(g, folder.kind), g["n_layers"]
+    rows = tables.rows(folder.kind, set(ours))
+    for r in rows:
+        want = tables.their_shape(r, size)
+        for name in ([r.theirs.format(i=i) for i in range(n_layers)] if r.layered else [r.theirs]):
+            if name not in folder.files:
+                raise UserError(f"{folder.where}: tensor {name} is missing (the {folder.kind} model of config.json "
+                                "needs it)")
+            got = folder.shape(name)
+            if got != want:
+                raise UserError(f"{folder.where}: tensor {name} has shape {list(got)}, expected {list(want)} "
+                                "from config.json")
+    missing = sorted(set(ours) - {r.ours for r in rows})
+    if missing:
+        raise UserError(f"{folder.where}: no tensor of a {folder.kind} folder fills parameter {missing[0]}")
+    return rows
+
+
+def check(path: str, params, kwargs: dict) -> None:
+    """Before the run folder is touched: every tensor present with its shape, and the tokenizer fits."""
+    folder = Folder(path)
+    plan(folder, params, kwargs)
+    check_tokenizer(folder, arch._with_defaults(kwargs)["vocab_size"])
+
+
+def check_tokenizer(folder: Folder, vocab_size: int) -> None:
+    """The folder's tokenizer must not have more tokens than the embedding has rows."""
+    path = folder.tokenizer()
+    if path is None:
+        return
+    from tokenizers import Tokenizer
+
+    n = Tokenizer.from_file(path).get_vocab_size(with_added_tokens=True)
+    if n > vocab_size:
+        raise UserError(f"{folder.where}: its tokenizer has {n} tokens, more than the embedding's {vocab_size} rows")
+
+
+# ----------------------------------------------------------------------------- index arithmetic
+
+def their_slices(r: tables.Row, our: dict[str, range], size: dict) -> tuple | None:
+    """For our index ranges (letter -> range), what to read from their tensor: per axis (lo, hi, the picked
+    offsets within lo:hi, each letter's length), or None where this tensor fills none of them. The read is
+    the smallest contiguous range holding the picks: exactly them unless a sliced letter is not the group's
+    first (head_dim, which no rule splits)."""
+    mine, theirs = set(r.letters()), set(_their_letters(r))
+    if any(l in mine and l not in theirs and at not in our[l] for l, at in r.at.items()):
+        return None
+    axes = []
+    for group in r.groups():
+        ranges = [range(our[l].start + r.at.get(l, 0), our[l].stop + r.at.get(l, 0)) if l in mine
+                  else range(r.at[l], r.at[l] + 1) for l in group]
+        grids = np.meshgrid(*[np.arange(x.start, x.stop) for x in ranges], indexing="ij")
+        flat = np.ravel_multi_index(grids, [size[l] for l in group]).ravel()
+        axes.append((int(flat.min()), int(flat.max()) + 1, flat - flat.min(), [len(x) for x in ranges]))
+    return axes
+
+
+def _their_letters(r: tables.Row) -> list[str]:
+    return [l for g in r.groups() for l in g]
+
+
+def to_ours(r: tables.Row, block: np.ndarray, axes: list) -> np.ndarray:
+    """Their picked block -> our letters' order; letters only in ours get a length-1 axis."""
+    picked = block[np.ix_(*[a[2] for a in axes])] if block.ndim else block
+    theirs = _their_letters(r)
+    picked = picked.reshape([n for a in axes for n in a[3]])
+    mine = r.letters()
+    keep = [i for i, l in enumerate(theirs) if l in mine]
+    picked = picked.reshape([picked.shape[i] for i in keep])  # their-only letters have length 1
+    kept = [theirs[i] for i in keep]
+    picked = picked.transpose([kept.index(l) for l in mine if l in kept])
+    return picked.reshape([picked.shape[[l for l in mine if l in kept].index(l)] if l in kept else 1 for l in mine])
+
+
+def read_slice(folder: Folder, rows: list[tables.Row], shape: tuple, index: tuple, size: dict, layered: bool,
+               dtype, handles: dict) -> np.ndarray:
+    """Our parameter's block at `index` (a tuple of slices, the layers axis first where stacked)."""
+    index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+    layer_range = range(index[0].start, index[0].stop) if layered else [None]
+    inner = index[1:] if layered else index
+    out = np.zeros([s.stop - s.start for s in index], dtype)
+    for r in rows:
+        our = {l: range(s.start, s.stop) for l, s in zip(r.letters(), inner)}
+        axes = their_slices(r, our, size)
+        if axes is None:
+            continue
+        # where this tensor lands in our block: the whole block, but one place along letters only ours
+        place = tuple(slice(r.at[l] - our[l].start, r.at[l] - our[l].start + 1)
+                      if l in r.at and l not in _their_letters(r) else slice(None) for l in r.letters())
+        for j, layer in enumerate(layer_range):
+            name = r.theirs.format(i=layer) if layered else r.theirs
+            block = _slice(folder, name, handles)[tuple(slice(a[0], a[1]) for a in axes)]
+            values = to_ours(r, np.asarray(block), axes).astype(dtype)
+            out[(j, *place) if layered else place] = values
+    return out
+
+
+def _slice(folder: Folder, name: str, handles: dict):
+    """The tensor's lazy slice reader: numpy's, or for bfloat16 (which numpy lacks) JAX's."""
+    from safetensors import safe_open
+
+    def handle(framework):
+        key = (folder.files[name], framework)
+        if key not in handles:
+            handles[key] = safe_open(key[0], framework=framework)
+        return handles[key]
+
+    got = handle("numpy").get_slice(name)
+    return handle("flax").get_slice(name) if got.get_dtype() == "BF16" else got
+
+
+def load_params(folder: Folder, target_params, kwargs: dict):
+    """`target_params` (abstract arrays with shardings) read from the folder: every array built from the slices
+    this process's devices hold, each read on its own (nothing whole on the host unless a device holds it)."""
+    rows = plan(folder, target_params, kwargs)
+    g = arch._with_defaults(kwargs)
+    size = tables.sizes(g, folder.kind)
+    handles: dict = {}
+
+    def build(path, leaf):
+        name = ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+        mine = [r for r in rows if r.ours == name]
+        layered = mine[0].layered
+        want = ((g["n_layers"],) if layered else ()) + tuple({**size, "s": 2}[l] for l in mine[0].letters())
+        if tuple(leaf.shape) != want:
+            raise UserError(f"{folder.where}: parameter {name} is {list(leaf.shape)} here, but the folder fills "
+                            f"{list(want)}: read it into the model's own layout")
+        dtype = np.dtype(leaf.dtype)
+        return jax.make_array_from_callback(
+            leaf.shape, leaf.sharding,
+            lambda index: read_slice(folder, mine, leaf.shape, index, size, layered, dtype, handles))
+
+    try:
+        return jax.tree_util.tree_map_with_path(build, target_params)
+    finally:
+        handles.clear()

@@ -1,0 +1,138 @@
+"""A run's model as a Hugging Face folder: config.json, safetensors shards (with their index when there
+are several), the run's tokenizer files. Written from the sharded state without the whole model on one
+host: the parameters that share a tensor (GPT-2's q and kv in c_attn; else one) are gathered at a time,
+turned into their tensors, and written in files of at most `shard_bytes`; only process 0 writes."""
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from shard.errors import UserError
+from shard.hf import arch, tables
+from shard.hf.read import INDEX, flat_paths
+
+SHARD_BYTES = 2 * 1024**3
+
+
+def families(rows: list[tables.Row]) -> list[list[tables.Row]]:
+    """Rows grouped so that every tensor is made from one group's parameters (connected by shared tensors)."""
+    groups: list[list[int]] = []
+    for i, r in enumerate(rows):
+        joined = [g for g in groups if any(rows[j].ours == r.ours or rows[j].theirs == r.theirs for j in g)]
+        groups = [g for g in groups if g not in joined] + [sorted(sum(joined, [i]))]
+    return [[rows[j] for j in g] for g in groups]
+
+
+def their_tensors(rows: list[tables.Row], values: dict[str, np.ndarray], size: dict, n_layers: int) -> dict:
+    """The Hugging Face tensors `rows` make from our parameters' whole values (path -> array)."""
+    out: dict[str, np.ndarray] = {}
+    for r in rows:
+        theirs = [l for g in r.groups() for l in g]
+        for layer in (range(n_layers) if r.layered else [None]):
+            name = r.theirs.format(i=layer) if r.layered else r.theirs
+            full = out.setdefault(name, np.zeros(tables.their_shape(r, size), np.float32))
+            v = values[r.ours] if layer is None else values[r.ours][layer]
+            mine = list(r.letters())
+            for l, at in r.at.items():  # letters only ours: this tensor takes one index of them
+                if l in mine and l not in theirs:
+                    v, mine = np.take(v, at, axis=mine.index(l)), [m for m in mine if m != l]
+            v = v.transpose([mine.index(l) for l in theirs if l in mine])
+            where = tuple(slice(r.at.get(l, 0), r.at.get(l, 0) + v.shape[[m for m in theirs if m in mine].index(l)])
+                          if l in mine else r.at[l] for l in theirs)
+            full.reshape([size[l] for l in theirs])[where] = v
+    return out
+
+
+def host_value(x) -> np.ndarray:
+    """One parameter whole on this host (all processes take part where it spans several)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x), np.float32)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True), np.float32)
+
+
+def write_folder(params, model_name: str, kwargs: dict, out: Path, tokenizer_dir: Path | None,
+                 shard_bytes: int = SHARD_BYTES) -> tuple[int, int]:
+    """Write the folder (into a scratch folder beside `out`, renamed when complete): (files, bytes)."""
+    config = arch.from_gpt(kwargs, model_name)
+    kind, g = config["model_type"], arch._with_defaults(kwargs)
+    ours = flat_paths(params)
+    rows = tables.rows(kind, set(ours))
+    size, main = tables.sizes(g, kind), jax.process_index() == 0
+    scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.")) if main else None
+    files, pending, total, weight_map = [], {}, 0, {}
+
+    def flush():
+        nonlocal pending
+        if pending and main:
+            from safetensors.numpy import save_file
+
+            name = f"part-{len(files):05d}.safetensors"
+            save_file(pending, str(scratch / name), metadata={"format": "pt"})
+            files.append((name, list(pending)))
+        pending = {}
+
+    try:
+        for family in families(rows):
+            values = {r.ours: host_value(ours[r.ours]) for r in family}
+            for name, tensor in their_tensors(family, values, size, g["n_layers"]).items():
+                if pending and sum(t.nbytes for t in pending.values()) + tensor.nbytes > shard_bytes:
+                    flush()
+                pending[name] = tensor
+                total += tensor.nbytes
+            del values
+        flush()
+        if main:
+            _finish(scratch, out, files, total, config, tokenizer_dir)
+    except BaseException:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return len(files), total
+
+
+def _finish(scratch: Path, out: Path, files: list, total: int, config: dict, tokenizer_dir: Path | None) -> None:
+    """Name the shards as transformers does, write the index, config and tokenizer, and move into place."""
+    weight_map = {}
+    for i, (name, tensors) in enumerate(files):
+        final = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        os.replace(scratch / name, scratch / final)
+        weight_map.update({t: final for t in tensors})
+    if len(files) > 1:
+        (scratch / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    if tokenizer_dir is not None and tokenizer_dir.is_dir():
+        for f in tokenizer_dir.iterdir():
+            shutil.copyfile(f, scratch / f.name)
+        config.update(_special_ids(scratch))
+    (scratch / "config.json").write_text(json.dumps(config, indent=2))
+    if out.exists():  # an empty folder (checked by the caller) gives way
+        out.rmdir()
+    os.replace(scratch, out)
+
+
+def _special_ids(folder: Path) -> dict:
+    """BOS and EOS ids of the tokenizer copied into the folder, for config.json (generate stops at EOS)."""
+    from shard.data import tokenizer
+
+    if not (folder / "tokenizer.json").is_file():
+        return {}
+    t = tokenizer.load(str(folder))
+    return {k: v for k, v in (("bos_token_id", t.bos), ("eos_token_id", t.eos)) if v is not None}
+
+
+def check_model(model_name: str, kwargs: dict) -> None:
+    """One line where the model is none of the architectures a folder can hold."""
+    arch.from_gpt(kwargs, model_name)
+
+
+def check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} exists and is not an empty folder; nothing is overwritten: name a new folder")
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: folder {out.parent} does not exist")

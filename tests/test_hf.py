@@ -1,0 +1,209 @@
+"""Hugging Face folders: tiny random models of every supported architecture, built offline with transformers
+and saved with save_pretrained, give the same logits here (one device and fsdp, tp, fsdp_tp), the same greedy
+tokens, the same first training loss, and export back to a folder transformers reads with the same logits.
+Bad folders are refused in one line."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import shard  # noqa: E402
+from shard import config, partition  # noqa: E402
+from shard.errors import UserError  # noqa: E402
+from shard.hf import tables  # noqa: E402
+from shard.run import trainer  # noqa: E402
+from shard.use import export, generate, load  # noqa: E402
+
+from conftest import overrides, run_cli  # noqa: E402
+
+VOCAB = 300
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64)
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # short: the scaling shows at 16 tokens
+KINDS = {
+    "llama": lambda T: T.LlamaForCausalLM(T.LlamaConfig(**COMMON, num_key_value_heads=2, rope_parameters=LLAMA3)),
+    "mistral": lambda T: T.MistralForCausalLM(T.MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=32)),
+    "qwen2": lambda T: T.Qwen2ForCausalLM(T.Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=True)),
+    "gemma": lambda T: T.GemmaForCausalLM(T.GemmaConfig(**COMMON, num_key_value_heads=2, head_dim=24)),
+    "gpt2": lambda T: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64)),
+}
+MESHES = {"one": None, "fsdp": ["mesh=fsdp", "run.cpu_devices=4"], "tp": ["mesh=tp", "run.cpu_devices=2"],
+          "fsdp_tp": ["mesh=fsdp_tp", "run.cpu_devices=4"]}
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+
+
+def relative(got, want) -> float:
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """kind -> (folder, the transformers model), each built once: random weights, then every parameter
+    (norms and biases too) moved off its initial value so that a mix-up shows."""
+    torch.manual_seed(0)
+    out = {}
+    for kind, make in KINDS.items():
+        model = make(transformers).float().eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        model.generation_config.eos_token_id = None  # greedy runs its full length, as ours
+        path = tmp_path_factory.mktemp(kind)
+        model.save_pretrained(path)
+        out[kind] = (str(path), model)
+    return out
+
+
+def torch_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+def jax_logits(loaded) -> np.ndarray:
+    graphdef, state = nnx.split(loaded.model)
+    with partition.activate(loaded.mesh, loaded.rules):
+        return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, TOKENS))
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_logits_equal_transformers(folders, kind, mesh):
+    path, model = folders[kind]
+    loaded = load.load(path, MESHES[mesh] or [], whole_mesh=mesh != "one")
+    if mesh != "one":  # read into the mesh's shardings, not whole on each device
+        assert any(not s.is_fully_replicated for s in jax.tree.leaves(
+            jax.tree.map(lambda a: a.sharding, nnx.state(loaded.model, nnx.Param))))
+    assert relative(jax_logits(loaded), torch_logits(model, TOKENS)) < 1e-4
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_greedy_generate_equals_transformers(folders, kind):
+    path, model = folders[kind]
+    prompt = TOKENS[:, :5]
+    with torch.no_grad():
+        want = model.generate(torch.tensor(prompt), do_sample=False, max_new_tokens=10, pad_token_id=0).numpy()[:, 5:]
+    got = generate.Generator(shard.load_model(path))(prompt, 10, generate.Sampling(temperature=0))
+    np.testing.assert_array_equal(got, want)
+
+
+def first_batch(cfg):
+    from shard import data as data_lib
+
+    return data_lib.build(cfg.data, cfg.train.seed).train[0]
+
+
+FINE_TUNE = ["data.name=text", "data.seq_len=16", "data.batch_size=8", "train.steps=1", "train.eval_batches=1"]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_fine_tune_first_loss_and_export_round_trip(folders, kind, tmp_path):
+    """One step of full fine-tuning from the folder (fsdp): its loss is transformers' on the same batch; the
+    run exports to a folder transformers loads with this run's logits."""
+    path, model = folders[kind]
+    cfg = config.load(None, overrides(tmp_path / "run", f"train.init_from={path}", "mesh=fsdp", "run.cpu_devices=4",
+                                      "checkpoint.enabled=true", *FINE_TUNE))
+    assert cfg.model.kwargs["d_model"] == 64 and cfg.model.name == "gpt"
+    result = trainer.run(cfg)
+    batch = first_batch(cfg)
+    logits = torch.tensor(torch_logits(model, np.asarray(batch["inputs"])))
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), torch.tensor(np.asarray(batch["targets"])).reshape(-1).long())
+    assert abs(result.history[0]["loss"] - float(want)) < 1e-4 * float(want)
+
+    out = tmp_path / "hf"
+    assert export.main([str(tmp_path / "run"), "--format", "hf", "--out", str(out)]) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    assert json.loads((out / "config.json").read_text())["model_type"] == ("llama" if kind == "mistral" else kind)
+    ours = load.load(str(tmp_path / "run"), [], whole_mesh=False)
+    assert relative(torch_logits(again, TOKENS), jax_logits(ours)) < 1e-4
+
+
+@pytest.mark.parametrize("mesh", ["dp", "tp", "fsdp_tp", "zero1", "zero2", "pp", "cp", "hybrid"])
+def test_fine_tuning_works_under_every_preset(folders, mesh, tmp_path):
+    path, model = folders["llama"]
+    devices = {"pp": 2, "hybrid": 4, "fsdp_tp": 4}.get(mesh, 2)
+    extra = ["mesh.replica=2"] if mesh == "hybrid" else []
+    cfg = config.load(None, overrides(tmp_path, f"train.init_from={path}", f"mesh={mesh}",
+                                      f"run.cpu_devices={devices}", *extra, *FINE_TUNE))
+    result = trainer.run(cfg)
+    batch = first_batch(cfg)
+    logits = torch.tensor(torch_logits(model, np.asarray(batch["inputs"])))
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), torch.tensor(np.asarray(batch["targets"])).reshape(-1).long())
+    assert abs(result.history[0]["loss"] - float(want)) < 1e-4 * float(want)
+
+
+def test_the_command_line_wins_over_config_json_and_the_tokenizer_comes_along(folders, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = tmp_path / "llama"
+    shutil.copytree(folders["llama"][0], path)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(100)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(path / "tokenizer.json"))
+    cfg = config.load(None, [f"train.init_from={path}", "model.max_len=32", "data.name=documents"])
+    assert (cfg.model.kwargs["max_len"], cfg.model.kwargs["n_kv_heads"]) == (32, 2)
+    assert cfg.data.tokenizer == str(path / "tokenizer.json")
+    assert config.load(None, [f"train.init_from={path}", "data.name=documents", "data.tokenizer=bytes"]).data.tokenizer == "bytes"
+    assert load.load_tokenizer(str(path)).encode("w7 w3") == [7, 3]
+
+
+def test_hf_names_per_architecture():
+    names = tables.hf_names("llama")
+    assert names["blocks.attn.kv"] == ["model.layers.{i}.self_attn.k_proj.weight", "model.layers.{i}.self_attn.v_proj.weight"]
+    assert tables.hf_names("gpt2")["blocks.attn.q"] == ["transformer.h.{i}.attn.c_attn.weight"]
+
+
+def refused(path, *extra) -> str:
+    with pytest.raises(UserError) as e:
+        trainer.run(config.load(None, overrides(path.parent / "run", f"train.init_from={path}", *FINE_TUNE, *extra)))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_bad_folders_are_refused_in_one_line(folders, tmp_path):
+    from safetensors.numpy import load_file, save_file
+    from tokenizers import Tokenizer, models
+
+    source = folders["llama"][0]
+
+    def copy(name):
+        shutil.copytree(source, tmp_path / name)
+        return tmp_path / name
+
+    (no_config := copy("no_config")).joinpath("config.json").unlink()
+    assert "no config.json" in refused(no_config)
+    for f in (no_weights := copy("no_weights")).glob("*.safetensors"):
+        f.unlink()
+    assert "no weights" in refused(no_weights)
+    tensors = load_file(str((missing := copy("missing")) / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(missing / "model.safetensors"))
+    assert "tensor model.layers.1.mlp.up_proj.weight is missing" in refused(missing)
+    tensors["model.layers.1.mlp.up_proj.weight"] = np.zeros((96, 32), np.float32)
+    save_file(tensors, str((wrong := copy("wrong")) / "model.safetensors"))
+    assert "tensor model.layers.1.mlp.up_proj.weight has shape [96, 32], expected [96, 64]" in refused(wrong)
+    big = copy("big_tokenizer")
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB + 1)}, unk_token="w0")).save(str(big / "tokenizer.json"))
+    assert f"its tokenizer has {VOCAB + 1} tokens, more than the embedding's {VOCAB} rows" in refused(big)
+    other = copy("other")
+    (other / "config.json").write_text(json.dumps({**json.loads((other / "config.json").read_text()), "model_type": "bert"}))
+    done = run_cli(f"train.init_from={other}", "run.dir=off", "train.steps=1")
+    assert done.returncode == 2
+    assert "model_type 'bert' is not supported; supported: llama, mistral, qwen2, gemma, gpt2" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_export_of_a_model_outside_the_list_is_one_line(train, tmp_path):
+    from conftest import TINY_GPT
+
+    train(*TINY_GPT, "train.steps=1", "checkpoint.enabled=true")
+    with pytest.raises(UserError, match="none of the architectures a Hugging Face folder can hold") as e:
+        export.main([str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf")])
+    assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
