@@ -126,7 +126,8 @@ def main(argv: list[str]) -> int:
               f"({seconds:.1f} s for {len(answers)} requests, {tokens} tokens)")
     ratio = figures["all_at_once"]["tokens_per_s"] / figures["one_at_a_time"]["tokens_per_s"]
     print(f"continuous batching: {ratio:.1f}x the tokens/s of one request at a time")
-    print(json.dumps({"model": cfg.model.name, "config": path.name, "overrides": overrides, "requests": args.requests, "slots": args.slots, "mesh": args.mesh,
+    print(json.dumps({"model": cfg.model.name, "config": path.name, "overrides": overrides, "requests": args.requests,
+                      "slots": args.slots, "mesh": args.mesh,
                       "device": jax.devices()[0].device_kind, "ratio": ratio, **figures}))
     return 0
 

@@ -251,3 +251,39 @@ def test_the_end_of_run_sample_of_a_padded_vocabulary_picks_among_the_tokenizers
     result = trainer.run(config.load(None, overrides(tmp_path, *TINY_GPT, "model.vocab_size=264", "train.steps=1",
                                                      "train.sample_len=8", "run.cpu_devices=1")))
     assert result.sample and "sample:" in capsys.readouterr().out  # 8 of the 256 byte tokens, as text
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_left_padded_batch_equals_transformers_generate_with_its_attention_mask(tmp_path, kind):
+    """Prompts of different lengths, left-padded with a mask on both sides: our greedy tokens (one device and
+    tp) are transformers' `generate(do_sample=False)`, row for row."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "llama":
+        reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64))
+    else:
+        reference = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=2,
+                                                                         n_head=4, n_positions=64))
+    reference = reference.float().eval()
+    with torch.no_grad():
+        for p in reference.parameters():  # off their initial values: a mix-up of any weight shows
+            p.add_(0.05 * torch.randn_like(p))
+    reference.generation_config.eos_token_id = None  # greedy runs its full length, as ours
+    reference.save_pretrained(tmp_path)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 300, n).tolist() for n in (3, 9, 5, 1)]
+    width = max(map(len, prompts))
+    ids, mask = np.zeros((len(prompts), width), np.int64), np.zeros((len(prompts), width), np.int64)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    with torch.no_grad():
+        want = reference.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
+                                  max_new_tokens=10, pad_token_id=0).numpy()[:, width:]
+    assert len({tuple(row) for row in want.tolist()}) == len(prompts)
+    greedy = generate.Sampling(temperature=0)
+    np.testing.assert_array_equal(generate.Generator(shard.load_model(str(tmp_path)))(prompts, 10, greedy), want)
+    tp = load.load(str(tmp_path), ["mesh=tp", "run.cpu_devices=2"])
+    np.testing.assert_array_equal(generate.Generator(tp.model, tp.mesh, tp.rules)(prompts, 10, greedy), want)

@@ -188,6 +188,16 @@ def test_after_warm_up_no_request_compiles_and_a_trace_is_logged_as_a_recompile(
     assert slots.recompiles == 1 and "recompile after warm-up: prefill (1, 5)" in caplog.text
 
 
+def test_chat_messages_go_through_the_tokenizers_template_or_the_plain_one(tmp_path):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert chat.Template(None)(messages) == "system: Be brief.\nuser: hi\nassistant:"
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"},
+                                                                "chat_template": template}))
+    assert chat.Template(tmp_path)(messages) == "<|system|>Be brief.</s><|user|>hi</s><|assistant|>"
+
+
 def _Bytes():
     from shard.data import tokenizer
 

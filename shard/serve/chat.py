@@ -29,7 +29,8 @@ class Template:
                 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
                 self.source = template
-                self.template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+                sandbox = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                self.template = sandbox.from_string(template)
                 self.tokens = {k: v if isinstance(v, str) else (v or {}).get("content", "")
                                for k, v in saved.items() if k in ("bos_token", "eos_token")}
 

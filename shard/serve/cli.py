@@ -1,8 +1,10 @@
-"""python -m shard.serve RUN [--mesh PRESET] [--host 127.0.0.1] [--port 8000] [--slots 8] [--max-queue 256]
-                         [--context N] [--name NAME] [--seed S] [--step N] [--trust-code] [key=value ...]
+"""python -m shard.serve RUN|HF_FOLDER [--mesh PRESET] [--host 127.0.0.1] [--port 8000] [--slots 8]
+                         [--max-queue 256] [--context N] [--name NAME] [--seed S] [--step N] [--trust-code]
+                         [key=value ...]
 
-Loads the run's newest checkpoint (or --step's), compiles every program a request can need (warm-up), then
-serves until SIGTERM or Ctrl-C: it stops taking connections, finishes the running requests, and exits 0."""
+Loads the run's newest checkpoint (or --step's), or a Hugging Face folder's model and tokenizer, compiles
+every program a request can need (warm-up), then serves until
+SIGTERM or Ctrl-C: it stops taking connections, finishes the running requests, and exits 0."""
 
 import argparse
 import logging
@@ -26,7 +28,8 @@ def main(argv: list[str]) -> int:
     from shard.use import load
 
     parser = _Parser(prog="python -m shard.serve", description=__doc__.split("\n\n")[1])
-    parser.add_argument("run", metavar="RUN", help="run folder (or its checkpoints/ or a step folder)")
+    parser.add_argument("run", metavar="RUN", help="run folder (or its checkpoints/ or a step folder), or a Hugging "
+                        "Face folder")
     parser.add_argument("--mesh", help="mesh preset to lay the model over (all devices); default: one device")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -47,20 +50,27 @@ def main(argv: list[str]) -> int:
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.getLogger("shard.serve").addHandler(handler)
     logging.getLogger("shard.serve").setLevel(logging.INFO)
+    logging.getLogger("shard.serve").propagate = False  # a library may have given the root logger a handler too
     return serve(args, overrides, whole_mesh)
 
 
 def serve(args, overrides, whole_mesh) -> int:
     import uvicorn
 
+    from shard import hf
     from shard.serve import app, chat, engine, scheduler
     from shard.use import generate, load
 
     log = logging.getLogger("shard.serve")
     loaded = load.load(args.run, overrides, step=args.step, whole_mesh=whole_mesh, key="RUN",
                        trust_code=args.trust_code)
-    run_folder = paths.resolve(load.run_config(args.run, "RUN")).parent
-    tok = generate.run_tokenizer(loaded.cfg.data, run_folder)
+    if hf.is_folder(args.run):  # its tokenizer files, chat template included, lie in the folder itself
+        folder = paths.resolve(args.run)
+        tokenizer_folder = folder
+    else:
+        folder = paths.resolve(load.run_config(args.run, "RUN")).parent
+        tokenizer_folder = folder / generate.TOKENIZER_FOLDER
+    tok = load.load_tokenizer(args.run)
     generator = generate.Generator(loaded.model, loaded.mesh if whole_mesh else None, loaded.rules,
                                    loaded.cfg.train.dtype)
     if not generator.caches():
@@ -68,10 +78,11 @@ def serve(args, overrides, whole_mesh) -> int:
                         "so it keeps no cache to serve from; python -m shard.generate still runs it")
     capacity = generator.context or args.context
     slots = engine.Engine(generator, args.slots, capacity, tok.vocab_size, seed=args.seed)
-    log.info("warming up: prefill for prompts of up to %s tokens, and the step over %d slots", slots.buckets, args.slots)
+    log.info("warming up: prefill for prompts of up to %s tokens, and the step over %d slots", slots.buckets,
+             args.slots)
     slots.warm_up()
-    name = args.name or run_folder.name
-    template = chat.Template(run_folder / generate.TOKENIZER_FOLDER)
+    name = args.name or folder.name
+    template = chat.Template(tokenizer_folder)
     queue = scheduler.Scheduler(slots, tok, args.max_queue)
     server = uvicorn.Server(uvicorn.Config(
         app.build(queue, tok, template, name, capacity),
