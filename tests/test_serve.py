@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import shard
-from conftest import ROOT, TINY_GPT, overrides, subprocess_env
+from conftest import ROOT, TINY_GPT, TINY_MODELS, overrides, subprocess_env
 from shard import config
 from shard.run import trainer
 from shard.serve import app, chat, engine, scheduler
@@ -196,6 +196,31 @@ def test_chat_messages_go_through_the_tokenizers_template_or_the_plain_one(tmp_p
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"},
                                                                 "chat_template": template}))
     assert chat.Template(tmp_path)(messages) == "<|system|>Be brief.</s><|user|>hi</s><|assistant|>"
+
+
+@pytest.mark.parametrize("name", ["gpt", "lstm"])
+def test_a_request_joining_mid_way_decodes_as_it_would_alone(name):
+    """The scheduler driven by hand (no thread): one request runs three steps alone, a second joins; each
+    one's tokens are its prompt's alone. The LSTM's carry passes over its prompt's right padding unchanged."""
+    from shard.core import registry
+    from shard.core import state as state_lib
+
+    cfg = config.load(None, TINY_MODELS[name])
+    generator = generate.Generator(state_lib.build_model(*registry.load(cfg.model), seed=1))
+    queue = scheduler.Scheduler(engine.Engine(generator, slots=2, capacity=32, vocab=generate.BYTES), _Bytes(), 4)
+    first, second = (scheduler.Request(generate.text_tokens(text), 10, temperature=0) for text in ("def f(x):", "ab"))
+    queue.submit(first)
+    queue._admit()
+    for _ in range(3):
+        queue._step()
+    queue.submit(second)
+    while queue.waiting or any(queue.active):
+        queue._admit()
+        if any(queue.active):
+            queue._step()
+    for request in (first, second):
+        want = generator(np.array([request.prompt]), 10, GREEDY)[0].tolist()
+        assert request.tokens == want and request.finish == "length" and len(set(want)) > 2
 
 
 def _Bytes():
