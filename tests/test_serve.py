@@ -80,9 +80,12 @@ def test_completion_chat_stream_and_stop_strings_equal_generating_alone(served):
     got = c.completions.create(model=name, prompt="def f(x):", max_tokens=20, temperature=0)
     assert (got.choices[0].text, got.choices[0].finish_reason) == (want, "length")
     assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (9, 20)
-    streamed = c.completions.create(model=name, prompt="def f(x):", max_tokens=20, temperature=0, stream=True)
-    pieces = [chunk.choices[0].text for chunk in streamed]
+    streamed = c.completions.create(model=name, prompt="def f(x):", max_tokens=20, temperature=0, stream=True,
+                                    stream_options={"include_usage": True})
+    chunks = list(streamed)
+    pieces = [chunk.choices[0].text for chunk in chunks[:-1]]
     assert "".join(pieces) == want and len(pieces) > 2
+    assert not chunks[-1].choices and (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (9, 20)
     stop = want[5:7]
     cut = c.completions.create(model=name, prompt="def f(x):", max_tokens=20, temperature=0, stop=[stop, "\x00zz"])
     assert (cut.choices[0].text, cut.choices[0].finish_reason) == (want[:want.index(stop)], "stop")

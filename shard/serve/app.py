@@ -79,7 +79,8 @@ def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int) -
             raise BadRequest(f"the server is busy: {full}; retry after {RETRY_AFTER_S} s", None, 503) from None
         rid = protocol.new_id(prefix)
         if body.stream:
-            return StreamingResponse(streamed(request, rid, shape), media_type="text/event-stream")
+            return StreamingResponse(streamed(request, rid, shape, body.streamed_usage()),
+                                     media_type="text/event-stream")
         text = ""
         try:
             while True:
@@ -93,7 +94,7 @@ def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int) -
             raise BadRequest("the model failed on this request (the server log says why)", None, 500)
         return {**shape(rid, name, text, finish), "usage": protocol.usage(len(tokens), len(request.tokens))}
 
-    async def streamed(request: Request, rid: str, shape):
+    async def streamed(request: Request, rid: str, shape, with_usage: bool):
         try:
             first = True
             while True:
@@ -104,6 +105,9 @@ def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int) -
                     first = False
                 if finish:
                     break
+            if with_usage:  # OpenAI's shape: no choices, the counts
+                last = {**shape(rid, name, "", None, chunk=True), "choices": []}
+                yield protocol.event({**last, "usage": protocol.usage(len(request.prompt), len(request.tokens))})
             yield protocol.event("[DONE]")
         finally:  # also when the client went away: its slot is freed at the next step
             release(request)

@@ -31,6 +31,10 @@ class Sampled(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)  # one choice per request
     stream: bool = False
+    stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the token counts
+
+    def streamed_usage(self) -> bool:
+        return bool(self.stream and (self.stream_options or {}).get("include_usage"))
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
