@@ -78,7 +78,7 @@ def positions(length: int) -> jax.Array:
     (batch, length). Position embeddings, learned or rotary, index with this so they follow the tokens."""
     calls = _DECODE.get()
     if calls is not None:
-        return calls.index + jnp.arange(length, dtype=jnp.int32)
+        return calls.positions(length)
     if (rows := _PACKED.get()) is not None and rows[1].shape[-1] == length:
         return rows[1]
     return context.positions(_CONTEXT.get(), length)

@@ -12,7 +12,7 @@ command must be one this file knows how to check:
   Training every command would cost minutes of the suite and find no more.
 - `python -m shard.launch ...` / `shard-launch ...`: each target's own dry run (tpu needs gcloud and
   slurm sbatch; both only print here, and gke only prints anyway).
-- `python -m shard.generate|export|plot ...`: the module exists and its argument parser takes the
+- `python -m shard.generate|export|plot|serve ...`: the module exists and its argument parser takes the
   arguments; key=value overrides load as a config. They need a trained run (and export jax2onnx), so
   they are parsed, not run, except the README's shard.plot and shard.generate, which use the scratch
   runs above.
@@ -197,7 +197,7 @@ def test_the_pages_have_the_commands_this_test_relies_on():
     assert any("model.n_layers=8" in c.argv for c in TRAINING if c.page == README)
     assert any("--dry-run" in c.flags for c in TRAINING if c.page == README)
     assert {c.argv[0] for c in of("launch")} == {"local", "tpu", "slurm", "gke"}
-    assert {c.argv[0] for c in of("module")} == {"shard.generate", "shard.export", "shard.plot"}
+    assert {c.argv[0] for c in of("module")} == {"shard.generate", "shard.export", "shard.plot", "shard.serve"}
     assert any(a.startswith("model.name=mypkg.") for c in TRAINING for a in c.argv)
 
 

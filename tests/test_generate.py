@@ -148,6 +148,13 @@ def test_the_command_line_generates_and_refuses_bad_input_in_one_line(runs, tmp_
                           (["--step", 999], "has no step 999")):
         with pytest.raises(UserError, match=message):  # python -m shard.generate prints it as one line, exit 2
             generate.main([str(folder), *map(str, args)])
+    (tmp_path / "prompts.txt").write_text("def f(x):\nimport os\n")
+    proc = generate_cli(folder, "--prompt-lines", tmp_path / "prompts.txt", "--max-new-tokens", 6, "--temperature", 0)
+    assert proc.returncode == 0, proc.stderr
+    model = load.load(folder, [], whole_mesh=False).model
+    for i, text in enumerate(["def f(x):", "import os"]):
+        want = generate.token_text(generate.recompute(model, np.array([generate.text_tokens(text)]), 6, 256)[0])
+        assert f"--- {i}\n{text}{want}\n" in proc.stdout, (proc.stdout, want)
     proc = generate_cli(tmp_path / "nothing")
     assert proc.returncode == 2 and proc.stderr == f"error: RUN='{tmp_path / 'nothing'}' does not exist\n"
 
@@ -195,12 +202,30 @@ def test_a_loaded_model_keeps_the_rules_it_was_trained_with(runs, tmp_path):
     assert loaded.rules["heads"] == "tensor"  # the loader's own rules win
 
 
+PROMPTS = [generate.text_tokens(t) for t in ("def f(x):", "import os\n", "x", "class A:\n    pass")]
+
+
+@pytest.mark.parametrize("name", ["gpt", "gpt_rope", "lstm"])
+def test_a_batch_of_prompts_of_different_lengths_gives_each_row_its_solo_tokens(runs, name):
+    """Left-padded to the longest, masked, each row's positions from 0 at its first token (an LSTM's carry
+    passes over the padding unchanged): one batch, each row as its prompt alone, under one device and tp."""
+    loaded = load.load(runs(name), [], whole_mesh=False)
+    fresh = untrained(loaded)
+    generator = generate.Generator(fresh)
+    solo = np.stack([generator(np.array([p]), 10, GREEDY)[0] for p in PROMPTS])
+    assert len({tuple(row) for row in solo.tolist()}) == len(PROMPTS)  # the rows differ: a mix-up would show
+    np.testing.assert_array_equal(generator(PROMPTS, 10, GREEDY), solo)
+    if name != "lstm":
+        tp = load.load(runs(name), ["mesh=tp", "run.cpu_devices=4"])
+        nnx.update(tp.model, jax.device_put(nnx.state(fresh), jax.tree.map(lambda a: a.sharding, nnx.state(tp.model))))
+        np.testing.assert_array_equal(generate.Generator(tp.model, tp.mesh, tp.rules)(PROMPTS, 10, GREEDY), solo)
+
+
 def test_prompts_of_different_lengths_and_an_end_token(runs):
     loaded = load.load(runs("gpt"), [], whole_mesh=False)
     generator = generate.Generator(untrained(loaded))
     prompts = [generate.text_tokens("def f(x):"), generate.text_tokens("import os\n"), generate.text_tokens("x")]
     solo = [generator(np.array([p]), 10, GREEDY)[0] for p in prompts]
-    np.testing.assert_array_equal(generator(prompts, 10, GREEDY), np.stack(solo))
     eos = int(solo[0][3])  # a token the first row makes at its fourth step
     ended = generator(prompts, 10, GREEDY, eos=eos, pad=-1)
     for row, want in zip(ended, solo):
@@ -226,3 +251,39 @@ def test_the_end_of_run_sample_of_a_padded_vocabulary_picks_among_the_tokenizers
     result = trainer.run(config.load(None, overrides(tmp_path, *TINY_GPT, "model.vocab_size=264", "train.steps=1",
                                                      "train.sample_len=8", "run.cpu_devices=1")))
     assert result.sample and "sample:" in capsys.readouterr().out  # 8 of the 256 byte tokens, as text
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_left_padded_batch_equals_transformers_generate_with_its_attention_mask(tmp_path, kind):
+    """Prompts of different lengths, left-padded with a mask on both sides: our greedy tokens (one device and
+    tp) are transformers' `generate(do_sample=False)`, row for row."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "llama":
+        reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64))
+    else:
+        reference = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=2,
+                                                                         n_head=4, n_positions=64))
+    reference = reference.float().eval()
+    with torch.no_grad():
+        for p in reference.parameters():  # off their initial values: a mix-up of any weight shows
+            p.add_(0.05 * torch.randn_like(p))
+    reference.generation_config.eos_token_id = None  # greedy runs its full length, as ours
+    reference.save_pretrained(tmp_path)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 300, n).tolist() for n in (3, 9, 5, 1)]
+    width = max(map(len, prompts))
+    ids, mask = np.zeros((len(prompts), width), np.int64), np.zeros((len(prompts), width), np.int64)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    with torch.no_grad():
+        want = reference.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
+                                  max_new_tokens=10, pad_token_id=0).numpy()[:, width:]
+    assert len({tuple(row) for row in want.tolist()}) == len(prompts)
+    greedy = generate.Sampling(temperature=0)
+    np.testing.assert_array_equal(generate.Generator(shard.load_model(str(tmp_path)))(prompts, 10, greedy), want)
+    tp = load.load(str(tmp_path), ["mesh=tp", "run.cpu_devices=2"])
+    np.testing.assert_array_equal(generate.Generator(tp.model, tp.mesh, tp.rules)(prompts, 10, greedy), want)

@@ -15,6 +15,13 @@ the list of its layer's entries, stacked on a leading `layers` axis). Each call 
 predecessor left at its place and puts its new one; the prefill takes nothing and starts each entry.
 The caches carry logical names, so the rules shard them like the activations they hold: heads over
 `tensor`, the batch over the batch axes.
+
+Each row of the batch keeps its own place in its cache: `index`, the slot its next token is written to, and
+`start`, the slot of its first real token (its position 0). Slots before `start` are padding (a shorter
+prompt left-padded to the batch's length): never attended, and a recurrence's carry passes over them
+unchanged; a call may also end a row's real tokens early (`end`: a prompt right-padded to a compiled
+length, written at slots that later tokens overwrite). Rows need not move together, so one cache can hold
+sequences that began at different times (a server's slots, shard/serve).
 """
 
 from dataclasses import dataclass, field
@@ -30,10 +37,26 @@ CACHE_NAMES = ("batch", None, "kv_heads", "head_dim")  # (batch, position, key/v
 @dataclass
 class Calls:
     """The entries of one forward pass (or of one layer, inside a stack)."""
-    index: jax.Array        # the position of this call's first token
-    capacity: int           # positions each attention cache holds
+    index: jax.Array        # (batch,) int: each row's cache slot for this call's first token
+    start: jax.Array        # (batch,) int: each row's first real slot (its position 0); before it, padding
+    capacity: int           # slots each attention cache holds
     given: list | None      # the previous pass's entries; None for the prefill
     made: list = field(default_factory=list)
+    end: jax.Array | None = None  # (batch,) int: from this slot on, this call's tokens are padding (None: none)
+
+    def slots(self, length: int) -> jax.Array:
+        """(batch, length): the cache slots of this call's tokens."""
+        return self.index[:, None] + jnp.arange(length, dtype=jnp.int32)
+
+    def positions(self, length: int) -> jax.Array:
+        """(batch, length): each token's position in its own sequence (0 at its first real token; padding 0)."""
+        return jnp.maximum(self.slots(length) - self.start[:, None], 0)
+
+    def real(self, length: int) -> jax.Array:
+        """(batch, length) bool: which of this call's tokens are not padding."""
+        slots = self.slots(length)
+        real = slots >= self.start[:, None]
+        return real if self.end is None else real & (slots < self.end[:, None])
 
     def take(self):
         """The previous pass's entry for the next call (None at the prefill)."""
@@ -49,30 +72,40 @@ class Calls:
 
     def inner(self, given) -> "Calls":
         """The calls of one layer inside a stack, at the same position."""
-        return Calls(self.index, self.capacity, None if self.given is None else given)
+        return Calls(self.index, self.start, self.capacity, None if self.given is None else given, end=self.end)
 
 
 def attend(q, k, v, is_causal: bool, calls: Calls):
-    """Attention of the new tokens' queries (batch, new, heads, head_dim) over every cached position: the
-    new keys and values are written at `calls.index` first. Positions not yet written are masked out, and
-    under causal attention each new token sees only the positions up to its own."""
+    """Attention of the new tokens' queries (batch, new, heads, head_dim) over each row's cached slots: the
+    new keys and values are written at the row's `index` first (zeros for padding). A query sees the slots
+    from its row's `start` up to its own (all written ones without `is_causal`); a padding query, only itself."""
     entry = calls.take()
     if entry is None:  # the prefill starts an empty cache
         empty = lambda x: jnp.zeros((x.shape[0], calls.capacity, *x.shape[2:]), x.dtype)
         entry = {"k": empty(k), "v": empty(v)}
-    start = (0, calls.index, 0, 0)
-    keys = constrain(jax.lax.dynamic_update_slice(entry["k"], k.astype(entry["k"].dtype), start), CACHE_NAMES)
-    values = constrain(jax.lax.dynamic_update_slice(entry["v"], v.astype(entry["v"].dtype), start), CACHE_NAMES)
+    real = calls.real(q.shape[1])[:, :, None, None]
+    write = jax.vmap(lambda cache, new, at: jax.lax.dynamic_update_slice(cache, new, (at, 0, 0)))
+    keys, values = (constrain(write(entry[n], jnp.where(real, x, 0).astype(entry[n].dtype), calls.index), CACHE_NAMES)
+                    for n, x in (("k", k), ("v", v)))
     calls.put({"k": keys, "v": values})
-    new = calls.index + jnp.arange(q.shape[1])            # the queries' positions
-    seen = jnp.arange(calls.capacity)                     # the cache's positions
-    mask = seen[None, :] <= new[:, None] if is_causal else seen[None, :] < new[-1] + 1
-    return jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=mask[None, None])
+    new = calls.slots(q.shape[1])[:, :, None]            # (batch, new, 1): the queries' slots
+    seen = jnp.arange(calls.capacity)[None, None, :]      # the cache's slots
+    mask = (seen >= calls.start[:, None, None]) & (seen <= (new if is_causal else new[:, -1:]))
+    mask = mask | (seen == new)
+    return jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=mask[:, None])
 
 
 def recur(step, carry, xs, calls: Calls):
-    """jax.lax.scan(step, carry, xs) continuing from the carry the previous pass ended with."""
+    """jax.lax.scan(step, carry, xs) continuing from the carry the previous pass ended with; xs time-major, the
+    carry batch-major. Over a row's padding the carry stays as it was."""
     given = calls.take()
-    carry, ys = jax.lax.scan(step, carry if given is None else given, xs)
+    real = calls.real(jax.tree.leaves(xs)[0].shape[0]).T  # (time, batch)
+
+    def masked(state, x):
+        x, keep = x
+        new, y = step(state, x)
+        return jax.tree.map(lambda n, o: jnp.where(keep.reshape(-1, *(1,) * (n.ndim - 1)), n, o), new, state), y
+
+    carry, ys = jax.lax.scan(masked, carry if given is None else given, (xs, real))
     calls.put(carry)
     return carry, ys

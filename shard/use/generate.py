@@ -1,8 +1,12 @@
 """Generating text with a trained language model (gpt, moe, lstm, or any model that attends and recurs
 through shard.hooks):
 
-    python -m shard.generate RUN [--prompt TEXT | --prompt-file FILE] [--max-new-tokens N] [--temperature T]
-                             [--top-k K] [--top-p P] [--seed S] [--batch B] [key=value ...]
+    python -m shard.generate RUN [--prompt TEXT ... | --prompt-file FILE | --prompt-lines FILE]
+                             [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B]
+                             [key=value ...]
+
+Several prompts (--prompt repeated, or a file of one a line) are generated as one batch, left-padded to the
+longest; each row under greedy decoding is what its prompt gives alone, and stops at EOS on its own.
 
 One prefill pass runs the model over the prompt and fills its cache (attention's keys and values, an
 LSTM's state: shard/use/decoding.py); then one jitted loop adds a token at a time, each step running the model
@@ -81,7 +85,7 @@ class Generator:
         self.context = getattr(model, "max_len", None)  # a fixed context (learned positions), else unbounded
         self.window = window  # for a model that keeps nothing through the hooks: how many tokens it sees (seq_len)
         self.mesh, self.rules, self.dtype = mesh, rules, jnp.dtype(dtype)
-        self._prefill = jax.jit(self._forward, static_argnames="capacity")
+        self._prefill = jax.jit(self.forward, static_argnames="capacity")
         # The cache is donated: each chunk writes its tokens into the buffers it was given, not into a copy.
         self._decode = jax.jit(self._decode_steps, static_argnames=("capacity", "steps", "sampling"),
                                donate_argnames="cache")
@@ -94,19 +98,23 @@ class Generator:
         model.eval()
         return model
 
-    def _forward(self, state, tokens, index, cache, capacity: int):
-        """Logits of the last of `tokens` (float32) and the cache with them written at `index`."""
+    def forward(self, state, tokens, index, start, cache, capacity: int, end=None, last=None):
+        """Logits of the last of `tokens` (float32; of each row's column `last` where given) and the cache with
+        them written at each row's `index` (its padding before its `start` and from its `end`:
+        shard/use/decoding.py)."""
         model = self._model(state)
-        calls = decoding.Calls(index, capacity, cache)
+        calls = decoding.Calls(jnp.asarray(index, jnp.int32), jnp.asarray(start, jnp.int32), capacity, cache,
+                               end=None if end is None else jnp.asarray(end, jnp.int32))
         with hooks.use(decode=calls):
             logits = model(tokens)
-        return logits[:, -1].astype(jnp.float32), calls.made
+        logits = logits[:, -1] if last is None else jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+        return logits.astype(jnp.float32), calls.made
 
-    def _decode_steps(self, state, cache, token, index, key, capacity: int, steps: int, sampling: Sampling):
+    def _decode_steps(self, state, cache, token, index, start, key, capacity: int, steps: int, sampling: Sampling):
         """`steps` tokens after `token`, one forward pass each, in one scan."""
         def step(carry, key):
             cache, token, index = carry
-            logits, cache = self._forward(state, token[:, None], index, cache, capacity)
+            logits, cache = self.forward(state, token[:, None], index, start, cache, capacity)
             token = sampling.pick(logits, key)
             return (cache, token, index + 1), token
 
@@ -129,12 +137,12 @@ class Generator:
             padded = np.zeros((len(seq), width), np.int32)
             padded[:, :window.shape[1]] = window
             key, sub = jax.random.split(key)
-            made.append(np.asarray(self._whole(self.state, self._place(padded, rules), window.shape[1] - 1, sub,
+            made.append(np.asarray(self._whole(self.state, self.place(padded, rules), window.shape[1] - 1, sub,
                                                sampling=sampling)))
             seq = np.concatenate([seq, made[-1][:, None]], axis=1)
         return np.stack(made, axis=1)
 
-    def _rules(self, batch: int) -> dict | None:
+    def batch_rules(self, batch: int) -> dict | None:
         """The training rules, less what one token at a time cannot use: the length split over `context`, and
         the batch axes where they do not divide the batch (the batch is then copied to each device)."""
         if self.mesh is None:
@@ -144,59 +152,71 @@ class Generator:
             rules["batch"] = None
         return rules
 
+    def caches(self) -> bool:
+        """Whether any call of the model keeps a cache (a trace, no compile), known at the first call."""
+        if self._caches is None:
+            probe = functools.partial(self.forward, index=np.zeros(1), start=np.zeros(1), cache=None, capacity=1)
+            self._caches = bool(jax.tree.leaves(jax.eval_shape(probe, self.state, jnp.zeros((1, 1), jnp.int32))[1]))
+        return self._caches
+
     def __call__(self, prompt, new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
                  eos: int | None = None, pad: int | None = None) -> np.ndarray:
         """(batch, prompt length) int tokens, or a list of prompts of any lengths -> (batch, new_tokens) int
-        tokens. Prompts of different lengths run as one group per length (each row as it would alone, under
-        greedy decoding). `eos`: a row ends at that token; the rest of its row is `pad` (default: eos), and
-        generation stops once every row has ended."""
-        if not isinstance(prompt, np.ndarray) and len({len(p) for p in prompt}) > 1:
+        tokens. Prompts of different lengths run as one batch, left-padded to the longest: padding is never
+        attended and each row's positions start at 0 at its first token, so under greedy decoding each row is
+        what its prompt gives alone (while it fits in a fixed context; past it the whole batch's window slides
+        at once). A model that keeps no cache runs one group per length. `eos`: a row ends at that token; the
+        rest of its row is `pad` (default: eos), and generation stops once every row has ended."""
+        lengths = [len(p) for p in prompt]
+        if min(lengths, default=0) == 0:
+            raise UserError("a prompt is empty; give at least one token (one byte of text)")
+        if len(set(lengths)) > 1 and not self.caches():
             out = np.empty((len(prompt), new_tokens), np.int32)
-            for length in sorted({len(p) for p in prompt}):
+            for length in sorted(set(lengths)):
                 rows = [i for i, p in enumerate(prompt) if len(p) == length]
                 out[rows] = self(np.array([prompt[i] for i in rows], np.int32), new_tokens, sampling, seed, eos, pad)
             return out
-        made = self._generate(np.asarray(prompt, np.int32), new_tokens, sampling, seed, eos)
+        padded = np.zeros((len(prompt), max(lengths)), np.int32)
+        for row, p in zip(padded, prompt):
+            row[len(row) - len(p):] = p
+        made = self._generate(padded, padded.shape[1] - np.array(lengths, np.int32), new_tokens, sampling, seed, eos)
         return made if eos is None else after_eos(made, eos, eos if pad is None else pad)
 
-    def _generate(self, prompt: np.ndarray, new_tokens: int, sampling: Sampling, seed: int,
+    def _generate(self, prompt: np.ndarray, pads: np.ndarray, new_tokens: int, sampling: Sampling, seed: int,
                   eos: int | None) -> np.ndarray:
+        """`prompt` left-padded, each row's first real token in its column `pads`."""
         batch, length = prompt.shape
-        if length == 0:
-            raise UserError("the prompt is empty; give at least one token (one byte of text)")
         capacity = length + new_tokens if self.context is None else self.context
         if length > capacity:
             raise UserError(f"the prompt is {length} tokens but the model's context is {self.context} (max_len); "
                             f"shorten the prompt to at most {self.context} tokens")
-        rules, key = self._rules(batch), jax.random.key(seed)
+        rules, key = self.batch_rules(batch), jax.random.key(seed)
         seq, made, cache, index = prompt, [], None, 0
         with partition.activate(self.mesh, rules):
-            if self._caches is None:  # a trace, no compile: does any call of the model keep a cache?
-                probe = functools.partial(self._forward, index=0, cache=None, capacity=1)
-                shapes = jax.eval_shape(probe, self.state, jnp.zeros((batch, 1), jnp.int32))
-                self._caches = bool(jax.tree.leaves(shapes[1]))
-            if not self._caches:
+            if not self.caches():
                 return self._uncached(prompt, new_tokens, sampling, key, rules)
             while sum(m.shape[1] for m in made) < new_tokens and not ended(made, eos):
                 key, sub = jax.random.split(key)
                 if cache is None or index == capacity:  # the start, or a full cache: prefill (the last half)
                     window = seq if cache is None else seq[:, -(capacity // 2):]
-                    logits, cache = distributed.finished(
-                        self._prefill(self.state, self._place(window, rules), 0, None, capacity=capacity))
+                    start = np.maximum(pads - (seq.shape[1] - window.shape[1]), 0).astype(np.int32)
+                    logits, cache = distributed.finished(self._prefill(
+                        self.state, self.place(window, rules), np.zeros(batch, np.int32), start, None,
+                        capacity=capacity))
                     token, index = sampling.pick(logits, sub), window.shape[1]
                     chunk = np.asarray(token)[:, None]
                 else:
                     steps = min(new_tokens - sum(m.shape[1] for m in made), capacity - index)
-                    tokens, cache = distributed.finished(self._decode(self.state, cache, token, index, sub,
-                                                                      capacity=capacity, steps=steps,
-                                                                      sampling=sampling))
+                    tokens, cache = distributed.finished(self._decode(
+                        self.state, cache, token, np.full(batch, index, np.int32), start, sub, capacity=capacity,
+                        steps=steps, sampling=sampling))
                     chunk, token, index = np.asarray(tokens), tokens[:, -1], index + steps
                 made.append(chunk)
                 seq = np.concatenate([seq, chunk], axis=1)
         out = np.concatenate(made, axis=1)[:, :new_tokens]
         return np.pad(out, ((0, 0), (0, new_tokens - out.shape[1])), constant_values=eos if eos is not None else 0)
 
-    def _place(self, tokens: np.ndarray, rules):
+    def place(self, tokens: np.ndarray, rules):
         if self.mesh is None:
             return jnp.asarray(tokens)
         spec = partition.logical_to_spec(("batch", None), rules, self.mesh.shape)
@@ -271,7 +291,8 @@ def token_text(tokens) -> str:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, like every other refusal
-        raise UserError(f"{message}; usage: python -m shard.generate RUN [--prompt TEXT | --prompt-file FILE] "
+        raise UserError(f"{message}; usage: python -m shard.generate RUN [--prompt TEXT ... | --prompt-file FILE | "
+                        "--prompt-lines FILE] "
                         "[--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B] "
                         "[--step N] [--trust-code] [key=value ...]")
 
@@ -282,8 +303,10 @@ def main(argv: list[str]) -> int:
     parser = _Parser(prog="python -m shard.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("run", metavar="RUN", help="run folder (or its checkpoints/ or a step folder)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--prompt", help="text to continue (default: a newline)")
+    source.add_argument("--prompt", action="append", help="text to continue (default: a newline); repeat it for a "
+                        "batch of prompts, generated together")
     source.add_argument("--prompt-file", help="file whose text to continue")
+    source.add_argument("--prompt-lines", help="file of prompts, one a line, generated together")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = all tokens")
@@ -294,12 +317,16 @@ def main(argv: list[str]) -> int:
     args, overrides, whole_mesh = load.parse_loading(parser, argv)
     if args.max_new_tokens < 1 or args.batch < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} and --batch {args.batch} must be at least 1")
-    prompt = args.prompt if args.prompt is not None else "\n"
-    if args.prompt_file:
-        try:
-            prompt = open(args.prompt_file, encoding="utf-8", errors="replace").read()
-        except OSError as e:
-            raise UserError(f"--prompt-file {args.prompt_file}: {e.strerror or e}") from None
+    prompts = args.prompt or ["\n"]
+    for flag, path in (("--prompt-file", args.prompt_file), ("--prompt-lines", args.prompt_lines)):
+        if path:
+            try:
+                text = open(path, encoding="utf-8", errors="replace").read()
+            except OSError as e:
+                raise UserError(f"{flag} {path}: {e.strerror or e}") from None
+            prompts = [text] if flag == "--prompt-file" else [line for line in text.splitlines() if line]
+    if not prompts:
+        raise UserError(f"--prompt-lines {args.prompt_lines}: the file holds no prompt (one a line)")
 
     loaded = load.load(args.run, overrides, step=args.step, whole_mesh=whole_mesh, key="RUN",
                        trust_code=args.trust_code)
@@ -307,15 +334,16 @@ def main(argv: list[str]) -> int:
                           window=loaded.cfg.data.seq_len)
     tok = run_tokenizer(loaded.cfg.data, paths.resolve(load.run_config(args.run, "RUN")).parent)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, vocab=tok.vocab_size).check()
-    tokens = np.tile(np.array(tok.encode(prompt), np.int32), (args.batch, 1))
+    rows = [prompt for prompt in prompts for _ in range(args.batch)]
     start = time.perf_counter()
-    out = generator(tokens, args.max_new_tokens, sampling, seed=args.seed, eos=tok.eos)
+    out = generator([tok.encode(prompt) for prompt in rows], args.max_new_tokens, sampling, seed=args.seed,
+                    eos=tok.eos)
     seconds = time.perf_counter() - start
-    for i, row in enumerate(out):
-        if args.batch > 1:
+    for i, (prompt, row) in enumerate(zip(rows, out)):
+        if len(rows) > 1:
             print(f"--- {i}")
         print(prompt + tok.decode(until_eos(row, tok.eos)))
-    print(f"{loaded.cfg.model.name} at step {loaded.step} of {args.run}: {args.batch} x {args.max_new_tokens} tokens, "
+    print(f"{loaded.cfg.model.name} at step {loaded.step} of {args.run}: {len(rows)} x {args.max_new_tokens} tokens, "
           f"{out.size / seconds:,.0f} tokens/s ({seconds:.2f} s, compiling included)", file=sys.stderr)
     return 0
 

@@ -1,0 +1,249 @@
+"""python -m shard.serve, checked with a real client on loopback: one server (a subprocess on a free port of
+127.0.0.1, the model laid over a tensor-parallel mesh of 2 devices, 4 slots) for the module, talked to with
+the `openai` client and httpx. Under greedy decoding every answer must be the tokens `shard.generate` gives
+the same prompt (on one device), whatever else shares the batch."""
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+import shard
+from conftest import ROOT, TINY_GPT, TINY_MODELS, overrides, subprocess_env
+from shard import config
+from shard.run import trainer
+from shard.serve import app, chat, engine, scheduler
+from shard.use import generate
+
+openai = pytest.importorskip("openai")
+
+CONTEXT = 64
+RUN = [*TINY_GPT, f"model.max_len={CONTEXT}", f"data.seq_len={CONTEXT}", "train.steps=1", "optimizer.lr=1e-6",
+       "checkpoint.enabled=true", "run.cpu_devices=1"]  # barely trained: its greedy bytes vary
+GREEDY = generate.Sampling(temperature=0, vocab=generate.BYTES)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("run")
+    trainer.run(config.load(None, overrides(folder, *RUN)))
+    port = free_port()
+    log = open(folder / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "shard.serve", str(folder), "--port", str(port), "--slots", "4",
+                             "--mesh", "tp", "run.cpu_devices=2"], cwd=ROOT, env=subprocess_env(), stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        assert proc.poll() is None, (folder / "serve.log").read_text()
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.5)
+    model = shard.load_model(str(folder))
+    yield {"url": url, "proc": proc, "folder": folder, "generator": generate.Generator(model)}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def client(served):
+    return openai.OpenAI(base_url=served["url"] + "/v1", api_key="none")
+
+
+def solo(served, text: str, n: int) -> str:
+    """What shard.generate makes of `text` alone, greedy, as text."""
+    tokens = served["generator"](np.array([generate.text_tokens(text)]), n, GREEDY)[0]
+    return shard.load_tokenizer(str(served["folder"])).decode(tokens.tolist())
+
+
+def test_completion_chat_stream_and_stop_strings_equal_generating_alone(served):
+    c = client(served)
+    name = c.models.list().data[0].id
+    assert name == served["folder"].name
+    want = solo(served, "def f(x):", 20)
+    assert len(set(want)) > 3
+    got = c.completions.create(model=name, prompt="def f(x):", max_tokens=20, temperature=0)
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (want, "length")
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (9, 20)
+    streamed = c.completions.create(model=name, prompt="def f(x):", max_tokens=20, temperature=0, stream=True,
+                                    stream_options={"include_usage": True})
+    chunks = list(streamed)
+    pieces = [chunk.choices[0].text for chunk in chunks[:-1]]
+    assert "".join(pieces) == want and len(pieces) > 2
+    assert not chunks[-1].choices and (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (9, 20)
+    stop = want[5:7]
+    cut = c.completions.create(model=name, prompt="def f(x):", max_tokens=20, temperature=0, stop=[stop, "\x00zz"])
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (want[:want.index(stop)], "stop")
+    streamed = c.completions.create(model=name, prompt="def f(x):", max_tokens=20, temperature=0, stop=stop,
+                                    stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == want[:want.index(stop)]
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    want = solo(served, chat.plain(messages), 12)
+    answer = c.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0)
+    assert (answer.choices[0].message.role, answer.choices[0].message.content) == ("assistant", want)
+    streamed = list(c.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0,
+                                              stream=True))
+    assert streamed[0].choices[0].delta.role == "assistant" and streamed[-1].choices[0].finish_reason == "length"
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == want
+    hot = c.completions.create(model=name, prompt="def f(x):", max_tokens=20, temperature=1.5, top_p=0.9)
+    assert hot.choices[0].finish_reason == "length" and hot.usage.completion_tokens == 20
+
+
+def test_64_concurrent_requests_of_mixed_lengths_each_get_their_own_answer(served):
+    """More requests than slots: they queue, join the running batch as slots free, and each answer is its
+    prompt's alone (the reference: one left-padded batch, which tests/test_generate.py holds equal to solo)."""
+    rng = np.random.default_rng(0)
+    words = ["def", "x", "import os", "return", "class A:", "  ", "for i in range(3):", "print(", "if x:", "#"]
+    prompts = ["".join(rng.choice(words, rng.integers(1, 4))) for _ in range(64)]
+    lengths = [int(n) for n in rng.integers(1, 25, 64)]
+    tokens = served["generator"]([generate.text_tokens(p) for p in prompts], max(lengths), GREEDY)
+    tok = shard.load_tokenizer(str(served["folder"]))
+    want = [tok.decode(row[:n].tolist()) for row, n in zip(tokens, lengths)]
+    assert len(set(want)) > 32
+
+    async def ask_all():
+        c = openai.AsyncOpenAI(base_url=served["url"] + "/v1", api_key="none", max_retries=0, timeout=600)
+        answers = await asyncio.gather(*(c.completions.create(model=served["folder"].name, prompt=p, max_tokens=n,
+                                                              temperature=0) for p, n in zip(prompts, lengths)))
+        return [a.choices[0].text for a in answers]
+
+    assert asyncio.run(ask_all()) == want
+    health = httpx.get(served["url"] + "/health").json()
+    assert (health["recompiles"], health["active"], health["waiting"]) == (0, 0, 0)
+
+
+def test_bad_requests_get_a_400_naming_the_field_and_the_server_goes_on(served):
+    url = served["url"]
+    for body, field in ((b'{"prompt": "x",', "body"), (b'{"max_tokens": 3}', "prompt"),
+                        (b'{"prompt": "abc", "max_tokens": 62}', "max_tokens"),
+                        (b'{"prompt": "x", "model": "nobody"}', "model"), (b'{"prompt": "x", "n": 2}', "n"),
+                        (b'{"prompt": "x", "temperature": -1}', "temperature")):
+        answer = httpx.post(url + "/v1/completions", content=body)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == field, (body, answer.text)
+    answer = httpx.post(url + "/v1/chat/completions", json={"messages": []})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
+    fine = httpx.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 61, "temperature": 0})
+    assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 61
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(served):
+    url = served["url"]
+    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "max_tokens": 60, "stream": True},
+                      timeout=60) as stream:
+        next(stream.iter_lines())
+    for _ in range(200):
+        health = httpx.get(url + "/health").json()
+        if health["active"] == 0:
+            break
+        time.sleep(0.1)
+    assert health["active"] == 0 and health["recompiles"] == 0
+
+
+def test_past_the_queue_the_server_answers_503_with_retry_after():
+    """A scheduler whose engine never runs (no thread): one request waits, the next finds the queue full."""
+    class Idle:
+        slots, recompiles = 1, 0
+
+    queue = scheduler.Scheduler(Idle(), _Bytes(), max_queue=1)
+    served_app = app.build(queue, _Bytes(), chat.plain, "m", CONTEXT)
+
+    async def two():
+        transport = httpx.ASGITransport(app=served_app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            first = asyncio.create_task(c.post("/v1/completions", json={"prompt": "x"}))
+            while not queue.waiting:
+                await asyncio.sleep(0.01)
+            second = await c.post("/v1/completions", json={"prompt": "y"})
+            first.cancel()
+            return second
+
+    second = asyncio.run(two())
+    assert second.status_code == 503 and second.headers["Retry-After"] == "1"
+    assert "busy" in second.json()["error"]["message"]
+
+
+def test_after_warm_up_no_request_compiles_and_a_trace_is_logged_as_a_recompile(served, caplog):
+    generator = served["generator"]
+    slots = engine.Engine(generator, slots=2, capacity=CONTEXT, vocab=generate.BYTES)
+    slots.warm_up()
+    prompt = generate.text_tokens("import os")
+    first = slots.start(1, prompt, 0.0, 0, 1.0)  # a prompt length between two buckets
+    assert first == generator(np.array([prompt]), 1, GREEDY)[0, 0] and slots.recompiles == 0
+    with caplog.at_level(logging.WARNING, logger="shard.serve"):  # a shape no bucket has
+        slots.prefill(generator.state, np.zeros((1, 5), np.int32), np.ones(1, np.int32), np.int32(0),
+                      *slots.settings(1))
+    assert slots.recompiles == 1 and "recompile after warm-up: prefill (1, 5)" in caplog.text
+
+
+def test_chat_messages_go_through_the_tokenizers_template_or_the_plain_one(tmp_path):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert chat.Template(None)(messages) == "system: Be brief.\nuser: hi\nassistant:"
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"},
+                                                                "chat_template": template}))
+    assert chat.Template(tmp_path)(messages) == "<|system|>Be brief.</s><|user|>hi</s><|assistant|>"
+
+
+@pytest.mark.parametrize("name", ["gpt", "lstm"])
+def test_a_request_joining_mid_way_decodes_as_it_would_alone(name):
+    """The scheduler driven by hand (no thread): one request runs three steps alone, a second joins; each
+    one's tokens are its prompt's alone. The LSTM's carry passes over its prompt's right padding unchanged."""
+    from shard.core import registry
+    from shard.core import state as state_lib
+
+    cfg = config.load(None, TINY_MODELS[name])
+    generator = generate.Generator(state_lib.build_model(*registry.load(cfg.model), seed=1))
+    queue = scheduler.Scheduler(engine.Engine(generator, slots=2, capacity=32, vocab=generate.BYTES), _Bytes(), 4)
+    first, second = (scheduler.Request(generate.text_tokens(text), 10, temperature=0) for text in ("def f(x):", "ab"))
+    queue.submit(first)
+    queue._admit()
+    for _ in range(3):
+        queue._step()
+    queue.submit(second)
+    while queue.waiting or any(queue.active):
+        queue._admit()
+        if any(queue.active):
+            queue._step()
+    for request in (first, second):
+        want = generator(np.array([request.prompt]), 10, GREEDY)[0].tolist()
+        assert request.tokens == want and request.finish == "length" and len(set(want)) > 2
+
+
+def _Bytes():
+    from shard.data import tokenizer
+
+    return tokenizer.load("bytes")
+
+
+def test_sigterm_finishes_the_running_requests_then_exits_0(served):
+    """Last in the module: it stops the server."""
+    url, proc = served["url"], served["proc"]
+    with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                      json={"prompt": "x", "max_tokens": 60, "temperature": 0, "stream": True}) as stream:
+        lines = stream.iter_lines()
+        events = [next(lines)]
+        proc.send_signal(signal.SIGTERM)
+        events += [line for line in lines if line]
+    assert events[-1] == "data: [DONE]"
+    text = "".join(json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in events[:-1])
+    assert text == solo(served, "x", 60)  # the whole answer, not cut short
+    assert proc.wait(timeout=60) == 0
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/health")
