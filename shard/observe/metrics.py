@@ -80,6 +80,31 @@ class MetricsLog:
         else:
             self.uploads.attempt(lambda: self._append(line))
 
+    def keep_until(self, step: int) -> None:
+        """A run resumed at `step` (a restart, a rollback) trains the steps after it again: their old records
+        (and a line a kill cut short) move to metrics.discarded.jsonl, so each step is logged once."""
+        if not self.enabled:
+            return
+        text = self.text if self.remote else (self.path.read_text() if self.path.exists() else "")
+        kept, dropped = [], []
+        for line in text.splitlines(keepends=True):
+            try:
+                record = json.loads(line)
+                keep = line.endswith("\n") and record.get("step", 0) <= step
+            except ValueError:
+                keep = False
+            (kept if keep else dropped).append(line if line.endswith("\n") else line + "\n")
+        if not dropped:
+            return
+        self.text = "".join(kept)
+        discarded = self.path.with_name("metrics.discarded.jsonl")
+        old = discarded.read_text() if discarded.exists() else ""
+        self.uploads.attempt(lambda: (discarded.write_text(old + "".join(dropped)), self.path.write_text(self.text)))
+        if self.remote:
+            self.uploads.last = float("-inf")
+        else:
+            self.text = ""
+
     def _append(self, line: str) -> None:
         with self.path.open("a") as f:
             f.write(line)

@@ -161,7 +161,9 @@ def metrics_log(cfg, run_dir, start_step: int, work, main: bool) -> MetricsLog:
     if main and cfg.run.tensorboard:
         board = Board(paths.resolve(run_dir) / "tensorboard", start_step)
         board.describe(start_step, work.resolved, cfg.model.name, state_lib.count_params(work.abstract.params))
-    return MetricsLog(run_dir, board)
+    log = MetricsLog(run_dir, board)
+    log.keep_until(start_step)  # after a restart, the steps past the checkpoint are logged again, once
+    return log
 
 
 def draw_curves(run_dir) -> None:

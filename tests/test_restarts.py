@@ -1,0 +1,102 @@
+"""Runs that look after themselves, with real processes: the launcher restarts a job whose worker was
+killed, and the restarted job ends where an uninterrupted one does, bitwise, each step logged once."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, subprocess_env, overrides
+from test_multihost import child_pids
+
+# A small model whose steps take a little host time (a callback sleeps), so a test can kill a process mid-run.
+SLOW = ["model.name=stock_models:SlowMLP", "model.seconds=0.1", "data.name=synthetic", "data.features=[16]",
+        "data.classes=8", "data.batch_size=8", "run.cpu_devices=1", "run.log_every=1"]
+STEPS = 24
+SAVE = ["checkpoint.enabled=true", "checkpoint.every=8", f"train.steps={STEPS}"]
+
+
+def launcher(run_dir, *args, restarts=0, train_args=()) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "shard.launch", "local", "--processes=2",
+                             f"--max-restarts={restarts}", *args, "--", *overrides(run_dir, *SLOW, *SAVE, *train_args)],
+                            cwd=ROOT / "tests", env={**subprocess_env(), "PYTHONPATH": str(ROOT / "tests")},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    return [r for r in records(run_dir) if "loss" in r]
+
+
+def checkpoints(run_dir: Path) -> list[int]:
+    folder = run_dir / "checkpoints"
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An uninterrupted 2-process run, and one whose process 1 is killed (SIGKILL) after step 10, past the
+    checkpoint at step 8, under --max-restarts=1."""
+    plain_dir, killed_dir = tmp_path_factory.mktemp("plain"), tmp_path_factory.mktemp("killed")
+    plain = launcher(plain_dir)
+    plain_out, plain_err = plain.communicate(timeout=600)
+    assert plain.returncode == 0, plain_out[-3000:] + plain_err[-3000:]
+
+    proc = launcher(killed_dir, restarts=1)
+    deadline = time.time() + 300
+    while not (8 in checkpoints(killed_dir) and any(r["step"] >= 11 for r in train_records(killed_dir))):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "training did not reach step 11"
+        time.sleep(0.05)
+    victim = next(pid for pid, cmd in child_pids(proc.pid).items() if "run.process_id=1" in cmd)
+    os.kill(victim, signal.SIGKILL)
+    killed_at = max(r["step"] for r in train_records(killed_dir))
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    return {"plain": plain_dir, "killed": killed_dir, "out": out, "err": err, "killed_at": killed_at}
+
+
+def test_a_killed_worker_restarts_the_job_which_ends_bitwise_as_an_uninterrupted_one(runs):
+    assert "process 1 was killed by SIGKILL" in runs["err"]
+    assert runs["err"].count("launch: restarting every process") == 1
+    assert "resuming from step 8" in runs["out"]
+    plain, killed = train_records(runs["plain"]), train_records(runs["killed"])
+    # every step once, in order: the steps between the checkpoint and the kill were trained again, logged once
+    assert [r["step"] for r in killed] == list(range(1, STEPS + 1)) == [r["step"] for r in plain]
+    assert [r["loss"] for r in killed] == [r["loss"] for r in plain]  # bitwise: JSON keeps every float's digits
+    eval_plain = [r for r in records(runs["plain"]) if "eval_loss" in r]
+    assert [r for r in records(runs["killed"]) if "eval_loss" in r] == eval_plain
+    # what the first attempt logged past the checkpoint is kept aside, not lost
+    discarded = [json.loads(line) for line in (runs["killed"] / "metrics.discarded.jsonl").read_text().splitlines()
+                 if line.strip().endswith("}")]
+    assert discarded and all(8 < r["step"] for r in discarded)
+
+
+def nan_arrays(path: Path) -> Path:
+    """Arrays whose every input is NaN: every attempt's first step stops the run (exit status 1)."""
+    np.savez(path, inputs=np.full((64, 16), np.nan, np.float32), targets=np.arange(64, dtype=np.int32) % 8)
+    return path
+
+
+def test_a_job_that_keeps_failing_stops_after_its_restarts(tmp_path):
+    data = nan_arrays(tmp_path / "nan.npz")
+    proc = launcher(tmp_path / "run", restarts=2, train_args=["data.name=arrays", f"data.path={data}"])
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1, out[-2000:] + err[-2000:]
+    assert err.count("launch: restarting every process") == 2 and "no restarts left (--max-restarts=2)" in err
+
+
+def test_negative_restarts_are_one_line():
+    done = subprocess.run([sys.executable, "-m", "shard.launch", "local", "--processes=2", "--max-restarts=-1", "--",
+                           "train.steps=1"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.strip() == "error: --max-restarts=-1: give 0 (no restarts) or a positive number"
