@@ -100,3 +100,23 @@ def test_negative_restarts_are_one_line():
     done = subprocess.run([sys.executable, "-m", "shard.launch", "local", "--processes=2", "--max-restarts=-1", "--",
                            "train.steps=1"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.strip() == "error: --max-restarts=-1: give 0 (no restarts) or a positive number"
+
+
+def test_a_hung_step_dumps_every_stack_and_the_restarted_job_finishes(tmp_path):
+    """Process 0 of 2 blocks inside its 6th step (process 1 then waits for it): within run.step_timeout_s each
+    writes its threads' stacks and the last collective to the run folder and exits; the launcher restarts the
+    job, which finishes."""
+    run = tmp_path / "run"
+    proc = launcher(run, restarts=1, train_args=["model.hang_after=6", f"model.hang_once={tmp_path / 'hung'}",
+                                                  "run.step_timeout_s=4", "train.steps=12"])
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert (tmp_path / "hung").exists() and err.count("launch: restarting every process") == 1
+    dumps = sorted(run.glob("hang-process0-*.txt"))
+    assert len(dumps) == 1, sorted(p.name for p in run.iterdir())
+    text = dumps[0].read_text()
+    assert text.startswith("process 0: no step finished within run.step_timeout_s=4 s (after step")
+    assert "last collective entered: the stop agreement after step" in text
+    assert "_maybe_hang" in text and "stock_models.py" in text  # the hung thread's stack
+    assert f"every thread's stack: {dumps[0]}" in out + err and "exiting (status 3)" in out + err
+    assert [r["step"] for r in train_records(run)] == list(range(1, 13))

@@ -194,6 +194,10 @@ class RunConfig:
     num_processes: Optional[int] = option(None, "processes in the job (else JAX_NUM_PROCESSES or detected)", min=1)
     process_id: Optional[int] = option(None, "this process's index (else JAX_PROCESS_ID or detected)", min=0)
     init_timeout_s: int = option(300, "seconds to wait for every process to join before giving up", min=1)
+    step_timeout_s: Optional[float] = option(None, "when no step finishes within this many seconds (a hung "
+                                             "collective), write every thread's stack to <run.dir>/hang-*.txt and exit "
+                                             "(status 3) so the launcher restarts the job; null = off on CPU, else 100 x "
+                                             "the measured step time (at least 300 s); 0 = off", min=0)
     heartbeat_timeout_s: int = option(30, "seconds without a heartbeat before a process counts as dead and the "
                                       "others stop", min=1)
     peak_tflops: Optional[float] = option(None, "device peak TFLOP/s for MFU; default: known accelerators only", min=0)

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from shard.run import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
-from shard.run import distributed, host_malloc, stopping
+from shard.run import distributed, host_malloc, stopping, watchdog
 from shard.use import generate
 from shard.plan import hardware
 from shard import paths
@@ -269,7 +269,8 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
     # Processes enter the first step together: its collectives give a late peer only 30 s (gloo).
     distributed.barrier("first step", cfg.run.init_timeout_s)
     t_last, steps_since, waited = time.perf_counter(), 0, 0.0
-    with contextlib.closing(batches), contextlib.closing(profiler):
+    dog = watchdog.Watchdog(cfg.run.step_timeout_s, devices[0].platform, cfg.run.dir)
+    with contextlib.closing(batches), contextlib.closing(profiler), contextlib.closing(dog):
         for step in range(start, cfg.train.steps):
             done = step + 1
             with profiler.step(done, before=pending[-1][1] if pending else state):
@@ -283,6 +284,7 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
             # is seen (and the state checkpointed) within a step or two, not after a queue of them.
             if pending:
                 jax.block_until_ready(pending[-1][1]["loss"])
+                dog.beat(pending[-1][0])
             pending.append((done, out))
             steps_since += 1
             bar.update(1)
@@ -302,6 +304,7 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 # comes with the step's outputs (a computation of its own would queue behind the step on
                 # a CPU, and the device would idle while the host logs: ~2% of the default job's time).
                 t_last, steps_since, waited = time.perf_counter(), 0, 0.0
+                dog.beat(done - 1, step_time)
                 record = {"step_time_s": step_time, "data_wait_s": data_wait,
                           rate_key: per_step / step_time}
                 if flops:
@@ -319,8 +322,9 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 continue
             look_at(done)  # a checkpoint, an eval or the end needs this step's state anyway
             if save_now:
-                checkpoints.save(job.to_stored(state), done, seed=cfg.train.seed,
-                                 train_steps=cfg.train.steps, wait=bool(stopping))
+                with dog.paused():
+                    checkpoints.save(job.to_stored(state), done, seed=cfg.train.seed,
+                                     train_steps=cfg.train.steps, wait=bool(stopping))
                 last_saved = done
             if stopping:
                 bar.close()
@@ -330,7 +334,8 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 result.preempted = True
                 return state
             if eval_now:
-                log.write({"step": done, **evaluate(job.eval_step, state, data, job.eval_shardings, cfg)})
+                with dog.paused():
+                    log.write({"step": done, **evaluate(job.eval_step, state, data, job.eval_shardings, cfg)})
             t_last, steps_since, waited = time.perf_counter(), 0, 0.0  # checkpoints and evals are not step time
     bar.close()
     return state
