@@ -96,7 +96,13 @@ class TrainConfig:
     init_from: Optional[str] = option(None, "load parameters only from this checkpoint (run, checkpoints or step folder), e.g. to fine-tune", job=True)
     deterministic: bool = option(False, "bitwise-reproducible GPU kernels (XLA's --xla_gpu_deterministic_ops; "
                                  "slower); CPU runs are deterministic anyway")
-    skip_nonfinite: bool = option(False, "skip an update whose loss or gradients are not finite, instead of stopping")
+    nonfinite: Optional[str] = option(None, "a step whose loss or gradients are not finite: stop (one line, exit 1), "
+                                      "skip (drop the update) or rollback (restore the last checkpoint, skip the "
+                                      "batches since it, go on); null = stop, or skip under train.skip_nonfinite",
+                                      choices=("stop", "skip", "rollback"))
+    skip_nonfinite: bool = option(False, "the older spelling of train.nonfinite=skip")
+    max_rollbacks: int = option(3, "train.nonfinite=rollback: stop after this many rollbacks in a row (no new "
+                                "checkpoint between them)", min=1)
     grad_accum: int = option(1, "gradient accumulation: run each batch as this many microbatches one after "
                              "another, one update (less activation memory, the same update)", min=1)
     grad_dtype: str = option("float32", "dtype the gradients are summed in across the data axis (bfloat16 halves "

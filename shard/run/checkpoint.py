@@ -97,16 +97,19 @@ class Checkpoints:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, state: TrainState, step: int, seed: int, train_steps: int, wait: bool = False) -> None:
+    def save(self, state: TrainState, step: int, seed: int, train_steps: int, wait: bool = False,
+             data_offset: int = 0) -> None:
         """The step (one global batch per step, so also the position in the data) and `seed` fix the
         data order; training itself draws no other random numbers, and a model's own RNG variables are
-        part of `state.rest`. `train_steps` (the run's planned length) fixes the learning-rate schedule."""
+        part of `state.rest`. `train_steps` (the run's planned length) fixes the learning-rate schedule.
+        `data_offset`: batches skipped by rollbacks (shard/run/badsteps.py), so step k reads batch k-1+offset."""
         if step in self.unreadable and step in self.manager.all_steps():
             self._move_aside(step)  # the corrupt copy is kept, under another name, as its replacement is written
         if step not in self.manager.all_steps():
             self.unreadable.discard(step)
             items = {k: ocp.args.StandardSave(v) for k, v in _items(state).items()}
-            meta = ocp.args.JsonSave({"step": step, "seed": seed, "train_steps": train_steps})
+            meta = {"step": step, "seed": seed, "train_steps": train_steps}
+            meta = ocp.args.JsonSave(meta | ({"data_offset": data_offset} if data_offset else {}))
             self.manager.save(step, args=ocp.args.Composite(**items, meta=meta), force=True)
         if wait:
             self.manager.wait_until_finished()
@@ -120,6 +123,10 @@ class Checkpoints:
         old.rename(aside)
         warn(f"moved unreadable checkpoint {old} to {aside}; step {step} is written again")
         self.manager.reload()
+
+    def meta(self, step: int) -> dict:
+        """A step's meta alone (step, seed, train_steps, data_offset), read without its arrays."""
+        return dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
 
     def restore_latest(self, target: TrainState) -> tuple[TrainState, dict] | None:
         """The newest checkpoint that reads back whole; corrupt ones are skipped with a warning (and rewritten

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from shard.run import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
-from shard.run import distributed, host_malloc, stopping, watchdog
+from shard.run import badsteps, distributed, host_malloc, stopping, watchdog
 from shard.use import generate
 from shard.plan import hardware
 from shard import paths
@@ -213,6 +213,28 @@ def start_state(cfg, checkpoints, job: Job, say) -> state_lib.TrainState:
 
 
 def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, stop) -> state_lib.TrainState:
+    """The steps from the state's to train.steps. Under train.nonfinite=rollback a bad step restores the newest
+    checkpoint and the loop goes on from it, past the batches that led to the bad step (shard/run/badsteps.py)."""
+    at = int(state.step)
+    offset = checkpoints.meta(at).get("data_offset", 0) if checkpoints and at in checkpoints.steps() else 0
+    bad = badsteps.Rollbacks(cfg.train.max_rollbacks, offset)
+    while True:
+        try:
+            return _train_span(cfg, state, job, checkpoints, log, result, devices, main, stop, bad)
+        except badsteps.Rollback as e:
+            checkpoints.manager.wait_until_finished()  # a save in flight may be the step to go back to
+            say = print if main else (lambda *a, **k: None)
+            state = job.to_running(start_state(cfg, checkpoints, job, say))
+            record = bad.plan(e, int(state.step))
+            log.keep_until(record["step"])  # the steps after it are trained again (on other batches): logged once
+            log.write(record)
+            result.history = [r for r in result.history if r["step"] <= record["step"]]
+            say(f"rollback: {e}; restored step {record['step']} and skipped batches {record['skipped_batches_first']}"
+                f"..{record['skipped_batches_last']} of the data order; going on", flush=True)
+
+
+def _train_span(cfg, state, job: Job, checkpoints, log, result, devices, main, stop,
+                bad: badsteps.Rollbacks) -> state_lib.TrainState:
     data, train_step = job.work.data, job.train_step
     flops = job.work.flops_per_step / len(devices)  # per device: the step's work is split evenly over the mesh
     peak = hardware.peak_flops(devices[0], cfg.run.peak_tflops)
@@ -220,7 +242,7 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
     rate_key = "tokens_per_s" if data.tokens_per_example else "examples_per_s"
     start = int(state.step)
     prefetch = prefetch_depth(cfg, devices)
-    batches = data_lib.device_batches(data.train, job.batch_shardings, start=start, prefetch=prefetch,
+    batches = data_lib.device_batches(data.train, job.batch_shardings, start=start + bad.offset, prefetch=prefetch,
                                       batch_size=data.batch_size)
     # A bar that redraws itself on a terminal; elsewhere (a log file, the launcher's prefixed pipes) a
     # line per log record, since every redraw there would be a line of its own.
@@ -238,6 +260,7 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
     pending: list = []   # (step, device outputs)
     records: dict = {}   # step -> the host-side part of its log record (timing)
     skipped = 0
+    policy = badsteps.policy(cfg.train)
 
     def look_at(upto: int) -> None:
         """Fetch the outputs of the pending steps up to `upto`; stop (or count skips) at the first
@@ -247,11 +270,14 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
         pending = [(s, o) for s, o in pending if s > upto]
         for (s, _), o in zip(ready, jax.device_get([o for _, o in ready])):
             if not o["finite"]:
-                if not cfg.train.skip_nonfinite:
+                if policy == "rollback":
+                    raise badsteps.Rollback(s, float(o["loss"]), float(o["grad_norm"]))
+                if policy == "stop":
                     kept = f"the last checkpoint is step {last_saved}" if last_saved else "no checkpoint was written"
                     raise NonFiniteLoss(f"loss is {float(o['loss'])} (gradient norm {float(o['grad_norm'])}) at "
                                         f"step {s}; stopped, {kept}. Lower optimizer.lr, or set "
-                                        "train.skip_nonfinite=true to skip such updates")
+                                        "train.nonfinite=skip to skip such updates (rollback: go back to the last "
+                                        "checkpoint and past the batches since it)")
                 skipped += 1
             if s in records:
                 record = {"step": s, "loss": float(o["loss"]), "grad_norm": float(o["grad_norm"]),
@@ -324,8 +350,9 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
             if save_now:
                 with dog.paused():
                     checkpoints.save(job.to_stored(state), done, seed=cfg.train.seed,
-                                     train_steps=cfg.train.steps, wait=bool(stopping))
+                                     train_steps=cfg.train.steps, wait=bool(stopping), data_offset=bad.offset)
                 last_saved = done
+                bad.saved()
             if stopping:
                 bar.close()
                 where = f"checkpoint at step {done} in {checkpoints.directory}" if checkpoints else "no checkpoint (disabled)"
