@@ -120,3 +120,30 @@ def test_a_hung_step_dumps_every_stack_and_the_restarted_job_finishes(tmp_path):
     assert "_maybe_hang" in text and "stock_models.py" in text  # the hung thread's stack
     assert f"every thread's stack: {dumps[0]}" in out + err and "exiting (status 3)" in out + err
     assert [r["step"] for r in train_records(run)] == list(range(1, 13))
+
+
+def test_goodput_accounts_for_the_restart(runs):
+    """The run folder says where the wall time went: the killed run lost time between the kill and the restart
+    and trained again the steps past its checkpoint; the uninterrupted one did neither."""
+    from shard.observe import goodput
+
+    plain = goodput.account(goodput.read(runs["plain"]))
+    killed = goodput.account(goodput.read(runs["killed"]))
+    assert plain["attempts"] == 1 and plain["lost"] == 0 and plain["retrained_steps"] == 0 and plain["steps"] > 0
+    assert killed["attempts"] == 2 and killed["lost"] > 0 and killed["retrained"] > 0
+    logged_before = max(json.loads(line)["step"] for line in
+                        (runs["killed"] / "metrics.discarded.jsonl").read_text().splitlines() if line.endswith("}"))
+    # every step past the checkpoint (8) the first attempt reached is trained again (the last one logged, or
+    # the one it had dispatched when it was killed)
+    assert killed["retrained_steps"] in (logged_before - 8, logged_before - 8 + 1)
+    for totals in (plain, killed):  # the kinds add up to the wall time
+        assert abs(sum(totals[k] for k in goodput.KINDS) - totals["wall"]) < 1e-6 * totals["wall"] + 1e-3
+    assert runs["out"].count("goodput ") == 1 and "1 restart(s)" in runs["out"]
+    done = subprocess.run([sys.executable, "-m", "shard.goodput", str(runs["killed"])], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "retrained" in done.stdout and "lost" in done.stdout and "attempts 2" in done.stdout
+    assert (runs["killed"] / "goodput.png").read_bytes()[:4] == b"\x89PNG"
+    nothing = subprocess.run([sys.executable, "-m", "shard.goodput", str(runs["killed"] / "checkpoints")], cwd=ROOT,
+                             env=subprocess_env(), capture_output=True, text=True)
+    assert nothing.returncode == 2 and len(nothing.stderr.strip().splitlines()) == 1

@@ -59,8 +59,8 @@ class MetricsLog:
     whole, at most every UPLOAD_EVERY_S seconds and when the log closes (it stays small: one line a log
     step). A write that fails is a warning, never the run's end."""
 
-    def __init__(self, run_dir, board=None):
-        self.path = paths.resolve(run_dir) / "metrics.jsonl"
+    def __init__(self, run_dir, board=None, name: str = "metrics.jsonl"):
+        self.path = paths.resolve(run_dir) / name
         self.enabled = jax.process_index() == 0
         self.board = board if self.enabled else None
         self.remote = paths.is_remote(self.path)

@@ -22,7 +22,7 @@ from shard.run import badsteps, distributed, host_malloc, stopping, watchdog
 from shard.use import generate
 from shard.plan import hardware
 from shard import paths
-from shard.observe import plot, profiling
+from shard.observe import goodput, plot, profiling
 from shard.core import mesh as mesh_lib
 from shard.core import state as state_lib
 from shard.observe.board import Board
@@ -95,9 +95,12 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
 
     # ---- state: resumed, restored from another run, or freshly initialised (always sharded)
     log = None
+    spent = goodput.Recorder(run_dir, main)  # where the wall time goes, across restarts
+    spent.span("compile", job.compile_s)
     try:
         try:
-            state = job.to_running(start_state(cfg, checkpoints, job, say))  # e.g. a circular pipeline's layer order
+            with spent.timed("restore"):  # e.g. a circular pipeline's layer order
+                state = job.to_running(start_state(cfg, checkpoints, job, say))
             result = Result(graphdef=work.graphdef, shardings=job.shardings, mesh=job.mesh,
                             train_step=job.train_step, start_step=int(state.step))
             log = metrics_log(cfg, run_dir, result.start_step, work, main)
@@ -106,19 +109,21 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
                     f"to train; evaluating the step-{result.start_step} model (raise train.steps to train on)")
             else:
                 stop.enter_phase("loop", "")
-                state = train_loop(cfg, state, job, checkpoints, log, result, devices, main, stop)
+                state = train_loop(cfg, state, job, checkpoints, log, result, devices, main, stop, spent)
         finally:
             if checkpoints:
                 checkpoints.close()  # waits for the last save: a stop from here on finds it written
         result.state = job.to_stored(state)  # the model's own layout
         if result.preempted:
+            spent.end()
             return result
 
         # ---- final eval and sample; every process takes part (the arrays are split across them)
         step = int(state.step)
         kept = f"checkpoint at step {step} is written" if checkpoints else "checkpoints are disabled"
         stop.enter_phase("the final eval and sample", f"{kept}; the final eval and sample were skipped", exit_code=0)
-        result.eval = evaluate(job.eval_step, state, data, job.eval_shardings, cfg)
+        with spent.timed("eval"):
+            result.eval = evaluate(job.eval_step, state, data, job.eval_shardings, cfg)
         log.write({"step": step, **result.eval})
     finally:
         if log:
@@ -136,6 +141,8 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
         else:
             result.sample = sample
             say(f"sample:\n{cfg.train.sample_prompt}{sample}")
+    if line := spent.end():
+        say(line)
     return result
 
 
@@ -212,7 +219,7 @@ def start_state(cfg, checkpoints, job: Job, say) -> state_lib.TrainState:
     return state
 
 
-def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, stop) -> state_lib.TrainState:
+def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, stop, spent) -> state_lib.TrainState:
     """The steps from the state's to train.steps. Under train.nonfinite=rollback a bad step restores the newest
     checkpoint and the loop goes on from it, past the batches that led to the bad step (shard/run/badsteps.py)."""
     at = int(state.step)
@@ -220,11 +227,13 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
     bad = badsteps.Rollbacks(cfg.train.max_rollbacks, offset)
     while True:
         try:
-            return _train_span(cfg, state, job, checkpoints, log, result, devices, main, stop, bad)
+            return _train_span(cfg, state, job, checkpoints, log, result, devices, main, stop, bad, spent)
         except badsteps.Rollback as e:
-            checkpoints.manager.wait_until_finished()  # a save in flight may be the step to go back to
             say = print if main else (lambda *a, **k: None)
-            state = job.to_running(start_state(cfg, checkpoints, job, say))
+            spent.rolled_back(e.step)
+            with spent.timed("restore"):
+                checkpoints.manager.wait_until_finished()  # a save in flight may be the step to go back to
+                state = job.to_running(start_state(cfg, checkpoints, job, say))
             record = bad.plan(e, int(state.step))
             log.keep_until(record["step"])  # the steps after it are trained again (on other batches): logged once
             log.write(record)
@@ -234,7 +243,7 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
 
 
 def _train_span(cfg, state, job: Job, checkpoints, log, result, devices, main, stop,
-                bad: badsteps.Rollbacks) -> state_lib.TrainState:
+                bad: badsteps.Rollbacks, spent: goodput.Recorder) -> state_lib.TrainState:
     data, train_step = job.work.data, job.train_step
     flops = job.work.flops_per_step / len(devices)  # per device: the step's work is split evenly over the mesh
     peak = hardware.peak_flops(devices[0], cfg.run.peak_tflops)
@@ -295,6 +304,7 @@ def _train_span(cfg, state, job: Job, checkpoints, log, result, devices, main, s
     # Processes enter the first step together: its collectives give a late peer only 30 s (gloo).
     distributed.barrier("first step", cfg.run.init_timeout_s)
     t_last, steps_since, waited = time.perf_counter(), 0, 0.0
+    spent.loop_starts()
     dog = watchdog.Watchdog(cfg.run.step_timeout_s, devices[0].platform, cfg.run.dir)
     with contextlib.closing(batches), contextlib.closing(profiler), contextlib.closing(dog):
         for step in range(start, cfg.train.steps):
@@ -326,6 +336,7 @@ def _train_span(cfg, state, job: Job, checkpoints, log, result, devices, main, s
                 if done == start + 1:
                     jax.block_until_ready(out["loss"])
                 step_time, data_wait = (time.perf_counter() - t_last) / steps_since, waited / steps_since
+                spent.steps(done, steps_since, step_time * steps_since, waited)
                 # The next interval starts now. Nothing here waits for the running step: the learning rate
                 # comes with the step's outputs (a computation of its own would queue behind the step on
                 # a CPU, and the device would idle while the host logs: ~2% of the default job's time).
@@ -348,7 +359,7 @@ def _train_span(cfg, state, job: Job, checkpoints, log, result, devices, main, s
                 continue
             look_at(done)  # a checkpoint, an eval or the end needs this step's state anyway
             if save_now:
-                with dog.paused():
+                with dog.paused(), spent.timed("checkpoint"):
                     checkpoints.save(job.to_stored(state), done, seed=cfg.train.seed,
                                      train_steps=cfg.train.steps, wait=bool(stopping), data_offset=bad.offset)
                 last_saved = done
@@ -361,7 +372,7 @@ def _train_span(cfg, state, job: Job, checkpoints, log, result, devices, main, s
                 result.preempted = True
                 return state
             if eval_now:
-                with dog.paused():
+                with dog.paused(), spent.timed("eval"):
                     log.write({"step": done, **evaluate(job.eval_step, state, data, job.eval_shardings, cfg)})
             t_last, steps_since, waited = time.perf_counter(), 0, 0.0  # checkpoints and evals are not step time
     bar.close()
