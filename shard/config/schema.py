@@ -213,6 +213,8 @@ class RunConfig:
                                         "estimate; default: known accelerators only", min=0)
     progress: bool = option(True, "show progress: a bar on a terminal, else a line every log_every steps")
     tensorboard: bool = option(True, "write TensorBoard event files to <run.dir>/tensorboard (process 0)")
+    wandb: bool = option(False, "also log the metrics, the config and the plan to Weights & Biases (offline, under "
+                         "<run.dir>/wandb, unless an API key is set; needs pip install wandb)")
     plot: bool = option(True, "draw <run.dir>/curves.png when the run ends (loss, eval loss, throughput)")
     profile_steps: Optional[str] = option(None, "START:END traces steps START..END-1 with jax.profiler into "
                                           "<run.dir>/profile (TensorBoard's profile plugin, XProf, Perfetto)")

@@ -22,7 +22,7 @@ from shard.run import badsteps, distributed, host_malloc, stopping, watchdog
 from shard.use import generate
 from shard.plan import hardware
 from shard import paths
-from shard.observe import goodput, plot, profiling
+from shard.observe import goodput, plot, profiling, wandb_log
 from shard.core import mesh as mesh_lib
 from shard.core import state as state_lib
 from shard.observe.board import Board
@@ -55,6 +55,8 @@ def run(cfg: config_lib.Config) -> Result:
 
 def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
     run_dir = paths.resolve(cfg.run.dir)
+    if cfg.run.wandb:
+        wandb_log.require()  # missing: one line, before anything starts
     if not paths.is_remote(run_dir) and run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"run.dir={cfg.run.dir!r} is a file; it must be a directory (new or from an earlier run)")
 
@@ -103,7 +105,9 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
                 state = job.to_running(start_state(cfg, checkpoints, job, say))
             result = Result(graphdef=work.graphdef, shardings=job.shardings, mesh=job.mesh,
                             train_step=job.train_step, start_step=int(state.step))
-            log = metrics_log(cfg, run_dir, result.start_step, work, main)
+            plan = {"model": cfg.model.name, "parameters": state_lib.count_params(work.abstract.params),
+                    "mesh": mesh_lib.describe(job.mesh), "devices": len(devices), "split": state_lib.split_summary(job.split)}
+            log = metrics_log(cfg, run_dir, result.start_step, work, main, plan)
             if result.start_step >= cfg.train.steps:
                 say(f"the model is at step {result.start_step}, already past train.steps={cfg.train.steps}: nothing "
                     f"to train; evaluating the step-{result.start_step} model (raise train.steps to train on)")
@@ -162,13 +166,16 @@ def end_sample(cfg, job: Job, state) -> str | None:
     return tok.decode(generate.until_eos(tokens[0], tok.eos))
 
 
-def metrics_log(cfg, run_dir, start_step: int, work, main: bool) -> MetricsLog:
-    """metrics.jsonl, and TensorBoard's event files unless run.tensorboard=false (process 0 only)."""
-    board = None
+def metrics_log(cfg, run_dir, start_step: int, work, main: bool, plan: dict | None = None) -> MetricsLog:
+    """metrics.jsonl, TensorBoard's event files unless run.tensorboard=false, and W&B under run.wandb=true
+    (process 0 only)."""
+    board = wandb = None
     if main and cfg.run.tensorboard:
         board = Board(paths.resolve(run_dir) / "tensorboard", start_step)
         board.describe(start_step, work.resolved, cfg.model.name, state_lib.count_params(work.abstract.params))
-    log = MetricsLog(run_dir, board)
+    if main and cfg.run.wandb:
+        wandb = wandb_log.WandbRun(run_dir, config_lib.yaml_load(work.resolved), plan or {})
+    log = MetricsLog(run_dir, wandb_log.Writers(board, wandb) if wandb else board)
     log.keep_until(start_step)  # after a restart, the steps past the checkpoint are logged again, once
     return log
 
