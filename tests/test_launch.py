@@ -67,6 +67,10 @@ def test_max_restarts_reaches_every_target(capsys, monkeypatch):
     tpu = dry_run(capsys, monkeypatch, *TARGETS["tpu"], "--max-restarts=1", "--", *ARGS)
     assert "&& (for attempt in $(seq 0 1); do python3 train.py configs/gpt_small.yaml" in tpu
     assert "--max-restarts=3" in dry_run(capsys, monkeypatch, *TARGETS["gke"], "--max-restarts=3", "--", *ARGS)
+    cpu = dry_run(capsys, monkeypatch, "slurm", "--nodes=1", "--tasks-per-node=2", "--dry-run", "--", *ARGS)
+    assert "#SBATCH --ntasks-per-node=2" in cpu.splitlines()  # several processes a node without GPUs
+    with pytest.raises(launch.LaunchError, match="--tasks-per-node must be positive"):
+        launch.main(["slurm", "--nodes=1", "--tasks-per-node=0", "--dry-run", "--", *ARGS])
     for target in TARGETS:  # none by default: the commands are as before
         assert "attempt" not in dry_run(capsys, monkeypatch, *TARGETS[target], "--", *ARGS)
 

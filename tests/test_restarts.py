@@ -3,6 +3,7 @@ killed, and the restarted job ends where an uninterrupted one does, bitwise, eac
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,3 +148,55 @@ def test_goodput_accounts_for_the_restart(runs):
     nothing = subprocess.run([sys.executable, "-m", "shard.goodput", str(runs["killed"] / "checkpoints")], cwd=ROOT,
                              env=subprocess_env(), capture_output=True, text=True)
     assert nothing.returncode == 2 and len(nothing.stderr.strip().splitlines()) == 1
+
+
+def slurm_up() -> bool:
+    """A SLURM controller answers (bench/slurm_local.sh starts one on this machine; SLURM_CONF names it)."""
+    if not shutil.which("sbatch"):
+        return False
+    done = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    return done.returncode == 0 and any(s in done.stdout for s in ("idle", "mix", "alloc"))
+
+
+@pytest.mark.skipif(not slurm_up(), reason="no SLURM controller answers (bash bench/slurm_local.sh start; SLURM_CONF)")
+def test_slurm_restarts_a_job_whose_task_was_killed(runs, tmp_path):
+    """The slurm target against a real scheduler: a 2-task job under --max-restarts=1 whose task 1 is killed
+    (SIGKILL) after step 10 runs its step again (srun --kill-on-bad-exit ends the other task), resumes from
+    step 8 and ends bitwise where the uninterrupted local run did."""
+    run = tmp_path / "run"
+    env = {**subprocess_env(), "PYTHONPATH": str(ROOT / "tests")}
+    submit = subprocess.run([sys.executable, "-m", "shard.launch", "slurm", "--nodes=1", "--tasks-per-node=2",
+                             "--max-restarts=1", "--job-name=restart", "--", *overrides(run, *SLOW, *SAVE)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.split("Submitted batch job ")[1].split()[0]
+    try:
+        deadline = time.time() + 300
+        while not (8 in checkpoints(run) and any(r["step"] >= 11 for r in train_records(run))):
+            assert time.time() < deadline, "the job did not reach step 11"
+            time.sleep(0.05)
+        victims = [p for p in Path("/proc").glob("[0-9]*") if slurm_task(p, job, run) == "1"]
+        assert len(victims) == 1
+        os.kill(int(victims[0].name), signal.SIGKILL)
+        while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+            assert time.time() < deadline + 300, "the job did not end"
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+    out = (tmp_path / f"restart-{job}.out").read_text()
+    assert "launch: attempt 0 exited with status" in out and "resuming from step 8" in out, out[-3000:]
+    assert [(r["step"], r["loss"]) for r in train_records(run)] == \
+        [(r["step"], r["loss"]) for r in train_records(runs["plain"])]
+
+
+def slurm_task(proc: Path, job: str, run: Path) -> str | None:
+    """SLURM_PROCID of a train.py process of `job` writing to `run`, else None."""
+    try:
+        cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
+        env = dict(v.split("=", 1) for v in (proc / "environ").read_bytes().decode(errors="replace").split("\0")
+                   if "=" in v)
+    except OSError:
+        return None
+    if "train.py" in cmd and f"run.dir={run}" in cmd and env.get("SLURM_JOB_ID") == job:
+        return env.get("SLURM_PROCID")
+    return None

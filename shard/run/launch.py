@@ -192,7 +192,8 @@ def run_commands(commands: list[list[str]], dry_run: bool) -> int:
 # ----------------------------------------------------------------------------- SLURM
 
 def slurm_script(nodes: int, gpus_per_node: int | None, per_gpu: bool, partition: str | None, time_limit: str | None,
-                 job_name: str, args: list[str], python: str | None = None, max_restarts: int = 0) -> str:
+                 job_name: str, args: list[str], python: str | None = None, max_restarts: int = 0,
+                 tasks_per_node: int | None = None) -> str:
     """The sbatch script. Every node runs `python` (default: the interpreter running this, sys.executable)
     in ROOT: both paths must be the same on the compute nodes, as they are when the project and its
     virtualenv lie on the cluster's shared file system. Unlike tpu and gke, whose workers run their own
@@ -200,7 +201,7 @@ def slurm_script(nodes: int, gpus_per_node: int | None, per_gpu: bool, partition
     launching interpreter is the one known to have it (and its JAX build) installed. --python names
     another, e.g. `python3` for an environment the nodes load themselves."""
     python = python or sys.executable
-    tasks = gpus_per_node if per_gpu and gpus_per_node else 1
+    tasks = tasks_per_node or (gpus_per_node if per_gpu and gpus_per_node else 1)
     lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}",
              f"#SBATCH --ntasks-per-node={tasks}"]
     if gpus_per_node:
@@ -271,6 +272,8 @@ def parser() -> argparse.ArgumentParser:
     slurm.add_argument("--nodes", type=int, required=True)
     slurm.add_argument("--gpus-per-node", type=int)
     slurm.add_argument("--per-gpu", action="store_true", help="one process per GPU instead of per node")
+    slurm.add_argument("--tasks-per-node", type=int, metavar="N",
+                       help="processes per node (default: 1, or one per GPU with --per-gpu), e.g. on CPU nodes")
     slurm.add_argument("--partition")
     slurm.add_argument("--time", dest="time_limit", help="wall-clock limit, e.g. 04:00:00")
     slurm.add_argument("--job-name", default="shard")
@@ -335,10 +338,13 @@ def main(argv: list[str]) -> int:
             raise LaunchError("--nodes and --gpus-per-node must be positive")
         if opts.per_gpu and not opts.gpus_per_node:
             raise LaunchError("--per-gpu needs --gpus-per-node")
+        if opts.tasks_per_node is not None and (opts.tasks_per_node < 1 or opts.per_gpu):
+            raise LaunchError("--tasks-per-node must be positive, and is not given with --per-gpu (one task per GPU)")
         if opts.nodes > 1:
             warn_if_local_run_dir(args, opts.target)
         script = slurm_script(opts.nodes, opts.gpus_per_node, opts.per_gpu, opts.partition, opts.time_limit,
-                              opts.job_name, args, opts.python, opts.max_restarts)
+                              opts.job_name, args, opts.python, opts.max_restarts,
+                              opts.tasks_per_node)
         path = Path(opts.script or f"{opts.job_name}.sbatch")
         if opts.dry_run:
             print(f"# {path}\n{script}\n# then: sbatch {path}")
