@@ -1,5 +1,6 @@
 """Models a user might bring, written with Flax's stock layers and default initializers: no logical
 names, nothing about meshes. Tests train them as `model.name=stock_models:Class`."""
+import os
 import time
 
 import jax
@@ -61,6 +62,9 @@ class DropoutMLP(nnx.Module):
         return self.l2(self.drop(jax.nn.relu(self.l1(x.reshape(x.shape[0], -1)))))
 
 
+_CALLS: dict = {}
+
+
 class SlowMLP(nnx.Module):
     """A deliberately slow model for the stop-request tests. Building it takes `init_seconds`; each
     forward pass does `work` chained 512 x 512 matrix products (device time, dispatched asynchronously
@@ -68,9 +72,14 @@ class SlowMLP(nnx.Module):
     or "eval" to `trace` (as does "init" when the model is built), so a test knows the run's phase."""
 
     def __init__(self, in_features: int = 16, classes: int = 8, work: int = 0, seconds: float = 0.0,
-                 init_seconds: float = 0.0, trace: str = "", *, rngs: nnx.Rngs):
+                 init_seconds: float = 0.0, trace: str = "", hang_after: int = 0, hang_once: str = "", *,
+                 rngs: nnx.Rngs):
+        """`hang_after` > 0: forward pass number `hang_after` never returns on process 0 (a hung step; JAX runs
+        the host callback on the first device only), unless the file `hang_once` exists; hanging creates it,
+        so a restarted job goes through."""
         self.l = nnx.Linear(in_features, classes, rngs=rngs)
         self.work, self.seconds, self.trace = work, seconds, trace
+        self.hang_after, self.hang_once = hang_after, hang_once
         self.deterministic = False  # model.eval() sets it: the forward passes of eval say "eval"
         self._event("init")
         time.sleep(init_seconds)
@@ -80,11 +89,18 @@ class SlowMLP(nnx.Module):
             with open(self.trace, "a") as f:
                 f.write(what + "\n")
 
+    def _maybe_hang(self) -> None:
+        _CALLS[id(self)] = calls = _CALLS.get(id(self), 0) + 1  # not on the module: nnx forbids that in a trace
+        if self.hang_after and calls >= self.hang_after and jax.process_index() == 0 \
+                and not os.path.exists(self.hang_once):
+            open(self.hang_once, "w").close()
+            time.sleep(3600)
+
     def __call__(self, x):
         x = x.reshape(x.shape[0], -1)
         if self.seconds:
             what = "eval" if self.deterministic else "train"
-            jax.debug.callback(lambda: (self._event(what), time.sleep(self.seconds)))
+            jax.debug.callback(lambda: (self._event(what), time.sleep(self.seconds), self._maybe_hang()))
         busy = jnp.full((512, 512), 1e-3) * jnp.mean(x)  # depends on the input: not folded at compile time
         for _ in range(self.work):
             busy = jnp.tanh(busy @ busy)

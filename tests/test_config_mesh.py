@@ -67,6 +67,7 @@ def test_what_is_trained_picks_the_folder_and_nothing_else_does():
 def test_every_train_and_checkpoint_key_is_decided_one_way_or_the_other():
     """A new key must be placed: what is trained (its own folder) or a way to continue the same job."""
     continuing = {"train.steps", "train.remat", "train.attention", "train.deterministic", "train.skip_nonfinite",
+                  "train.nonfinite", "train.max_rollbacks",
                   "train.grad_accum", "train.offload", "train.context_strategy",
                   "train.eval_every", "train.eval_batches", "train.sample_len", "train.sample_prompt",
                   "checkpoint.enabled", "checkpoint.every", "checkpoint.keep", "checkpoint.async", "checkpoint.dir"}

@@ -58,3 +58,33 @@ def test_help_says_train_py_is_dropped(capsys, argv):
     assert "leading train.py" in text.replace("`", "") and "-- [CONFIG.yaml] [key=value ...]" in text
     if "slurm" in argv:
         assert "--python PATH" in text and "shared file system" in text
+
+
+def test_max_restarts_reaches_every_target(capsys, monkeypatch):
+    """SLURM and the TPU hosts loop in the shell (srun ends the step when a task fails), GKE's JobSet restarts."""
+    slurm = dry_run(capsys, monkeypatch, *TARGETS["slurm"], "--max-restarts=2", "--", *ARGS)
+    assert "(for attempt in $(seq 0 2); do srun --kill-on-bad-exit=1 " in slurm and "&& exit 0;" in slurm
+    tpu = dry_run(capsys, monkeypatch, *TARGETS["tpu"], "--max-restarts=1", "--", *ARGS)
+    assert "&& (for attempt in $(seq 0 1); do python3 train.py configs/gpt_small.yaml" in tpu
+    assert "--max-restarts=3" in dry_run(capsys, monkeypatch, *TARGETS["gke"], "--max-restarts=3", "--", *ARGS)
+    cpu = dry_run(capsys, monkeypatch, "slurm", "--nodes=1", "--tasks-per-node=2", "--dry-run", "--", *ARGS)
+    assert "#SBATCH --ntasks-per-node=2" in cpu.splitlines()  # several processes a node without GPUs
+    with pytest.raises(launch.LaunchError, match="--tasks-per-node must be positive"):
+        launch.main(["slurm", "--nodes=1", "--tasks-per-node=0", "--dry-run", "--", *ARGS])
+    for target in TARGETS:  # none by default: the commands are as before
+        assert "attempt" not in dry_run(capsys, monkeypatch, *TARGETS[target], "--", *ARGS)
+
+
+def test_the_shell_loop_restarts_until_success(tmp_path):
+    """The loop the SLURM script and TPU hosts run: a command failing twice then succeeding runs 3 times."""
+    import subprocess
+
+    from shard.run import restarts
+
+    counter = tmp_path / "n"
+    command = f"echo x >> {counter}; [ $(wc -l < {counter}) -ge 3 ]"
+    done = subprocess.run(["bash", "-c", restarts.shell_loop(command, 5)], capture_output=True, text=True)
+    assert done.returncode == 0 and counter.read_text().count("x") == 3
+    counter.unlink()
+    done = subprocess.run(["bash", "-c", restarts.shell_loop(command, 1)], capture_output=True, text=True)
+    assert done.returncode == 1 and counter.read_text().count("x") == 2

@@ -90,10 +90,16 @@ def test_corrupt_and_partial_checkpoints_are_skipped_with_a_warning(train, tmp_p
     assert f"skipping unreadable checkpoint {folder / '20'}" in err
     assert "resuming from step 10" in out and result.start_step == 10
     assert [r["step"] for r in result.history][-1] == 22
+    assert partial.is_dir()  # skipped, never deleted
     # Step 20, saved again on the way to 22, was rewritten whole: it resumes now.
     capsys.readouterr()
     again = train(*TINY_GPT, "train.steps=20", f"checkpoint.restore_from={folder / '20'}", subdir="from20")
     assert again.start_step == 20 and "skipping" not in capsys.readouterr().err
+    # The unreadable copy was moved aside, not deleted; the interrupted save of step 30 is still there after
+    # step 30 is saved for real.
+    assert (folder / "20.unreadable" / "model").is_dir() and err.count(f"moved unreadable checkpoint {folder / '20'}") == 1
+    train(*TINY_GPT, "train.steps=30", "checkpoint.enabled=true", "checkpoint.every=10")
+    assert partial.is_dir() and 30 in checkpoints(tmp_path / "run")
 
 
 def test_a_checkpoint_that_fails_for_io_is_retried_and_never_skipped(train, tmp_path, monkeypatch, capsys):

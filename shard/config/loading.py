@@ -16,6 +16,7 @@ from shard.config.naming import CONFIGS, default_run_dir
 from shard.config.schema import (SECTIONS, Config, MeshConfig, key_of, renamed, schema_fields, to_dict,
                                  type_name)
 from shard.errors import UserError
+from shard.run import badsteps
 
 
 def load(path: "str | Path | None", overrides: list[str], sections: tuple | None = None) -> "Config":
@@ -229,6 +230,7 @@ def _check_values(cfg: Config) -> None:
     if not isinstance(cfg.model.name, str) or not cfg.model.name:
         raise UserError("model.name must be a registered model name or package.module:Class")
     step_range(cfg.run.profile_steps, cfg.train.steps)
+    badsteps.check(cfg)
     if cfg.data.mixture:  # before the run's folder is made
         from shard.data.mixture import check
 

@@ -110,7 +110,13 @@ class TrainConfig:
     init_from: Optional[str] = option(None, "load parameters only from this checkpoint (run, checkpoints or step folder), e.g. to fine-tune", job=True)
     deterministic: bool = option(False, "bitwise-reproducible GPU kernels (XLA's --xla_gpu_deterministic_ops; "
                                  "slower); CPU runs are deterministic anyway")
-    skip_nonfinite: bool = option(False, "skip an update whose loss or gradients are not finite, instead of stopping")
+    nonfinite: Optional[str] = option(None, "a step whose loss or gradients are not finite: stop (one line, exit 1), "
+                                      "skip (drop the update) or rollback (restore the last checkpoint, skip the "
+                                      "batches since it, go on); null = stop, or skip under train.skip_nonfinite",
+                                      choices=("stop", "skip", "rollback"))
+    skip_nonfinite: bool = option(False, "the older spelling of train.nonfinite=skip")
+    max_rollbacks: int = option(3, "train.nonfinite=rollback: stop after this many rollbacks in a row (no new "
+                                "checkpoint between them)", min=1)
     grad_accum: int = option(1, "gradient accumulation: run each batch as this many microbatches one after "
                              "another, one update (less activation memory, the same update)", min=1)
     grad_dtype: str = option("float32", "dtype the gradients are summed in across the data axis (bfloat16 halves "
@@ -209,6 +215,10 @@ class RunConfig:
     num_processes: Optional[int] = option(None, "processes in the job (else JAX_NUM_PROCESSES or detected)", min=1)
     process_id: Optional[int] = option(None, "this process's index (else JAX_PROCESS_ID or detected)", min=0)
     init_timeout_s: int = option(300, "seconds to wait for every process to join before giving up", min=1)
+    step_timeout_s: Optional[float] = option(None, "when no step finishes within this many seconds (a hung "
+                                             "collective), write every thread's stack to <run.dir>/hang-*.txt and exit "
+                                             "(status 3) so the launcher restarts the job; null = off on CPU, else 100 x "
+                                             "the measured step time (at least 300 s); 0 = off", min=0)
     heartbeat_timeout_s: int = option(30, "seconds without a heartbeat before a process counts as dead and the "
                                       "others stop", min=1)
     peak_tflops: Optional[float] = option(None, "device peak TFLOP/s for MFU; default: known accelerators only", min=0)
@@ -218,6 +228,8 @@ class RunConfig:
                                         "estimate; default: known accelerators only", min=0)
     progress: bool = option(True, "show progress: a bar on a terminal, else a line every log_every steps")
     tensorboard: bool = option(True, "write TensorBoard event files to <run.dir>/tensorboard (process 0)")
+    wandb: bool = option(False, "also log the metrics, the config and the plan to Weights & Biases (offline, under "
+                         "<run.dir>/wandb, unless an API key is set; needs pip install wandb)")
     plot: bool = option(True, "draw <run.dir>/curves.png when the run ends (loss, eval loss, throughput)")
     profile_steps: Optional[str] = option(None, "START:END traces steps START..END-1 with jax.profiler into "
                                           "<run.dir>/profile (TensorBoard's profile plugin, XProf, Perfetto)")

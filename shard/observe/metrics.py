@@ -59,8 +59,8 @@ class MetricsLog:
     whole, at most every UPLOAD_EVERY_S seconds and when the log closes (it stays small: one line a log
     step). A write that fails is a warning, never the run's end."""
 
-    def __init__(self, run_dir, board=None):
-        self.path = paths.resolve(run_dir) / "metrics.jsonl"
+    def __init__(self, run_dir, board=None, name: str = "metrics.jsonl"):
+        self.path = paths.resolve(run_dir) / name
         self.enabled = jax.process_index() == 0
         self.board = board if self.enabled else None
         self.remote = paths.is_remote(self.path)
@@ -79,6 +79,31 @@ class MetricsLog:
                 self.uploads.attempt(lambda: self.path.write_text(self.text))
         else:
             self.uploads.attempt(lambda: self._append(line))
+
+    def keep_until(self, step: int) -> None:
+        """A run resumed at `step` (a restart, a rollback) trains the steps after it again: their old records
+        (and a line a kill cut short) move to metrics.discarded.jsonl, so each step is logged once."""
+        if not self.enabled:
+            return
+        text = self.text if self.remote else (self.path.read_text() if self.path.exists() else "")
+        kept, dropped = [], []
+        for line in text.splitlines(keepends=True):
+            try:
+                record = json.loads(line)
+                keep = line.endswith("\n") and record.get("step", 0) <= step
+            except ValueError:
+                keep = False
+            (kept if keep else dropped).append(line if line.endswith("\n") else line + "\n")
+        if not dropped:
+            return
+        self.text = "".join(kept)
+        discarded = self.path.with_name("metrics.discarded.jsonl")
+        old = discarded.read_text() if discarded.exists() else ""
+        self.uploads.attempt(lambda: (discarded.write_text(old + "".join(dropped)), self.path.write_text(self.text)))
+        if self.remote:
+            self.uploads.last = float("-inf")
+        else:
+            self.text = ""
 
     def _append(self, line: str) -> None:
         with self.path.open("a") as f:

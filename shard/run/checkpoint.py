@@ -10,8 +10,9 @@ skipped with a warning (resume) or refused (an explicit path), never loaded in p
 
 Failing to read is not always the checkpoint's fault: storage can be slow, unreachable or refuse access.
 Such I/O errors are retried with backoff and then stop the run with one line; a step is skipped only for
-what is wrong with the step itself (missing or truncated files, bad metadata), never deleted, and
-rewritten in full when the run saves that step again.
+what is wrong with the step itself (missing or truncated files, bad metadata), never deleted: when the run
+saves that step again, the unreadable copy is moved aside (STEP.unreadable) and the step written in full.
+Orbax's unfinished folders (STEP.orbax-checkpoint-tmp-*) are skipped and left in place too.
 """
 
 import contextlib
@@ -86,28 +87,46 @@ class Checkpoints:
     def __init__(self, directory: str | Path, keep: int, use_async: bool):
         self.directory = paths.resolve(directory)
         for partial in sorted(self.directory.glob(f"*{TMP_MARK}*")) if self.directory.is_dir() else []:
-            warn(f"skipping incomplete checkpoint {partial} (a save was interrupted); it will be removed")
+            warn(f"skipping incomplete checkpoint {partial} (a save was interrupted); it is left in place")
+        # Never deleted: what a kill left behind may be all there is of a step someone wants to look at.
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=use_async,
-                                               cleanup_tmp_directories=True, create=True)
+                                               cleanup_tmp_directories=False, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
         self.unreadable: set[int] = set()  # steps skipped as corrupt: rewritten, not kept, when saved again
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def save(self, state: TrainState, step: int, seed: int, train_steps: int, wait: bool = False) -> None:
+    def save(self, state: TrainState, step: int, seed: int, train_steps: int, wait: bool = False,
+             data_offset: int = 0) -> None:
         """The step (one global batch per step, so also the position in the data) and `seed` fix the
         data order; training itself draws no other random numbers, and a model's own RNG variables are
-        part of `state.rest`. `train_steps` (the run's planned length) fixes the learning-rate schedule."""
+        part of `state.rest`. `train_steps` (the run's planned length) fixes the learning-rate schedule.
+        `data_offset`: batches skipped by rollbacks (shard/run/badsteps.py), so step k reads batch k-1+offset."""
         if step in self.unreadable and step in self.manager.all_steps():
-            self.manager.delete(step)  # the corrupt copy goes only now, as its replacement is written
+            self._move_aside(step)  # the corrupt copy is kept, under another name, as its replacement is written
         if step not in self.manager.all_steps():
             self.unreadable.discard(step)
             items = {k: ocp.args.StandardSave(v) for k, v in _items(state).items()}
-            meta = ocp.args.JsonSave({"step": step, "seed": seed, "train_steps": train_steps})
+            meta = {"step": step, "seed": seed, "train_steps": train_steps}
+            meta = ocp.args.JsonSave(meta | ({"data_offset": data_offset} if data_offset else {}))
             self.manager.save(step, args=ocp.args.Composite(**items, meta=meta), force=True)
         if wait:
             self.manager.wait_until_finished()
+
+    def _move_aside(self, step: int) -> None:
+        old = self.directory / str(step)
+        for n in range(1000):
+            aside = self.directory / f"{step}.unreadable{'-' + str(n) if n else ''}"
+            if not aside.exists():
+                break
+        old.rename(aside)
+        warn(f"moved unreadable checkpoint {old} to {aside}; step {step} is written again")
+        self.manager.reload()
+
+    def meta(self, step: int) -> dict:
+        """A step's meta alone (step, seed, train_steps, data_offset), read without its arrays."""
+        return dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
 
     def restore_latest(self, target: TrainState) -> tuple[TrainState, dict] | None:
         """The newest checkpoint that reads back whole; corrupt ones are skipped with a warning (and rewritten

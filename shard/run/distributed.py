@@ -173,6 +173,17 @@ def _client():
 
 
 _barriers: dict[str, int] = {}
+# The last cross-process wait this process entered, and whether it came back: what a hang report names
+# (shard/run/watchdog.py). Device collectives inside a step show in the step's name.
+last_collective: str | None = None
+
+
+@contextlib.contextmanager
+def _entered(name: str):
+    global last_collective
+    last_collective = f"{name} (waiting)"
+    yield
+    last_collective = f"{name} (completed)"
 
 
 def barrier(name: str, timeout_s: int) -> None:
@@ -182,7 +193,8 @@ def barrier(name: str, timeout_s: int) -> None:
         return
     _barriers[name] = _barriers.get(name, 0) + 1
     try:
-        _client().wait_at_barrier(f"shard/{name}/{_barriers[name]}", timeout_s * 1000)
+        with _entered(f"barrier '{name}'"):
+            _client().wait_at_barrier(f"shard/{name}/{_barriers[name]}", timeout_s * 1000)
     except Exception as e:
         _die(f"process {jax.process_index()}: not every process reached '{name}' within {timeout_s} s "
              f"({first_line(e)})")
@@ -200,9 +212,10 @@ def agreed_stop(step: int, mine: str | None, timeout_s: int) -> str | None:
     client.key_value_set(f"shard/stop/{step}/{me}", mine or "")
     words = []
     try:
-        for other in range(n):
-            words.append((mine or "") if other == me else
-                         client.blocking_key_value_get(f"shard/stop/{step}/{other}", timeout_s * 1000))
+        with _entered(f"the stop agreement after step {step}"):
+            for other in range(n):
+                words.append((mine or "") if other == me else
+                             client.blocking_key_value_get(f"shard/stop/{step}/{other}", timeout_s * 1000))
     except Exception as e:
         _die(f"process {me}: not every process reached step {step} within {timeout_s} s ({first_line(e)})")
     if step > 1:  # every process has read step-1's words before posting step's: they can go

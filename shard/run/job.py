@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from shard.run import badsteps
 from shard.run import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
@@ -145,7 +146,7 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
     with hooks.use(attention=cfg.train.attention):
         with hooks.watch_stacks() as stacks:  # one forward: each stack the model runs, once
             forward = step_lib.model_forward(graphdef, abstract, batch, dtype, cfg.model.name, data.num_classes)
-        train_fn = step_lib.make_train_step(graphdef, tx, loss_fn, dtype, cfg.train.skip_nonfinite)
+        train_fn = step_lib.make_train_step(graphdef, tx, loss_fn, dtype, badsteps.policy(cfg.train) == "skip")
         try:
             train_jaxpr = jax.make_jaxpr(train_fn)(abstract, batch)
         except (TypeError, ValueError) as e:
@@ -229,7 +230,7 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         reduction = gradients.Reduction(**{k: v for k, v in options.items() if k in REDUCTION_FIELDS})
         moved, order = options.get("device_shardings"), options.get("order")
         train_fn = step_lib.make_train_step(work.graphdef, work.tx, work.loss_fn, work.dtype,
-                                            cfg.train.skip_nonfinite, reduction, moved, order, work.schedule,
+                                            badsteps.policy(cfg.train) == "skip", reduction, moved, order, work.schedule,
                                             options.get("trainable"))
         eval_fn = step_lib.make_eval_step(work.graphdef, work.loss_fn, work.data.task, work.dtype, moved, order)
         for s in active:

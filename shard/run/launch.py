@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from shard.run import restarts
+
 ROOT = Path(__file__).resolve().parents[2]  # the repository: what the TPU hosts are sent
 CODE_TARBALL = Path(tempfile.gettempdir()) / "shard-code.tar.gz"
 SKIPPED = {".git", "runs", "__pycache__", ".pytest_cache", "shard.egg-info", ".venv"}
@@ -93,20 +95,35 @@ def _describe(code: int) -> str:
     return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
 
 
-def run_local(processes: int, args: list[str], dry_run: bool) -> int:
-    commands = local_commands(processes, args, free_port())
+def run_local(processes: int, args: list[str], dry_run: bool, max_restarts: int = 0) -> int:
+    """Every process started, watched and, when one fails, all stopped; with `max_restarts`, started again
+    (up to that many times) on a fresh coordinator port: they resume from the newest complete checkpoint."""
     if dry_run:
-        for command in commands:
+        for command in local_commands(processes, args, free_port()):
             print(shlex.join(command))
         return 0
+    signalled: list[int] = []
+    for attempt in range(max_restarts + 1):
+        code = _run_once(local_commands(processes, args, free_port()), signalled)
+        if not restarts.again(code, attempt, max_restarts, bool(signalled)):
+            return code
+    return code
+
+
+def _run_once(commands: list[list[str]], signalled: list[int]) -> int:
     lock = threading.Lock()
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
              for c in commands]
     relays = [threading.Thread(target=_relay, args=(i, p.stdout, lock), daemon=True) for i, p in enumerate(procs)]
     for t in relays:
         t.start()
-    # A signal to the launcher goes to every process (train.py checkpoints and exits on SIGTERM/SIGINT).
-    forward = lambda signum, frame: [os.killpg(p.pid, signum) for p in procs if p.poll() is None]
+
+    def forward(signum, frame):  # a signal to the launcher goes to every process (train.py checkpoints and exits)
+        signalled.append(signum)  # and is never a reason to restart
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signum)
+
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         while True:
@@ -117,7 +134,7 @@ def run_local(processes: int, args: list[str], dry_run: bool) -> int:
                 for t in relays:
                     t.join(timeout=2)
                 what = "; ".join(f"process {i} {_describe(c)}" for i, c in failed)
-                print(f"launch: {what}; stopped the others", file=sys.stderr)
+                print(f"launch: {what}; stopped the others", file=sys.stderr, flush=True)
                 code = failed[0][1]
                 return code if code > 0 else 1
             if all(c == 0 for c in codes):
@@ -145,13 +162,15 @@ def pack_code(path: Path = CODE_TARBALL) -> Path:
 
 
 def tpu_commands(name: str, zone: str, project: str | None, args: list[str], workdir: str = "shard",
-                 install: bool = True) -> list[list[str]]:
+                 install: bool = True, max_restarts: int = 0) -> list[list[str]]:
     where = [f"--zone={zone}"] + ([f"--project={project}"] if project else [])
     remote = f"mkdir -p {workdir} && tar -xzf {CODE_TARBALL.name} -C {workdir} && cd {workdir}"
     if install:
         remote += " && pip install -q -e '.[tpu]'"
     # The workers' own python3, which the line above installs the project into (not this machine's path).
-    remote += " && " + shlex.join(["python3", "train.py", *args, "run.distributed=on"])
+    # Restarts loop on every host: a host whose process died makes the others fail at their next collective
+    # (or heartbeat), so all of them start again together and resume from the same checkpoint.
+    remote += " && " + restarts.shell_loop(["python3", "train.py", *args, "run.distributed=on"], max_restarts)
     return [
         ["gcloud", "compute", "tpus", "tpu-vm", "scp", str(CODE_TARBALL), f"{name}:~/", "--worker=all", *where],
         ["gcloud", "compute", "tpus", "tpu-vm", "ssh", name, "--worker=all", *where, f"--command={remote}"],
@@ -173,7 +192,8 @@ def run_commands(commands: list[list[str]], dry_run: bool) -> int:
 # ----------------------------------------------------------------------------- SLURM
 
 def slurm_script(nodes: int, gpus_per_node: int | None, per_gpu: bool, partition: str | None, time_limit: str | None,
-                 job_name: str, args: list[str], python: str | None = None) -> str:
+                 job_name: str, args: list[str], python: str | None = None, max_restarts: int = 0,
+                 tasks_per_node: int | None = None) -> str:
     """The sbatch script. Every node runs `python` (default: the interpreter running this, sys.executable)
     in ROOT: both paths must be the same on the compute nodes, as they are when the project and its
     virtualenv lie on the cluster's shared file system. Unlike tpu and gke, whose workers run their own
@@ -181,7 +201,7 @@ def slurm_script(nodes: int, gpus_per_node: int | None, per_gpu: bool, partition
     launching interpreter is the one known to have it (and its JAX build) installed. --python names
     another, e.g. `python3` for an environment the nodes load themselves."""
     python = python or sys.executable
-    tasks = gpus_per_node if per_gpu and gpus_per_node else 1
+    tasks = tasks_per_node or (gpus_per_node if per_gpu and gpus_per_node else 1)
     lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}",
              f"#SBATCH --ntasks-per-node={tasks}"]
     if gpus_per_node:
@@ -197,14 +217,18 @@ def slurm_script(nodes: int, gpus_per_node: int | None, per_gpu: bool, partition
               "# both must exist at these paths there, as they do on a shared file system with the project's",
               "# virtualenv.",
               f"cd {shlex.quote(str(ROOT))}",
-              "srun " + shlex.join([python, "train.py", *args, "run.distributed=on"]), ""]
+              *(["# --max-restarts: a task that fails ends the step (--kill-on-bad-exit) and the step runs again,",
+                 "# resuming from the newest complete checkpoint."] if max_restarts else []),
+              restarts.shell_loop(["srun", *(["--kill-on-bad-exit=1"] if max_restarts else []), python, "train.py",
+                                   *args, "run.distributed=on"], max_restarts), ""]
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- GKE (xpk)
 
 def gke_command(cluster: str, workload: str, tpu_type: str | None, device_type: str | None, slices: int,
-                nodes: int, image: str | None, project: str | None, zone: str | None, args: list[str]) -> list[str]:
+                nodes: int, image: str | None, project: str | None, zone: str | None, args: list[str],
+                max_restarts: int = 0) -> list[str]:
     if (tpu_type is None) == (device_type is None):
         raise LaunchError("gke: give exactly one of --tpu-type (e.g. v5litepod-256) or --device-type (e.g. h100-80gb-8)")
     extra = "[tpu]" if tpu_type else "[cuda]"
@@ -217,6 +241,7 @@ def gke_command(cluster: str, workload: str, tpu_type: str | None, device_type: 
     out += [f"--docker-image={image}"] if image else ["--base-docker-image=python:3.11", f"--script-dir={ROOT}"]
     out += [f"--project={project}"] if project else []
     out += [f"--zone={zone}"] if zone else []
+    out += [f"--max-restarts={max_restarts}"] if max_restarts else []  # the JobSet restarts every pod together
     return out + [f"--command={command}"]
 
 
@@ -247,6 +272,8 @@ def parser() -> argparse.ArgumentParser:
     slurm.add_argument("--nodes", type=int, required=True)
     slurm.add_argument("--gpus-per-node", type=int)
     slurm.add_argument("--per-gpu", action="store_true", help="one process per GPU instead of per node")
+    slurm.add_argument("--tasks-per-node", type=int, metavar="N",
+                       help="processes per node (default: 1, or one per GPU with --per-gpu), e.g. on CPU nodes")
     slurm.add_argument("--partition")
     slurm.add_argument("--time", dest="time_limit", help="wall-clock limit, e.g. 04:00:00")
     slurm.add_argument("--job-name", default="shard")
@@ -267,6 +294,10 @@ def parser() -> argparse.ArgumentParser:
     gke.add_argument("--zone")
     for s in (local, tpu, slurm):
         s.add_argument("--dry-run", action="store_true", help="print the commands instead of running them")
+    for s in (local, tpu, slurm, gke):
+        s.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                       help="when a process fails, stop the others and start all again (up to N times); they "
+                            "resume from the newest complete checkpoint")
     return p
 
 
@@ -289,13 +320,16 @@ def main(argv: list[str]) -> int:
     own, args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     opts = parser().parse_args(own)
     args = without_train_py(args)
+    if opts.max_restarts < 0:
+        raise LaunchError(f"--max-restarts={opts.max_restarts}: give 0 (no restarts) or a positive number")
     if opts.target == "local":
         if opts.processes < 1:
             raise LaunchError(f"--processes={opts.processes}: give a positive number of processes")
-        return run_local(opts.processes, args, opts.dry_run)
+        return run_local(opts.processes, args, opts.dry_run, opts.max_restarts)
     if opts.target == "tpu":
         warn_if_local_run_dir(args, opts.target)
-        commands = tpu_commands(opts.name, opts.zone, opts.project, args, install=not opts.no_install)
+        commands = tpu_commands(opts.name, opts.zone, opts.project, args, install=not opts.no_install,
+                                max_restarts=opts.max_restarts)
         if not opts.dry_run:
             pack_code()
         return run_commands(commands, opts.dry_run)
@@ -304,10 +338,13 @@ def main(argv: list[str]) -> int:
             raise LaunchError("--nodes and --gpus-per-node must be positive")
         if opts.per_gpu and not opts.gpus_per_node:
             raise LaunchError("--per-gpu needs --gpus-per-node")
+        if opts.tasks_per_node is not None and (opts.tasks_per_node < 1 or opts.per_gpu):
+            raise LaunchError("--tasks-per-node must be positive, and is not given with --per-gpu (one task per GPU)")
         if opts.nodes > 1:
             warn_if_local_run_dir(args, opts.target)
         script = slurm_script(opts.nodes, opts.gpus_per_node, opts.per_gpu, opts.partition, opts.time_limit,
-                              opts.job_name, args, opts.python)
+                              opts.job_name, args, opts.python, opts.max_restarts,
+                              opts.tasks_per_node)
         path = Path(opts.script or f"{opts.job_name}.sbatch")
         if opts.dry_run:
             print(f"# {path}\n{script}\n# then: sbatch {path}")
@@ -316,7 +353,8 @@ def main(argv: list[str]) -> int:
         return run_commands([["sbatch", str(path)]], dry_run=False)
     # GKE: print the command; submitting it needs the user's cluster credentials and xpk.
     print(shlex.join(gke_command(opts.cluster, opts.workload, opts.tpu_type, opts.device_type, opts.num_slices,
-                                 opts.num_nodes, opts.docker_image, opts.project, opts.zone, args)))
+                                 opts.num_nodes, opts.docker_image, opts.project, opts.zone, args,
+                                 opts.max_restarts)))
     return 0
 
 

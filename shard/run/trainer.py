@@ -18,12 +18,12 @@ from tqdm import tqdm
 from shard.run import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
-from shard.run import distributed, host_malloc, stopping
+from shard.run import badsteps, distributed, host_malloc, stopping, watchdog
 from shard.use import generate
 from shard.plan import hardware
 from shard import hf, paths
 from shard.hf import read as hf_read
-from shard.observe import plot, profiling
+from shard.observe import goodput, plot, profiling, wandb_log
 from shard.core import mesh as mesh_lib
 from shard.core import state as state_lib
 from shard.observe.board import Board
@@ -56,6 +56,8 @@ def run(cfg: config_lib.Config) -> Result:
 
 def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
     run_dir = paths.resolve(cfg.run.dir)
+    if cfg.run.wandb:
+        wandb_log.require()  # missing: one line, before anything starts
     if not paths.is_remote(run_dir) and run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"run.dir={cfg.run.dir!r} is a file; it must be a directory (new or from an earlier run)")
 
@@ -96,30 +98,37 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
 
     # ---- state: resumed, restored from another run, or freshly initialised (always sharded)
     log = None
+    spent = goodput.Recorder(run_dir, main)  # where the wall time goes, across restarts
+    spent.span("compile", job.compile_s)
     try:
         try:
-            state = job.to_running(start_state(cfg, checkpoints, job, say))  # e.g. a circular pipeline's layer order
+            with spent.timed("restore"):  # e.g. a circular pipeline's layer order
+                state = job.to_running(start_state(cfg, checkpoints, job, say))
             result = Result(graphdef=work.graphdef, shardings=job.shardings, mesh=job.mesh,
                             train_step=job.train_step, start_step=int(state.step))
-            log = metrics_log(cfg, run_dir, result.start_step, work, main)
+            plan = {"model": cfg.model.name, "parameters": state_lib.count_params(work.abstract.params),
+                    "mesh": mesh_lib.describe(job.mesh), "devices": len(devices), "split": state_lib.split_summary(job.split)}
+            log = metrics_log(cfg, run_dir, result.start_step, work, main, plan)
             if result.start_step >= cfg.train.steps:
                 say(f"the model is at step {result.start_step}, already past train.steps={cfg.train.steps}: nothing "
                     f"to train; evaluating the step-{result.start_step} model (raise train.steps to train on)")
             else:
                 stop.enter_phase("loop", "")
-                state = train_loop(cfg, state, job, checkpoints, log, result, devices, main, stop)
+                state = train_loop(cfg, state, job, checkpoints, log, result, devices, main, stop, spent)
         finally:
             if checkpoints:
                 checkpoints.close()  # waits for the last save: a stop from here on finds it written
         result.state = job.to_stored(state)  # the model's own layout
         if result.preempted:
+            spent.end()
             return result
 
         # ---- final eval and sample; every process takes part (the arrays are split across them)
         step = int(state.step)
         kept = f"checkpoint at step {step} is written" if checkpoints else "checkpoints are disabled"
         stop.enter_phase("the final eval and sample", f"{kept}; the final eval and sample were skipped", exit_code=0)
-        result.eval = evaluate(job.eval_step, state, data, job.eval_shardings, cfg)
+        with spent.timed("eval"):
+            result.eval = evaluate(job.eval_step, state, data, job.eval_shardings, cfg)
         log.write({"step": step, **result.eval})
     finally:
         if log:
@@ -137,6 +146,8 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
         else:
             result.sample = sample
             say(f"sample:\n{cfg.train.sample_prompt}{sample}")
+    if line := spent.end():
+        say(line)
     return result
 
 
@@ -156,13 +167,18 @@ def end_sample(cfg, job: Job, state) -> str | None:
     return tok.decode(generate.until_eos(tokens[0], tok.eos))
 
 
-def metrics_log(cfg, run_dir, start_step: int, work, main: bool) -> MetricsLog:
-    """metrics.jsonl, and TensorBoard's event files unless run.tensorboard=false (process 0 only)."""
-    board = None
+def metrics_log(cfg, run_dir, start_step: int, work, main: bool, plan: dict | None = None) -> MetricsLog:
+    """metrics.jsonl, TensorBoard's event files unless run.tensorboard=false, and W&B under run.wandb=true
+    (process 0 only)."""
+    board = wandb = None
     if main and cfg.run.tensorboard:
         board = Board(paths.resolve(run_dir) / "tensorboard", start_step)
         board.describe(start_step, work.resolved, cfg.model.name, state_lib.count_params(work.abstract.params))
-    return MetricsLog(run_dir, board)
+    if main and cfg.run.wandb:
+        wandb = wandb_log.WandbRun(run_dir, config_lib.yaml_load(work.resolved), plan or {})
+    log = MetricsLog(run_dir, wandb_log.Writers(board, wandb) if wandb else board)
+    log.keep_until(start_step)  # after a restart, the steps past the checkpoint are logged again, once
+    return log
 
 
 def draw_curves(run_dir) -> None:
@@ -216,7 +232,31 @@ def start_state(cfg, checkpoints, job: Job, say) -> state_lib.TrainState:
     return state
 
 
-def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, stop) -> state_lib.TrainState:
+def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, stop, spent) -> state_lib.TrainState:
+    """The steps from the state's to train.steps. Under train.nonfinite=rollback a bad step restores the newest
+    checkpoint and the loop goes on from it, past the batches that led to the bad step (shard/run/badsteps.py)."""
+    at = int(state.step)
+    offset = checkpoints.meta(at).get("data_offset", 0) if checkpoints and at in checkpoints.steps() else 0
+    bad = badsteps.Rollbacks(cfg.train.max_rollbacks, offset)
+    while True:
+        try:
+            return _train_span(cfg, state, job, checkpoints, log, result, devices, main, stop, bad, spent)
+        except badsteps.Rollback as e:
+            say = print if main else (lambda *a, **k: None)
+            spent.rolled_back(e.step)
+            with spent.timed("restore"):
+                checkpoints.manager.wait_until_finished()  # a save in flight may be the step to go back to
+                state = job.to_running(start_state(cfg, checkpoints, job, say))
+            record = bad.plan(e, int(state.step))
+            log.keep_until(record["step"])  # the steps after it are trained again (on other batches): logged once
+            log.write(record)
+            result.history = [r for r in result.history if r["step"] <= record["step"]]
+            say(f"rollback: {e}; restored step {record['step']} and skipped batches {record['skipped_batches_first']}"
+                f"..{record['skipped_batches_last']} of the data order; going on", flush=True)
+
+
+def _train_span(cfg, state, job: Job, checkpoints, log, result, devices, main, stop,
+                bad: badsteps.Rollbacks, spent: goodput.Recorder) -> state_lib.TrainState:
     data, train_step = job.work.data, job.train_step
     flops = job.work.flops_per_step / len(devices)  # per device: the step's work is split evenly over the mesh
     peak = hardware.peak_flops(devices[0], cfg.run.peak_tflops)
@@ -224,7 +264,7 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
     rate_key = "tokens_per_s" if data.tokens_per_example else "examples_per_s"
     start = int(state.step)
     prefetch = prefetch_depth(cfg, devices)
-    batches = data_lib.device_batches(data.train, job.batch_shardings, start=start, prefetch=prefetch,
+    batches = data_lib.device_batches(data.train, job.batch_shardings, start=start + bad.offset, prefetch=prefetch,
                                       batch_size=data.batch_size)
     # A bar that redraws itself on a terminal; elsewhere (a log file, the launcher's prefixed pipes) a
     # line per log record, since every redraw there would be a line of its own.
@@ -242,6 +282,7 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
     pending: list = []   # (step, device outputs)
     records: dict = {}   # step -> the host-side part of its log record (timing)
     skipped = 0
+    policy = badsteps.policy(cfg.train)
 
     def look_at(upto: int) -> None:
         """Fetch the outputs of the pending steps up to `upto`; stop (or count skips) at the first
@@ -251,11 +292,14 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
         pending = [(s, o) for s, o in pending if s > upto]
         for (s, _), o in zip(ready, jax.device_get([o for _, o in ready])):
             if not o["finite"]:
-                if not cfg.train.skip_nonfinite:
+                if policy == "rollback":
+                    raise badsteps.Rollback(s, float(o["loss"]), float(o["grad_norm"]))
+                if policy == "stop":
                     kept = f"the last checkpoint is step {last_saved}" if last_saved else "no checkpoint was written"
                     raise NonFiniteLoss(f"loss is {float(o['loss'])} (gradient norm {float(o['grad_norm'])}) at "
                                         f"step {s}; stopped, {kept}. Lower optimizer.lr, or set "
-                                        "train.skip_nonfinite=true to skip such updates")
+                                        "train.nonfinite=skip to skip such updates (rollback: go back to the last "
+                                        "checkpoint and past the batches since it)")
                 skipped += 1
             if s in records:
                 record = {"step": s, "loss": float(o["loss"]), "grad_norm": float(o["grad_norm"]),
@@ -273,7 +317,9 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
     # Processes enter the first step together: its collectives give a late peer only 30 s (gloo).
     distributed.barrier("first step", cfg.run.init_timeout_s)
     t_last, steps_since, waited = time.perf_counter(), 0, 0.0
-    with contextlib.closing(batches), contextlib.closing(profiler):
+    spent.loop_starts()
+    dog = watchdog.Watchdog(cfg.run.step_timeout_s, devices[0].platform, cfg.run.dir)
+    with contextlib.closing(batches), contextlib.closing(profiler), contextlib.closing(dog):
         for step in range(start, cfg.train.steps):
             done = step + 1
             with profiler.step(done, before=pending[-1][1] if pending else state):
@@ -287,6 +333,7 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
             # is seen (and the state checkpointed) within a step or two, not after a queue of them.
             if pending:
                 jax.block_until_ready(pending[-1][1]["loss"])
+                dog.beat(pending[-1][0])
             pending.append((done, out))
             steps_since += 1
             bar.update(1)
@@ -302,10 +349,12 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 if done == start + 1:
                     jax.block_until_ready(out["loss"])
                 step_time, data_wait = (time.perf_counter() - t_last) / steps_since, waited / steps_since
+                spent.steps(done, steps_since, step_time * steps_since, waited)
                 # The next interval starts now. Nothing here waits for the running step: the learning rate
                 # comes with the step's outputs (a computation of its own would queue behind the step on
                 # a CPU, and the device would idle while the host logs: ~2% of the default job's time).
                 t_last, steps_since, waited = time.perf_counter(), 0, 0.0
+                dog.beat(done - 1, step_time)
                 record = {"step_time_s": step_time, "data_wait_s": data_wait,
                           rate_key: per_step / step_time}
                 if flops:
@@ -323,9 +372,11 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 continue
             look_at(done)  # a checkpoint, an eval or the end needs this step's state anyway
             if save_now:
-                checkpoints.save(job.to_stored(state), done, seed=cfg.train.seed,
-                                 train_steps=cfg.train.steps, wait=bool(stopping))
+                with dog.paused(), spent.timed("checkpoint"):
+                    checkpoints.save(job.to_stored(state), done, seed=cfg.train.seed,
+                                     train_steps=cfg.train.steps, wait=bool(stopping), data_offset=bad.offset)
                 last_saved = done
+                bad.saved()
             if stopping:
                 bar.close()
                 where = f"checkpoint at step {done} in {checkpoints.directory}" if checkpoints else "no checkpoint (disabled)"
@@ -334,7 +385,8 @@ def train_loop(cfg, state, job: Job, checkpoints, log, result, devices, main, st
                 result.preempted = True
                 return state
             if eval_now:
-                log.write({"step": done, **evaluate(job.eval_step, state, data, job.eval_shardings, cfg)})
+                with dog.paused(), spent.timed("eval"):
+                    log.write({"step": done, **evaluate(job.eval_step, state, data, job.eval_shardings, cfg)})
             t_last, steps_since, waited = time.perf_counter(), 0, 0.0  # checkpoints and evals are not step time
     bar.close()
     return state
