@@ -15,11 +15,12 @@ from shard.core import registry
 from shard.errors import NonFiniteLoss, UserError, exit_from
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
-FLAGS = ("--help", "-h", "--print-config", "--dry-run", "--compare")
+FLAGS = ("--help", "-h", "--print-config", "--dry-run", "--compare", "--write-config PATH")
 
 
 def main(argv: list[str]) -> int:
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's progress chatter; our own lines say what happened
+    argv, written = _write_config(argv)
     flags = [a for a in argv if a.startswith("-") and "=" not in a]
     for flag in flags:
         if flag not in FLAGS:
@@ -62,8 +63,17 @@ def main(argv: list[str]) -> int:
 
     from shard.run import distributed, trainer  # JAX's machinery only once the config is known to be good
     from shard import plan
+    from shard.plan import target
 
-    devices = distributed.start(cfg.run, deterministic=cfg.train.deterministic)
+    aimed = target.of(cfg.run)
+    if aimed and not {"--dry-run", "--compare"} & set(flags):
+        raise UserError(f"run.target={cfg.run.target} compiles for hardware that is not here: add --dry-run or "
+                        "--compare (training needs the devices)")
+    if written and cfg.mesh.preset != "auto":
+        raise UserError("--write-config writes the mesh that mesh=auto chooses: add mesh=auto")
+    devices = target.devices(aimed) if aimed else distributed.start(cfg.run, deterministic=cfg.train.deterministic)
+    if aimed:
+        target.check_mesh(cfg.mesh, aimed, len(devices))
     if "--compare" in flags:
         rows = plan.compare(cfg, devices)
         print(plan.comparison_table(rows))
@@ -72,6 +82,8 @@ def main(argv: list[str]) -> int:
         return 0
     with distributed.exit_cleanly_if_a_peer_fails():
         cfg = plan.apply_auto(cfg, devices)  # mesh=auto: resolved here, once, for the dry run and training alike
+        if written:
+            print(f"wrote {plan.write_config(cfg, written)}")
         if "--dry-run" in flags:
             result = plan.analyse(cfg, devices)
             print(plan.report(result))
@@ -79,6 +91,18 @@ def main(argv: list[str]) -> int:
         else:
             trainer.run(cfg)
     return 0
+
+
+def _write_config(argv: list[str]) -> tuple[list[str], str | None]:
+    """argv without `--write-config PATH` (or `--write-config=PATH`), and the PATH."""
+    for i, a in enumerate(argv):
+        if a == "--write-config":
+            if i + 1 == len(argv) or argv[i + 1].startswith("-") or "=" in argv[i + 1]:
+                raise UserError("--write-config needs a file name: --write-config PATH.yaml")
+            return argv[:i] + argv[i + 2:], argv[i + 1]
+        if a.startswith("--write-config="):
+            return argv[:i] + argv[i + 1:], a.split("=", 1)[1]
+    return argv, None
 
 
 if __name__ == "__main__":

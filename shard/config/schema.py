@@ -226,6 +226,11 @@ class RunConfig:
                                                "the runtime lets JAX use (GPU, TPU), unknown on CPU", min=0)
     link_gbps: Optional[float] = option(None, "bytes/s (GB) one device sends over its links, for the plan's step "
                                         "estimate; default: known accelerators only", min=0)
+    target: Optional[str] = option(None, "compile for hardware this machine does not have, with its real compiler: "
+                                   "a TPU slice (v4-8, v5e-16, v5p-128, v6e-64; TensorCores on v4/v5p, chips on "
+                                   "v5e/v6e) or GPUs (h100x8, h100x16 = two nodes, a100x8, h200x8); with --dry-run "
+                                   "or --compare only (nothing runs on it)")
+    target_slices: int = option(1, "run.target's TPU slices (multi-slice: mesh.dcn_* axes cross between them)", min=1)
     progress: bool = option(True, "show progress: a bar on a terminal, else a line every log_every steps")
     tensorboard: bool = option(True, "write TensorBoard event files to <run.dir>/tensorboard (process 0)")
     wandb: bool = option(False, "also log the metrics, the config and the plan to Weights & Biases (offline, under "

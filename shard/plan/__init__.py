@@ -22,6 +22,7 @@ from dataclasses import replace
 import jax
 
 from shard.plan import hardware, hlo
+from shard.plan import target as target_lib
 from shard.run import job
 from shard import partition, paths
 from shard.observe import plot
@@ -67,9 +68,11 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     host = state_lib.shard_bytes([leaf for leaf in jax.tree.leaves(sharded) if _on_host(leaf)])
     if host and not memory.host_argument_size_in_bytes:
         total -= host
-    capacity = hardware.memory_bytes(devices[0], cfg.run.device_memory_gb)
-    peak = hardware.peak_flops(devices[0], cfg.run.peak_tflops)
-    link = hardware.link_gbps(devices[0], cfg.run.link_gbps)
+    target = target_lib.of(cfg.run)
+    run = target_lib.with_figures(cfg.run, target, n) if target else cfg.run  # the chip's figures, unless set
+    capacity = hardware.memory_bytes(devices[0], run.device_memory_gb)
+    peak = hardware.peak_flops(devices[0], run.peak_tflops)
+    link = hardware.link_gbps(devices[0], run.link_gbps)
     idle = max((s.idle_share() for s in prepared.strategies), default=0.0)
     estimate = None
     if peak and link:  # a pipeline's stages idle through its bubble: the compute takes 1/(1 - bubble) longer
@@ -77,6 +80,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     return {
         "devices": n,
         "device_kind": getattr(devices[0], "device_kind", devices[0].platform),
+        "target": target.describe() if target else None,
         "mesh": {a: int(prepared.mesh.shape[a]) for a in mesh_lib.AXES},
         "param_count": state_lib.count_params(work.abstract.params),
         "flops_per_step": work.flops_per_step,
@@ -102,6 +106,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "peak_tflops": peak / 1e12 if peak else None,
         "link_gbps": link,
         "estimated_step_s": estimate,
+        "compiler": compiler_figures(step, text, work, flops_device, peak),
         "strategies": [s.label for s in prepared.strategies],
         # each strategy's own figures (pipeline, context, sync, ema, ...), with None for those not active
         **{key: None for cls in strategies.ALL for key in cls.plan_keys},
@@ -109,19 +114,49 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     }
 
 
+def compiler_figures(step, text: str, work, flops_device: float, peak: float | None) -> dict:
+    """What the compiler itself says of the step, per device: its FLOPs and, where it gives one (the TPU
+    compiler's `optimal_seconds`), its estimate of the step's time, with the MFU and throughput that implies.
+    XLA's cost analysis counts a loop body once, so a scanned layer stack counts as one layer: `loop_factor`
+    (the program's matrix-product FLOPs with its loops run their trip counts, over those counted once)
+    scales both to the whole step; the raw figures are kept beside."""
+    cost = step.cost_analysis()
+    cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})  # a list in older JAX
+    once = hlo.dot_flops(text, loops=False, convolutions=True)
+    factor = hlo.dot_flops(text, convolutions=True) / once if once else 1.0
+    raw_s = cost.get("optimal_seconds") or None
+    seconds = raw_s * factor if raw_s else None
+    lm = work.data.task == "lm"
+    items = math.prod(work.batch["targets"].shape[:2 if lm else 1])  # tokens (language models) or samples
+    return {"flops_per_device": cost["flops"] * factor if cost.get("flops") else None,
+            "raw_flops_per_device": cost.get("flops"), "raw_step_s": raw_s, "loop_factor": factor,
+            "bytes_accessed": cost.get("bytes accessed"), "step_s": seconds,
+            "mfu": flops_device / (seconds * peak) if seconds and peak else None,
+            "per_s": items / seconds if seconds else None, "unit": "tokens" if lm else "samples"}
+
+
+def _fits(mem: dict) -> str:
+    if mem["fits"]:
+        return "fits"
+    return f"does NOT fit by {(mem['total'] - mem['capacity']) / 2**30:.2f} GiB"
+
+
 def report(plan: dict) -> str:
     mem = plan["memory_per_device"]
     mesh = " x ".join(f"{a}={s}" for a, s in plan["mesh"].items())
-    lines = [f"plan: {plan['param_count']:,} parameters on {plan['devices']} {plan['device_kind']} device(s), "
-             f"mesh {mesh}",
+    where = f"{plan['devices']} {plan['device_kind']} device(s)"
+    if plan.get("target"):
+        where = f"{plan['devices']} compile-only devices of {plan['target']}"
+    lines = [f"plan: {plan['param_count']:,} parameters on {where}, mesh {mesh}",
              f"  memory per device: params {mb(mem['params'])}, optimizer {mb(mem['optimizer'])}, "
              f"gradients {mb(mem['gradients'])}, arguments {mb(mem['arguments'])}, temp {mb(mem['temp'])}, "
              f"total {mb(mem['total'])}" + (f" on the device, {mb(mem['host'])} in host memory" if mem["host"] else "")
-             + (f" of {mb(mem['capacity'])} ({'fits' if mem['fits'] else 'does NOT fit'})" if mem["capacity"] else ""),
-             f"  per step: {plan['flops_per_step']:.3g} FLOPs, each device sends {mb(plan['wire_bytes_per_device'])}",
-             f"  each device executes {plan['executed_flops_per_device']:.3g} matrix-product FLOPs per step, "
+             + (f" of {mb(mem['capacity'])} ({_fits(mem)})" if mem["capacity"] else ""),
+             f"  per step: {plan['flops_per_step']:.3g} FLOPs, each device sends {mb(plan['wire_bytes_per_device'])}"]
+    if plan["executed_flops_per_device"]:  # the TPU compiler's dots live in fusions as convolutions: not counted
+        lines.append(f"  each device executes {plan['executed_flops_per_device']:.3g} matrix-product FLOPs per step, "
              f"{plan['executed_flops_per_device'] / max(plan['flops_per_device'], 1):.2f}x its share of the model's "
-             "(recomputation, masked attention, pipeline bubbles, work repeated across stages)"]
+             "(recomputation, masked attention, pipeline bubbles, work repeated across stages)")
     lines.append(f"  {plan['sharding']}")
     for r in plan["auto_split"][:AUTO_SHOWN]:
         lines.append(f"    auto: {r['param']} {tuple(r['shape'])} -> {r['spec']}")
@@ -140,7 +175,25 @@ def report(plan: dict) -> str:
                      f"({plan['peak_tflops']:.0f} TFLOP/s, {plan['link_gbps']:.0f} GB/s links)")
     else:
         lines.append("  estimated step: unknown device; set run.peak_tflops and run.link_gbps")
+    lines += compiler_lines(plan)
     return "\n".join(lines)
+
+
+def compiler_lines(plan: dict) -> list[str]:
+    """The compiler's own figures, labelled as such (beside the plan's: for a run.target, a real compiler's)."""
+    c = plan.get("compiler") or {}
+    if not plan.get("target") or not c.get("flops_per_device"):
+        return []
+    whose = "the target's compiler"
+    loops = f" (its loop bodies counted once: x{c['loop_factor']:.2f} for their trip counts)" \
+        if abs(c["loop_factor"] - 1) > 0.01 else ""
+    lines = [f"  {whose}: {c['flops_per_device']:.3g} FLOPs per device per step{loops}; the model's share: "
+             f"{plan['flops_per_device']:.3g}"]
+    if c["step_s"]:
+        mfu = f", MFU {c['mfu']:.0%}" if c["mfu"] is not None else ""
+        lines.append(f"  {whose} estimates the step at {c['step_s'] * 1e3:.3g} ms{mfu}, {c['per_s']:,.0f} "
+                     f"{c['unit']}/s (its cost model, scaled by the same factor; not a measurement)")
+    return lines
 
 
 AUTO_SHOWN = 20  # auto-split parameters listed in the printed report (plan.json has them all)
@@ -267,6 +320,25 @@ def choose(rows: list[dict]) -> tuple[dict, str]:
     why = (f"mesh=auto chose {best['label']}: {basis} {among} "
            f"({mb(best['memory_per_device']['total'])} per device, sends {mb(best['wire_bytes_per_device'])})")
     return best, why
+
+
+def write_config(cfg, path: str):
+    """cfg (mesh=auto resolved) as a config file that trains as it is: on the target's hardware, so without
+    run.target; the run folder is left to follow the file's name. Never over another file."""
+    from shard import config as config_lib
+    from shard.core import registry
+
+    out = paths.resolve(path)
+    if out.exists():
+        raise UserError(f"--write-config {path}: the file exists; give a new name (nothing is overwritten)")
+    aimed = cfg.run.target
+    cfg = replace(cfg, run=replace(cfg.run, target=None, target_slices=1, dir=None, cpu_devices=None))
+    model_cls, kwargs = registry.load(cfg.model)
+    head = f"# written by mesh=auto for run.target={aimed}: train it there with python train.py {path}\n" \
+        if aimed else "# written by mesh=auto\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(head + config_lib.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, kwargs)))
+    return out
 
 
 def write(run_dir: str, plan, name: str):

@@ -23,6 +23,9 @@ _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+(" + "|".join(KINDS) + r")(-start|-done)?\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
 _WHILE = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
+_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
+_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((\d+)\)")
+_LESS = re.compile(r"^\s*ROOT\s.*\bcompare\(%?[\w.\-]+,\s*%?([\w.\-]+)\),\s*direction=LT")
 _TRIP = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _CALLED = re.compile(r"\b(?:calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -101,8 +104,22 @@ def computations(text: str) -> tuple[dict[str, list[str]], str]:
     return out, entry
 
 
-def executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
-    """How many times each computation runs per call: loop bodies x their trip counts."""
+def trip_count(line: str, comps: dict[str, list[str]]) -> int:
+    """A while loop's iterations: XLA's `known_trip_count` where the backend records it (CPU, GPU), else
+    its condition's `counter < N` with N a constant (the TPU compiler's scans, counting from 0), else 1."""
+    trip = _TRIP.search(line)
+    if trip:
+        return int(trip.group(1))
+    cond = _CONDITION.search(line)
+    lines = comps.get(cond.group(1), []) if cond else []
+    constants = dict(m.groups() for m in map(_CONSTANT.match, lines) if m)
+    bound = next((m.group(1) for m in map(_LESS.match, lines) if m), None)
+    return int(constants[bound]) if bound in constants else 1
+
+
+def executions(comps: dict[str, list[str]], entry: str, loops: bool = True) -> dict[str, int]:
+    """How many times each computation runs per call: loop bodies x their trip counts (`loops=False`:
+    every body once, as XLA's cost analysis counts them)."""
     runs: dict[str, int] = {}
 
     def visit(name: str, times: int) -> None:
@@ -112,8 +129,7 @@ def executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
         for line in comps[name]:
             body = _WHILE.search(line)
             if body:
-                trip = _TRIP.search(line)
-                visit(body.group(1), times * (int(trip.group(1)) if trip else 1))
+                visit(body.group(1), times * (trip_count(line, comps) if loops else 1))
                 continue
             for callee in _CALLED.findall(line):
                 visit(callee, times)
@@ -214,14 +230,16 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+?)\s+([\w\-]+
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 
 
-def dot_flops(text: str) -> float:
+def dot_flops(text: str, loops: bool = True, convolutions: bool = False) -> float:
     """FLOPs of the matrix products the compiled program executes per call (2 per multiply-add), each
-    `dot` counted as often as its computation runs (loop trip counts multiplied through): what the
-    devices really compute, bubbles, recomputation and padding included. XLA's own cost analysis
-    counts a loop body once."""
+    `dot` counted as often as its computation runs (loop trip counts multiplied through): what the devices
+    really compute, bubbles, recomputation and padding included. XLA's own cost analysis counts a loop
+    body once (`loops=False` counts that way too). `convolutions`: count them too, by kernel features x
+    window (an upper bound where the window runs over padding: the TPU compiler writes its matrix
+    products as such convolutions)."""
     comps, entry = computations(text)
-    runs = executions(comps, entry)
-    shapes, dots = {}, []
+    runs = executions(comps, entry, loops)
+    shapes, products = {}, []
     for name, lines in comps.items():
         for line in lines:
             ins = _INSTRUCTION.match(line)
@@ -229,18 +247,40 @@ def dot_flops(text: str) -> float:
                 continue
             result, shape, op, rest = ins.groups()
             shapes[result] = shape
-            if op == "dot" and runs.get(name):
-                dots.append((shape, rest, runs[name]))
+            if (op == "dot" or convolutions and op == "convolution") and runs.get(name):
+                products.append((op, shape, rest, runs[name]))
     total = 0.0
-    for shape, rest, times in dots:
-        lhs = re.match(r"\s*(?:([a-z]+\d*\[[\d,]*\])\S*\s+)?%?([\w.\-]+)", rest)
-        lhs_shape = lhs.group(1) or shapes.get(lhs.group(2), "")
-        dims = _ARRAY.search(lhs_shape)
-        contracting = _CONTRACTING.search(rest)
-        if not dims or not contracting:
-            continue
-        lhs_dims = [int(d) for d in dims.group(2).split(",") if d]
-        k = math.prod(lhs_dims[int(i)] for i in contracting.group(1).split(",") if i)
+    for op, shape, rest, times in products:
         out = _ARRAY.search(shape)
-        total += 2.0 * math.prod(int(d) for d in out.group(2).split(",") if d) * k * times
+        k = _contracted(rest, shapes) if op == "dot" else _convolved(rest, shapes)
+        if out and k:
+            total += 2.0 * math.prod(int(d) for d in out.group(2).split(",") if d) * k * times
     return total
+
+
+def _operand_dims(rest: str, shapes: dict, which: int) -> list[int] | None:
+    """The dimensions of an instruction's `which`-th operand (its type written inline, or its producer's)."""
+    found = re.findall(r"(?:([a-z]+\d*\[[\d,]*\])\S*\s+)?%([\w.\-]+)", rest.split(")", 1)[0])
+    if len(found) <= which:
+        return None
+    inline, name = found[which]
+    dims = _ARRAY.search(inline or shapes.get(name, ""))
+    return [int(d) for d in dims.group(2).split(",") if d] if dims else None
+
+
+def _contracted(rest: str, shapes: dict) -> int | None:
+    """A dot's multiply-adds per output element: the product of the left operand's contracting dimensions."""
+    lhs, contracting = _operand_dims(rest, shapes, 0), _CONTRACTING.search(rest)
+    if not lhs or not contracting:
+        return None
+    return math.prod(lhs[int(i)] for i in contracting.group(1).split(",") if i)
+
+
+def _convolved(rest: str, shapes: dict) -> int | None:
+    """A convolution's multiply-adds per output element, at most: the kernel's input features times its window."""
+    rhs, labels = _operand_dims(rest, shapes, 1), re.search(r"dim_labels=\w+_(\w+)->", rest)
+    if not rhs or not labels or len(labels.group(1)) != len(rhs):
+        return None
+    features = rhs[labels.group(1).index("i")]
+    window = re.search(r"window=\{size=([\dx]+)", rest)
+    return features * (math.prod(int(w) for w in window.group(1).split("x")) if window else 1)

@@ -1,0 +1,112 @@
+"""run.target: compiling the train step for hardware this machine does not have (TPU slices, GPU nodes)
+with the real compiler, and the plan's figures beside the compiler's. The compile tests need libtpu
+(`pip install -e ".[tpu]"`) or the CUDA plugin (`pip install -e ".[cuda]"`) and are skipped without."""
+
+import importlib.util
+import sys
+
+import pytest
+
+from conftest import ROOT, overrides, run_cli
+from shard import config, plan
+from shard.errors import UserError
+from shard.plan import target
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install -e '.[tpu]')")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="the CUDA plugin is not installed (pip install -e '.[cuda]')")
+
+# The default GPT, small, with every dimension split over the 4 chips of a v5p-8 still a multiple of the
+# TPU's 128-wide tiles: the compiler pads a smaller piece up to a tile, which the plan does not count.
+SMALL_GPT = ["model.name=gpt", "model.vocab_size=512", "model.d_model=512", "model.n_layers=4", "model.n_heads=4",
+             "model.d_ff=512", "model.max_len=64", "data.name=text", "data.seq_len=64", "data.batch_size=16"]
+
+
+@pytest.mark.parametrize("name,chips,topology", [
+    ("v4-8", 4, "v4:2x2x1"), ("v5p-8", 4, "v5p:2x2x1"), ("v5p-32", 16, "v5p:2x2x4"), ("v5p-128", 64, "v5p:4x4x4"),
+    ("v5p-256", 128, "v5p:4x4x8"), ("v5e-16", 16, "v5e:4x4"), ("v5litepod-8", 8, "v5e:2x4"), ("v6e-64", 64, "v6e:8x8"),
+    ("h100x8", 8, "1x1x8"), ("h100x16", 16, "1x2x8"), ("a100x4", 4, "1x1x4"), ("h200x8", 8, "1x1x8")])
+def test_cloud_names_give_the_clouds_chips_and_topologies(name, chips, topology):
+    t = target.parse(name)
+    assert (t.n_chips, t.topology) == (chips, topology)
+
+
+@pytest.mark.parametrize("name", ["v9-8", "v5p-6", "v5e-12", "h100x12", "tpu", "b200x8"])
+def test_a_name_that_is_no_target_is_one_line(name):
+    with pytest.raises(UserError, match="run.target"):
+        target.parse(name)
+
+
+def test_the_gpu_description_carries_the_chip_facts():
+    text = target.gpu_target_config(target.chips()["gpu"]["h100"])
+    assert "major: 9 minor: 0" in text and "core_count: 132" in text and 'NVIDIA H100 80GB HBM3' in text
+
+
+@pytest.mark.parametrize("args,says", [
+    (["run.target=v9-8", "--dry-run"], "unknown run.target 'v9-8'; known: v4-N"),
+    (["run.target=v5p-8"], "add --dry-run or --compare"),
+    (["run.target=v5p-8", "mesh=tp", "mesh.tensor=3", "--dry-run"], "run.target=v5p-8 has 4 devices"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
+    if "has 4 devices" in says and not HAS_LIBTPU:
+        pytest.skip("libtpu is not installed: the target's devices cannot be listed")
+    r = run_cli(*overrides(tmp_path), *args)
+    assert r.returncode == 2, r.stderr
+    assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_missing_compiler_names_the_command_to_install_it(tmp_path):
+    fake = tmp_path / "hide" / "libtpu"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    import os
+    import subprocess
+    from conftest import subprocess_env
+    env = {k: v for k, v in subprocess_env().items() if k != "TPU_LIBRARY_PATH"}  # JAX sets it once it found libtpu
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "hide"), str(ROOT)])
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides(tmp_path), "run.target=v5p-8", "--dry-run"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout[:300] + r.stderr
+    assert 'pip install -e ".[tpu]"' in r.stderr.strip().splitlines()[-1]
+
+
+def _analyse(tmp_path, name, *extra):
+    cfg = config.load(None, overrides(tmp_path, *SMALL_GPT, f"run.target={name}", *extra))
+    return plan.analyse(cfg, target.devices(target.of(cfg.run)))
+
+
+# What each mesh must make the compiler emit (the plan's own reading of the strategies).
+EXPECTED = {"dp": "all-reduce", "fsdp": "all-gather", "tp": "all-reduce", "fsdp_tp": "all-gather",
+            "pp": "collective-permute", "cp": "all-gather"}
+
+
+@needs_libtpu
+@pytest.mark.parametrize("mesh", list(EXPECTED))
+def test_the_tpu_compilers_state_bytes_are_the_plans(tmp_path, mesh):
+    p = _analyse(tmp_path, "v5p-8", f"mesh={mesh}")
+    mem, c = p["memory_per_device"], p["compiler"]
+    batch = 2 * 16 * 64 * 4 / (p["mesh"]["data"] * p["mesh"]["fsdp"] * p["mesh"]["context"])  # inputs, targets
+    state = mem["params"] + mem["optimizer"]
+    assert mem["arguments"] - batch == pytest.approx(state, rel=0.02)  # the compiler's bytes: the state's
+    assert mem["capacity"] == 95 * 2**30 and mem["fits"]
+    assert p["collectives"][EXPECTED[mesh]]["count"] > 0
+    assert c["step_s"] > 0 and 0 < c["mfu"] < 1 and c["loop_factor"] > 1  # scanned layers: bodies counted once
+    assert "the target's compiler estimates the step" in plan.report(p)
+
+
+@needs_libtpu
+def test_a_dry_run_for_a_tpu_target_writes_the_plan(tmp_path):
+    r = run_cli(*overrides(tmp_path, *SMALL_GPT), "run.target=v5e-4", "mesh=fsdp", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "compile-only devices of v5e-4 (4 TPU v5e chips, v5e:2x2)" in r.stdout
+    assert "of 16384.00 MiB (fits)" in r.stdout
+
+
+@needs_cuda
+def test_the_gpu_compilers_state_bytes_are_the_plans(tmp_path):
+    p = _analyse(tmp_path, "h100x8", "mesh=fsdp")
+    mem = p["memory_per_device"]
+    batch = 2 * 16 * 64 * 4 / 8
+    assert mem["arguments"] - batch == pytest.approx(mem["params"] + mem["optimizer"], rel=0.02)
+    assert p["collectives"]["all-gather"]["count"] > 0 and mem["fits"]
