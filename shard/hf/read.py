@@ -60,10 +60,14 @@ class Folder:
             return tuple(st.get_slice(name).get_shape())
 
 
+def dotted(path) -> str:
+    """A parameter's tree path as its dotted name: "blocks.attn.q"."""
+    return ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
 def flat_paths(params) -> dict[str, object]:
-    """Our parameters by dotted path ("blocks.attn.q") -> the leaf (an array or its abstract)."""
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    return {".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)): leaf for path, leaf in leaves}
+    """Our parameters by dotted path -> the leaf (an array or its abstract)."""
+    return {dotted(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
 def plan(folder: Folder, params, kwargs: dict) -> list[tables.Row]:
@@ -109,11 +113,11 @@ def check_tokenizer(folder: Folder, vocab_size: int) -> None:
 
 # ----------------------------------------------------------------------------- index arithmetic
 
-def their_slices(r: tables.Row, our: dict[str, range], size: dict) -> tuple | None:
+def their_slices(r: tables.Row, our: dict[str, range], size: dict) -> list | None:
     """For our index ranges (letter -> range), what to read from their tensor: per axis (lo, hi, the picked
-    offsets within lo:hi, each letter's length), or None where this tensor fills none of them. The read is
-    the smallest contiguous range holding the picks: exactly them unless a sliced letter is not the group's
-    first (head_dim, which no rule splits)."""
+    offsets within lo:hi or None for all of them, each letter's length), or None where this tensor fills none
+    of them. The read is the smallest contiguous range holding the picks: exactly them unless a sliced letter
+    is not its group's first (head_dim, which no rule splits)."""
     mine, theirs = set(r.letters()), set(_their_letters(r))
     if any(l in mine and l not in theirs and at not in our[l] for l, at in r.at.items()):
         return None
@@ -121,9 +125,14 @@ def their_slices(r: tables.Row, our: dict[str, range], size: dict) -> tuple | No
     for group in r.groups():
         ranges = [range(our[l].start + r.at.get(l, 0), our[l].stop + r.at.get(l, 0)) if l in mine
                   else range(r.at[l], r.at[l] + 1) for l in group]
-        grids = np.meshgrid(*[np.arange(x.start, x.stop) for x in ranges], indexing="ij")
+        lengths = [len(x) for x in ranges]
+        if len(group) == 1:  # one letter: a plain range, nothing to pick
+            axes.append((ranges[0].start, ranges[0].stop, None, lengths))
+            continue
+        grids = np.meshgrid(*[np.arange(x.start, x.stop) for x in ranges], indexing="ij")  # a few heads x head_dim
         flat = np.ravel_multi_index(grids, [size[l] for l in group]).ravel()
-        axes.append((int(flat.min()), int(flat.max()) + 1, flat - flat.min(), [len(x) for x in ranges]))
+        lo, hi = int(flat.min()), int(flat.max()) + 1
+        axes.append((lo, hi, None if hi - lo == len(flat) else flat - lo, lengths))
     return axes
 
 
@@ -132,16 +141,16 @@ def _their_letters(r: tables.Row) -> list[str]:
 
 
 def to_ours(r: tables.Row, block: np.ndarray, axes: list) -> np.ndarray:
-    """Their picked block -> our letters' order; letters only in ours get a length-1 axis."""
-    picked = block[np.ix_(*[a[2] for a in axes])] if block.ndim else block
-    theirs = _their_letters(r)
-    picked = picked.reshape([n for a in axes for n in a[3]])
-    mine = r.letters()
-    keep = [i for i, l in enumerate(theirs) if l in mine]
-    picked = picked.reshape([picked.shape[i] for i in keep])  # their-only letters have length 1
-    kept = [theirs[i] for i in keep]
-    picked = picked.transpose([kept.index(l) for l in mine if l in kept])
-    return picked.reshape([picked.shape[[l for l in mine if l in kept].index(l)] if l in kept else 1 for l in mine])
+    """Their block (as read) -> our letters' order; letters only in ours get a length-1 axis."""
+    for i, (_, _, picks, _) in enumerate(axes):
+        if picks is not None:
+            block = np.take(block, picks, axis=i)
+    theirs, mine = _their_letters(r), r.letters()
+    lengths = [n for a in axes for n in a[3]]
+    kept = [l for l in theirs if l in mine]  # their-only letters have length 1: dropped
+    block = block.reshape([n for n, l in zip(lengths, theirs) if l in mine])
+    block = block.transpose([kept.index(l) for l in mine if l in kept])
+    return np.expand_dims(block, [i for i, l in enumerate(mine) if l not in kept])
 
 
 def read_slice(folder: Folder, rows: list[tables.Row], shape: tuple, index: tuple, size: dict, layered: bool,
@@ -190,7 +199,7 @@ def load_params(folder: Folder, target_params, kwargs: dict):
     size = tables.sizes(g, folder.kind)
 
     def build(path, leaf):
-        name = ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+        name = dotted(path)
         mine = [r for r in rows if r.ours == name]
         layered = mine[0].layered
         want = ((g["n_layers"],) if layered else ()) + tuple({**size, "s": 2}[l] for l in mine[0].letters())
