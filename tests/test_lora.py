@@ -154,3 +154,16 @@ def test_the_command_line_refuses_targets_that_match_nothing(tmp_path):
     proc = run_cli(*overrides(tmp_path, *BASE, "train.lora.targets=[qq]"), "--dry-run")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].endswith("its targets are: q, k, v, o, mlp, head, pos, tok")
+
+
+def test_every_adapter_is_a_matrix_to_weight_decay():
+    from shard.core import optim
+    from shard.core import state as state_lib
+    from shard.models.gpt import GPT
+    from shard.strategies import adapters
+
+    model = nnx.eval_shape(lambda: state_lib.build_model(GPT, dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4,
+                                                                   d_ff=64, mlp="swiglu"), 0))
+    site_list = adapters.sites(GPT, nnx.state(model, nnx.Param), ("q", "k", "v", "o", "mlp"), "gpt")
+    ad = jax.eval_shape(lambda: adapters.create(site_list, 4, 0))
+    assert len(jax.tree.leaves(ad)) == 14 and all(jax.tree.leaves(optim.decay_mask(ad)))

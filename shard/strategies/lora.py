@@ -47,11 +47,6 @@ def settings(cfg) -> tuple[int, float, tuple] | None:
     return lora.rank, alpha, targets
 
 
-def sites_for(cfg, model_cls, params) -> tuple:
-    rank, alpha, targets = settings(cfg)
-    return adapters.sites(model_cls, params, targets, cfg.model.name)
-
-
 class LoRA(Strategy):
     name = "lora"
     keys = ("train.lora.rank", "train.lora.alpha", "train.lora.targets")
