@@ -167,3 +167,11 @@ def test_every_adapter_is_a_matrix_to_weight_decay():
     site_list = adapters.sites(GPT, nnx.state(model, nnx.Param), ("q", "k", "v", "o", "mlp"), "gpt")
     ad = jax.eval_shape(lambda: adapters.create(site_list, 4, 0))
     assert len(jax.tree.leaves(ad)) == 14 and all(jax.tree.leaves(optim.decay_mask(ad)))
+
+
+def test_any_models_weights_are_targets_by_name(train):
+    from conftest import TINY_MODELS
+
+    result = train(*TINY_MODELS["mlp"], "train.steps=3", "run.log_every=1", "train.lora.rank=2",
+                   "train.lora.targets=[kernel]")
+    assert result.history[-1]["loss"] < result.history[0]["loss"]
