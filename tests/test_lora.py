@@ -44,9 +44,10 @@ def base_run(train, tmp_path):
     return tmp_path / "base"
 
 
-def test_only_the_adapters_train_and_the_weights_stay_bitwise(train, tmp_path, base_run):
+def test_only_the_adapters_train_and_the_weights_stay_bitwise(train, tmp_path, base_run, capsys):
     result = train(*BASE, f"train.init_from={base_run}", "checkpoint.enabled=true", "checkpoint.every=1",
                    "checkpoint.keep=5")
+    assert "model gpt: 36,160 parameters (4,096 trained, the rest frozen)" in capsys.readouterr().out
     start = saved(base_run, 2)["model"]["params"]
     for step in (1, 4):
         got = saved(tmp_path / "run", step)
