@@ -151,6 +151,11 @@ def test_bad_input_is_one_line(tmp_path, extra, message):
         plan.analyse(config.load(None, overrides(tmp_path, *BASE, *extra)), jax.devices()[:2])
 
 
+def test_a_whole_state_without_adapters_is_refused(train, tmp_path, base_run):
+    with pytest.raises(UserError, match=r"holds no adapters .* start from its weights with train.init_from="):
+        train(*BASE, f"checkpoint.restore_from={base_run}")
+
+
 def test_the_command_line_refuses_targets_that_match_nothing(tmp_path):
     proc = run_cli(*overrides(tmp_path, *BASE, "train.lora.targets=[qq]"), "--dry-run")
     assert proc.returncode == 2
