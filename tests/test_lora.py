@@ -44,9 +44,10 @@ def base_run(train, tmp_path):
     return tmp_path / "base"
 
 
-def test_only_the_adapters_train_and_the_weights_stay_bitwise(train, tmp_path, base_run):
+def test_only_the_adapters_train_and_the_weights_stay_bitwise(train, tmp_path, base_run, capsys):
     result = train(*BASE, f"train.init_from={base_run}", "checkpoint.enabled=true", "checkpoint.every=1",
                    "checkpoint.keep=5")
+    assert "model gpt: 36,160 parameters (4,096 trained, the rest frozen)" in capsys.readouterr().out
     start = saved(base_run, 2)["model"]["params"]
     for step in (1, 4):
         got = saved(tmp_path / "run", step)
@@ -150,7 +151,33 @@ def test_bad_input_is_one_line(tmp_path, extra, message):
         plan.analyse(config.load(None, overrides(tmp_path, *BASE, *extra)), jax.devices()[:2])
 
 
+def test_a_whole_state_without_adapters_is_refused(train, tmp_path, base_run):
+    with pytest.raises(UserError, match=r"holds no adapters .* start from its weights with train.init_from="):
+        train(*BASE, f"checkpoint.restore_from={base_run}")
+
+
 def test_the_command_line_refuses_targets_that_match_nothing(tmp_path):
     proc = run_cli(*overrides(tmp_path, *BASE, "train.lora.targets=[qq]"), "--dry-run")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].endswith("its targets are: q, k, v, o, mlp, head, pos, tok")
+
+
+def test_every_adapter_is_a_matrix_to_weight_decay():
+    from shard.core import optim
+    from shard.core import state as state_lib
+    from shard.models.gpt import GPT
+    from shard.strategies import adapters
+
+    model = nnx.eval_shape(lambda: state_lib.build_model(GPT, dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4,
+                                                                   d_ff=64, mlp="swiglu"), 0))
+    site_list = adapters.sites(GPT, nnx.state(model, nnx.Param), ("q", "k", "v", "o", "mlp"), "gpt")
+    ad = jax.eval_shape(lambda: adapters.create(site_list, 4, 0))
+    assert len(jax.tree.leaves(ad)) == 14 and all(jax.tree.leaves(optim.decay_mask(ad)))
+
+
+def test_any_models_weights_are_targets_by_name(train):
+    from conftest import TINY_MODELS
+
+    result = train(*TINY_MODELS["mlp"], "train.steps=3", "run.log_every=1", "train.lora.rank=2",
+                   "train.lora.targets=[kernel]")
+    assert result.history[-1]["loss"] < result.history[0]["loss"]

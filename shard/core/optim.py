@@ -29,6 +29,8 @@ def decays(var) -> bool:
     named parameter (the k/v pair, an LSTM's four gates, a router's experts, learned positions) is a
     grouping, not a matrix's rows or columns. Without names, every dimension counts.
     """
+    if isinstance(var, nnx.LoRAParam):  # a low-rank adapter is a matrix; its rank axis carries no name
+        return True
     names = logical_names(var)
     if names is None:
         return jax.tree.leaves(var)[0].ndim >= 2

@@ -47,11 +47,6 @@ def settings(cfg) -> tuple[int, float, tuple] | None:
     return lora.rank, alpha, targets
 
 
-def sites_for(cfg, model_cls, params) -> tuple:
-    rank, alpha, targets = settings(cfg)
-    return adapters.sites(model_cls, params, targets, cfg.model.name)
-
-
 class LoRA(Strategy):
     name = "lora"
     keys = ("train.lora.rank", "train.lora.alpha", "train.lora.targets")
@@ -99,6 +94,21 @@ class LoRA(Strategy):
         laid = state_lib.state_shardings(new.replace(params=None, rest=None), place.mesh, place.rules, place.auto_min)
         self.device = laid.extra[KEY]
         return new, build, shardings.replace(opt_state=laid.opt_state, extra={**(shardings.extra or {}), KEY: self.device})
+
+    def take(self, job, folder, step: int, resume: bool):
+        """A whole-state restore needs the adapters and their optimizer state; a checkpoint of a run without
+        them is refused in one line (its weights are what train.init_from reads)."""
+        if resume:
+            manager = ckpt_lib.tree_manager(folder)
+            try:
+                saved = manager.item_metadata(step)["optimizer"].tree.get("extra") or {}
+            finally:
+                manager.close()
+            if KEY not in saved:
+                raise UserError(f"checkpoint {folder}/{step} holds no adapters (its run trained without "
+                                f"train.lora), so {self.label} cannot resume it; start from its weights with "
+                                f"train.init_from={folder}, in a new run.dir")
+        return None
 
     # ---- what the step trains (shard/core/step.py's `trainable`)
     def get(self, state):
