@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 
-import httpx
 import numpy as np
 import pytest
 
@@ -23,7 +22,8 @@ from shard.run import trainer
 from shard.serve import app, chat, engine, scheduler
 from shard.use import generate
 
-openai = pytest.importorskip("openai")
+openai = pytest.importorskip("openai")  # the test extra's real client (httpx comes with it)
+httpx = pytest.importorskip("httpx")
 
 CONTEXT = 64
 RUN = [*TINY_GPT, f"model.max_len={CONTEXT}", f"data.seq_len={CONTEXT}", "train.steps=1", "optimizer.lr=1e-6",
