@@ -158,11 +158,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(served):
 
 def test_past_the_queue_the_server_answers_503_with_retry_after():
     """A scheduler whose engine never runs (no thread): one request waits, the next finds the queue full."""
-    class Idle:
-        slots, recompiles = 1, 0
-
-    queue = scheduler.Scheduler(Idle(), _Bytes(), max_queue=1)
-    served_app = app.build(queue, _Bytes(), chat.plain, "m", CONTEXT)
+    queue, served_app = idle(max_queue=1)
 
     async def two():
         transport = httpx.ASGITransport(app=served_app)
@@ -190,6 +186,29 @@ def test_after_warm_up_no_request_compiles_and_a_trace_is_logged_as_a_recompile(
         slots.prefill(generator.state, np.zeros((1, 5), np.int32), np.ones(1, np.int32), np.int32(0),
                       *slots.settings(1))
     assert slots.recompiles == 1 and "recompile after warm-up: prefill (1, 5)" in caplog.text
+
+
+def test_a_client_that_leaves_before_its_whole_answer_frees_its_place():
+    """Called as uvicorn would: the body, then the client's disconnect; the waiting request is cancelled."""
+    queue, served_app = idle(max_queue=4)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1), "server": ("t", 80)}
+    messages = [{"type": "http.request", "body": b'{"prompt": "x", "max_tokens": 4}', "more_body": False}]
+    sent = []
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        while not queue.waiting:  # the request is queued: now the client goes
+            await asyncio.sleep(0.01)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(served_app(scope, receive, send))
+    assert queue.waiting[0].cancelled and sent[0]["status"] == 499
 
 
 def test_chat_messages_go_through_the_tokenizers_template_or_the_plain_one(tmp_path):
@@ -231,6 +250,17 @@ def _Bytes():
     from shard.data import tokenizer
 
     return tokenizer.load("bytes")
+
+
+class Idle:
+    """An engine stand-in for the HTTP side alone: nothing runs, so requests wait."""
+    slots, recompiles = 1, 0
+
+
+def idle(max_queue: int):
+    """A scheduler over an engine that never runs (no thread started), and the app over it."""
+    queue = scheduler.Scheduler(Idle(), _Bytes(), max_queue=max_queue)
+    return queue, app.build(queue, _Bytes(), chat.plain, "m", CONTEXT)
 
 
 def test_sigterm_finishes_the_running_requests_then_exits_0(served):
