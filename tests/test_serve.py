@@ -219,6 +219,18 @@ def test_chat_messages_go_through_the_tokenizers_template_or_the_plain_one(tmp_p
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"},
                                                                 "chat_template": template}))
     assert chat.Template(tmp_path)(messages) == "<|system|>Be brief.</s><|user|>hi</s><|assistant|>"
+    strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('begin with a user message') }}{% endif %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": strict}))
+    with pytest.raises(chat.Refused, match="begin with a user message"):
+        chat.Template(tmp_path)(messages)
+    _, refusing = idle(max_queue=1, template=chat.Template(tmp_path))
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=refusing), base_url="http://t") as c:
+            return await c.post("/v1/chat/completions", json={"messages": messages})
+
+    answer = asyncio.run(ask())
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
 
 
 @pytest.mark.parametrize("name", ["gpt", "lstm"])
@@ -257,10 +269,10 @@ class Idle:
     slots, recompiles = 1, 0
 
 
-def idle(max_queue: int):
+def idle(max_queue: int, template=chat.plain):
     """A scheduler over an engine that never runs (no thread started), and the app over it."""
     queue = scheduler.Scheduler(Idle(), _Bytes(), max_queue=max_queue)
-    return queue, app.build(queue, _Bytes(), chat.plain, "m", CONTEXT)
+    return queue, app.build(queue, _Bytes(), template, "m", CONTEXT)
 
 
 def test_sigterm_finishes_the_running_requests_then_exits_0(served):

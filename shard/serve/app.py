@@ -7,7 +7,7 @@ import contextlib
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from shard.serve import protocol
+from shard.serve import chat, protocol
 from shard.serve.protocol import BadRequest
 from shard.serve.scheduler import QueueFull, Request, Scheduler
 
@@ -53,7 +53,11 @@ def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int) -
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
         body = protocol.parse(await http.body(), protocol.Chat)
-        tokens = tokenizer.encode(template([m.model_dump() for m in body.messages]))
+        try:
+            text = template([m.model_dump() for m in body.messages])
+        except chat.Refused as e:
+            raise BadRequest(f"messages: the chat template refused them: {e}", "messages") from None
+        tokens = tokenizer.encode(text)
         return await answer(http, body, tokens, "messages", body.max_tokens or body.max_completion_tokens,
                             protocol.chat, "chatcmpl")
 
