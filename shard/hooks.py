@@ -74,8 +74,9 @@ def packed(segment_ids: jax.Array | None, token_positions: jax.Array | None):
 def positions(length: int) -> jax.Array:
     """The position of each of a sequence's `length` tokens as the step lays them out: 0..length-1, or
     under context parallelism the load-balanced order (shard/strategies/context.py), or while generating
-    the positions after those already cached, or in a packed batch each token's place in its own document
-    (batch, length). Position embeddings, learned or rotary, index with this so they follow the tokens."""
+    each row's positions after those it has cached (batch, length; shard/use/decoding.py), or in a packed
+    batch each token's place in its own document (batch, length). Position embeddings, learned or rotary,
+    index with this so they follow the tokens."""
     calls = _DECODE.get()
     if calls is not None:
         return calls.positions(length)

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 
-import httpx
 import numpy as np
 import pytest
 
@@ -23,7 +22,8 @@ from shard.run import trainer
 from shard.serve import app, chat, engine, scheduler
 from shard.use import generate
 
-openai = pytest.importorskip("openai")
+openai = pytest.importorskip("openai")  # the test extra's real client (httpx comes with it)
+httpx = pytest.importorskip("httpx")
 
 CONTEXT = 64
 RUN = [*TINY_GPT, f"model.max_len={CONTEXT}", f"data.seq_len={CONTEXT}", "train.steps=1", "optimizer.lr=1e-6",
@@ -144,6 +144,7 @@ def test_bad_requests_get_a_400_naming_the_field_and_the_server_goes_on(served):
 
 def test_a_client_that_leaves_mid_stream_frees_its_slot(served):
     url = served["url"]
+    before = httpx.get(url + "/health").json()["cancelled"]
     with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "max_tokens": 60, "stream": True},
                       timeout=60) as stream:
         next(stream.iter_lines())
@@ -152,16 +153,12 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(served):
         if health["active"] == 0:
             break
         time.sleep(0.1)
-    assert health["active"] == 0 and health["recompiles"] == 0
+    assert health["active"] == 0 and health["cancelled"] == before + 1 and health["recompiles"] == 0
 
 
 def test_past_the_queue_the_server_answers_503_with_retry_after():
     """A scheduler whose engine never runs (no thread): one request waits, the next finds the queue full."""
-    class Idle:
-        slots, recompiles = 1, 0
-
-    queue = scheduler.Scheduler(Idle(), _Bytes(), max_queue=1)
-    served_app = app.build(queue, _Bytes(), chat.plain, "m", CONTEXT)
+    queue, served_app = idle(max_queue=1)
 
     async def two():
         transport = httpx.ASGITransport(app=served_app)
@@ -191,6 +188,29 @@ def test_after_warm_up_no_request_compiles_and_a_trace_is_logged_as_a_recompile(
     assert slots.recompiles == 1 and "recompile after warm-up: prefill (1, 5)" in caplog.text
 
 
+def test_a_client_that_leaves_before_its_whole_answer_frees_its_place():
+    """Called as uvicorn would: the body, then the client's disconnect; the waiting request is cancelled."""
+    queue, served_app = idle(max_queue=4)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1), "server": ("t", 80)}
+    messages = [{"type": "http.request", "body": b'{"prompt": "x", "max_tokens": 4}', "more_body": False}]
+    sent = []
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        while not queue.waiting:  # the request is queued: now the client goes
+            await asyncio.sleep(0.01)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(served_app(scope, receive, send))
+    assert queue.waiting[0].cancelled and sent[0]["status"] == 499
+
+
 def test_chat_messages_go_through_the_tokenizers_template_or_the_plain_one(tmp_path):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     assert chat.Template(None)(messages) == "system: Be brief.\nuser: hi\nassistant:"
@@ -199,6 +219,18 @@ def test_chat_messages_go_through_the_tokenizers_template_or_the_plain_one(tmp_p
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"},
                                                                 "chat_template": template}))
     assert chat.Template(tmp_path)(messages) == "<|system|>Be brief.</s><|user|>hi</s><|assistant|>"
+    strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('begin with a user message') }}{% endif %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": strict}))
+    with pytest.raises(chat.Refused, match="begin with a user message"):
+        chat.Template(tmp_path)(messages)
+    _, refusing = idle(max_queue=1, template=chat.Template(tmp_path))
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=refusing), base_url="http://t") as c:
+            return await c.post("/v1/chat/completions", json={"messages": messages})
+
+    answer = asyncio.run(ask())
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
 
 
 @pytest.mark.parametrize("name", ["gpt", "lstm"])
@@ -230,6 +262,28 @@ def _Bytes():
     from shard.data import tokenizer
 
     return tokenizer.load("bytes")
+
+
+class Idle:
+    """An engine stand-in for the HTTP side alone: nothing runs, so requests wait."""
+    slots, recompiles = 1, 0
+
+
+def idle(max_queue: int, template=chat.plain):
+    """A scheduler over an engine that never runs (no thread started), and the app over it."""
+    queue = scheduler.Scheduler(Idle(), _Bytes(), max_queue=max_queue)
+    return queue, app.build(queue, _Bytes(), template, "m", CONTEXT)
+
+
+def test_the_serving_bench_checks_its_answers_and_reports_both_rates():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), *TINY_GPT, "--requests", "6", "--slots", "2",
+                           "--max-prompt", "8", "--max-tokens", "8"], env=subprocess_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["requests"] == 6 and figures["ratio"] > 0
+    for way in ("one_at_a_time", "all_at_once"):
+        assert figures[way]["tokens_per_s"] > 0 and figures[way]["p50_s"] <= figures[way]["p99_s"]
 
 
 def test_sigterm_finishes_the_running_requests_then_exits_0(served):

@@ -5,9 +5,9 @@ import asyncio
 import contextlib
 
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from shard.serve import protocol
+from shard.serve import chat, protocol
 from shard.serve.protocol import BadRequest
 from shard.serve.scheduler import QueueFull, Request, Scheduler
 
@@ -47,17 +47,21 @@ def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int) -
                 raise BadRequest(f"prompt: {len(prompt)} prompts; this server takes one per request", "prompt")
             prompt = prompt[0]
         tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return await answer(body, tokens, "prompt", body.max_tokens or COMPLETION_DEFAULT_TOKENS,
+        return await answer(http, body, tokens, "prompt", body.max_tokens or COMPLETION_DEFAULT_TOKENS,
                             protocol.completion, "cmpl")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
         body = protocol.parse(await http.body(), protocol.Chat)
-        tokens = tokenizer.encode(template([m.model_dump() for m in body.messages]))
-        return await answer(body, tokens, "messages", body.max_tokens or body.max_completion_tokens,
+        try:
+            text = template([m.model_dump() for m in body.messages])
+        except chat.Refused as e:
+            raise BadRequest(f"messages: the chat template refused them: {e}", "messages") from None
+        tokens = tokenizer.encode(text)
+        return await answer(http, body, tokens, "messages", body.max_tokens or body.max_completion_tokens,
                             protocol.chat, "chatcmpl")
 
-    async def answer(body, tokens: list[int], field: str, max_tokens: int | None, shape, prefix: str):
+    async def answer(http, body, tokens: list[int], field: str, max_tokens: int | None, shape, prefix: str):
         if body.model is not None and body.model != name:
             raise BadRequest(f"model {body.model!r} is not served here; this server serves {name!r}", "model")
         if not tokens:
@@ -81,18 +85,31 @@ def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int) -
         if body.stream:
             return StreamingResponse(streamed(request, rid, shape, body.streamed_usage()),
                                      media_type="text/event-stream")
-        text = ""
-        try:
-            while True:
-                delta, finish = await request.events.get()
-                text += delta
-                if finish:
-                    break
-        finally:
-            release(request)
+        text, finish = await answered(request, http)
+        if finish is None:  # the client went away: no one to answer (nginx's 499)
+            return Response(status_code=499)
         if finish == "error":
             raise BadRequest("the model failed on this request (the server log says why)", None, 500)
         return {**shape(rid, name, text, finish), "usage": protocol.usage(len(tokens), len(request.tokens))}
+
+    async def answered(request: Request, http: HttpRequest) -> tuple[str, str | None]:
+        """The whole answer and why it ended; (so far, None) if the client leaves first, its slot then freed."""
+        left = asyncio.ensure_future(gone(http))
+        text = ""
+        try:
+            while True:
+                piece = asyncio.ensure_future(request.events.get())
+                await asyncio.wait((piece, left), return_when=asyncio.FIRST_COMPLETED)
+                if not piece.done():
+                    piece.cancel()
+                    return text, None
+                delta, finish = piece.result()
+                text += delta
+                if finish:
+                    return text, finish
+        finally:
+            left.cancel()
+            release(request)
 
     async def streamed(request: Request, rid: str, shape, with_usage: bool):
         try:
@@ -118,3 +135,9 @@ def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int) -
             scheduler.wake.set()
 
     return app
+
+
+async def gone(http: HttpRequest) -> None:
+    """Returns once the client has disconnected (the body is read: all the server can hear is that)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass

@@ -16,6 +16,14 @@ def plain(messages: list[dict]) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
+class Refused(ValueError):
+    """The template refused the messages (its raise_exception), or could not render them."""
+
+
+def refuse(message: str):
+    raise Refused(message)
+
+
 class Template:
     def __init__(self, tokenizer_folder: Path | None):
         self.source = None
@@ -30,6 +38,7 @@ class Template:
 
                 self.source = template
                 sandbox = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                sandbox.globals["raise_exception"] = refuse  # what Hugging Face's templates call on bad messages
                 self.template = sandbox.from_string(template)
                 self.tokens = {k: v if isinstance(v, str) else (v or {}).get("content", "")
                                for k, v in saved.items() if k in ("bos_token", "eos_token")}
@@ -37,4 +46,9 @@ class Template:
     def __call__(self, messages: list[dict]) -> str:
         if self.source is None:
             return plain(messages)
-        return self.template.render(messages=messages, add_generation_prompt=True, **self.tokens)
+        from jinja2 import TemplateError
+
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, **self.tokens)
+        except TemplateError as e:
+            raise Refused(str(e)) from None

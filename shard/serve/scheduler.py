@@ -61,7 +61,7 @@ class Scheduler:
         self.index = np.zeros(engine.slots, np.int32)   # each slot's next write
         self.last = np.zeros(engine.slots, np.int32)    # each slot's newest token
         self.lock, self.wake = threading.Lock(), threading.Event()
-        self.stopping, self.served = False, 0
+        self.stopping, self.served, self.cancelled = False, 0, 0
         self.thread = threading.Thread(target=self._loop, name="shard-serve-engine", daemon=True)
 
     def submit(self, request: Request) -> None:
@@ -73,7 +73,8 @@ class Scheduler:
 
     def counts(self) -> dict:
         return {"slots": self.engine.slots, "active": sum(r is not None for r in self.active),
-                "waiting": len(self.waiting), "served": self.served, "recompiles": self.engine.recompiles}
+                "waiting": len(self.waiting), "served": self.served, "cancelled": self.cancelled,
+                "recompiles": self.engine.recompiles}
 
     def start(self) -> None:
         self.thread.start()
@@ -157,7 +158,9 @@ class Scheduler:
         request = self.active[slot]
         text = self.tok.decode(request.tokens) if text is None else text
         request.finish = reason
-        if reason != "cancelled":
+        if reason == "cancelled":
+            self.cancelled += 1
+        else:
             request.emit(text[len(request.sent):], reason)
             request.sent = text
         self.active[slot] = None
