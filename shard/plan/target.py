@@ -134,10 +134,14 @@ def devices(target: Target) -> list:
     import jax
     from jax.experimental import topologies
 
+    # libtpu takes a machine-wide lock unless told not to: compile-only devices share no chip, so several
+    # processes (a test and its subprocess, two dry runs) may each load it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         jax.config.update("jax_platforms", "cpu")
     except RuntimeError:
         pass  # backends already started (tests): the TPU topology does not need it
+    jax.config.update("jax_enable_compilation_cache", False)  # a compile-only program cannot be stored or loaded
     try:
         with _quiet_stderr() as said:
             if target.family == "tpu":
