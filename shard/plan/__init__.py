@@ -49,7 +49,13 @@ def _gradient_bytes(abstract_params, prepared) -> int:
 def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     """Compile the train step for cfg's mesh on these devices and read out its costs (the workload
     is built here unless given: --compare builds it once for every mesh)."""
-    prepared = job.prepare(cfg, devices, work, training=False)
+    try:
+        prepared = job.prepare(cfg, devices, work, training=False)
+    except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program larger than the chip's memory
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise UserError(f"the step does not fit {cfg.run.target or 'the device'}: "
+                        f"{target_lib.out_of_memory(str(e))}") from None
     work = prepared.work
     step = prepared.train_step
     n = len(devices)

@@ -173,6 +173,16 @@ def check_mesh(mesh_cfg, target: Target, n_devices: int) -> None:
         raise UserError(f"run.target={target.name} has {n_devices} devices ({target.describe()}): {e}") from None
 
 
+def out_of_memory(message: str) -> str:
+    """The TPU compiler's refusal of a program that does not fit, as one line with the shortfall."""
+    need = re.search(r"required for ([^(]*)\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", message)
+    if not need:
+        return message.strip().splitlines()[0]
+    what, needed, have = need.group(1).strip(), float(need.group(2)), float(need.group(3))
+    return (f"the compiler needs {needed:.2f} GiB for {what} but a chip has {have:.2f} GiB: short by "
+            f"{needed - have:.2f} GiB (try train.remat=full, train.grad_accum, a mesh that splits more, or mesh=auto)")
+
+
 def per_device(target: Target, n_devices: int) -> dict:
     """The chip's figures per compile-only device: some topologies give a device per TensorCore (v4's two),
     each with half the chip's memory and FLOP/s."""
