@@ -81,6 +81,9 @@ def main(argv: list[str]) -> int:
             print(f"wrote {path}")
         return 0
     with distributed.exit_cleanly_if_a_peer_fails():
+        if aimed and cfg.mesh.preset == "auto":  # the search: meshes, remat and microbatches, compiled for the target
+            from shard.plan import search
+            cfg = search.apply(cfg, devices)
         cfg = plan.apply_auto(cfg, devices)  # mesh=auto: resolved here, once, for the dry run and training alike
         if written:
             print(f"wrote {plan.write_config(cfg, written)}")

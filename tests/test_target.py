@@ -110,3 +110,28 @@ def test_the_gpu_compilers_state_bytes_are_the_plans(tmp_path):
     batch = 2 * 16 * 64 * 4 / 8
     assert mem["arguments"] - batch == pytest.approx(mem["params"] + mem["optimizer"], rel=0.02)
     assert p["collectives"]["all-gather"]["count"] > 0 and mem["fits"]
+
+
+@needs_libtpu
+def test_mesh_auto_for_a_target_picks_a_config_that_fits_and_beats_every_preset(tmp_path):
+    from shard.plan import search
+
+    tiny = ["model.d_model=128", "model.n_heads=4", "model.d_ff=512", "model.n_layers=2", "model.vocab_size=256",
+            "model.max_len=64", "data.seq_len=64", "data.batch_size=16"]
+    cfg = config.load(None, overrides(tmp_path, *tiny, "run.target=v5e-4", "mesh=auto", "run.search_compiles=1"))
+    devices = target.devices(target.of(cfg.run))
+    rows, _, considered = search.search(cfg, devices, compiles=1)
+    assert considered > len(rows) > 4  # many ranked by formula, a few compiled: the best one and the presets
+    fitting = [r for r in rows if "skipped" not in r and r["memory_per_device"]["fits"]]
+    best = fitting[0]
+    assert best["compiler"]["step_s"] is not None
+    presets = [r for r in fitting if r["baseline"] and r["compiler"]["step_s"]]
+    assert presets and all(best["compiler"]["step_s"] <= r["compiler"]["step_s"] for r in presets)
+    cfg_best = search.configured(cfg, search.Candidate(best["label"], best["preset"], best["mesh"], best["remat"],
+                                                       best["grad_accum"]))
+    written = plan.write_config(cfg_best, str(tmp_path / "best.yaml"))
+    again = config.load(written, [])
+    assert again.run.target is None and again.train.remat == best["remat"]
+    assert {a: getattr(again.mesh, a) for a in best["mesh"]} == best["mesh"]
+    with pytest.raises(UserError, match="exists"):
+        plan.write_config(cfg_best, str(written))

@@ -231,6 +231,9 @@ class RunConfig:
                                    "v5e/v6e) or GPUs (h100x8, h100x16 = two nodes, a100x8, h200x8); with --dry-run "
                                    "or --compare only (nothing runs on it)")
     target_slices: int = option(1, "run.target's TPU slices (multi-slice: mesh.dcn_* axes cross between them)", min=1)
+    search_compiles: int = option(6, "mesh=auto with run.target: how many of the candidates (mesh x train.remat x "
+                                  "train.grad_accum) ranked best by formula to compile for the target, besides "
+                                  "the mesh presets", min=1)
     progress: bool = option(True, "show progress: a bar on a terminal, else a line every log_every steps")
     tensorboard: bool = option(True, "write TensorBoard event files to <run.dir>/tensorboard (process 0)")
     wandb: bool = option(False, "also log the metrics, the config and the plan to Weights & Biases (offline, under "

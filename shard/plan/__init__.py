@@ -49,7 +49,13 @@ def _gradient_bytes(abstract_params, prepared) -> int:
 def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     """Compile the train step for cfg's mesh on these devices and read out its costs (the workload
     is built here unless given: --compare builds it once for every mesh)."""
-    prepared = job.prepare(cfg, devices, work, training=False)
+    try:
+        prepared = job.prepare(cfg, devices, work, training=False)
+    except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program larger than the chip's memory
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise UserError(f"the step does not fit {cfg.run.target or 'the device'}: "
+                        f"{target_lib.out_of_memory(str(e))}") from None
     work = prepared.work
     step = prepared.train_step
     n = len(devices)
@@ -124,7 +130,8 @@ def compiler_figures(step, text: str, work, flops_device: float, peak: float | N
     cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})  # a list in older JAX
     once = hlo.dot_flops(text, loops=False, convolutions=True)
     factor = hlo.dot_flops(text, convolutions=True) / once if once else 1.0
-    raw_s = cost.get("optimal_seconds") or None
+    raw_s = cost.get("optimal_seconds")
+    raw_s = raw_s if raw_s and raw_s > 0 else None  # the TPU cost model answers a negative time where it has none
     seconds = raw_s * factor if raw_s else None
     lm = work.data.task == "lm"
     items = math.prod(work.batch["targets"].shape[:2 if lm else 1])  # tokens (language models) or samples
@@ -284,16 +291,33 @@ def chosen_config(cfg, rows: list[dict]):
                                      **best["mesh"])), why
 
 
+def compiler_rank(r: dict) -> tuple:
+    """Sort key: rows that fit first, by the target compiler's step estimate; after those, rows it gave
+    none for, by the plan's estimate; skipped rows last."""
+    if "skipped" in r:
+        return (2, 1, 0.0)
+    compiler = (r.get("compiler") or {}).get("step_s")
+    plan_s = r["estimated_step_s"] if r["estimated_step_s"] is not None else r.get("formula_step_s", math.inf)
+    return (0 if r["memory_per_device"]["fits"] is not False else 1, 0 if compiler else 1, compiler or plan_s)
+
+
 def comparison_table(rows: list[dict]) -> str:
-    head = f"{'mesh':<36} {'memory/device':>14} {'sends/device':>14} {'est. step':>11}  fits"
+    """One line a mesh; for a run.target ranked by the compiler's estimate, with its column."""
+    compiled = any((r.get("compiler") or {}).get("step_s") for r in rows if r.get("target"))
+    if compiled:
+        rows = sorted(rows, key=compiler_rank)
+    head = f"{'mesh':<36} {'memory/device':>14} {'sends/device':>14} {'est. step':>11}  fits" \
+        + ("  compiler est." if compiled else "")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "skipped" in r:
             continue
         est = f"{r['estimated_step_s'] * 1e3:.3g} ms" if r["estimated_step_s"] is not None else "?"
         fits = {True: "yes", False: "no", None: "?"}[r["memory_per_device"]["fits"]]
+        step = (r.get("compiler") or {}).get("step_s")
         lines.append(f"{r['label']:<36} {mb(r['memory_per_device']['total']):>14} "
-                     f"{mb(r['wire_bytes_per_device']):>14} {est:>11}  {fits}")
+                     f"{mb(r['wire_bytes_per_device']):>14} {est:>11}  {fits:<4}"
+                     + ((f"  {step * 1e3:.3g} ms" if step else "  -") if compiled else ""))
     skipped = [r for r in rows if "skipped" in r]
     if skipped:
         lines.append(f"skipped {len(skipped)}:")
@@ -309,9 +333,11 @@ def choose(rows: list[dict]) -> tuple[dict, str]:
     key = (lambda r: (r["estimated_step_s"], r["memory_per_device"]["total"])) \
         if all(r["estimated_step_s"] is not None for r in ok) else \
         (lambda r: (r["wire_bytes_per_device"], r["memory_per_device"]["total"]))
-    best = min(ok, key=key)
     basis = "fastest estimated step" if all(r["estimated_step_s"] is not None for r in ok) else \
         "fewest bytes sent per device (device speed unknown: set run.peak_tflops and run.link_gbps)"
+    if all((r.get("compiler") or {}).get("step_s") for r in ok if r.get("target")) and ok[0].get("target"):
+        key, basis = compiler_rank, "fastest step by the target compiler's estimate"
+    best = min(ok, key=key)
     if all(r["memory_per_device"]["fits"] is None for r in ok):
         among = (f"of {len(ok)} meshes (whether they fit is unknown: this device reports no memory limit; "
                  "set run.device_memory_gb)")

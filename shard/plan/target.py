@@ -134,10 +134,14 @@ def devices(target: Target) -> list:
     import jax
     from jax.experimental import topologies
 
+    # libtpu takes a machine-wide lock unless told not to: compile-only devices share no chip, so several
+    # processes (a test and its subprocess, two dry runs) may each load it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         jax.config.update("jax_platforms", "cpu")
     except RuntimeError:
         pass  # backends already started (tests): the TPU topology does not need it
+    jax.config.update("jax_enable_compilation_cache", False)  # a compile-only program cannot be stored or loaded
     try:
         with _quiet_stderr() as said:
             if target.family == "tpu":
@@ -167,6 +171,16 @@ def check_mesh(mesh_cfg, target: Target, n_devices: int) -> None:
         mesh_lib.resolve_sizes({a: getattr(mesh_cfg, a) for a in mesh_lib.AXES}, n_devices)
     except UserError as e:
         raise UserError(f"run.target={target.name} has {n_devices} devices ({target.describe()}): {e}") from None
+
+
+def out_of_memory(message: str) -> str:
+    """The TPU compiler's refusal of a program that does not fit, as one line with the shortfall."""
+    need = re.search(r"required for ([^(]*)\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", message)
+    if not need:
+        return message.strip().splitlines()[0]
+    what, needed, have = need.group(1).strip(), float(need.group(2)), float(need.group(3))
+    return (f"the compiler needs {needed:.2f} GiB for {what} but a chip has {have:.2f} GiB: short by "
+            f"{needed - have:.2f} GiB (try train.remat=full, train.grad_accum, a mesh that splits more, or mesh=auto)")
 
 
 def per_device(target: Target, n_devices: int) -> dict:
