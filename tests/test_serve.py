@@ -213,7 +213,7 @@ def test_a_client_that_leaves_before_its_whole_answer_frees_its_place():
 
 def test_chat_messages_go_through_the_tokenizers_template_or_the_plain_one(tmp_path):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    assert chat.Template(None)(messages) == "system: Be brief.\nuser: hi\nassistant:"
+    assert chat.Template(None)(messages) == "system: Be brief.\nuser: hi\nassistant: "  # as chats train (docs/data.md)
     template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"},

@@ -23,7 +23,7 @@ from functools import lru_cache
 
 from shard.errors import UserError
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's, which chat sets use
 
 
 def columns(cfg) -> tuple[str, ...]:
@@ -69,6 +69,13 @@ class Formatter:
             pieces.append((whole[len(done):], message["role"] == "assistant"))
             done = whole
         return [(text, trained) for text, trained in pieces if text]
+
+    def prompt(self, messages: list[dict]) -> str:
+        """The conversation so far, ready for the assistant's next turn (as a server or generate feeds it)."""
+        checked = _messages(messages, "messages", "messages")
+        if self.template is None:
+            return "".join(text for m in checked for text, _ in plain(m)) + "assistant: "
+        return self.render(checked, True, "messages")
 
     def render(self, messages: list[dict], add_generation_prompt: bool, where: str) -> str:
         try:
@@ -124,15 +131,17 @@ def _config(spec: str | None) -> dict:
     return config if isinstance(config, dict) else {}
 
 
-@lru_cache(maxsize=8)
 def chat_template(spec: str | None):
     """The tokenizer's chat template (a jinja2 template in a sandbox: rendering it runs no Python of the
     file's), or None where it has none."""
     source = _config(spec).get("chat_template")
     if isinstance(source, list):  # several named templates: the default one
         source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
-    if not isinstance(source, str):
-        return None
+    return _compiled(source, spec) if isinstance(source, str) else None
+
+
+@lru_cache(maxsize=8)
+def _compiled(source: str, spec: str | None):
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -158,11 +167,7 @@ def special_tokens(spec: str | None) -> dict:
 
 def render_prompt(messages: list[dict], tokenizer_spec: str | None) -> str:
     """A conversation ready for the assistant's next turn: what a server or generate feeds the model."""
-    formatter = Formatter(("messages",), tokenizer_spec)
-    checked = _messages(messages, "messages", "messages")
-    if formatter.template is None:
-        return "".join(text for m in checked for text, _ in plain(m)) + "assistant: "
-    return formatter.render(checked, True, "messages")
+    return Formatter(("messages",), tokenizer_spec).prompt(messages)
 
 
 def describe(names: tuple[str, ...]) -> str:
