@@ -259,3 +259,17 @@ def test_any_block_reads_as_that_block_of_the_whole(folders, kind):
                           (sorted(rng.integers(0, n, 2)) for n in whole.shape))
             got = read.read_slice(folder, rows, whole.shape, index, size, rows[0].layered, np.float32)
             np.testing.assert_array_equal(got, whole[index], err_msg=f"{name} {index}")
+
+
+def test_bfloat16_weights_read_into_float32(folders, tmp_path):
+    """A folder saved in bfloat16 (numpy has no such type: read through JAX's reader) loads exactly."""
+    model = folders["llama"][1]
+    half = KINDS["llama"](transformers)
+    half.load_state_dict(model.state_dict())
+    half.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert "BF16" in (tmp_path / "bf16" / "model.safetensors").read_bytes()[:4000].decode("latin-1")
+    loaded = load.load(str(tmp_path / "bf16"), ["mesh=fsdp", "run.cpu_devices=2"])
+    # transformers' own float32 reading of the same folder (casting `half` back would keep its rotary
+    # frequencies rounded to bfloat16)
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
+    assert relative(jax_logits(loaded), torch_logits(want, TOKENS)) < 1e-4
