@@ -95,8 +95,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "memory_per_device": {
             "params": state_lib.shard_bytes(sharded.params) + state_lib.shard_bytes(sharded.rest),
             "optimizer": state_lib.shard_bytes(sharded.opt_state),
-            "gradients": _gradient_bytes(next((t for s in prepared.strategies if (t := s.trained(prepared.abstract))),
-                                              prepared.abstract.params), prepared),
+            "gradients": _gradient_bytes(prepared.abstract.params if (t := prepared.trained()) is None else t, prepared),
             "host": host,
             "arguments": memory.argument_size_in_bytes,
             "temp": memory.temp_size_in_bytes,

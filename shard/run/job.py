@@ -82,6 +82,10 @@ class Job:
     def notes(self) -> list[str]:
         return [line for s in self.strategies for line in s.notes()]
 
+    def trained(self):
+        """The abstract tree the step trains where it is not the weights (LoRA's adapters), else None."""
+        return next((t for s in self.strategies if (t := s.trained(self.abstract)) is not None), None)
+
     def to_running(self, state):
         for s in self.strategies:
             state = s.to_running(state)

@@ -86,8 +86,7 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
     except OSError as e:
         raise UserError(f"run.dir={cfg.run.dir!r}: cannot write there ({e.strerror or e})") from None
 
-    trained = next((t for s in job.strategies if (t := s.trained(job.abstract)) is not None), None)  # adapters
-    only = f" ({state_lib.count_params(trained):,} trained, the rest frozen)" if trained is not None else ""
+    only = f" ({state_lib.count_params(t):,} trained, the rest frozen)" if (t := job.trained()) is not None else ""
     say(f"model {cfg.model.name}: {state_lib.count_params(work.abstract.params):,} parameters{only} | mesh "
         f"{mesh_lib.describe(job.mesh)} on {len(devices)} {devices[0].platform} device(s) | task {data.task} | "
         f"{cfg.train.dtype}")
