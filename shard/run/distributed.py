@@ -18,6 +18,8 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import glob
+import importlib.util
 import os
 import sys
 import threading
@@ -61,6 +63,14 @@ def detected_cluster() -> str | None:
     return None
 
 
+def tpu_library_without_chips() -> bool:
+    """libtpu is installed, no TPU chip is attached (no /dev/accel* or /dev/vfio/N) and nobody chose the
+    platforms (JAX_PLATFORMS)."""
+    if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
+        return False
+    return not (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
 def start(run, deterministic: bool = False) -> list:
     """Join the job's processes when there are several, and return the devices to lay the mesh over:
     every device of every process (or, single-process, the first `run.cpu_devices` CPU devices).
@@ -74,6 +84,14 @@ def start(run, deterministic: bool = False) -> list:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         except RuntimeError:
             pass  # backends already started (tests, notebooks): use what is there
+    elif tpu_library_without_chips():
+        try:  # libtpu installed (for run.target's compiles) on a machine without TPUs: not a backend to start,
+            # which would only print pages of warnings about cloud metadata it cannot find
+            gpu = os.path.exists("/dev/nvidia0") and any(
+                importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+            jax.config.update("jax_platforms", "cuda,cpu" if gpu else "cpu")
+        except RuntimeError:
+            pass
     settings = explicit_settings(run) if run.distributed != "off" else None
     multi = settings is not None or run.distributed == "on" or (run.distributed == "auto" and detected_cluster())
     if multi and not jax.distributed.is_initialized():
