@@ -73,4 +73,4 @@ def test_pyproject_lists_every_package_of_shard():
     folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "shard").rglob("__init__.py")}
     assert set(tool["packages"]) == folders | {"shard.models", "shard.meshes"}
     assert tool["package-dir"] == {"shard.models": "models", "shard.meshes": "meshes"}
-    assert tool["package-data"] == {"shard.meshes": ["*.yaml"]}
+    assert tool["package-data"] == {"shard.meshes": ["*.yaml"], "shard.plan": ["*.yaml"]}  # presets; chips.yaml

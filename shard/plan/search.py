@@ -67,7 +67,10 @@ def estimate(cfg, work, c: Candidate, peak: float, link: float) -> bool:
     s = c.sizes
     params = work.abstract.params
     rules = partition.merged_rules(configured(cfg, c).mesh.rules, mesh_lib.AXES)
-    rows = state_lib.split_report(params, s, rules, state_lib.auto_min_size(cfg.mesh))
+    try:
+        rows = state_lib.split_report(params, s, rules, state_lib.auto_min_size(cfg.mesh))
+    except UserError:  # the model's dimensions do not divide this mesh
+        return False
     if state_lib.idle_axes(rows, s):
         return False
     psi = sum(r["bytes"] for r in rows)
