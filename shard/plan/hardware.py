@@ -13,6 +13,7 @@ SPECS = {
     "TPU v5p": {"tflops": 459.0, "link_gbps": 600},
     "TPU v5 lite": {"tflops": 197.0, "link_gbps": 200},
     "TPU v5e": {"tflops": 197.0, "link_gbps": 200},
+    "TPU v5": {"tflops": 459.0, "link_gbps": 600},  # v5p reports itself as "TPU v5" (after v5 lite: first match wins)
     "TPU v4": {"tflops": 275.0, "link_gbps": 300},
 }
 
