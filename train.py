@@ -90,7 +90,9 @@ def main(argv: list[str]) -> int:
         if "--dry-run" in flags:
             result = plan.analyse(cfg, devices)
             print(plan.report(result))
-            print(f"wrote {plan.write(cfg.run.dir, result, 'plan.json')}")
+            # a target's plan beside the local one, not over it (the same job, other hardware)
+            name = f"plan-{cfg.run.target}.json" if cfg.run.target else "plan.json"
+            print(f"wrote {plan.write(cfg.run.dir, result, name)}")
         else:
             trainer.run(cfg)
     return 0
