@@ -101,6 +101,8 @@ def test_a_dry_run_for_a_tpu_target_writes_the_plan(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "compile-only devices of v5e-4 (4 TPU v5e chips, v5e:2x2)" in r.stdout
     assert "of 16384.00 MiB (fits)" in r.stdout
+    written = {p.name for p in tmp_path.iterdir() if p.name.startswith("plan")}
+    assert written == {"plan-v5e-4.json"}  # beside a local plan.json, never over it
 
 
 @needs_cuda
