@@ -109,14 +109,14 @@ def test_a_hung_step_dumps_every_stack_and_the_restarted_job_finishes(tmp_path):
     job, which finishes."""
     run = tmp_path / "run"
     proc = launcher(run, restarts=1, train_args=["model.hang_after=6", f"model.hang_once={tmp_path / 'hung'}",
-                                                  "run.step_timeout_s=4", "train.steps=12"])
+                                                  "run.step_timeout_s=10", "train.steps=12"])
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     assert (tmp_path / "hung").exists() and err.count("launch: restarting every process") == 1
     dumps = sorted(run.glob("hang-process0-*.txt"))
     assert len(dumps) == 1, sorted(p.name for p in run.iterdir())
     text = dumps[0].read_text()
-    assert text.startswith("process 0: no step finished within run.step_timeout_s=4 s (after step")
+    assert text.startswith("process 0: no step finished within run.step_timeout_s=10 s (after step")
     assert "last collective entered: the stop agreement after step" in text
     assert "_maybe_hang" in text and "stock_models.py" in text  # the hung thread's stack
     assert f"every thread's stack: {dumps[0]}" in out + err and "exiting (status 3)" in out + err
