@@ -109,14 +109,14 @@ def test_a_hung_step_dumps_every_stack_and_the_restarted_job_finishes(tmp_path):
     job, which finishes."""
     run = tmp_path / "run"
     proc = launcher(run, restarts=1, train_args=["model.hang_after=6", f"model.hang_once={tmp_path / 'hung'}",
-                                                  "run.step_timeout_s=4", "train.steps=12"])
+                                                  "run.step_timeout_s=10", "train.steps=12"])
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     assert (tmp_path / "hung").exists() and err.count("launch: restarting every process") == 1
     dumps = sorted(run.glob("hang-process0-*.txt"))
     assert len(dumps) == 1, sorted(p.name for p in run.iterdir())
     text = dumps[0].read_text()
-    assert text.startswith("process 0: no step finished within run.step_timeout_s=4 s (after step")
+    assert text.startswith("process 0: no step finished within run.step_timeout_s=10 s (after step")
     assert "last collective entered: the stop agreement after step" in text
     assert "_maybe_hang" in text and "stock_models.py" in text  # the hung thread's stack
     assert f"every thread's stack: {dumps[0]}" in out + err and "exiting (status 3)" in out + err
@@ -200,3 +200,56 @@ def slurm_task(proc: Path, job: str, run: Path) -> str | None:
     if "train.py" in cmd and f"run.dir={run}" in cmd and env.get("SLURM_JOB_ID") == job:
         return env.get("SLURM_PROCID")
     return None
+
+
+def test_the_step_timeout_defaults_off_on_cpu_and_to_a_multiple_of_the_step_elsewhere(tmp_path):
+    from shard.run import watchdog
+
+    assert watchdog.timeout_for(None, "cpu") is None and watchdog.timeout_for(0, "gpu") is None
+    assert watchdog.timeout_for(None, "tpu") == watchdog.FIRST_STEPS_S and watchdog.timeout_for(7, "cpu") == 7
+    dog = watchdog.Watchdog(None, "gpu", tmp_path)
+    try:
+        dog.beat(10, step_time_s=0.5)
+        assert dog.timeout == watchdog.AUTO_FLOOR_S  # 100 x 0.5 s is below the floor
+        dog.beat(20, step_time_s=10.0)
+        assert dog.timeout == watchdog.AUTO_MULTIPLE * 10.0
+    finally:
+        dog.close()
+    fixed = watchdog.Watchdog(60, "gpu", tmp_path)
+    fixed.beat(10, step_time_s=10.0)
+    assert fixed.timeout == 60  # a timeout the user gave is kept
+    fixed.close()
+
+
+def test_goodput_splits_steps_trained_again_and_counts_the_gap_as_lost():
+    """Two attempts: the first reached step 12, the second resumed at 8; its first 4 steps are retrained."""
+    from shard.observe import goodput
+
+    records = [{"event": "start", "attempt": 1, "t": 100.0, "process_start": 90.0},
+               {"event": "span", "attempt": 1, "kind": "compile", "s": 5.0, "t": 101.0},
+               {"event": "span", "attempt": 1, "kind": "steps", "s": 12.0, "t": 120.0, "step": 12, "n": 12},
+               {"event": "start", "attempt": 2, "t": 131.0, "process_start": 125.0},
+               {"event": "span", "attempt": 2, "kind": "retrained", "s": 4.0, "t": 140.0, "step": 12, "n": 4},
+               {"event": "span", "attempt": 2, "kind": "steps", "s": 8.0, "t": 150.0, "step": 20, "n": 8},
+               {"event": "end", "attempt": 2, "t": 151.0}]
+    totals = goodput.account(records)
+    assert totals["lost"] == 5.0 and totals["wall"] == 61.0 and totals["attempts"] == 2
+    assert totals["steps"] == 20.0 and totals["retrained"] == 4.0 and totals["retrained_steps"] == 4
+    assert totals["other"] == (30.0 - 17.0) + (26.0 - 12.0)  # each attempt's time that no span named
+    assert abs(sum(totals[k] for k in goodput.KINDS) - totals["wall"]) < 1e-9
+    assert goodput.summary(totals).startswith("goodput 32.8% of 61.0 s")
+
+
+def test_a_restarted_attempt_counts_steps_up_to_the_earlier_high_mark_as_retrained(tmp_path):
+    from shard.observe import goodput
+
+    first = goodput.Recorder(tmp_path, True)
+    first.steps(12, 12, 12.0, 0.0)  # the first attempt reached step 12, then died (no end record)
+    again = goodput.Recorder(tmp_path, True)  # the restart resumes at step 8
+    again.steps(10, 2, 2.0, 0.5)
+    again.steps(14, 4, 4.0, 0.0)
+    spans = [r for r in goodput.read(tmp_path) if r.get("attempt") == 2 and r.get("event") == "span"]
+    assert [(r["kind"], r.get("n"), r["s"]) for r in spans] == [
+        ("retrained", 2, 1.5), ("data_wait", None, 0.5), ("retrained", 2, 2.0), ("steps", 2, 2.0),
+        ("data_wait", None, 0.0)]
+    assert again.attempt == 2

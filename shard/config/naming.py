@@ -18,8 +18,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # `job=True` (a key of these sections may opt out with `job=False`). Every other key may change between a run
 # and its resumption, so it keeps the folder: train.steps, eval, sample and log settings, the mesh (a checkpoint
 # restores onto any mesh), speed and memory knobs (remat, attention, prefetch, deterministic kernels,
-# grad_accum, offload) and skip_nonfinite (the NaN error says to rerun with it; it changes nothing until a step
-# is not finite). A new key that changes what is trained says `job=True`.
+# grad_accum, offload) and what a non-finite step does (nonfinite, skip_nonfinite, max_rollbacks: the NaN error
+# says to rerun with them; they change nothing until a step is not finite). A new key that changes what is trained says `job=True`.
 JOB_SECTIONS = ("model", "data", "optimizer")
 
 

@@ -320,7 +320,8 @@ def _train_span(cfg, state, job: Job, checkpoints, log, result, devices, main, s
     t_last, steps_since, waited = time.perf_counter(), 0, 0.0
     spent.loop_starts()
     dog = watchdog.Watchdog(cfg.run.step_timeout_s, devices[0].platform, cfg.run.dir)
-    with contextlib.closing(batches), contextlib.closing(profiler), contextlib.closing(dog):
+    # (the bar too: a rollback leaves the loop by an exception and starts another)
+    with contextlib.closing(batches), contextlib.closing(profiler), contextlib.closing(dog), contextlib.closing(bar):
         for step in range(start, cfg.train.steps):
             done = step + 1
             with profiler.step(done, before=pending[-1][1] if pending else state):
