@@ -52,7 +52,7 @@ def corpus_files(path: str | None) -> list[Path]:
 def texts(path: Path, field: str) -> Iterator[list[str]]:
     """The file's documents (the text in `field`), in batches of at most BATCH texts."""
     for batch in rows(path, (field,)):
-        yield [formats.text_value(values[0], f"data.field={field!r}", str(path)) for values in batch]
+        yield [formats.text_value(values[0], formats.describe((field,)), str(path)) for values in batch]
 
 
 def rows(path: Path, names: tuple[str, ...]) -> Iterator[list[tuple]]:
@@ -112,25 +112,18 @@ def _row(line: str, path: Path, number: int):
 def _values(row, names: tuple[str, ...], path: Path, number: int, what: str = "line") -> tuple:
     if not isinstance(row, dict):
         raise UserError(f"{path}:{number}: {what} {number} is a JSON {type(row).__name__}, not an object with "
-                        f"{_named(names)}")
+                        f"{formats.describe(names)}")
     for name in names:
         if name not in row:
-            raise UserError(f"{path}:{number}: no {_named((name,), names)}; its fields are: "
+            raise UserError(f"{path}:{number}: no {formats.describe((name,), names)}; its fields are: "
                             f"{', '.join(map(str, row)) or '(none)'}")
     return tuple(row[name] for name in names)
-
-
-def _named(names: tuple[str, ...], of: tuple[str, ...] | None = None) -> str:
-    """How the config names these columns: data.field=..., or the prompt/completion fields."""
-    of = of or names
-    keys = ("data.prompt_field", "data.completion_field") if len(of) == 2 else ("data.field",)
-    return " and ".join(f"{keys[of.index(n)]}={n!r}" for n in names)
 
 
 def _columns(schema, names: tuple[str, ...], path: Path) -> None:
     for name in names:
         if name not in schema.names:
-            raise UserError(f"{path}: no column {_named((name,), names)}; its columns are: "
+            raise UserError(f"{path}: no column {formats.describe((name,), names)}; its columns are: "
                             f"{', '.join(schema.names) or '(none)'}")
 
 
@@ -174,6 +167,7 @@ def _batch_values(batch, names: tuple[str, ...], path: Path):
         column = batch.column(batch.schema.get_field_index(name))
         text = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
         if not (text or pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
-            raise UserError(f"{path}: column {_named((name,), names)} is {column.type}, not text (or a chat's messages)")
+            raise UserError(f"{path}: column {formats.describe((name,), names)} is {column.type}, not text (or a "
+                            "chat's messages)")
         columns.append(column.to_pylist())
     yield from zip(*columns)

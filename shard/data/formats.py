@@ -46,13 +46,12 @@ class Formatter:
 
     def pieces(self, values: tuple, where: str) -> list[tuple[str, bool]]:
         if len(values) == 2:
-            prompt, completion = (text_value(v, f"{k}={n!r}", where) for v, n, k in
-                                  zip(values, self.names, ("data.prompt_field", "data.completion_field")))
+            prompt, completion = (text_value(v, describe((n,), self.names), where) for v, n in zip(values, self.names))
             return [(prompt, False), (completion, True)] if completion else []
         value = values[0]
         if isinstance(value, (list, tuple)):
             return self.chat(_messages(value, self.names[0], where), where)
-        return [(text_value(value, f"data.field={self.names[0]!r}", where), True)]
+        return [(text_value(value, describe(self.names), where), True)]
 
     def chat(self, messages: list[dict], where: str) -> list[tuple[str, bool]]:
         if self.template is None:
@@ -170,7 +169,9 @@ def render_prompt(messages: list[dict], tokenizer_spec: str | None) -> str:
     return Formatter(("messages",), tokenizer_spec).prompt(messages)
 
 
-def describe(names: tuple[str, ...]) -> str:
-    return " and ".join(f"data.{k}={n!r}" for k, n in zip(("prompt_field", "completion_field"), names)) \
-        if len(names) == 2 else f"data.field={names[0]!r}"
-
+def describe(names: tuple[str, ...], of: tuple[str, ...] | None = None) -> str:
+    """How the config names these columns (some of `of`, the columns a row is read from): data.field=..., or
+    data.prompt_field=... and data.completion_field=..."""
+    of = of or names
+    keys = ("data.prompt_field", "data.completion_field") if len(of) == 2 else ("data.field",)
+    return " and ".join(f"{keys[of.index(n)]}={n!r}" for n in names)

@@ -34,7 +34,7 @@ class Row:
         return tuple(self.our_axes.split())
 
 
-def _llama_like(norm_bias: bool = False) -> tuple[Row, ...]:
+def _llama_like() -> tuple[Row, ...]:
     L = "model.layers.{i}."
     rows = [
         Row("tok", "model.embed_tokens.weight", "v e", "v e"),
@@ -85,8 +85,8 @@ def _gpt2() -> tuple[Row, ...]:
     )
 
 
-TABLES = {"llama": _llama_like(), "mistral": _llama_like(), "qwen2": _llama_like(), "gemma": _llama_like(),
-          "gpt2": _gpt2()}
+_LLAMA = _llama_like()  # Mistral, Qwen2 and Gemma name their tensors as Llama does
+TABLES = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gemma": _LLAMA, "gpt2": _gpt2()}
 
 
 def rows(kind: str, params: set[str]) -> list[Row]:
