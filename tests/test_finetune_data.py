@@ -166,3 +166,14 @@ def test_bad_rows_are_one_line(made, tmp_path, case):
         token_cache.load(documents.corpus_files(cfg.path), formats.columns(cfg), "bytes", tmp_path)
     assert "\n" not in str(e.value)
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no half-built cache left behind
+
+
+def test_a_stock_flax_model_fine_tunes_on_pairs_as_on_one_device(made, train):
+    """Fine-tuning rows are data: a model of Flax's stock layers, split automatically, trains on the masked
+    completions with the one-device curve."""
+    from conftest import same_curve_as_one_device
+
+    stock = ["model.name=stock_models:StockTransformer", "model.d=64", "data.name=documents", "data.seq_len=32",
+             "data.batch_size=16", f"data.path={made / 'pairs.jsonl'}", "data.prompt_field=prompt",
+             "data.completion_field=completion", "train.steps=3", "run.log_every=1"]
+    same_curve_as_one_device(train, stock, ["mesh=fsdp", "run.cpu_devices=4", "train.grad_accum=2"])

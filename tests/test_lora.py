@@ -181,3 +181,12 @@ def test_any_models_weights_are_targets_by_name(train):
     result = train(*TINY_MODELS["mlp"], "train.steps=3", "run.log_every=1", "train.lora.rank=2",
                    "train.lora.targets=[kernel]")
     assert result.history[-1]["loss"] < result.history[0]["loss"]
+
+
+def test_a_stock_flax_models_adapters_train_the_one_device_curve_under_fsdp(train):
+    """A model of Flax's stock layers (no logical names): its nnx.Linear kernels are targets by name, and their
+    adapters, split by the automatic rule like the kernels, train as on one device."""
+    stock = ["model.name=stock_models:StockTransformer", "model.d=64", "data.name=text", "data.seq_len=32",
+             "data.batch_size=16", "train.steps=3", "run.log_every=1", "train.lora.rank=4",
+             "train.lora.targets=[kernel]"]
+    same_curve_as_one_device(train, stock, ["mesh=fsdp", "run.cpu_devices=4"])
