@@ -128,12 +128,15 @@ def test_a_chat_without_a_template_uses_the_plain_one(made, tmp_path):
     assert formats.render_prompt([{"role": "user", "content": "hi"}], "bytes") == "user: hi\nassistant: "
 
 
-def test_fine_tuning_trains_the_same_under_fsdp_and_accumulation(made, train):
+def test_fine_tuning_trains_the_same_under_fsdp_accumulation_pipeline_and_context(made, train):
     data = [f"data.path={made / 'pairs.jsonl'}", "data.prompt_field=prompt", "data.completion_field=completion",
             "data.name=documents", "train.steps=3", "run.log_every=1"]
     one = train(*TINY_GPT, *data, "run.cpu_devices=1", subdir="one")
     split = train(*TINY_GPT, *data, "mesh=fsdp", "run.cpu_devices=4", "train.grad_accum=2", subdir="split")
     np.testing.assert_allclose([r["loss"] for r in split.history], [r["loss"] for r in one.history], rtol=2e-5)
+    for mesh in (["mesh=pp", "mesh.stage=2", "run.cpu_devices=2"], ["mesh=cp", "run.cpu_devices=4"]):
+        other = train(*TINY_GPT, *data, *mesh, subdir=mesh[0])  # the loss and its mask sit outside the stack
+        np.testing.assert_allclose([r["loss"] for r in other.history], [r["loss"] for r in one.history], rtol=2e-5)
     assert all(0 < r["target_tokens"] < 16 * 32 / 2 and "packing_efficiency" not in r for r in one.history)
     assert [r["target_tokens"] for r in split.history] == [r["target_tokens"] for r in one.history]
 
