@@ -22,7 +22,7 @@ STEPS = 8
 SETTINGS = {
     "dp": ["mesh=dp"],
     "fsdp": ["mesh=fsdp"],
-    **{f"stage=8, M={m}": ["mesh=pp", "mesh.stage=8", f"pipeline.microbatches={m}"] for m in (4, 8, 16)},
+    **{f"stage=8, M={m}": ["mesh=pp", "mesh.stage=8", f"pipeline.microbatches={m}"] for m in (8, 16, 32)},
     **{f"stage=4 x data=2, M={m}": ["mesh=pp", "mesh.stage=4", "mesh.data=2", f"pipeline.microbatches={m}"]
        for m in (4, 8, 16)},
 }

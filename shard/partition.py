@@ -23,7 +23,10 @@ from shard.errors import UserError
 
 # Logical name -> mesh axis, tuple of mesh axes, or None (replicated).
 RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("replica", "data", "expert", "fsdp"),  # examples of the global batch
+    # Examples of the global batch. `stage` splits the rows outside a pipeline's stacked layers (embedding,
+    # head, loss), each stage holding whole microbatches; it comes second, as in the mesh, so that a
+    # process's devices hold neighbouring rows.
+    "batch": ("replica", "stage", "data", "expert", "fsdp"),
     "length": "context",        # sequence positions (split only under context parallelism)
     "embed": "fsdp",            # model width (residual stream)
     "mlp": "tensor",            # hidden width of a feed-forward layer

@@ -65,8 +65,8 @@ def test_processes_x_devices_give_the_loss_curve_of_one_process(train, tmp_path,
 
 
 def test_pipeline_stages_across_processes_give_the_loss_curve_of_one_process(train, tmp_path):
-    """stage=2 over 2 processes (the slow link between stages, as pipelines are meant to run): the batch
-    is copied across stages, so each process reads every row its devices hold, all of them here."""
+    """stage=2 over 2 processes (the slow link between stages, as pipelines are meant to run): the batch's rows
+    are split over the stages too, so each process reads only its stage's half of every batch."""
     expected = np.array([r["loss"] for r in train(*TINY_GPT, *STEPS).history])
     train_processes(tmp_path / "staged", 2, *STEPS, "mesh=pp", "mesh.stage=2", "mesh.data=4")
     np.testing.assert_allclose(losses(tmp_path / "staged"), expected, rtol=1e-5)

@@ -20,6 +20,9 @@ MESHES = {
     "stage=2 x fsdp=4": ["mesh=pp", "mesh.stage=2", "mesh.fsdp=4"],
     "stage=2 x tensor=2 x data=2": ["mesh=pp", "mesh.stage=2", "mesh.tensor=2", "mesh.data=2"],
     "stage=2 x data=4, circular": ["mesh=pp", "mesh.stage=2", "mesh.data=4", "pipeline.repeats=2"],
+    # every row on every stage outside the stack (the rule without `stage`): the stages gather nothing
+    "stage=4 x data=2, rows on every stage": ["mesh=pp", "mesh.stage=4", "mesh.data=2",
+                                              "mesh.rules.batch=[replica,data,expert,fsdp]"],
 }
 
 
@@ -106,20 +109,27 @@ def test_the_plan_shows_the_schedule_its_memory_and_what_stages_pass(tmp_path):
     # What the stages pass: one microbatch's activations (per device: its data-parallel share) for each
     # of the R*M+S-1 iterations, forward and backward.
     micro_bytes = (16 // M // 2) * 32 * 32 * 4  # examples per device x length x width x float32
-    ops = [op for op in hlo.collectives(prepared.train_step.as_text(), 8)
-           if op.kind == "collective-permute" and op.bytes == micro_bytes]
-    assert sum(op.count * op.wire_bytes for op in ops) == pytest.approx(2 * (R * M + S - 1) * micro_bytes)
+    ops = hlo.collectives(prepared.train_step.as_text(), 8)
+    passed = [op for op in ops if op.kind == "collective-permute" and op.bytes == micro_bytes]
+    assert sum(op.count * op.wire_bytes for op in passed) == pytest.approx(2 * (R * M + S - 1) * micro_bytes)
+    # Each stage holds its own rows outside the stack: stage s sends its K = M/S microbatches to stage 0,
+    # which sends each stage its outputs at the end, forward and backward; nothing broadcasts the batch to
+    # every stage (XLA's shift of a padded block also sends from stages that hold only padding).
+    rows = [op for op in ops if op.kind == "collective-permute" and op.bytes == M // S * micro_bytes]
+    ideal = 4 * (S - 1) / S * M // S * micro_bytes
+    assert ideal <= sum(op.count * op.wire_bytes for op in rows) <= 1.5 * ideal
+    assert not [op for op in ops if op.kind in ("all-reduce", "all-gather") and op.bytes == M * micro_bytes]
     # The bubble in the executed work: matrix-product FLOPs the compiled program runs (loops counted
     # through their trip counts) against one device's, per layer (from 8 and 4 layers) and outside the
     # stack. Each stage's devices run their layers' share stretched by 1/(1 - bubble), and what lies
-    # outside the stack (embedding, output layer) for their data-parallel share on every stage.
+    # outside the stack (embedding, output layer) for their rows: 1/(data x stage) of the batch.
     def executed(*args, devices=devices[:1]):
         return hlo.dot_flops(job.prepare(config.load(None, overrides(tmp_path, *TINY_GPT, *args)), devices,
                                          training=False).train_step.as_text())
 
     per_layer = (executed("model.n_layers=8") - executed("model.n_layers=4")) / 4
     outside = executed("model.n_layers=8") - 8 * per_layer
-    expected = outside / 2 + 8 * per_layer / 8 / (1 - p["pipeline"]["bubble"])  # data=2 copies of each stage
+    expected = outside / (2 * S) + 8 * per_layer / 8 / (1 - p["pipeline"]["bubble"])  # data=2 copies of each stage
     assert hlo.dot_flops(prepared.train_step.as_text()) == pytest.approx(expected, rel=0.03)
 
 

@@ -42,7 +42,7 @@ def cast_floats(tree, dtype):
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable, dtype,
                     skip_nonfinite: bool = False, reduction: gradients.Reduction = gradients.Reduction(),
                     device_shardings=None, order: tuple | None = None, schedule: Callable | None = None,
-                    trainable=None) -> Callable:
+                    trainable=None, arrange: Callable | None = None) -> Callable:
     """The train step: the loss (each microbatch's mean loss counting 1/K under accumulation, so the update is
     the whole batch's), gradients reduced as `reduction` says (shard/strategies/gradients.py), one optimizer update.
     `device_shardings` (host offload) is the state's layout in device memory: what lives on the host between
@@ -52,10 +52,12 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
     never dispatches a computation of its own to read it, which on a CPU would wait for the running step).
     `trainable` (low-rank adapters): what the step trains instead of `state.params`, as an object with
     `get(state)` (the trained tree), `put(state, tree)` and `weights(state, tree)` (the model's parameters
-    they stand for); the rest of the state is a constant of the differentiation, so it gets no gradient."""
+    they stand for); the rest of the state is a constant of the differentiation, so it gets no gradient.
+    `arrange` (a pipeline): the order of the rows the model is run on, the loss being a mean over them."""
 
     def objective(params, rest, batch, weights=None):
         batch = context.reorder(batch, order)
+        batch = arrange(batch) if arrange is not None else batch
         model = nnx.merge(graphdef, cast_floats(params if weights is None else weights(params), dtype), rest,
                           copy=True)
         outputs = run_model(model, batch, dtype).astype(jnp.float32)

@@ -183,7 +183,7 @@ class GrainOrder:
 class Rows:
     """The rows of every global batch this process reads: those its devices hold. By default its
     1/processes block; `use_rows` sets them from the batch's sharding (an axis that replicates the
-    batch across processes, such as pipeline stages, gives each process more of it)."""
+    batch across processes, such as tensor or context parallelism, gives each process more of it)."""
     offset: int
     count: int
 

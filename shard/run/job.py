@@ -235,7 +235,7 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         moved, order = options.get("device_shardings"), options.get("order")
         train_fn = step_lib.make_train_step(work.graphdef, work.tx, work.loss_fn, work.dtype,
                                             badsteps.policy(cfg.train) == "skip", reduction, moved, order, work.schedule,
-                                            options.get("trainable"))
+                                            options.get("trainable"), options.get("arrange"))
         eval_fn = step_lib.make_eval_step(work.graphdef, work.loss_fn, work.data.task, work.dtype, moved, order)
         for s in active:
             train_fn, eval_fn = s.wrap_train(train_fn), s.wrap_eval(eval_fn)

@@ -61,15 +61,11 @@ def interaction(model_cls, abstract_rest) -> str:
 
 
 def local_axes(rules: dict, mesh_shape: dict, param_axes: set) -> tuple:
-    """The leading batch axes (the batch rule's, in its order) that split no parameter: over these a
-    device's gradient is its own until it is summed. Leading, so that the batch's first dimension
-    reshapes to (their shards, the rest)."""
-    out = []
-    for axis in partition.axes_of(partition.logical_to_spec(("batch",), rules, mesh_shape)[0]):
-        if axis in param_axes:
-            break
-        out.append(axis)
-    return tuple(out)
+    """The batch axes (the batch rule's, in its order) that split no parameter: over these a device's gradient
+    is its own until it is summed. A pipeline's `stage` splits the batch and the stacked layers, so it is not
+    one: the data shards' gradients are each summed over their stages inside the step."""
+    return tuple(a for a in partition.axes_of(partition.logical_to_spec(("batch",), rules, mesh_shape)[0])
+                 if a not in param_axes)
 
 
 def build(gradient: Callable, red: Reduction) -> Callable:
@@ -124,14 +120,26 @@ def per_shard(gradient: Callable, axes: tuple) -> Callable:
 
     def run(params, rest, batch):
         mesh, rules = partition.active()
-        n = math.prod(mesh.shape[a] for a in axes)
-        split = jax.tree.map(lambda a: a.reshape(n, a.shape[0] // n, *a.shape[1:]), batch)
+        present = partition.axes_of(partition.logical_to_spec(("batch",), rules, mesh.shape)[0])
+        split = jax.tree.map(lambda a: shards_first(a, present, axes, mesh.shape), batch)
         # Inside, "batch" names the rest of the batch axes: `axes` already split the vmapped dimension.
         inner = {**rules, "batch": tuple(a for a in partition.axes_of(rules["batch"]) if a not in axes) or None}
         with partition.activate(mesh, inner):
             return jax.vmap(gradient, in_axes=(None, None, 0), spmd_axis_name=axes)(params, rest, split)
 
     return run
+
+
+def shards_first(a: jax.Array, present: tuple, axes: tuple, mesh_shape) -> jax.Array:
+    """(B, ...) split over the batch axes `present` -> (shards along `axes`, the rest, ...): each device's rows
+    stay on it, the other batch axes (a pipeline's `stage` before `data`) keeping their order in the rest."""
+    sizes = [mesh_shape[x] for x in present]
+    blocks = a.reshape(*sizes, a.shape[0] // math.prod(sizes), *a.shape[1:])
+    mine = [i for i, x in enumerate(present) if x in axes]
+    others = [i for i, x in enumerate(present) if x not in axes]
+    moved = blocks.transpose(*mine, *others, *range(len(present), blocks.ndim))
+    n = math.prod(sizes[i] for i in mine)
+    return moved.reshape(n, a.shape[0] // n, *a.shape[1:])
 
 
 def combine(out, axes: tuple):

@@ -6,7 +6,7 @@ whose bubble is R times smaller). The global batch is cut into M microbatches. A
 of a scan, all S stages run at once (a vmap over the stage-split dimension) on the microbatch each
 holds; their outputs then move one stage on (a roll over the stage dimension, which XLA compiles to
 a collective permute). Stage 0 takes a new microbatch, or one coming back from stage S-1 for its next
-repeat; stage S-1 keeps the microbatches that have passed every layer. After R M + S - 1 iterations
+repeat, and keeps those that have passed every layer. After R M + S - 1 iterations
 every microbatch has passed all L layers in order; the S - 1 iterations in which some stages have
 nothing to do are the bubble, (S-1)/(R M + S - 1) of the time. Reverse-mode autodiff of the scan is
 the backward pipeline.
@@ -18,12 +18,20 @@ so its train state keeps the stacked arrays in schedule order (`Layout`: stage s
 s, s+S, ...) and the step moves no weights; checkpoints, the run's result and generation see the
 model's own layer order, converted once on restore and on save, so checkpoints move between meshes.
 
+Where the batch lives: outside the stack its rows are split over the stages too (the `batch` rule), so
+the embedding, output layer and loss run on 1/S of the rows on each stage. Stage s holds microbatches
+sK..sK+K-1 (K = M/S, cut from each device's own rows: `Rows`); stage 0 gathers them once, each stage
+sending only its rows, and at the end sends each stage its outputs. `arrange` orders a training batch's
+rows so that these microbatches are `train.grad_accum`'s on one device.
+
 Random streams (dropout): each layer's stream is carried from microbatch to microbatch, so microbatch m
 draws with the layer's counter advanced m times, and the advanced counters are written back: the draws
 of `train.grad_accum=M` on one device. Batch statistics cannot be taken over the whole batch when each
 stage sees one microbatch at a time: a stack holding them is refused.
 """
 
+import functools
+import math
 from dataclasses import dataclass
 
 import jax
@@ -75,16 +83,19 @@ def settings(cfg, mesh_shape: dict, rules: dict, work) -> Schedule | None:
     if repeats > 1 and micro < stages:
         raise UserError(f"pipeline.microbatches={micro} with pipeline.repeats={repeats}: a circular schedule needs "
                         f"at least as many microbatches as stages ({stages})")
-    shards = partition.batch_shards(rules, mesh_shape)
+    if micro % stages:
+        raise UserError(f"pipeline.microbatches={micro} with {where}: each stage holds whole microbatches of the "
+                        f"batch's rows, as many on every stage; use a multiple of {stages}")
+    across = math.prod(mesh_shape[a] for a in batch_axes(rules, mesh_shape) if a != "stage")
     # The train step hands the pipeline one accumulation microbatch at a time (train.grad_accum).
     sizes = (("data.batch_size", work.data.batch_size, cfg.train.grad_accum), ("the eval batch", work.data.batch_size, 1))
     for name, size, accum in sizes:
         seen = size // accum
-        if seen % micro or (seen // micro) % shards:
+        if seen % micro or (seen // micro) % across:
             per = f" / train.grad_accum={accum}" if accum > 1 else ""
             raise UserError(f"{name}={size}{per} does not cut into pipeline.microbatches={micro} microbatches whose "
-                            f"size the batch's {shards} shards divide; use a batch size that is a multiple of "
-                            f"{micro * shards * accum}, or other microbatches")
+                            f"size the batch's {across} shards beside the stages divide; use a batch size that is a "
+                            f"multiple of {micro * across * accum}, or other microbatches")
     return Schedule(stages, repeats, micro)
 
 
@@ -95,12 +106,17 @@ def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
     n_layers = jax.tree.leaves(nnx.state(layers))[0].shape[0]
     per = n_layers // (S * R)
     mesh, rules = partition.active()
-    batch_axes = partition.logical_to_spec(("batch",), rules, mesh.shape)[0]
+    rows = Rows.of(rules, mesh.shape, S)
+    # Inside the stages' vmap the stage dimension is the vmap's: the stage's microbatch is split on the rest.
+    inner = {**rules, "batch": tuple(a for a in partition.axes_of(rules["batch"]) if a != "stage") or None}
 
-    def on_stages(a, extra_leading: int):
-        """Ask for a's first dimension on `stage`, the next `extra_leading` whole, the rest as they are."""
-        spec = PartitionSpec("stage", *([None] * extra_leading), *([UNCONSTRAINED] * (a.ndim - 1 - extra_leading)))
-        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+    def on_stages(a, whole: int, batch_dim: int | None = None):
+        """Ask for a's first dimension on `stage`, the next `whole` whole, a batch dimension on the other batch
+        axes, the rest as they are."""
+        spec = ["stage", *([None] * whole), *([UNCONSTRAINED] * (a.ndim - 1 - whole))]
+        if batch_dim is not None:
+            spec[batch_dim:] = [rows.others or None] + [None] * (a.ndim - 1 - batch_dim)
+        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, PartitionSpec(*spec)))
 
     # Stored in schedule order (`Layout`; GPipe's is the layer order): (L, ...) -> (S, R, per, ...) is
     # stage s's groups in the order it runs them, its own rows: nothing moves.
@@ -108,13 +124,13 @@ def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
     fixed = jax.tree.map(lambda a: a.reshape(S, R, per, *a.shape[1:]), rest)
 
     tail = x.shape[1:]
-    micro = partition.microbatches(x, M)                                        # (M, mb, ...)
-    io_spec = PartitionSpec("stage", None, batch_axes, *([None] * len(tail)))
-    io = jax.lax.with_sharding_constraint(jnp.broadcast_to(micro, (S, *micro.shape)), NamedSharding(mesh, io_spec))
-    shift_spec = NamedSharding(mesh, PartitionSpec("stage", batch_axes, *([None] * len(tail))))
-    shift = jax.lax.with_sharding_constraint(jnp.zeros((S, *micro.shape[1:]), x.dtype), shift_spec)
+    # Stage 0 gathers every stage's microbatches once (S - 1 sends of a stage's rows, to stage 0 only): its row of
+    # `io` holds microbatch m at m. What stage S-1 finishes comes round to stage 0 with the stages' roll, and
+    # waits in its microbatch's place, for its next repeat or, after the last, to go home to its stage.
+    io = on_stages(to_first(on_stages(rows.to_stages(x, M), 1, 2)), 1, 2)     # (S, M, mb, ...)
+    shift = on_stages(jnp.zeros((S, *io.shape[2:]), x.dtype), 0, 1)
     stage = jnp.arange(S)
-    first, last = (stage == 0).reshape(S, *[1] * (1 + len(tail))), (stage == S - 1).reshape(S, *[1] * (1 + len(tail)))
+    first = (stage == 0).reshape(S, *[1] * (1 + len(tail)))
 
     def one_stage(params_s, rest_s, x_s, r):
         """Stage s at one iteration: its repeat r's layers applied to its microbatch."""
@@ -129,9 +145,9 @@ def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
     def iteration(carry, t):
         io, shift, totals, current = carry
         # What stage S-1 finished one iteration ago has just arrived at stage 0 (the roll): keep it
-        # there for its next repeat (it waits M - S iterations when M > S).
+        # there for its next repeat (it waits M - S iterations when M > S), or as the output.
         k_back = t - S
-        back = (k_back >= 0) & (k_back < (R - 1) * M)
+        back = (k_back >= 0) & (k_back < R * M)
         slot = jnp.maximum(k_back, 0) % M
         io = io.at[:, slot].set(jnp.where(first & back, shift, io[:, slot]))
         # Stage s works on visit k = t - s: microbatch k mod M, repeat k div M, while 0 <= k < R M.
@@ -139,12 +155,8 @@ def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
         valid = (k >= 0) & (k < R * M)
         r = jnp.clip(k, 0, R * M - 1) // M
         inputs = jnp.where(first, io[:, jnp.maximum(t, 0) % M], shift)
-        outputs, updated = stages_at_once(staged, current, inputs, r)
-        # Stage S-1's last repeat: the microbatch has passed every layer.
-        k_out = t - (S - 1)
-        done = (k_out >= (R - 1) * M) & (k_out < R * M)
-        slot = jnp.maximum(k_out, 0) % M
-        io = io.at[:, slot].set(jnp.where(last & done, outputs, io[:, slot]))
+        with partition.activate(mesh, inner):
+            outputs, updated = stages_at_once(staged, current, inputs, r)
 
         def where_valid(new, old):
             return jnp.where(valid.reshape(S, *[1] * (new.ndim - 1)), new, old)
@@ -160,11 +172,86 @@ def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
         return (io, jnp.roll(outputs, 1, axis=0), totals, current), None
 
     steps = jnp.arange(R * M + S - 1)
-    (io, _, totals, current), _ = jax.lax.scan(iteration, (io, shift, totals, fixed), steps)
+    (io, shift, totals, current), _ = jax.lax.scan(iteration, (io, shift, totals, fixed), steps)
+    io = io.at[:, M - 1].set(jnp.where(first, shift, io[:, M - 1]))  # the last microbatch, finished at the last step
     if jax.tree.leaves(rest):  # each layer's variables: floats their mean over the microbatches, the rest carried
         final = jax.tree.map(lambda tot, cur: (tot / M).astype(cur.dtype) if floating(cur) else cur, totals, current)
         nnx.update(layers, jax.tree.map(lambda a: a.reshape(n_layers, *a.shape[3:]), final))
-    return partition.from_microbatches(io[S - 1])
+    return rows.from_stages(on_stages(from_first(io, S), 1, 2))
+
+
+def to_first(a: jax.Array) -> jax.Array:
+    """(S, K, ...), stage s's rows at s -> (S, S K, ...) whose stage-0 row holds them all in order (the other
+    rows zero): stage s sends its rows to stage 0 only (a static slice moved to another stage, which XLA
+    compiles to a collective permute of that one pair)."""
+    S = a.shape[0]
+    rest = [(0, 0)] * (a.ndim - 1)
+    return jnp.concatenate([jnp.pad(a[s:s + 1], [(0, S - 1), *rest]) for s in range(S)], axis=1)
+
+
+def from_first(a: jax.Array, stages: int) -> jax.Array:
+    """The inverse of `to_first`: (S, S K, ...) whose stage-0 row holds every stage's rows -> (S, K, ...), each
+    stage its own (stage 0 sends each stage its rows, one pair at a time)."""
+    S, K = stages, a.shape[1] // stages
+    rest = [(0, 0)] * (a.ndim - 2)
+    return sum(jnp.pad(a[:1, s * K:(s + 1) * K], [(s, S - 1 - s), (0, 0), *rest]) for s in range(S))
+
+
+@dataclass(frozen=True)
+class Rows:
+    """How a batch's rows sit on the devices, seen from the stages: the batch axes before `stage` cut the batch
+    into `lead` blocks, each block into S stage blocks, each of those into `follow` blocks (one device's rows).
+    The stages' microbatches are cut from each device's own rows, so that none moves: stage s's microbatch
+    sK + k is the k-th of K slices of every device's rows on stage s."""
+    stages: int
+    lead: int
+    follow: int
+    others: tuple  # the batch axes beside `stage`, which split each microbatch
+
+    @classmethod
+    def of(cls, rules: dict, mesh_shape, stages: int) -> "Rows":
+        axes = batch_axes(rules, mesh_shape)
+        at = axes.index("stage") if "stage" in axes else len(axes)
+        size = lambda names: math.prod(mesh_shape[a] for a in names)
+        return cls(stages, size(axes[:at]), size(axes[at + 1:]), tuple(a for a in axes if a != "stage"))
+
+    def to_stages(self, a: jax.Array, micro: int) -> jax.Array:
+        """(B, ...) -> (S, K, B/M, ...)."""
+        S, A, F, K = self.stages, self.lead, self.follow, micro // self.stages
+        tail = a.shape[1:]
+        c = a.shape[0] // (A * S * F * K)
+        blocks = a.reshape(A, S, F, K, c, *tail).transpose(1, 3, 0, 2, 4, *range(5, 5 + len(tail)))
+        return blocks.reshape(S, K, A * F * c, *tail)
+
+    def from_stages(self, a: jax.Array) -> jax.Array:
+        """The inverse of `to_stages`: (S, K, B/M, ...) -> (B, ...)."""
+        S, K, A, F = a.shape[0], a.shape[1], self.lead, self.follow
+        tail = a.shape[3:]
+        c = a.shape[2] // (A * F)
+        blocks = a.reshape(S, K, A, F, c, *tail).transpose(2, 0, 3, 1, 4, *range(5, 5 + len(tail)))
+        return blocks.reshape(S * K * A * F * c, *tail)
+
+
+def batch_axes(rules: dict, mesh_shape) -> tuple:
+    """The mesh axes that split a batch's rows, in order."""
+    return partition.axes_of(partition.logical_to_spec(("batch",), rules, mesh_shape)[0])
+
+
+def arrange(batch: dict, micro: int, stages: int) -> dict:
+    """A training batch's rows reordered so that the stages' microbatches (`Rows`) are `train.grad_accum`'s:
+    microbatch m holds examples m, m+M, ... (`partition.microbatches`), in that order, on any mesh. A model
+    with random streams then draws each microbatch's masks for the same examples as on one device; what
+    moves is the batch's tokens, not activations."""
+    mesh, rules = partition.active()
+    rows = Rows.of(rules, mesh.shape, stages)
+    K = micro // stages
+
+    def one(a):
+        moved = rows.from_stages(partition.microbatches(a, micro).reshape(stages, K, -1, *a.shape[1:]))
+        # Laid out as the batch is: XLA moves these rows here, not the activations made from them later.
+        return partition.constrain(moved, ("batch",) + (None,) * (a.ndim - 1))
+
+    return {k: one(v) for k, v in batch.items()}
 
 
 def floating(a) -> bool:
@@ -282,6 +369,10 @@ class Pipeline(Strategy):
 
     def hooks(self) -> dict:
         return {"pipeline": self.schedule}
+
+    def step_options(self, job) -> dict:
+        p = self.schedule
+        return {"arrange": functools.partial(arrange, micro=p.microbatches, stages=p.stages)}
 
     def reduce_once(self) -> str:
         return "the pipeline reduces each layer group's gradient at every microbatch it passes"
