@@ -30,17 +30,21 @@ def losses(result):
     return np.array([r["loss"] for r in result.history])
 
 
-def test_split_sequences_give_the_one_device_curve(train, one_device):
-    cases = [("gpt", ["mesh.context=8"]), ("gpt", ["mesh.context=4", "mesh.fsdp=2"]),
-             ("gpt_rope", ["mesh.context=2", "mesh.tensor=2", "mesh.data=2"]),
-             ("moe", ["mesh.context=2", "mesh.expert=4"])]
-    for strategy in ("all_gather", "ring"):
-        for name, mesh in cases:
-            reference = losses(one_device(name))
-            assert reference[-1] < reference[0]
-            run = train(*REFERENCES[name], *STEPS, "mesh=cp", *mesh, f"train.context_strategy={strategy}",
-                        subdir=f"{strategy}-{name}-{'-'.join(mesh)}")
-            np.testing.assert_allclose(losses(run), reference, rtol=1e-5, err_msg=f"{strategy} {name} {mesh}")
+CASES = {"ring": [("gpt", ["mesh.context=8"]), ("gpt", ["mesh.context=4", "mesh.fsdp=2"]),
+                  ("gpt_rope", ["mesh.context=2", "mesh.tensor=2", "mesh.data=2"]),
+                  ("moe", ["mesh.context=2", "mesh.expert=4"])],
+         # all_gather is the partitioner's own attention on gathered keys: two meshes cover its layouts
+         "all_gather": [("gpt", ["mesh.context=8"]), ("gpt_rope", ["mesh.context=2", "mesh.tensor=2", "mesh.data=2"])]}
+
+
+@pytest.mark.parametrize("strategy", list(CASES))
+def test_split_sequences_give_the_one_device_curve(train, one_device, strategy):
+    for name, mesh in CASES[strategy]:
+        reference = losses(one_device(name))
+        assert reference[-1] < reference[0]
+        run = train(*REFERENCES[name], *STEPS, "mesh=cp", *mesh, f"train.context_strategy={strategy}",
+                    subdir=f"{strategy}-{name}-{'-'.join(mesh)}")
+        np.testing.assert_allclose(losses(run), reference, rtol=1e-5, err_msg=f"{strategy} {name} {mesh}")
 
 
 @pytest.mark.parametrize("causal", [True, False])

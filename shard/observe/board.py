@@ -14,8 +14,6 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from tensorboardX import SummaryWriter
-
 from shard import paths
 from shard.observe.metrics import Uploads
 
@@ -40,6 +38,8 @@ class Board:
         # A fresh run starts at step 0 and has nothing to purge; a resumed one purges from start_step + 1.
         # Event files are named by the second they were opened and the host: a suffix of its own keeps a
         # second run (or resume) started within the same second from overwriting this one's file.
+        from tensorboardX import SummaryWriter  # here, not at import: it imports torch where that is installed (~2 s)
+
         self.writer = SummaryWriter(self.local, purge_step=start_step + 1 if start_step else None,
                                     filename_suffix="." + uuid.uuid4().hex[:8])
         self.uploads, self.copied = Uploads(f"TensorBoard events to {self.remote}"), {}
