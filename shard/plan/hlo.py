@@ -82,7 +82,9 @@ def _senders(line: str, n_devices: int) -> float:
     pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
     if not pairs or not n_devices:
         return 1.0
-    return len(set(re.findall(r"\{(\d+),", pairs.group(1) + "}"))) / n_devices
+    # A device paired with itself keeps its data (XLA writes such pairs when a permutation fixes some shards).
+    sources = {a for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(0)) if a != b}
+    return len(sources) / n_devices
 
 
 def computations(text: str) -> tuple[dict[str, list[str]], str]:
