@@ -133,6 +133,7 @@ def per_shard(gradient: Callable, axes: tuple) -> Callable:
 def shards_first(a: jax.Array, present: tuple, axes: tuple, mesh_shape) -> jax.Array:
     """(B, ...) split over the batch axes `present` -> (shards along `axes`, the rest, ...): each device's rows
     stay on it, the other batch axes (a pipeline's `stage` before `data`) keeping their order in the rest."""
+    assert set(axes) <= set(present), (axes, present)  # the reduction chose them from these rules' batch axes
     sizes = [mesh_shape[x] for x in present]
     blocks = a.reshape(*sizes, a.shape[0] // math.prod(sizes), *a.shape[1:])
     mine = [i for i, x in enumerate(present) if x in axes]
