@@ -193,7 +193,7 @@ class MeshConfig:
 @dataclass
 class PipelineConfig:
     microbatches: Optional[int] = option(None, "microbatches the global batch is cut into under mesh.stage > 1 "
-                                         "(M); default: twice the stages", min=1)
+                                         "(M), a multiple of the stages; default: twice the stages", min=1)
     repeats: int = option(1, "layer groups each stage holds (R): 1 = GPipe; more = a circular schedule, each "
                           "stage holding R non-adjacent groups, bubble (S-1)/(R*M+S-1)", min=1)
 
