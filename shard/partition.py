@@ -141,9 +141,19 @@ def activate(mesh: jax.sharding.Mesh | None, rules: dict | None):
         _ACTIVE.reset(token)
 
 
+def batch_axes(rules: dict, mesh_shape: dict[str, int]) -> tuple:
+    """The mesh axes that split a batch's rows (the `batch` rule's larger than 1), in order."""
+    return axes_of(logical_to_spec(("batch",), rules, mesh_shape)[0])
+
+
 def batch_shards(rules: dict, mesh_shape: dict[str, int]) -> int:
     """How many pieces the batch axes (the `batch` rule, as the preset and mesh.rules set it) cut a global batch into."""
-    return math.prod(mesh_shape[a] for a in axes_of(logical_to_spec(("batch",), rules, mesh_shape)[0]))
+    return math.prod(mesh_shape[a] for a in batch_axes(rules, mesh_shape))
+
+
+def without_batch_axes(rules: dict, axes) -> dict:
+    """The rules inside a vmap whose dimension `axes` split (`spmd_axis_name`): "batch" names the rest."""
+    return {**rules, "batch": tuple(a for a in axes_of(rules["batch"]) if a not in axes) or None}
 
 
 def microbatches(a: jax.Array, k: int) -> jax.Array:

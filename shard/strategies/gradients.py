@@ -64,8 +64,7 @@ def local_axes(rules: dict, mesh_shape: dict, param_axes: set) -> tuple:
     """The batch axes (the batch rule's, in its order) that split no parameter: over these a device's gradient
     is its own until it is summed. A pipeline's `stage` splits the batch and the stacked layers, so it is not
     one: the data shards' gradients are each summed over their stages inside the step."""
-    return tuple(a for a in partition.axes_of(partition.logical_to_spec(("batch",), rules, mesh_shape)[0])
-                 if a not in param_axes)
+    return tuple(a for a in partition.batch_axes(rules, mesh_shape) if a not in param_axes)
 
 
 def build(gradient: Callable, red: Reduction) -> Callable:
@@ -120,11 +119,9 @@ def per_shard(gradient: Callable, axes: tuple) -> Callable:
 
     def run(params, rest, batch):
         mesh, rules = partition.active()
-        present = partition.axes_of(partition.logical_to_spec(("batch",), rules, mesh.shape)[0])
+        present = partition.batch_axes(rules, mesh.shape)
         split = jax.tree.map(lambda a: shards_first(a, present, axes, mesh.shape), batch)
-        # Inside, "batch" names the rest of the batch axes: `axes` already split the vmapped dimension.
-        inner = {**rules, "batch": tuple(a for a in partition.axes_of(rules["batch"]) if a not in axes) or None}
-        with partition.activate(mesh, inner):
+        with partition.activate(mesh, partition.without_batch_axes(rules, axes)):
             return jax.vmap(gradient, in_axes=(None, None, 0), spmd_axis_name=axes)(params, rest, split)
 
     return run

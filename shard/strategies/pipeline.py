@@ -86,7 +86,7 @@ def settings(cfg, mesh_shape: dict, rules: dict, work) -> Schedule | None:
     if micro % stages:
         raise UserError(f"pipeline.microbatches={micro} with {where}: each stage holds whole microbatches of the "
                         f"batch's rows, as many on every stage; use a multiple of {stages}")
-    across = math.prod(mesh_shape[a] for a in batch_axes(rules, mesh_shape) if a != "stage")
+    across = math.prod(mesh_shape[a] for a in partition.batch_axes(rules, mesh_shape) if a != "stage")
     # The train step hands the pipeline one accumulation microbatch at a time (train.grad_accum).
     sizes = (("data.batch_size", work.data.batch_size, cfg.train.grad_accum), ("the eval batch", work.data.batch_size, 1))
     for name, size, accum in sizes:
@@ -108,7 +108,7 @@ def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
     mesh, rules = partition.active()
     rows = Rows.of(rules, mesh.shape, S)
     # Inside the stages' vmap the stage dimension is the vmap's: the stage's microbatch is split on the rest.
-    inner = {**rules, "batch": tuple(a for a in partition.axes_of(rules["batch"]) if a != "stage") or None}
+    inner = partition.without_batch_axes(rules, ("stage",))
 
     def on_stages(a, whole: int, batch_dim: int | None = None):
         """Ask for a's first dimension on `stage`, the next `whole` whole, a batch dimension on the other batch
@@ -210,7 +210,7 @@ class Rows:
 
     @classmethod
     def of(cls, rules: dict, mesh_shape, stages: int) -> "Rows":
-        axes = batch_axes(rules, mesh_shape)
+        axes = partition.batch_axes(rules, mesh_shape)
         at = axes.index("stage") if "stage" in axes else len(axes)
         size = lambda names: math.prod(mesh_shape[a] for a in names)
         return cls(stages, size(axes[:at]), size(axes[at + 1:]), tuple(a for a in axes if a != "stage"))
@@ -230,11 +230,6 @@ class Rows:
         c = a.shape[2] // (A * F)
         blocks = a.reshape(S, K, A, F, c, *tail).transpose(2, 0, 3, 1, 4, *range(5, 5 + len(tail)))
         return blocks.reshape(S * K * A * F * c, *tail)
-
-
-def batch_axes(rules: dict, mesh_shape) -> tuple:
-    """The mesh axes that split a batch's rows, in order."""
-    return partition.axes_of(partition.logical_to_spec(("batch",), rules, mesh_shape)[0])
 
 
 def arrange(batch: dict, micro: int, stages: int) -> dict:

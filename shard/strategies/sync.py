@@ -182,7 +182,7 @@ def local_step(train_step, sync: Sync):
     all of them)."""
     def step(state: TrainState, batch: dict):
         mesh, rules = partition.active()
-        inner_rules = {**rules, "batch": tuple(a for a in partition.axes_of(rules["batch"]) if a != AXIS) or None}
+        inner_rules = partition.without_batch_axes(rules, (AXIS,))
         per = jax.tree.map(lambda a: a.reshape(sync.replicas, a.shape[0] // sync.replicas, *a.shape[1:]), batch)
         inner = state.replace(outer=None)
         axes = TrainState(step=None, params=0, rest=0, opt_state=0)
