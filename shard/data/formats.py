@@ -1,16 +1,20 @@
-"""What one row of a documents corpus becomes before tokenizing: pieces of text, each trained on or not.
+"""What one row of a documents corpus becomes before tokenizing: one text, the character spans of it that
+are trained on, and whether the tokenizer's special tokens (BOS) go around it. A row is tokenized whole, as
+transformers tokenizes it, so a prompt's last token may merge with its completion's first; a token is trained
+where its characters overlap a trained span (one that straddles the boundary counts as the completion's).
 
-- A document (`data.field` holds text): one piece, trained.
-- A prompt/completion pair (`data.prompt_field` and `data.completion_field`): the prompt, not trained, then
-  the completion, trained; the EOS after it is trained too (the model learns where an answer ends).
+- A document (`data.field` holds text): the text, all trained, with the tokenizer's special tokens.
+- A prompt/completion pair (`data.prompt_field` and `data.completion_field`): prompt + completion, as
+  `tokenizer(prompt + completion)` tokenizes it, the completion trained; the EOS after it is trained too
+  (the model learns where an answer ends).
 - A chat (`data.field` holds a list of {role, content} messages, as `messages` does in most chat sets):
-  rendered with the tokenizer's chat template (`chat_template` in its tokenizer_config.json) where it has
-  one, else with the plain template below; only the assistant's turns are trained.
-
-A chat template renders a whole conversation as one string; which characters belong to an assistant turn is
-learnt by rendering the conversation one message longer at a time: the characters that message i adds (after
-the generation prompt, for an assistant turn) are its own. A template that does not render a conversation as
-a prefix of the conversation one message longer is refused in one line.
+  rendered with the tokenizer's chat template (shard/data/chat_template.py) where it has one, tokenized
+  without special tokens (the template writes them), as `apply_chat_template(tokenize=True)` does; the
+  assistant's turns trained. Which characters those are: the template's `{% generation %}` blocks where it
+  marks them (transformers' assistant mask); else learnt by rendering the conversation one message longer
+  at a time: the characters that message i adds (after the generation prompt, for an assistant turn) are
+  its own. A template that does not render a conversation as a prefix of the conversation one message
+  longer is then refused in one line. Without a template, the plain one below, with special tokens.
 
 The plain template, for tokenizers without one (the byte-level vocabulary among them):
 
@@ -18,12 +22,18 @@ The plain template, for tokenizers without one (the byte-level vocabulary among 
     assistant: <content>\\n       the content and its newline trained, "assistant: " not
 """
 
-import json
-from functools import lru_cache
+from typing import NamedTuple
 
+from shard.data import chat_template, tokenizer_files
 from shard.errors import UserError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's, which chat sets use
+
+
+class Row(NamedTuple):
+    text: str
+    trained: list[tuple[int, int]]  # character spans of `text`, in order
+    special: bool                   # the tokenizer's special tokens go around it (not for a rendered template)
 
 
 def columns(cfg) -> tuple[str, ...]:
@@ -36,53 +46,87 @@ def columns(cfg) -> tuple[str, ...]:
 
 
 class Formatter:
-    """Row values (a tuple, one per column) -> [(text, trained)], for one tokenizer (its chat template,
-    its BOS text)."""
+    """Row values (a tuple, one per column) -> a Row, for one tokenizer (its chat template, its special
+    tokens' text)."""
 
-    def __init__(self, names: tuple[str, ...], tokenizer_spec: str | None):
-        self.names = names
-        self.template = chat_template(tokenizer_spec)
-        self.tokens = special_tokens(tokenizer_spec)
+    def __init__(self, names: tuple[str, ...], tokenizer):
+        self.names, self.tok = names, tokenizer
+        source = tokenizer.chat_template
+        self.template = None if source is None else chat_template.Template(
+            source, template_tokens(tokenizer), f"data.tokenizer={str(tokenizer.found.main.parent)!r}")
 
-    def pieces(self, values: tuple, where: str) -> list[tuple[str, bool]]:
+    def row(self, values: tuple, where: str) -> Row | None:
+        """The row's text and trained spans; None for a row with nothing to train on (an empty text or
+        completion)."""
         if len(values) == 2:
             prompt, completion = (text_value(v, describe((n,), self.names), where) for v, n in zip(values, self.names))
-            return [(prompt, False), (completion, True)] if completion else []
+            if not completion:
+                return None
+            return Row(prompt + completion, [(len(prompt), len(prompt) + len(completion))], True)
         value = values[0]
         if isinstance(value, (list, tuple)):
             return self.chat(_messages(value, self.names[0], where), where)
-        return [(text_value(value, describe(self.names), where), True)]
+        text = text_value(value, describe(self.names), where)
+        return Row(text, [(0, len(text))], True) if text else None
 
-    def chat(self, messages: list[dict], where: str) -> list[tuple[str, bool]]:
+    def chat(self, messages: list[dict], where: str) -> Row | None:
         if self.template is None:
-            return [piece for m in messages for piece in plain(m)]
+            pieces = [piece for m in messages for piece in plain(m)]
+            return _joined(pieces, True)
+        if self.template.marks_generation:
+            text, spans = self.render(messages, False, where)
+            return Row(text, spans, False) if text else None
         pieces, done = [], ""
         for i, message in enumerate(messages):
             if message["role"] == "assistant":
-                prompt = self.render(messages[:i], True, where)
+                prompt, _ = self.render(messages[:i], True, where)
                 _check_prefix(done, prompt, where)
                 pieces.append((prompt[len(done):], False))
                 done = prompt
-            whole = self.render(messages[:i + 1], False, where)
+            whole, _ = self.render(messages[:i + 1], False, where)
             _check_prefix(done, whole, where)
             pieces.append((whole[len(done):], message["role"] == "assistant"))
             done = whole
-        return [(text, trained) for text, trained in pieces if text]
+        return _joined(pieces, False)
 
     def prompt(self, messages: list[dict]) -> str:
         """The conversation so far, ready for the assistant's next turn (as a server or generate feeds it)."""
         checked = _messages(messages, "messages", "messages")
         if self.template is None:
             return "".join(text for m in checked for text, _ in plain(m)) + "assistant: "
-        return self.render(checked, True, "messages")
+        return self.render(checked, True, "messages")[0]
 
-    def render(self, messages: list[dict], add_generation_prompt: bool, where: str) -> str:
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The prompt's tokens, as a chat row of the same conversation starts: a rendered template's text alone
+        (it writes its own special tokens), the plain template's with what the tokenizer puts before a text."""
+        text = self.prompt(messages)
+        return self.tok.encode(text, special=False) if self.template is not None else self.tok.prompt(text)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool, where: str):
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.tokens)
-        except Exception as e:  # jinja2's TemplateError, or the template's own raise_exception
-            raise UserError(f"{where}: the tokenizer's chat template failed on this conversation: "
-                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            return self.template.render(messages, add_generation_prompt)
+        except chat_template.TemplateFailed as e:
+            raise UserError(f"{where}: the tokenizer's chat template failed on this conversation: {e}") from None
+
+
+def template_tokens(tokenizer) -> dict[str, str]:
+    """The special tokens' text a chat template may name (bos_token, eos_token, ...): those the tokenizer's
+    config names, as transformers passes them."""
+    named = {key: text for key in tokenizer_files.SPECIAL_KEYS if (text := tokenizer.special(key))}
+    extra = tokenizer.found.config.get("extra_special_tokens") if tokenizer.found else None
+    if isinstance(extra, dict):
+        named.update({k: v for k, v in extra.items() if isinstance(v, str)})
+    return named
+
+
+def _joined(pieces: list[tuple[str, bool]], special: bool) -> Row | None:
+    text, spans, at = "", [], 0
+    for piece, trained in pieces:
+        if trained and piece:
+            spans.append((at, at + len(piece)))
+        text += piece
+        at += len(piece)
+    return Row(text, spans, special) if text else None
 
 
 def plain(message: dict) -> list[tuple[str, bool]]:
@@ -115,58 +159,6 @@ def _messages(value, field: str, where: str) -> list[dict]:
         if message["role"] not in ROLES:
             raise UserError(f"{where}: message role {message['role']!r}; the roles are {', '.join(ROLES)}")
     return [{"role": m["role"], "content": m["content"]} for m in value]
-
-
-def _config(spec: str | None) -> dict:
-    from shard.data import tokenizer as tokenizer_lib
-
-    if spec in (None, "bytes"):
-        return {}
-    path = tokenizer_lib.tokenizer_file(spec).parent / "tokenizer_config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
-
-
-def chat_template(spec: str | None):
-    """The tokenizer's chat template (a jinja2 template in a sandbox: rendering it runs no Python of the
-    file's), or None where it has none."""
-    source = _config(spec).get("chat_template")
-    if isinstance(source, list):  # several named templates: the default one
-        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
-    return _compiled(source, spec) if isinstance(source, str) else None
-
-
-@lru_cache(maxsize=8)
-def _compiled(source: str, spec: str | None):
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(source)
-    except TemplateError as e:
-        raise UserError(f"data.tokenizer={spec!r}: its chat_template is not a valid template ({e})") from None
-
-
-def special_tokens(spec: str | None) -> dict:
-    """bos_token and eos_token as a chat template names them (text, or '' where the tokenizer has none)."""
-    from shard.data import tokenizer as tokenizer_lib
-
-    named = {} if spec in (None, "bytes") else \
-        tokenizer_lib.config_tokens(tokenizer_lib.tokenizer_file(spec).parent / "tokenizer_config.json")
-    return {key: named.get(key, "") for key in ("bos_token", "eos_token")}
-
-
-def render_prompt(messages: list[dict], tokenizer_spec: str | None) -> str:
-    """A conversation ready for the assistant's next turn: what a server or generate feeds the model."""
-    return Formatter(("messages",), tokenizer_spec).prompt(messages)
 
 
 def describe(names: tuple[str, ...], of: tuple[str, ...] | None = None) -> str:

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from shard.data import documents, formats, tokenizer as tokenizer_lib
 from shard.errors import UserError
 
-FORMAT = 1                  # bump when the layout changes: old caches are then never read
+FORMAT = 2                  # bump when the layout changes: old caches are then never read
 PARALLEL_MIN_BYTES = 4 << 20  # smaller corpora build in this process: starting workers costs more
 
 
@@ -194,41 +194,54 @@ _WORKER_TOKENIZER: dict = {}  # spec -> tokenizer, loaded once per worker proces
 
 def _encode_file(index: int, path: Path, names: tuple[str, ...], spec, scratch: Path, tok=None) -> tuple[np.ndarray, bool]:
     """Tokenize one file into `scratch`/tokens.<index>, bytes.<index> and mask.<index>: its documents' lengths,
-    and whether any target is not trained on. A row's pieces (shard/data/formats.py) are tokenized apart, so
-    a prompt's last token never merges with its completion's first, and each token's mask is its piece's;
-    BOS takes the first piece's (it is a target only after the previous row's EOS), EOS the last's."""
+    and whether any target is not trained on. A row (shard/data/formats.py) is tokenized whole, as
+    transformers tokenizes it; a token is trained where its characters overlap a trained span. The special
+    tokens before a text (BOS) take its first character's mask (BOS is a target only after the previous
+    row's EOS), those after it and the separator its last character's."""
     if tok is None:
         tok = _WORKER_TOKENIZER.get(spec) or _WORKER_TOKENIZER.setdefault(spec, tokenizer_lib.load(spec))
-    formatter = formats.Formatter(names, spec)
-    bos_text = formatter.tokens["bos_token"]
+    formatter = formats.Formatter(names, tok)
     dtype = token_dtype(tok.vocab_size)
     sep_ids, sep_bytes = tokenizer_lib.separator(tok)
     lengths, masked = [], False
     with open(scratch / f"tokens.{index}", "wb") as out, open(scratch / f"bytes.{index}", "wb") as out_bytes, \
             open(scratch / f"mask.{index}", "wb") as out_mask:
         for batch in documents.rows(path, names):
-            rows = [formatter.pieces(values, f"{path}:row {len(lengths) + n + 1}") for n, values in enumerate(batch)]
-            ids, counts = tok.encode_batch([text for pieces in rows for text, _ in pieces])
-            parts, byte_parts, mask_parts, at = [], [], [], 0
-            for pieces in rows:
-                took = slice(at, at + len(pieces))
-                at += len(pieces)
-                row_ids = [i.astype(dtype, copy=False) for i in ids[took]]
-                size = sum(len(i) for i in row_ids)
-                if not size:
-                    continue  # an empty text is no document
-                # a chat template may write BOS itself: then it is not added again
-                head = [] if tok.bos is None or (bos_text and pieces[0][0].startswith(bos_text)) else [tok.bos]
-                trained = [t for _, t in pieces]
-                parts += [np.asarray(head, dtype), *row_ids, sep_ids.astype(dtype)]
-                byte_parts += [np.zeros(len(head), np.uint16), *counts[took], sep_bytes]
-                mask_parts += [np.full(len(head), trained[0], np.uint8),
-                               *(np.full(len(i), t, np.uint8) for i, t in zip(row_ids, trained)),
-                               np.full(len(sep_ids), trained[-1], np.uint8)]
-                masked |= not all(trained)
-                lengths.append(len(head) + size + len(sep_ids))
+            rows = [formatter.row(values, f"{path}:row {len(lengths) + n + 1}") for n, values in enumerate(batch)]
+            rows = [r for r in rows if r is not None]
+            encoded = {}
+            for special in (True, False):  # rows with special tokens around them, and rendered templates
+                some = [r for r in rows if r.special == special]
+                encoded.update(zip(map(id, some), tok.encode_rows([r.text for r in some], special)))
+            parts, byte_parts, mask_parts = [], [], []
+            for row in rows:
+                ids, offsets, counts = encoded[id(row)]
+                if not len(ids):
+                    continue
+                mask = trained_mask(offsets, row.trained, len(row.text))
+                ends_in_eos = tok.eos is not None and ids[-1] == tok.eos
+                sep = (sep_ids[:0], sep_bytes[:0]) if ends_in_eos else (sep_ids, sep_bytes)
+                parts += [ids.astype(dtype), sep[0].astype(dtype)]
+                byte_parts += [counts, sep[1]]
+                mask_parts += [mask, np.full(len(sep[0]), mask[-1], np.uint8)]
+                masked |= not mask.all()
+                lengths.append(len(ids) + len(sep[0]))
             if parts:
                 out.write(np.concatenate(parts).tobytes())
                 out_bytes.write(np.concatenate(byte_parts).astype(np.uint16).tobytes())
                 out_mask.write(np.concatenate(mask_parts).tobytes())
     return np.asarray(lengths, np.int64), masked
+
+
+def trained_mask(offsets: np.ndarray, spans: list[tuple[int, int]], length: int) -> np.ndarray:
+    """1 for each token whose characters overlap a trained span. Tokens with no characters (special ones)
+    take the mask of the character they stand at: the first for those before the text, the last after it."""
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    mask = np.zeros(len(offsets), bool)
+    char_trained = np.zeros(max(length, 1), bool)
+    for lo, hi in spans:
+        mask |= (starts < hi) & (ends > lo)
+        char_trained[lo:hi] = True
+    empty = starts >= ends
+    mask[empty] = char_trained[np.clip(np.where(starts[empty] >= length, length - 1, starts[empty]), 0, None)]
+    return mask.astype(np.uint8)

@@ -1,158 +1,170 @@
-"""Tokenizers for `data.tokenizer`: `bytes` (one token per UTF-8 byte, 256 ids, no special ids), a Hugging
-Face `tokenizer.json` (or a folder holding one), or a SentencePiece `.model`.
+"""The one tokenizer object of a run: training, eval, generation, serving and export all hold one of these.
 
-Every tokenizer also says how many bytes of the original text each token stands for (`encode_batch`'s
-second result), so that eval can report bits per byte whatever the vocabulary: a token covers the bytes
-from the end of the previous token's span to the end of its own, so a document's counts add up to its
-UTF-8 length exactly (tokens that share a character, as byte-level BPE pieces of one character do, count
-it once). Between documents stands EOS (the tokenizer's own; where it has none, its encoding of a newline),
-counted as one byte: the newline it stands for, as the byte-level vocabulary's separator is one.
+`load(spec)` gives `Bytes` (`data.tokenizer=bytes`: one token per UTF-8 byte, no special ids) or `Text`, a
+`tokenizers` tokenizer built from a folder's files (shard/data/tokenizer_files.py finds them) so that it
+encodes exactly as transformers' `AutoTokenizer.from_pretrained(folder)(text)` does:
+
+- tokenizer.json as written, except where tokenizer_config.json names a tokenizer class whose constructor
+  transformers uses to rebuild the text pipeline around the file's vocabulary (Llama, Gemma, Qwen2, GPT-2:
+  `CLASSES` below); a SentencePiece .model converted as transformers converts it (shard/data/spm.py);
+  vocab.json + merges.txt read as the class's byte-level BPE.
+- Special tokens around a text (BOS, EOS) as tokenizer_config.json's add_bos_token/add_eos_token say where it
+  sets them, else as tokenizer.json's post-processor says, else none.
+- Never truncated or padded, whatever tokenizer.json's `truncation` and `padding` fields hold.
+
+`encode(text)` is AutoTokenizer's input_ids; `prompt(text)` the same without what follows the text (the
+tokens a model is asked to continue: training's row for that text starts with them); `encode(text,
+special=False)` the text alone (a rendered chat template writes its own special tokens).
+
+Every tokenizer also says how many bytes of the original text each token stands for (eval's bits per
+byte): a token covers the bytes from the end of the previous token's span to the end of its own, so a
+text's counts add up to its UTF-8 length exactly; special tokens stand for none.
 """
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 
+from shard.data import tokenizer_files
+from shard.data.tokenizer_files import Found
 from shard.errors import UserError
 
-EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")  # where the config names none
 BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "[CLS]")
+# Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer writes the same expression)
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
 
 
 class Bytes:
     """The byte-level vocabulary of `data.name=text`: token = byte, no BOS or EOS (documents are joined
     by a newline byte)."""
-    kind, vocab_size, bos, eos = "bytes", 256, None, None
+    kind, vocab_size, bos, eos, chat_template, found = "bytes", 256, None, None, None, None
 
     def identity(self) -> str:
         return "bytes"
 
-    def encode_batch(self, texts: list[str]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        ids = [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
-        return ids, [np.ones(len(i), np.uint16) for i in ids]
-
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
+
+    prompt = encode
+
+    def encode_rows(self, texts: list[str], special: bool = True):
+        """(ids, character offsets (n, 2), byte counts) per text."""
+        out = []
+        for text in texts:
+            ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint32)
+            chars = np.repeat(np.arange(len(text)), _char_widths(text))
+            out.append((ids, np.stack([chars, chars + 1], 1), np.ones(len(ids), np.uint16)))
+        return out
 
     def decode(self, ids) -> str:
         return bytes(int(t) % 256 for t in ids).decode("utf-8", errors="replace")
 
+    def special(self, key: str) -> str | None:
+        return None
 
-class HuggingFace:
-    """A `tokenizers` tokenizer.json, encoded without the post-processor's special tokens (BOS and EOS
-    are placed by the document stream, once per document)."""
+
+class Text:
+    """A tokenizer read from a folder's files (see the module's docstring)."""
     kind = "huggingface"
 
-    def __init__(self, path: Path):
-        from tokenizers import Tokenizer
-
-        self.path = path
-        try:
-            self.tok = Tokenizer.from_file(str(path))
-        except Exception as e:  # the library raises its own Exception subclasses for a bad file
-            raise UserError(f"data.tokenizer={str(path)!r} is not a readable tokenizer.json: {_line(e)}") from None
+    def __init__(self, found: Found, where: str):
+        self.found, self.where = found, where
+        self.tok = _backend(found, where)
+        self.tok.no_truncation()  # transformers' tokenizer(text) truncates only when asked
+        self.tok.no_padding()
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        named = config_tokens(path.parent / "tokenizer_config.json")
         special = [t.content for t in self.tok.get_added_tokens_decoder().values() if t.special]
-        self.bos = self._id(named.get("bos_token") or next((n for n in BOS_NAMES if n in special), None))
-        self.eos = self._id(named.get("eos_token") or next((n for n in EOS_NAMES if n in special), None))
+        self.bos = self._id(found.special("bos_token") or next((n for n in BOS_NAMES if n in special), None))
+        self.eos = self._id(found.special("eos_token") or next((n for n in EOS_NAMES if n in special), None))
+        self.head, self.tail = self._around()
+        self.chat_template = found.chat_template
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self.tok.token_to_id(token)
 
+    def _around(self) -> tuple[list[int], list[int]]:
+        """The special ids before and after every text, as transformers places them."""
+        add_bos, add_eos = self.found.flag("add_bos_token"), self.found.flag("add_eos_token")
+        if add_bos is not None or add_eos is not None:
+            return ([self.bos] if add_bos and self.bos is not None else [],
+                    [self.eos] if add_eos and self.eos is not None else [])
+        if self.tok.post_processor is None:
+            return [], []
+        enc = self.tok.encode("a", add_special_tokens=True)
+        body = [i for i, s in enumerate(enc.special_tokens_mask) if not s]
+        if not body:
+            return list(enc.ids), []
+        return list(enc.ids[:body[0]]), list(enc.ids[body[-1] + 1:])
+
+    def special(self, key: str) -> str | None:
+        return self.found.special(key)
+
     def identity(self) -> str:
-        return f"huggingface:{_files_hash(self.path)}"  # tokenizer_config.json too: it names BOS and EOS
+        digest = hashlib.sha256()
+        for name, content in sorted(self.found.files().items()):
+            digest.update(name.encode() + b"\0" + hashlib.sha256(content).digest())
+        return f"huggingface:{digest.hexdigest()[:16]}"
 
-    def encode_batch(self, texts: list[str]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        encodings = self.tok.encode_batch(texts, add_special_tokens=False)
-        ids, counts = [], []
-        for text, enc in zip(texts, encodings):
-            ids.append(np.array(enc.ids, np.uint32))
-            ends = np.array([end for _, end in enc.offsets], np.int64) if enc.ids else np.zeros(0, np.int64)
-            counts.append(_counts(text, ends))
-        return ids, counts
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        return self.head + ids + self.tail if special else ids
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+    def prompt(self, text: str) -> list[int]:
+        """What a model is asked to continue: the special tokens before the text, and the text."""
+        return self.head + self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_rows(self, texts: list[str], special: bool = True):
+        """(ids, character offsets (n, 2), byte counts) per text; the special ids before a text have the
+        offsets (0, 0), those after it (len, len)."""
+        out = []
+        for text, enc in zip(texts, self.tok.encode_batch(texts, add_special_tokens=False)):
+            head, tail = (self.head, self.tail) if special else ([], [])
+            ids = np.array(head + enc.ids + tail, np.uint32)
+            offsets = np.array(enc.offsets, np.int64).reshape(-1, 2)
+            offsets = np.concatenate([np.zeros((len(head), 2), np.int64), offsets,
+                                      np.full((len(tail), 2), len(text), np.int64)])
+            counts = _counts(text, offsets[:, 1]) if len(ids) else np.zeros(0, np.uint16)
+            counts[:len(head)] = 0
+            if len(tail) and len(ids) > len(tail):  # what the last text token did not reach stays with the text
+                counts[len(ids) - len(tail) - 1] += counts[len(ids) - len(tail):].sum()
+                counts[len(ids) - len(tail):] = 0
+            out.append((ids, offsets, counts))
+        return out
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
-class SentencePiece:
-    """A SentencePiece `.model`; its pieces carry byte offsets into the text, which give the counts."""
-    kind = "sentencepiece"
-
-    def __init__(self, path: Path):
-        import sentencepiece
-
-        self.path = path
-        try:
-            self.sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
-        except Exception as e:  # OSError or RuntimeError, depending on what is wrong with the file
-            raise UserError(f"data.tokenizer={str(path)!r} is not a readable SentencePiece model: {_line(e)}") from None
-        self.vocab_size = self.sp.vocab_size()
-        self.bos = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
-        self.eos = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
-
-    def identity(self) -> str:
-        return f"sentencepiece:{_files_hash(self.path)}"
-
-    def encode_batch(self, texts: list[str]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        ids, counts = [], []
-        for text, proto in zip(texts, self._protos(texts)):
-            ids.append(np.array([p.id for p in proto.pieces], np.uint32))
-            # begin/end are byte offsets into the text; the counts come straight from them
-            ends = np.array([p.end for p in proto.pieces], np.int64)
-            counts.append(_byte_counts(ends, len(text.encode("utf-8"))))
-        return ids, counts
-
-    def _protos(self, texts: list[str]):
-        try:  # sentencepiece >= 0.2.1 names it proto; 0.2.0 immutable_proto
-            return self.sp.encode(texts, out_type="proto")
-        except ValueError:
-            return self.sp.encode(texts, out_type="immutable_proto")
-
-    def encode(self, text: str) -> list[int]:
-        return self.sp.encode(text)
-
-    def decode(self, ids) -> str:
-        return self.sp.decode([int(i) for i in ids])
-
-
-def load(spec: str | None):
-    """The tokenizer `data.tokenizer` names: bytes, a tokenizer.json (or a folder with one) or a .model."""
-    if spec in (None, "bytes"):
+def load(spec: str | None, key: str = "data.tokenizer"):
+    """The tokenizer `spec` names: bytes, or a tokenizer's file or folder (tokenizer_files.find)."""
+    if spec in (None, tokenizer_files.BYTES):
         return Bytes()
-    path = tokenizer_file(spec)
-    if not path.is_file():
-        raise UserError(f"data.tokenizer={spec!r} does not exist; give bytes, a tokenizer.json (or a folder holding "
-                        "one) or a SentencePiece .model")
-    return SentencePiece(path) if path.suffix == ".model" else HuggingFace(path)
+    return Text(tokenizer_files.find(spec, key), f"{key}={spec!r}")
 
 
-def tokenizer_file(spec: str) -> Path:
-    """The tokenizer's file: the path itself, or in a folder its tokenizer.json, else its one .model."""
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        models = sorted(path.glob("*.model"))
-        path = path / "tokenizer.json" if (path / "tokenizer.json").is_file() or len(models) != 1 else models[0]
-    return path
+RUN_FOLDER = "tokenizer"  # in a run folder: a copy of data.tokenizer's files
 
 
-def files(spec: str | None) -> dict[str, bytes]:
-    """name -> content of the files a tokenizer is read from (none for bytes): its own file, and a
-    tokenizer.json's tokenizer_config.json (BOS and EOS) where there is one beside it."""
-    if spec in (None, "bytes"):
-        return {}
-    path = tokenizer_file(spec)
-    found = {path.name if path.suffix == ".model" else "tokenizer.json": path.read_bytes()}
-    if path.suffix == ".json" and (path.parent / "tokenizer_config.json").is_file():
-        found["tokenizer_config.json"] = (path.parent / "tokenizer_config.json").read_bytes()
-    return found
+def of_run(data_cfg, run_folder: Path | None = None):
+    """The tokenizer a run's text went through: data.tokenizer for documents, else bytes; the run folder's own
+    copy where it has one (the original may have moved, or be on another machine)."""
+    if data_cfg.name != "documents":
+        return Bytes()
+    kept = run_folder / RUN_FOLDER if run_folder is not None else None
+    return load(str(kept) if kept is not None and kept.is_dir() else data_cfg.tokenizer)
+
+
+def keep(data_cfg, run_folder: Path) -> None:
+    """Copy data.tokenizer's files into the run folder, where generation, serving and export find them."""
+    if data_cfg.name != "documents" or data_cfg.tokenizer in (None, tokenizer_files.BYTES):
+        return
+    (run_folder / RUN_FOLDER).mkdir(parents=True, exist_ok=True)
+    for name, content in tokenizer_files.find(data_cfg.tokenizer).files().items():
+        (run_folder / RUN_FOLDER / name).write_bytes(content)
 
 
 def separator(tokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -160,19 +172,126 @@ def separator(tokenizer) -> tuple[np.ndarray, np.ndarray]:
     has none, its encoding of a newline (one byte in all)."""
     if tokenizer.eos is not None:
         return np.array([tokenizer.eos], np.uint32), np.ones(1, np.uint16)
-    ids, _ = tokenizer.encode_batch(["\n"])
-    counts = np.zeros(len(ids[0]), np.uint16)
+    ids = np.array(tokenizer.encode("\n", special=False), np.uint32)
+    counts = np.zeros(len(ids), np.uint16)
     counts[:1] = 1
-    return ids[0].astype(np.uint32), counts
+    return ids, counts
+
+
+# ----------------------------------------------------------------------------- building the backend
+
+def _backend(found: Found, where: str):
+    """The `tokenizers` Tokenizer of `found`, its text pipeline as transformers' class for it builds it."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+
+    cls = _class_name(found)
+    try:
+        if found.kind == "sentencepiece":
+            from shard.data import spm
+
+            tok = spm.to_tokenizers(found.main, found.config)
+        elif found.kind == "bpe":
+            tok = Tokenizer(BPE.from_file(str(found.main), str(found.extra["merges"])))
+            cls = cls or "GPT2Tokenizer"  # two files and no class: GPT-2's, whose files these are
+        else:
+            tok = Tokenizer.from_file(str(found.main))
+    except UserError:
+        raise
+    except Exception as e:  # the libraries raise their own Exception subclasses for a bad file
+        raise UserError(f"{where}: {found.main.name} is not a readable tokenizer: {_line(e)}") from None
+    if found.kind != "sentencepiece" and cls in CLASSES:
+        CLASSES[cls](tok, found.config)
+    _add_named(tok, found, cls)
+    return tok
+
+
+def _class_name(found: Found) -> str | None:
+    name = found.config.get("tokenizer_class")
+    return name[:-4] if isinstance(name, str) and name.endswith("Fast") else name
+
+
+def _llama(tok, config: dict) -> None:
+    from tokenizers import decoders, pre_tokenizers
+
+    prefix = config.get("add_prefix_space", True) is not False
+    scheme = ("first" if config.get("legacy") is False else "always") if prefix else "never"
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+
+
+def _gemma(tok, config: dict) -> None:
+    from tokenizers import decoders, normalizers, pre_tokenizers
+
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+
+
+def _qwen2(tok, config: dict) -> None:
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=bool(config.get("add_prefix_space")), use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+
+
+def _gpt2(tok, config: dict) -> None:
+    from tokenizers import decoders, pre_tokenizers
+
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=bool(config.get("add_prefix_space")))
+    tok.decoder = decoders.ByteLevel()
+
+
+# The classes whose constructor rebuilds the pipeline around the file's vocabulary (transformers 5 does this
+# for a tokenizer.json too, so a Llama folder's legacy normalizer in tokenizer.json is not what it runs).
+CLASSES = {"LlamaTokenizer": _llama, "GemmaTokenizer": _gemma, "Qwen2Tokenizer": _qwen2, "GPT2Tokenizer": _gpt2}
+CLASS_DEFAULTS = {"GPT2Tokenizer": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+                                    "unk_token": "<|endoftext|>"},
+                  "Qwen2Tokenizer": {"eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+                                     "pad_token": "<|endoftext|>"}}
+
+
+def _add_named(tok, found: Found, cls: str | None) -> None:
+    """tokenizer_config.json's added tokens and named special tokens, where the file lacks them (transformers
+    adds both); named ones count as special."""
+    from tokenizers import AddedToken
+
+    have = {t.content for t in tok.get_added_tokens_decoder().values()}
+    new = []
+    for index, entry in sorted((found.config.get("added_tokens_decoder") or {}).items(), key=lambda kv: int(kv[0])):
+        if isinstance(entry, dict) and entry.get("content") not in have:
+            new.append(AddedToken(entry["content"], single_word=entry.get("single_word", False),
+                                  lstrip=entry.get("lstrip", False), rstrip=entry.get("rstrip", False),
+                                  normalized=entry.get("normalized", True), special=entry.get("special", False)))
+            have.add(entry["content"])
+    defaults = CLASS_DEFAULTS.get(cls, {})
+    for key in tokenizer_files.SPECIAL_KEYS:
+        text = found.special(key) if key in found.config else defaults.get(key)
+        if text and text not in have:
+            new.append(AddedToken(text, special=True, normalized=False))
+            have.add(text)
+    if new:
+        tok.add_tokens(new)
+
+
+# ----------------------------------------------------------------------------- byte counts
+
+def _char_widths(text: str) -> np.ndarray:
+    """Each character's UTF-8 length."""
+    points = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), np.uint32)
+    return (1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)).astype(np.int64)
 
 
 def _counts(text: str, char_ends: np.ndarray) -> np.ndarray:
     """Byte counts from character end offsets (Hugging Face offsets are in characters)."""
-    data = text.encode("utf-8")
+    data = text.encode("utf-8", errors="surrogatepass")
     if len(data) != len(text) and len(char_ends):  # not ASCII: character offsets -> byte offsets
-        points = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), np.uint32)
-        widths = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000).astype(np.int64)
-        char_ends = np.concatenate([[0], np.cumsum(widths)])[np.clip(char_ends, 0, len(text))]
+        char_ends = np.concatenate([[0], np.cumsum(_char_widths(text))])[np.clip(char_ends, 0, len(text))]
     return _byte_counts(char_ends, len(data))
 
 
@@ -185,28 +304,6 @@ def _byte_counts(ends: np.ndarray, total: int) -> np.ndarray:
     counts = np.diff(reach, prepend=0)
     counts[-1] += total - reach[-1]
     return np.minimum(counts, np.iinfo(np.uint16).max).astype(np.uint16)
-
-
-def config_tokens(path: Path) -> dict:
-    """bos_token / eos_token from a tokenizer_config.json beside the tokenizer (a string or {"content": ...})."""
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    out = {}
-    for key in ("bos_token", "eos_token"):
-        value = config.get(key)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            out[key] = value
-    return out
-
-
-def _files_hash(path: Path) -> str:
-    digest = hashlib.sha256()
-    for name, content in sorted(files(str(path)).items()):
-        digest.update(name.encode() + b"\0" + hashlib.sha256(content).digest())
-    return digest.hexdigest()[:16]
 
 
 def _line(e: Exception) -> str:

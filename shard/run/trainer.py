@@ -18,6 +18,7 @@ from tqdm import tqdm
 from shard.run import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
+from shard.data import tokenizer as tokenizer_lib
 from shard.run import badsteps, distributed, host_malloc, stopping, watchdog
 from shard.use import generate
 from shard.plan import hardware
@@ -79,7 +80,7 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
         if main:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(work.resolved)
-            generate.keep_tokenizer(cfg.data, run_dir)  # the folder stays all a trained model needs
+            tokenizer_lib.keep(cfg.data, run_dir)  # the folder stays all a trained model needs
         checkpoints = None
         if cfg.checkpoint.enabled:
             checkpoints = ckpt_lib.Checkpoints(job.checkpoint_dir, keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
@@ -158,11 +159,11 @@ def end_sample(cfg, job: Job, state) -> str | None:
     model whose vocabulary is smaller than the tokenizer's gets none (None)."""
     state = job.model_view(state)  # e.g. the replicas' global view, the averaged weights
     model = nnx.merge(job.work.graphdef, state_lib.in_device_memory(state.params), state.rest)
-    tok = generate.run_tokenizer(cfg.data)
+    tok = tokenizer_lib.of_run(cfg.data)
     if generate.output_vocab(model) < tok.vocab_size:
         return None
     generator = generate.Generator(model, job.mesh, job.rules, cfg.train.dtype, window=cfg.data.seq_len)
-    prompt = tok.encode(cfg.train.sample_prompt) or tok.encode("\n")  # something to condition on
+    prompt = tok.prompt(cfg.train.sample_prompt or "\n")  # something to condition on, as training put it
     tokens = generator(np.array([prompt[-generator.context:] if generator.context else prompt]), cfg.train.sample_len,
                        generate.Sampling(vocab=tok.vocab_size), seed=cfg.train.seed, eos=tok.eos)
     return tok.decode(generate.until_eos(tokens[0], tok.eos))

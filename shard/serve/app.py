@@ -46,7 +46,7 @@ def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int) -
             if len(prompt) != 1:
                 raise BadRequest(f"prompt: {len(prompt)} prompts; this server takes one per request", "prompt")
             prompt = prompt[0]
-        tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        tokens = tokenizer.prompt(prompt) if isinstance(prompt, str) else list(prompt)
         return await answer(http, body, tokens, "prompt", body.max_tokens or COMPLETION_DEFAULT_TOKENS,
                             protocol.completion, "cmpl")
 
@@ -54,10 +54,9 @@ def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int) -
     async def chat_completions(http: HttpRequest):
         body = protocol.parse(await http.body(), protocol.Chat)
         try:
-            text = template([m.model_dump() for m in body.messages])
+            tokens = template([m.model_dump() for m in body.messages])
         except chat.Refused as e:
             raise BadRequest(f"messages: the chat template refused them: {e}", "messages") from None
-        tokens = tokenizer.encode(text)
         return await answer(http, body, tokens, "messages", body.max_tokens or body.max_completion_tokens,
                             protocol.chat, "chatcmpl")
 

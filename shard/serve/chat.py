@@ -7,9 +7,7 @@ a run folder is data, not code), else with the plain template a chat was trained
     assistant: <the answer follows here>
 """
 
-from pathlib import Path
-
-from shard.data import formats
+from shard.data import formats, tokenizer as tokenizer_lib
 from shard.errors import UserError
 
 
@@ -18,15 +16,23 @@ class Refused(ValueError):
 
 
 def plain(messages: list[dict]) -> str:
-    return formats.render_prompt(messages, None)
+    return formats.Formatter(("messages",), tokenizer_lib.Bytes()).prompt(messages)
 
 
 class Template:
-    def __init__(self, tokenizer_folder: Path | None):
-        self.formatter = formats.Formatter(("messages",), None if tokenizer_folder is None else str(tokenizer_folder))
+    """The run tokenizer's way from messages to the prompt's tokens."""
 
-    def __call__(self, messages: list[dict]) -> str:
+    def __init__(self, tokenizer):
+        self.formatter = formats.Formatter(("messages",), tokenizer)
+
+    def text(self, messages: list[dict]) -> str:
         try:
             return self.formatter.prompt(messages)
+        except UserError as e:
+            raise Refused(str(e)) from None
+
+    def __call__(self, messages: list[dict]) -> list[int]:
+        try:
+            return self.formatter.prompt_ids(messages)
         except UserError as e:
             raise Refused(str(e)) from None

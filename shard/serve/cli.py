@@ -64,13 +64,8 @@ def serve(args, overrides, whole_mesh) -> int:
     log = logging.getLogger("shard.serve")
     loaded = load.load(args.run, overrides, step=args.step, whole_mesh=whole_mesh, key="RUN",
                        trust_code=args.trust_code)
-    if hf.is_folder(args.run):  # its tokenizer files, chat template included, lie in the folder itself
-        folder = paths.resolve(args.run)
-        tokenizer_folder = folder
-    else:
-        folder = paths.resolve(load.run_config(args.run, "RUN")).parent
-        tokenizer_folder = folder / generate.TOKENIZER_FOLDER
-    tok = load.load_tokenizer(args.run)
+    folder = paths.resolve(args.run) if hf.is_folder(args.run) else paths.resolve(load.run_config(args.run, "RUN")).parent
+    tok = load.load_tokenizer(args.run, key="RUN")
     generator = generate.Generator(loaded.model, loaded.mesh if whole_mesh else None, loaded.rules,
                                    loaded.cfg.train.dtype)
     if not generator.caches():
@@ -82,7 +77,7 @@ def serve(args, overrides, whole_mesh) -> int:
              args.slots)
     slots.warm_up()
     name = args.name or folder.name
-    template = chat.Template(tokenizer_folder)
+    template = chat.Template(tok)
     queue = scheduler.Scheduler(slots, tok, args.max_queue)
     server = uvicorn.Server(uvicorn.Config(
         app.build(queue, tok, template, name, capacity),

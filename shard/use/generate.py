@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from shard.data import tokenizer as tokenizer_lib
 from shard.use import decoding
 from shard.run import distributed
 from shard import hooks, partition, paths
@@ -248,28 +249,7 @@ def recompute(model: nnx.Module, prompt: np.ndarray, new_tokens: int, vocab: int
                                       jax.random.key(0), None)
 
 
-TOKENIZER_FOLDER = "tokenizer"  # in a run folder: a copy of data.tokenizer's files
-
-
-def run_tokenizer(data_cfg, run_folder=None):
-    """The tokenizer a run's text went through (shard/data/tokenizer.py): data.tokenizer for documents, else
-    bytes; the run folder's own copy where it has one (the original may have moved, or be on another machine)."""
-    from shard.data import tokenizer
-
-    if data_cfg.name != "documents":
-        return tokenizer.load("bytes")
-    kept = run_folder / TOKENIZER_FOLDER if run_folder is not None else None
-    return tokenizer.load(str(kept) if kept is not None and kept.is_dir() else data_cfg.tokenizer)
-
-
-def keep_tokenizer(data_cfg, run_folder) -> None:
-    """Copy data.tokenizer's files into the run folder, where generation and load_tokenizer find them."""
-    from shard.data import tokenizer
-
-    if data_cfg.name == "documents":
-        for name, content in tokenizer.files(data_cfg.tokenizer).items():
-            (run_folder / TOKENIZER_FOLDER).mkdir(parents=True, exist_ok=True)
-            (run_folder / TOKENIZER_FOLDER / name).write_bytes(content)
+TOKENIZER_FOLDER = tokenizer_lib.RUN_FOLDER
 
 
 def text_tokens(text: str) -> list[int]:
@@ -332,11 +312,11 @@ def main(argv: list[str]) -> int:
                        trust_code=args.trust_code)
     generator = Generator(loaded.model, loaded.mesh if whole_mesh else None, loaded.rules, loaded.cfg.train.dtype,
                           window=loaded.cfg.data.seq_len)
-    tok = run_tokenizer(loaded.cfg.data, paths.resolve(load.run_config(args.run, "RUN")).parent)
+    tok = load.load_tokenizer(args.run, key="RUN")
     sampling = Sampling(args.temperature, args.top_k, args.top_p, vocab=tok.vocab_size).check()
     rows = [prompt for prompt in prompts for _ in range(args.batch)]
     start = time.perf_counter()
-    out = generator([tok.encode(prompt) for prompt in rows], args.max_new_tokens, sampling, seed=args.seed,
+    out = generator([tok.prompt(prompt) for prompt in rows], args.max_new_tokens, sampling, seed=args.seed,
                     eos=tok.eos)
     seconds = time.perf_counter() - start
     for i, (prompt, row) in enumerate(zip(rows, out)):

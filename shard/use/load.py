@@ -58,19 +58,19 @@ def load_model(path: str, *, mesh: str | dict | None = None, step: int | None = 
     return load(path, overrides, step=step, whole_mesh=mesh is not None, trust_code=trust_code).model
 
 
-def load_tokenizer(path: str):
-    """The tokenizer a run's text went through (data.tokenizer; bytes for the text source), with
-    `encode(text) -> ids` and `decode(ids) -> text`: what turns a prompt into the model's tokens and back."""
+def load_tokenizer(path: str, key: str = "path"):
+    """The tokenizer a run's text went through (data.tokenizer; bytes for the text source), or a Hugging Face
+    folder's own, with `encode(text) -> ids` (as transformers' tokenizer(text)), `prompt(text)` (the ids a
+    model continues) and `decode(ids) -> text`. A folder without a tokenizer is one line naming what was
+    looked for."""
     from shard import hf
-    from shard.use.generate import run_tokenizer
+    from shard.data import tokenizer
 
     if hf.is_folder(path):
-        from shard.data import tokenizer
-        from shard.hf.read import Folder
-
-        return tokenizer.load(Folder(path, "path").tokenizer() or "bytes")
-    config_path = run_config(path)
-    return run_tokenizer(config_lib.load(config_path, [], sections=RUN_SECTIONS).data, paths.resolve(config_path).parent)
+        return tokenizer.load(path, key)
+    config_path = run_config(path, key)
+    data_cfg = config_lib.load(config_path, [], sections=RUN_SECTIONS).data
+    return tokenizer.of_run(data_cfg, paths.resolve(config_path).parent)
 
 
 def add_loading_arguments(parser) -> None:
