@@ -5,7 +5,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import linen, nnx
 
 
 class StockMLP(nnx.Module):
@@ -157,3 +157,37 @@ class BatchCenteredMLP(StockMLP):
         h = jax.nn.relu(self.l1(x.reshape(x.shape[0], -1)))
         h = h - h.mean(axis=0, keepdims=True)
         return self.l3(jax.nn.relu(self.l2(h)))
+
+
+class _LinenBatchNormNet(linen.Module):
+    """A plain Flax Linen network with batch statistics: the kind a user brings from Linen code."""
+    hidden: int = 32
+    classes: int = 8
+
+    @linen.compact
+    def __call__(self, x, train: bool = True):
+        x = linen.Dense(self.hidden, use_bias=False)(x.reshape(x.shape[0], -1))  # the norm's bias stands in
+        x = linen.BatchNorm(use_running_average=not train)(x)
+        return linen.Dense(self.classes)(jax.nn.relu(x))
+
+
+class LinenBatchNormMLP(nnx.Module):
+    """The Linen network through nnx.bridge: trained with mutable batch statistics, evaluated with their running
+    averages (model.eval() sets `use_running_average`, as it does on nnx.BatchNorm)."""
+
+    def __init__(self, in_features: int = 16, hidden: int = 32, classes: int = 8, *, rngs: nnx.Rngs):
+        self.net = nnx.bridge.ToNNX(_LinenBatchNormNet(hidden, classes), rngs=rngs)
+        nnx.bridge.lazy_init(self.net, jnp.zeros((1, in_features)))
+        self.use_running_average = False
+
+    def __call__(self, x):
+        if self.use_running_average:
+            return self.net(x, train=False)
+        return self.net(x, mutable=["batch_stats"])
+
+
+class LinenBatchNormImmutable(LinenBatchNormMLP):
+    """The same, called as Linen's apply is by default: its batch statistics immutable, which Linen refuses."""
+
+    def __call__(self, x):
+        return self.net(x)

@@ -4,6 +4,8 @@ Every loss takes the model's raw outputs (logits or values; never probabilities)
 and returns the mean over all examples (and positions, for sequences).
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -84,6 +86,15 @@ def token_weights(loss_mask):
 def weighted(fn, outputs, targets, weights):
     """The mean over every slot of weights x `fn`'s per-token loss (token_weights makes it a token mean)."""
     return jnp.mean(weights * per_token(fn, outputs, targets))
+
+
+def trace(fn, outputs, batch: dict):
+    """The loss alone, as the train step computes it, traced on the model's abstract outputs (cast to float32,
+    as the step casts them) and the batch's targets: what fails here is the loss, not the model."""
+    outputs = jax.ShapeDtypeStruct(outputs.shape, jnp.float32)
+    if "loss_mask" in batch:
+        return jax.eval_shape(partial(weighted, fn), outputs, batch["targets"], batch["loss_mask"])
+    return jax.eval_shape(fn, outputs, batch["targets"])
 
 
 def accuracy(outputs, targets, task: str):

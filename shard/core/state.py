@@ -18,7 +18,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard.errors import UserError, first_line
+from shard.errors import UserError
+from shard.core.blame import blamed
 from shard.partition import MODEL_AXES, axes_of, batch_shards, logical_names, logical_to_spec, param_spec
 
 
@@ -49,11 +50,9 @@ def abstract_state(model_cls: type, kwargs: dict, tx: optax.GradientTransformati
         _, params, rest = nnx.split(build_model(model_cls, kwargs, seed), nnx.Param, ...)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest, opt_state=tx.init(params))
 
-    try:
+    with blamed(f"model {model_name!r} could not be built with {kwargs}"):
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(model_cls, kwargs, seed)))
         abstract = jax.eval_shape(init)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"model {model_name!r} could not be built with {kwargs}: {first_line(e)}") from None
     return graphdef, abstract, init
 
 

@@ -17,8 +17,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.strategies import context, gradients
 from shard import hooks, recorded
-from shard.errors import UserError, first_line
+from shard.errors import UserError
 from shard.core import losses
+from shard.core.blame import blamed
 from shard.core.losses import accuracy
 from shard.core.state import TrainState
 
@@ -69,7 +70,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
         if aux is not None:
             stats = {"aux_loss": aux, **stats}
         total = loss if aux is None else loss + aux
-        return total, (nnx.state(model, nnx.Not(nnx.Param)), loss, stats)
+        return total, (kept_like(nnx.state(model, nnx.Not(nnx.Param)), rest), loss, stats)
 
     gradient = gradients.build(jax.value_and_grad(objective, has_aux=True), reduction)
 
@@ -90,7 +91,6 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
                 packed["packing_efficiency"] = jnp.mean(batch["segment_ids"] > 0)
         (total, (rest, loss, stats)), grads = gradient(params, state.rest, batch)
         updates, opt_state = tx.update(grads, state.opt_state, params)
-        rest = jax.tree.map(lambda new, old: new.astype(old.dtype), rest, state.rest)
         new_state = put(state.replace(step=state.step + 1, rest=rest, opt_state=opt_state),
                         optax.apply_updates(params, updates))
         grad_norm = optax.tree.norm(grads)
@@ -104,6 +104,21 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
         return new_state, out
 
     return train_step
+
+
+def kept_like(new, old):
+    """The state the forward pass left, in the step's own variables (their dtype and metadata): a Linen module
+    bridged by nnx.bridge stores its updates (batch statistics) as new Variables with Flax's default metadata.
+    State that appeared or vanished in the forward pass is refused: the step's output must be its input's shape."""
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    names = lambda tree: {jax.tree_util.keystr(p, simple=True, separator="/")
+                          for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_var)[0]}
+    if (added := names(new) - names(old)) | (gone := names(old) - names(new)):
+        raise UserError(f"the model's forward pass changed its non-parameter state (new: {sorted(added)}, "
+                        f"gone: {sorted(gone)}); the train state holds the variables the model is built with, so "
+                        "create every variable the forward pass updates when the model is built")
+    return jax.tree.map(lambda n, o: o.replace(n.get_value().astype(o.get_value().dtype)) if is_var(o)
+                        else n.astype(o.dtype), new, old, is_leaf=is_var)
 
 
 def run_model(model, batch: dict, dtype):
@@ -161,11 +176,9 @@ def model_forward(graphdef: nnx.GraphDef, abstract_state, abstract_batch: dict, 
     def forward(state, inputs):
         return nnx.merge(graphdef, cast_floats(state.params, dtype), state.rest)(cast_floats(inputs, dtype))
 
-    try:
+    shapes = {k: (tuple(v.shape), str(v.dtype)) for k, v in abstract_batch.items()}
+    with blamed(f"model {model_name!r} failed on a batch {shapes}"):
         jaxpr, outputs = jax.make_jaxpr(forward, return_shape=True)(abstract_state, abstract_batch["inputs"])
-    except (TypeError, ValueError) as e:
-        shapes = {k: (tuple(v.shape), str(v.dtype)) for k, v in abstract_batch.items()}
-        raise UserError(f"model {model_name!r} failed on a batch {shapes}: {first_line(e)}") from None
     if num_classes and outputs.shape[-1] < num_classes:
         raise UserError(f"model {model_name!r} outputs {outputs.shape[-1]} scores per prediction but the targets "
                         f"range over {num_classes} classes; make its output width (vocab_size, out_features, ...) "
@@ -181,8 +194,6 @@ def compile_step(fn: Callable, abstract_state, state_shardings, abstract_batch, 
     out_shardings = (state_shardings, replicated) if returns_state else replicated
     jitted = jax.jit(fn, in_shardings=(state_shardings, batch_shardings), out_shardings=out_shardings,
                      donate_argnums=(0,) if donate else ())
-    try:
+    with blamed(f"{what} does not compile on mesh {dict(mesh.shape)}"):  # it traced without one: the layout's
         lowered = jitted.lower(abstract_state, abstract_batch)
-    except (TypeError, ValueError) as e:  # the workload traced without a mesh, so: this mesh's layout
-        raise UserError(f"{what} does not compile on mesh {dict(mesh.shape)}: {first_line(e)}") from None
     return lowered.compile()

@@ -25,7 +25,7 @@ from shard.strategies.base import Strategy
 from shard.run import distributed
 from shard import hf, hooks, partition, paths
 from shard.hf import read as hf_read
-from shard.core import losses, optim, registry
+from shard.core import blame, losses, optim, registry
 from shard.core import flops as flops_lib
 from shard.core import mesh as mesh_lib
 from shard.core import state as state_lib
@@ -150,12 +150,13 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
     with hooks.use(attention=cfg.train.attention):
         with hooks.watch_stacks() as stacks:  # one forward: each stack the model runs, once
             forward = step_lib.model_forward(graphdef, abstract, batch, dtype, cfg.model.name, data.num_classes)
+        try:  # the loss alone on the model's outputs: blamed only for what fails there
+            losses.trace(loss_fn, forward.outputs, batch)
+        except Exception as e:
+            raise UserError(f"{_loss_context(cfg, loss_fn, data, forward, batch)}: {blame.describe(e)}") from None
         train_fn = step_lib.make_train_step(graphdef, tx, loss_fn, dtype, badsteps.policy(cfg.train) == "skip")
-        try:
+        with blame.blamed(f"model {cfg.model.name!r} fails in the train step"):  # e.g. its gradient, its state
             train_jaxpr = jax.make_jaxpr(train_fn)(abstract, batch)
-        except (TypeError, ValueError) as e:
-            raise UserError(f"{_loss_context(cfg, loss_fn, data, forward, batch)}: "
-                            f"{str(e).strip().splitlines()[0]}") from None
     flops = flops_lib.train_step_flops(train_jaxpr.jaxpr, forward.jaxpr)
     return Workload(model_cls, kwargs, resolved, data, loss_fn, tx, schedule, dtype, graphdef, abstract, init,
                     batch, eval_batch, flops, tuple(stacks))
