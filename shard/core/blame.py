@@ -17,7 +17,6 @@ from shard.errors import UserError
 
 LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy", "ml_dtypes", "chex", "orbax")
 SHARD = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODELS = os.path.join(SHARD, "models")  # our model library counts as model code: its line is the one to show
 MESSAGE_LIMIT = 600
 
 
@@ -60,8 +59,11 @@ def is_user_file(filename: str) -> bool:
     if filename.startswith("<"):  # <frozen ...>, <string>: nothing a user can open
         return False
     path = os.path.abspath(filename)
+    models = sys.modules.get("shard.models")  # our model library is model code: its line is the one to show
+    if models is not None and getattr(models, "__file__", None) and inside(path, os.path.dirname(models.__file__)):
+        return True
     if inside(path, SHARD):
-        return inside(path, MODELS)
+        return False
     libraries = [os.path.dirname(m.__file__) for name in LIBRARIES
                  if (m := sys.modules.get(name)) is not None and getattr(m, "__file__", None)]
     if any(inside(path, d) for d in libraries):
