@@ -269,7 +269,7 @@ def test_resume_is_bitwise(made, train, tmp_path):
     assert resumed.start_step == 2
     import shard
 
-    assert shard.load_tokenizer(str(tmp_path / "whole")).kind == "sentencepiece"  # from the run's copy of spm.model
+    assert shard.load_tokenizer(str(tmp_path / "whole")).found.kind == "sentencepiece"  # the run's copy of spm.model
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in whole.history][2:]  # bitwise
 
 
@@ -284,7 +284,7 @@ BAD = {  # case: (corpus file name, its content or None, overrides, what the lin
     "missing field": ("a.jsonl", '{"content": "x"}\n', [], "no data.field='text'; its fields are: content"),
     "malformed JSON line": ("a.jsonl", '{"text": "a"}\n{"text": "b"}\n{"text": \n', [], "a.jsonl:3: malformed JSON"),
     "empty corpus": ("a.jsonl", '{"text": ""}\n{"text": null}\n', [], "hold no documents"),
-    "unreadable tokenizer": ("a.jsonl", '{"text": "a"}\n', ["data.tokenizer=BAD"], "is not a readable tokenizer.json"),
+    "unreadable tokenizer": ("a.jsonl", '{"text": "a"}\n', ["data.tokenizer=BAD"], "is not a readable tokenizer"),
     "parquet without the column": ("a.parquet", None, [], "no column data.field='text'; its columns are: body"),
     "tokenizer for the text source": ("a.jsonl", '{"text": "a"}\n', ["data.name=text", "data.tokenizer=BPE"],
                                       "is read by data.name=documents only"),

@@ -115,7 +115,7 @@ def test_a_chat_renders_with_the_tokenizers_template_and_trains_the_assistant(ma
     theirs.chat_template = TEMPLATE
     first = cache.tokens[cache.doc_starts[0]:cache.doc_starts[1] - 1].tolist()  # without the separator
     assert first == theirs.apply_chat_template(CHATS[0]["messages"], tokenize=True, return_dict=False)
-    prompt = formats.render_prompt(CHATS[0]["messages"][:2], spec)
+    prompt = formats.Formatter(("messages",), tok).prompt(CHATS[0]["messages"][:2])
     assert prompt == theirs.apply_chat_template(CHATS[0]["messages"][:2], tokenize=False, add_generation_prompt=True)
 
 
@@ -125,7 +125,10 @@ def test_a_chat_without_a_template_uses_the_plain_one(made, tmp_path):
         first_trained, first_rest = trained_and_not(cache, byte_text)[0]
         assert first_trained == "1\nYou are welcome, 0.\n" + "\n"  # and the separator after the row
         assert first_rest == "system: Be brief.\nuser: Add 0 and 1.\nassistant: user: Thanks!\nassistant: "
-    assert formats.render_prompt([{"role": "user", "content": "hi"}], "bytes") == "user: hi\nassistant: "
+    from shard.data import tokenizer as tokenizer_lib
+
+    plain = formats.Formatter(("messages",), tokenizer_lib.Bytes())
+    assert plain.prompt([{"role": "user", "content": "hi"}]) == "user: hi\nassistant: "
 
 
 def test_fine_tuning_trains_the_same_under_fsdp_accumulation_pipeline_and_context(made, train):

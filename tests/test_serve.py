@@ -212,18 +212,25 @@ def test_a_client_that_leaves_before_its_whole_answer_frees_its_place():
 
 
 def test_chat_messages_go_through_the_tokenizers_template_or_the_plain_one(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    from shard.data import tokenizer as tokenizer_lib
+
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    assert chat.Template(None)(messages) == "system: Be brief.\nuser: hi\nassistant: "  # as chats train (docs/data.md)
+    assert chat.Template(_Bytes()).text(messages) == "system: Be brief.\nuser: hi\nassistant: "  # as chats train
+    Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
     template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"},
                                                                 "chat_template": template}))
-    assert chat.Template(tmp_path)(messages) == "<|system|>Be brief.</s><|user|>hi</s><|assistant|>"
+    assert chat.Template(tokenizer_lib.load(str(tmp_path))).text(messages) == \
+        "<|system|>Be brief.</s><|user|>hi</s><|assistant|>"
     strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('begin with a user message') }}{% endif %}"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": strict}))
+    refused = chat.Template(tokenizer_lib.load(str(tmp_path)))
     with pytest.raises(chat.Refused, match="begin with a user message"):
-        chat.Template(tmp_path)(messages)
-    _, refusing = idle(max_queue=1, template=chat.Template(tmp_path))
+        refused(messages)
+    _, refusing = idle(max_queue=1, template=refused)
 
     async def ask():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=refusing), base_url="http://t") as c:
@@ -269,10 +276,10 @@ class Idle:
     slots, recompiles = 1, 0
 
 
-def idle(max_queue: int, template=chat.plain):
+def idle(max_queue: int, template=None):
     """A scheduler over an engine that never runs (no thread started), and the app over it."""
     queue = scheduler.Scheduler(Idle(), _Bytes(), max_queue=max_queue)
-    return queue, app.build(queue, _Bytes(), template, "m", CONTEXT)
+    return queue, app.build(queue, _Bytes(), template or chat.Template(_Bytes()), "m", CONTEXT)
 
 
 def test_the_serving_bench_checks_its_answers_and_reports_both_rates():

@@ -1,0 +1,201 @@
+"""The tokenizers users bring (../shared/fixtures/hf: real files, byte for byte as published) encode as
+transformers' AutoTokenizer does, through the corpus cache, fine-tuning rows, chats and the server's prompts."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shard.data import formats, token_cache, tokenizer as tokenizer_lib
+from shard.errors import UserError
+from shard.serve import chat
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT.parent / "shared" / "fixtures" / "hf"
+if not FIXTURES.is_dir():
+    pytest.skip(f"{FIXTURES} is absent (a clone without ../shared): the real tokenizer files are not here",
+                allow_module_level=True)
+transformers = pytest.importorskip("transformers")
+
+# name -> how transformers reads it (the reference). Folders AutoTokenizer cannot read alone are read with the
+# class their files are for (gpt2: vocab.json + merges.txt and no config).
+TOKENIZERS = ["llama-2-7b-hf", "llama-2-spm-only", "gemma-2b-it", "gemma-3-1b-it", "gemma-4-tokenizer",
+              "mistral-7b-v0.1-tokenizer", "gpt2", "olmo-2-tokenizer", "qwen2.5-0.5b-instruct", "qwen3-4b",
+              "qwen3-truncating"]
+WITH_TEMPLATE = ["gemma-2b-it", "gemma-3-1b-it", "qwen2.5-0.5b-instruct", "qwen3-4b"]
+EDGES = ["", " ", "  ", " leading", "trailing  ", "\n", "\n\n", "a  b", "tab\there", "x\r\ny", "ça va? naïve café",
+         "日本語のテキスト", "😀👍🏽 👨‍👩‍👧", "a\u00a0b", "e\u0301", "12345 3.14159", "<s> literal", "<bos>hi",
+         "<|im_start|>user\nHi<|im_end|>\n", "don't  stop\n\n  indented"]
+PAIRS = [("Cheese in French:", " fromage"), ("Q: 2+2?\nA:", " 4"), ("Translate: pain →", " bread 🍞"),
+         ("Say it twice:", "  ok ok\n")]
+CHATS = [[{"role": "user", "content": "How do you say bread in French?"},
+          {"role": "assistant", "content": "pain"}],
+         [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello 👋 — how can I help?"},
+          {"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1, 2, 3."}]]
+
+
+def long_document() -> str:
+    """Several hundred KB of prose, code, whitespace runs and unicode."""
+    parts = [(ROOT / "README.md").read_text(), (ROOT / "train.py").read_text(), "\t\tindent\r\n" * 50,
+             "naïve café déjà vu — “quotes” ‘single’ 日本語 中文 한국어 Ελληνικά עברית العربية 😀👍🏽👨‍👩‍👧 \u00a0\u200b\n" * 40]
+    return "".join(parts) * 8
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """name -> the folder (or file) the user names; some are copies of a fixture's files in another shape."""
+    made = tmp_path_factory.mktemp("tokenizers")
+    out = {name: FIXTURES / name for name in TOKENIZERS if (FIXTURES / name).is_dir()}
+    out["llama-2-spm-only"] = made / "llama-2-spm-only"  # SentencePiece converted, as without tokenizer.json
+    out["llama-2-spm-only"].mkdir()
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(FIXTURES / "llama-2-7b-hf" / name, out["llama-2-spm-only"] / name)
+    out["qwen3-truncating"] = made / "qwen3-truncating"  # many real tokenizer.json files set truncation
+    out["qwen3-truncating"].mkdir()
+    spec = json.loads((FIXTURES / "qwen3-4b" / "tokenizer.json").read_text())
+    spec["truncation"] = {"direction": "Right", "max_length": 4096, "strategy": "LongestFirst", "stride": 0}
+    spec["padding"] = {"strategy": {"Fixed": 8192}, "direction": "Right", "pad_to_multiple_of": None,
+                       "pad_id": 151643, "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    (out["qwen3-truncating"] / "tokenizer.json").write_text(json.dumps(spec))
+    shutil.copy(FIXTURES / "qwen3-4b" / "tokenizer_config.json", out["qwen3-truncating"])
+    return out
+
+
+_THEIRS: dict = {}
+
+
+def theirs(name, folders):
+    if name not in _THEIRS:
+        if name == "gpt2":
+            _THEIRS[name] = transformers.GPT2Tokenizer.from_pretrained(str(folders[name]))
+        else:
+            _THEIRS[name] = transformers.AutoTokenizer.from_pretrained(str(folders[name]))
+    return _THEIRS[name]
+
+
+_OURS: dict = {}
+
+
+def ours(name, folders):
+    if name not in _OURS:
+        _OURS[name] = tokenizer_lib.load(str(folders[name]))
+    return _OURS[name]
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_texts_encode_and_decode_as_transformers(name, folders):
+    ref, tok = theirs(name, folders), ours(name, folders)
+    for text in EDGES:
+        assert tok.encode(text) == ref(text).input_ids, (name, text)
+        assert tok.decode(tok.encode(text)) == ref.decode(ref(text).input_ids, skip_special_tokens=True), (name, text)
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_a_corpus_caches_each_document_as_transformers_encodes_it_whole(name, folders, tmp_path):
+    ref, tok = theirs(name, folders), ours(name, folders)
+    docs = [long_document(), *[t for t in EDGES if t]]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    cache = token_cache.load([corpus], "text", str(folders[name]), tmp_path / "cache")
+    assert cache.documents == len(docs) and cache.mask is None
+    for i, doc in enumerate(docs):
+        want = ref(doc).input_ids
+        got = cache.tokens[cache.doc_starts[i]:cache.doc_starts[i + 1]].tolist()
+        if tok.eos is not None and (not want or want[-1] != tok.eos):
+            assert got[-1] == tok.eos  # the separator between documents
+            got = got[:-1]
+        assert got == want, (name, i, len(got), len(want))
+        counts = cache.token_bytes[cache.doc_starts[i]:cache.doc_starts[i + 1]]
+        assert counts.sum() == len(doc.encode("utf-8")) + (tok.eos is not None and want[-1:] != [tok.eos])
+    assert len(ref(docs[0]).input_ids) > 40_000  # nothing truncated, whatever tokenizer.json says
+
+
+def _row(cache, i):
+    lo, hi = cache.doc_starts[i], cache.doc_starts[i + 1]
+    return cache.tokens[lo:hi].tolist(), cache.mask[lo:hi].tolist()
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_prompt_completion_rows_are_the_whole_texts_tokens_with_the_completion_trained(name, folders, tmp_path):
+    ref, tok = theirs(name, folders), ours(name, folders)
+    corpus = tmp_path / "pairs.jsonl"
+    corpus.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in PAIRS))
+    cache = token_cache.load([corpus], ("prompt", "completion"), str(folders[name]), tmp_path / "cache")
+    for i, (p, c) in enumerate(PAIRS):
+        enc = ref(p + c, return_offsets_mapping=True)
+        tokens, mask = _row(cache, i)
+        n = len(enc.input_ids)
+        assert tokens[:n] == enc.input_ids, (name, p, c)
+        # trained: every token with a character of the completion (one that straddles the boundary included)
+        specials = set(ref.all_special_ids)
+        want = [int(e > len(p) or (s == e and t in specials and s >= len(p) + len(c)))
+                for t, (s, e) in zip(enc.input_ids, enc.offset_mapping)]
+        assert mask[:n] == want, (name, p, c)
+        assert all(mask[n:])  # the separator ends the answer: trained
+        prompt = tok.prompt(p)  # what generate and the server feed for this prompt
+        assert tokens[:len(prompt)] == prompt
+
+
+@pytest.mark.parametrize("name", WITH_TEMPLATE)
+def test_chat_rows_are_the_templates_tokens_with_the_assistant_trained(name, folders, tmp_path):
+    ref, tok = theirs(name, folders), ours(name, folders)
+    chats = CHATS[:1] if name == "qwen3-4b" else CHATS  # Qwen3's template rewrites earlier turns: one turn only
+    corpus = tmp_path / "chats.jsonl"
+    corpus.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    cache = token_cache.load([corpus], "messages", str(folders[name]), tmp_path / "cache")
+    for i, messages in enumerate(chats):
+        want = ref.apply_chat_template(messages, tokenize=True, return_dict=False)
+        tokens, mask = _row(cache, i)
+        assert tokens[:len(want)] == want, name
+        trained = ref.decode([t for t, m in zip(tokens, mask) if m])
+        rest = ref.decode([t for t, m in zip(tokens, mask) if not m])
+        for m in messages:
+            assert m["content"] in (trained if m["role"] == "assistant" else rest), (name, m)
+        # the server's prompt for the conversation before the last answer starts the training row
+        prompt = chat.Template(tok)(messages[:-1])
+        assert prompt == ref.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True,
+                                                 return_dict=False)
+        assert tokens[:len(prompt)] == prompt
+
+
+def test_a_templates_generation_blocks_are_what_is_trained(folders, tmp_path):
+    """SmolLM3's template marks the assistant's text with {% generation %}: the mask is transformers'
+    assistant mask (here over Qwen3's tokenizer: SmolLM3's own tokenizer.json is not among the files)."""
+    folder = tmp_path / "marked"
+    folder.mkdir()
+    shutil.copy(FIXTURES / "qwen3-4b" / "tokenizer.json", folder)
+    shutil.copy(FIXTURES / "smollm3-3b" / "chat_template.jinja", folder)
+    config = json.loads((FIXTURES / "qwen3-4b" / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    ref = transformers.AutoTokenizer.from_pretrained(str(folder))
+    corpus = tmp_path / "chats.jsonl"
+    corpus.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CHATS))
+    cache = token_cache.load([corpus], "messages", str(folder), tmp_path / "cache")
+    for i, messages in enumerate(CHATS):
+        want = ref.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        tokens, mask = _row(cache, i)
+        n = len(want["input_ids"])
+        assert tokens[:n] == want["input_ids"] and mask[:n] == want["assistant_masks"] and sum(mask) > 0
+
+
+@pytest.mark.parametrize("name, names", [("smollm3-3b", "tokenizer.json"), ("deepseek-r1-distill-qwen-32b", "tokenizer.json"),
+                                         ("llama-3.2-3b-instruct", "tiktoken")])
+def test_a_folder_without_a_tokenizer_is_one_line_naming_what_was_looked_for(name, names):
+    with pytest.raises(UserError, match=names) as e:
+        tokenizer_lib.load(str(FIXTURES / name))
+    assert "\n" not in str(e.value)
+
+
+def test_the_cli_refuses_a_folder_without_a_tokenizer_with_exit_2(tmp_path):
+    corpus = tmp_path / "a.jsonl"
+    corpus.write_text('{"text": "hello"}\n')
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "data.name=documents", f"data.path={corpus}",
+                           f"data.tokenizer={FIXTURES / 'smollm3-3b'}", f"run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "looked for tokenizer.json" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
