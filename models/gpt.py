@@ -26,7 +26,8 @@ class GPT(nnx.Module):
     as an offset from 1, Gemma's); mlp: "gelu", "swiglu" or "geglu"; n_kv_heads: key/value heads (0 =
     n_heads; fewer = grouped-query attention); tie_embeddings: the output layer reuses the token embedding.
     d_ff=0 means 4 x d_model (8/3 x d_model for the gated MLPs). head_dim: each head's width (0 = d_model /
-    n_heads). qkv_bias: biases on queries, keys and values (Qwen2); bias: on every linear layer (GPT-2).
+    n_heads). qkv_bias: biases on queries, keys and values (Qwen2); bias: on every linear layer but a gated MLP's
+    gate (GPT-2); mlp_bias: on every MLP layer, the gate's included (Llama's mlp_bias).
     norm_eps: the norms' epsilon. embed_scale: multiply the embeddings by sqrt(d_model) (Gemma).
     rope_scaling: Llama 3's {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}.
     """
@@ -36,7 +37,7 @@ class GPT(nnx.Module):
                  norm: str = "layernorm", mlp: str = "gelu", tie_embeddings: bool = False,
                  rope_theta: float = 10000.0, head_dim: int = 0, qkv_bias: bool = False, bias: bool = False,
                  norm_eps: float = 1e-6, embed_scale: bool = False, rope_scaling: dict | None = None,
-                 *, rngs: nnx.Rngs):
+                 mlp_bias: bool = False, *, rngs: nnx.Rngs):
         n_kv_heads = n_kv_heads or n_heads
         check_choice("position", position, ("learned", "rope"))
         check_choice("norm", norm, ("layernorm", "rmsnorm", "rmsnorm+1"))
@@ -51,6 +52,7 @@ class GPT(nnx.Module):
         d_ff = d_ff or (4 * d_model if mlp == "gelu" else 8 * d_model // 3)
         out_std = 0.02 / math.sqrt(2 * n_layers)  # GPT-2: keep the residual stream's variance flat in depth
         self.max_len, self.embed_scale = max_len, math.sqrt(d_model) if embed_scale else None
+        self.mlp_bias = mlp_bias  # read by feed_forward, whose signature subclasses share
         self.tok = param(rngs, (vocab_size, d_model), ("vocab", "embed"), 0.02)
         self.pos = param(rngs, (max_len, d_model), (None, "embed"), 0.01) if position == "learned" else None
         rope = Rope(rope_theta, rope_scaling_tuple(rope_scaling)) if position == "rope" else None
@@ -68,7 +70,8 @@ class GPT(nnx.Module):
     def feed_forward(self, d_model: int, d_ff: int, mlp: str, out_std: float, rngs: nnx.Rngs,
                      bias: bool = False) -> nnx.Module:
         """The feed-forward part of each block (a subclass may swap it, e.g. for experts)."""
-        return MLPBlock(d_model, d_ff, mlp, out_std, rngs, bias)
+        gated = mlp != "gelu"
+        return MLPBlock(d_model, d_ff, mlp, out_std, rngs, bias or self.mlp_bias, gate_bias=self.mlp_bias and gated)
 
     def __call__(self, tokens):
         length = tokens.shape[1]

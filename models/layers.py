@@ -88,15 +88,19 @@ class Attention(nnx.Module):
 
 class MLPBlock(nnx.Module):
     """GELU MLP (tanh approximation, as GPT-2's), SwiGLU (silu(x W_gate) * x W_up, then W_down) as in Llama,
-    or GeGLU (the gate's activation the tanh GELU, as Gemma's). bias: biases on both layers (GPT-2)."""
+    or GeGLU (the gate's activation the tanh GELU, as Gemma's). bias: biases on the input and output layers
+    (GPT-2); gate_bias: on the gate too (Llama's mlp_bias)."""
 
     def __init__(self, d_model: int, d_ff: int, kind: "str | bool", out_std: float, rngs: nnx.Rngs,
-                 bias: bool = False):
+                 bias: bool = False, gate_bias: bool = False):
         kind = {True: "swiglu", False: "gelu"}.get(kind, kind)
         check_choice("mlp", kind, ("gelu", "swiglu", "geglu"))
         self.gate_act = {"swiglu": jax.nn.silu, "geglu": jax.nn.gelu}.get(kind)
         self.w_in = param(rngs, (d_model, d_ff), ("embed", "mlp"), 0.02)
         self.w_gate = param(rngs, (d_model, d_ff), ("embed", "mlp"), 0.02) if self.gate_act else None
+        if gate_bias and not self.gate_act:
+            raise ValueError(f"a gate bias needs a gated MLP (swiglu or geglu), not mlp={kind!r}")
+        self.b_gate = zeros((d_ff,), ("mlp",)) if gate_bias else None
         self.w_out = param(rngs, (d_ff, d_model), ("mlp", "embed"), out_std)
         self.b_in = zeros((d_ff,), ("mlp",)) if bias else None
         self.b_out = zeros((d_model,), ("embed",)) if bias else None
@@ -105,7 +109,11 @@ class MLPBlock(nnx.Module):
         h = dense(x, self.w_in[...])
         if self.b_in is not None:
             h = h + self.b_in[...]
-        h = self.gate_act(dense(x, self.w_gate[...])) * h if self.w_gate is not None else jax.nn.gelu(h)
+        if self.w_gate is not None:
+            gate = dense(x, self.w_gate[...])
+            h = self.gate_act(gate if self.b_gate is None else gate + self.b_gate[...]) * h
+        else:
+            h = jax.nn.gelu(h)
         y = dense(constrain(h, ("batch", "length", "mlp")), self.w_out[...])
         return y if self.b_out is None else y + self.b_out[...]
 

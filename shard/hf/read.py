@@ -1,9 +1,12 @@
 """Reading a Hugging Face folder into the GPT's parameters, lazily and sharded: each process reads only
 the slices of each tensor its own devices hold (safetensors' slice reads, memory-mapped), straight into
 the parameter's sharding, in the target's dtype. Nothing is read before every tensor's name and shape
-have been checked against the model."""
+have been checked against the model, and every tensor of the folder has a place in it: one left over is
+refused, never dropped."""
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -27,7 +30,13 @@ class Folder:
         except (OSError, ValueError) as e:
             raise UserError(f"{self.where}: config.json is not readable JSON: {e}") from None
         self.kind = arch.model_type(self.config, self.where)
-        self.files = self._files()
+        stored = self._files()
+        # A base model's folder (the Hub's gpt2) names its tensors without the causal LM's prefix: read as
+        # transformers does, with it added.
+        prefix = tables.PREFIX[self.kind]
+        add = not any(name.startswith(prefix) for name in stored)
+        self.names = {(prefix + n if add and not n.startswith("lm_head.") else n): n for n in stored}
+        self.files = {name: stored[n] for name, n in self.names.items()}  # our name -> its file
 
     def _files(self) -> dict[str, Path]:
         """tensor name -> its file (the index's map, or each .safetensors file's own list)."""
@@ -48,7 +57,17 @@ class Folder:
         return out
 
     def gpt_kwargs(self) -> dict:
-        return arch.to_gpt(self.config, self.where)
+        kwargs = arch.to_gpt(self.config, self.where)
+        embed, head = tied_pair(self.kind)
+        if kwargs["tie_embeddings"] and embed in self.files and head in self.files and not self.same(embed, head):
+            # transformers ties them only where they are equal: a checkpoint's own output layer stays its own
+            kwargs["tie_embeddings"] = False
+        return kwargs
+
+    def same(self, a: str, b: str) -> bool:
+        """Whether two tensors hold the same values (read in blocks of rows, at most once per pair of files)."""
+        files = (self.files[a], self.files[b])
+        return _same(self, a, b, tuple((str(f), f.stat().st_mtime_ns) for f in files))
 
     def tokenizer(self) -> str | None:
         return str(self.path / "tokenizer.json") if (self.path / "tokenizer.json").is_file() else None
@@ -57,7 +76,32 @@ class Folder:
         from safetensors import safe_open
 
         with safe_open(self.files[name], framework="numpy") as st:
-            return tuple(st.get_slice(name).get_shape())
+            return tuple(st.get_slice(self.names[name]).get_shape())
+
+
+_SAME: dict = {}
+SAME_BLOCK = 64 * 1024**2  # bytes of each tensor compared at a time
+
+
+def _same(folder: Folder, a: str, b: str, stamp: tuple) -> bool:
+    key = (a, b, stamp)
+    if key not in _SAME:
+        shape = folder.shape(a)
+        equal = shape == folder.shape(b)
+        rows = max(1, SAME_BLOCK // max(1, 4 * int(np.prod(shape[1:]))))
+        for start in range(0, shape[0] if equal and shape else 0, rows):
+            block = (slice(start, min(start + rows, shape[0])),)
+            equal = np.array_equal(_read(folder, a, block), _read(folder, b, block))
+            if not equal:
+                break
+        _SAME[key] = equal
+    return _SAME[key]
+
+
+def tied_pair(kind: str) -> tuple[str, str]:
+    """The names of the token embedding and the output layer, which tie_word_embeddings makes one."""
+    names = tables.hf_names(kind)
+    return names["tok"][0], names["head"][0]
 
 
 def dotted(path) -> str:
@@ -71,25 +115,50 @@ def flat_paths(params) -> dict[str, object]:
 
 
 def plan(folder: Folder, params, kwargs: dict) -> list[tables.Row]:
-    """The rows that fill `params`, each tensor checked present with its shape; one line for the first not."""
+    """The rows that fill `params`, each tensor checked present with its shape, and every tensor of the folder
+    read by one of them; one line for the first that is not so."""
     ours = flat_paths(params)
     g = arch._with_defaults(kwargs)
     size, n_layers = tables.sizes(g, folder.kind), g["n_layers"]
     rows = tables.rows(folder.kind, set(ours))
+    embed, head = tied_pair(folder.kind)
+    if "head" not in ours and embed not in folder.files and head in folder.files:
+        # tied, and the checkpoint holds the pair under the output layer's name: transformers ties to that one
+        rows = [dataclasses.replace(r, theirs=head) if r.ours == "tok" else r for r in rows]
+    read = set()
     for r in rows:
         want = tables.their_shape(r, size)
         for name in ([r.theirs.format(i=i) for i in range(n_layers)] if r.layered else [r.theirs]):
             if name not in folder.files:
+                why = " (the model's output layer is not tied to its embeddings, so it is a tensor of its own)" \
+                    if name == head else ""
                 raise UserError(f"{folder.where}: tensor {name} is missing (the {folder.kind} model of config.json "
-                                "needs it)")
+                                f"needs it){why}")
             got = folder.shape(name)
             if got != want:
                 raise UserError(f"{folder.where}: tensor {name} has shape {list(got)}, expected {list(want)} "
                                 "from config.json")
+            read.add(name)
     missing = sorted(set(ours) - {r.ours for r in rows})
     if missing:
         raise UserError(f"{folder.where}: no tensor of a {folder.kind} folder fills parameter {missing[0]}")
+    _check_all_read(folder, read, "head" not in ours)
     return rows
+
+
+def _check_all_read(folder: Folder, read: set, tied: bool) -> None:
+    """One line naming the folder's tensors no rule read (bar the buffers tables.DERIVED names)."""
+    embed, head = tied_pair(folder.kind)
+    unread = sorted(n for n in folder.files if n not in read and not re.search(tables.DERIVED[folder.kind], n))
+    if tied and head in unread and embed in read and folder.same(embed, head):
+        unread.remove(head)  # the same values twice: the one tied pair (transformers reads it so too)
+    if not unread:
+        return
+    why = f" ({head} differs from {embed}, and the model ties them: set model.tie_embeddings=false)" \
+        if tied and head in unread else ""
+    raise UserError(f"{folder.where}: {len(unread)} tensor{'s' * (len(unread) > 1)} of the folder would be read by "
+                    f"nothing (the {folder.kind} model of config.json has no place for "
+                    f"{'them' if len(unread) > 1 else 'it'}): {', '.join(unread[:3])}{', ...' * (len(unread) > 3)}{why}")
 
 
 def check(path: str, params, kwargs: dict) -> None:
@@ -183,12 +252,13 @@ def _read(folder: Folder, name: str, index: tuple) -> np.ndarray:
     through JAX's reader."""
     from safetensors import safe_open
 
+    stored = folder.names[name]
     with safe_open(folder.files[name], framework="numpy") as st:
-        view = st.get_slice(name)
+        view = st.get_slice(stored)
         if view.get_dtype() != "BF16":
             return np.asarray(view[index])
     with safe_open(folder.files[name], framework="flax") as st:
-        return np.asarray(st.get_slice(name)[index])
+        return np.asarray(st.get_slice(stored)[index])
 
 
 def load_params(folder: Folder, target_params, kwargs: dict):

@@ -47,6 +47,7 @@ def _llama_like() -> tuple[Row, ...]:
         Row("blocks.attn.kv_bias", L + "self_attn.v_proj.bias", "(k d)", "s k d", {"s": 1}),
         Row("blocks.attn.out_bias", L + "self_attn.o_proj.bias", "e", "e"),
         Row("blocks.ffn.w_gate", L + "mlp.gate_proj.weight", "f e", "e f"),
+        Row("blocks.ffn.b_gate", L + "mlp.gate_proj.bias", "f", "f"),
         Row("blocks.ffn.w_in", L + "mlp.up_proj.weight", "f e", "e f"),
         Row("blocks.ffn.w_out", L + "mlp.down_proj.weight", "e f", "f e"),
         Row("blocks.ffn.b_in", L + "mlp.up_proj.bias", "f", "f"),
@@ -87,6 +88,13 @@ def _gpt2() -> tuple[Row, ...]:
 
 _LLAMA = _llama_like()  # Mistral, Qwen2 and Gemma name their tensors as Llama does
 TABLES = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gemma": _LLAMA, "gpt2": _gpt2()}
+# The base model's prefix: a folder saved from the base model alone (GPT2Model, LlamaModel: the Hub's gpt2)
+# names its tensors without it, and transformers adds it when it reads them into the causal LM.
+PREFIX = {"llama": "model.", "mistral": "model.", "qwen2": "model.", "gemma": "model.", "gpt2": "transformer."}
+# Tensors older checkpoints hold that are no weights: rotary frequencies, derived from config.json (transformers
+# drops them too), and GPT-2's causal mask and its fill value, which the attention builds itself.
+DERIVED = {kind: r"\.rotary_emb\.inv_freq$" for kind in ("llama", "mistral", "qwen2", "gemma")}
+DERIVED["gpt2"] = r"\.attn\.(masked_)?bias$"
 
 
 def rows(kind: str, params: set[str]) -> list[Row]:

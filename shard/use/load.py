@@ -115,6 +115,11 @@ def run_settings(path: str, overrides: list[str], key: str = "path") -> config_l
     from shard import hf
 
     if hf.is_folder(path):
+        from shard.hf.read import Folder
+
+        # config.json read here first, so that what is wrong with it is said of the argument the caller gave
+        # (the config below reads it again as train.init_from)
+        Folder(path, key).gpt_kwargs()
         return config_lib.load(None, [f"train.init_from={path}", *overrides])
     config_path = run_config(path, key)
     cfg = config_lib.load(config_path, overrides, sections=RUN_SECTIONS)
