@@ -37,12 +37,14 @@ def test_the_onnx_file_runs_in_onnxruntime_with_the_jax_models_outputs(tmp_path,
 
 def test_a_fixed_batch_and_what_cannot_be_exported(tmp_path, capsys):
     run = trained(tmp_path / "mlp", *TINY_MODELS["mlp"])
-    assert export.main([str(run), "--format", "onnx", "--batch", "4", "--out", str(tmp_path / "fixed.onnx")]) == 0
+    fixed = tmp_path / "new" / "folders" / "fixed.onnx"  # the missing folders are made
+    assert export.main([str(run), "--format", "onnx", "--batch", "4", "--out", str(fixed)]) == 0
     assert "batch 4" in capsys.readouterr().out
-    session = onnxruntime.InferenceSession(str(tmp_path / "fixed.onnx"), providers=["CPUExecutionProvider"])
+    session = onnxruntime.InferenceSession(str(fixed), providers=["CPUExecutionProvider"])
     assert session.get_inputs()[0].shape == [4, 16]
     for args, message in ((["--format", "tflite"], "invalid choice: 'tflite'"), (["--batch", "0"], "--batch 0"),
-                          (["--out", str(tmp_path / "model.txt")], "name a .onnx file")):
+                          (["--out", str(tmp_path / "model.txt")], "name a .onnx file"),
+                          (["--out", str(fixed / "x.onnx")], "fixed.onnx is a file, not a folder")):
         with pytest.raises(UserError, match=message):
             export.main([str(run), *([] if "--format" in args else ["--format", "onnx"]), *args])
     callback = trained(tmp_path / "callback", "model.name=stock_models:HostCallbackMLP", *TINY_MODELS["mlp"][4:])

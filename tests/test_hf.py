@@ -5,6 +5,7 @@ Bad folders are refused in one line."""
 
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -126,6 +127,7 @@ def test_fine_tune_first_loss_and_export_round_trip(folders, kind, tmp_path, mon
     assert (out / "model.safetensors.index.json").is_file() == (kind in ("gpt2", "gemma"))
     again = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
     assert json.loads((out / "config.json").read_text())["model_type"] == ("llama" if kind == "mistral" else kind)
+    assert (out / "generation_config.json").read_bytes() == (Path(path) / "generation_config.json").read_bytes()
     ours = load.load(str(tmp_path / "run"), [], whole_mesh=False)
     assert relative(torch_logits(again, TOKENS), jax_logits(ours)) < 1e-4
 

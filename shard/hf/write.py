@@ -1,7 +1,9 @@
-"""A run's model as a Hugging Face folder: config.json, safetensors shards (with their index when there
-are several), the run's tokenizer files. Written from the sharded state without the whole model on one
-host: the parameters that share a tensor (GPT-2's q and kv in c_attn; else one) are gathered at a time,
-turned into their tensors, and written in files of at most `shard_bytes`; only process 0 writes."""
+"""A run's model as a Hugging Face folder: config.json, generation_config.json, safetensors shards (with
+their index when there are several), the run's tokenizer files. Written from the sharded state without the
+whole model on one host: the parameters that share a tensor (GPT-2's q and kv in c_attn; else one) are
+gathered at a time, turned into their tensors, and written in files of at most `shard_bytes`; only process
+0 writes. The tensors are in the source folder's dtype where the run started from one (train.init_from),
+else in the parameters' own."""
 
 import json
 import os
@@ -14,9 +16,12 @@ import numpy as np
 
 from shard.errors import UserError
 from shard.hf import arch, tables
-from shard.hf.read import INDEX, flat_paths
+from shard.hf.read import INDEX, Folder, flat_paths
 
 SHARD_BYTES = 2 * 1024**3
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # config.json's names; numpy's, bfloat16 from ml_dtypes
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+GENERATION = "generation_config.json"
 
 
 def families(rows: list[tables.Row]) -> list[list[tables.Row]]:
@@ -57,10 +62,38 @@ def host_value(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True), np.float32)
 
 
+def dtype_of(params, source: Folder | None) -> str:
+    """The dtype to write: the source folder's config.json's (dtype, or torch_dtype as transformers 4 named
+    it), else the parameters' own."""
+    if source is not None:
+        given = source.config.get("dtype") or source.config.get("torch_dtype")
+        if given is not None:
+            name = str(given).removeprefix("torch.")
+            if name not in DTYPES:
+                raise UserError(f"{source.where}: config.json has dtype={given!r}; transformers writes one of "
+                                f"{', '.join(DTYPES)}")
+            return name
+    return str(np.dtype(jax.tree.leaves(params)[0].dtype))
+
+
+def implied_zeros(kind: str, g: dict, size: dict) -> dict[str, np.ndarray]:
+    """Tensors config.json implies that the model holds as zeros: a Llama whose linear layers all have biases
+    (bias=true) has mlp_bias, so a gate bias, which the GPT's gate has only with mlp_bias."""
+    if kind != "llama" or not g["bias"] or g["mlp_bias"] or g["mlp"] == "gelu":
+        return {}
+    return {f"model.layers.{i}.mlp.gate_proj.bias": np.zeros(size["f"], np.float32) for i in range(g["n_layers"])}
+
+
 def write_folder(params, model_name: str, kwargs: dict, out: Path, tokenizer_dir: Path | None,
-                 shard_bytes: int | None = None) -> tuple[int, int]:
-    """Write the folder (into a scratch folder beside `out`, renamed when complete): (files, bytes)."""
+                 shard_bytes: int | None = None, source: Folder | None = None) -> tuple[int, int]:
+    """Write the folder (into a scratch folder beside `out`, renamed when complete): (files, bytes). `source`:
+    the Hugging Face folder the run started from, whose dtype, special token ids and generation_config.json
+    the folder takes."""
+    import ml_dtypes
+
     config, shard_bytes = arch.from_gpt(kwargs, model_name), shard_bytes or SHARD_BYTES
+    config["torch_dtype"] = config["dtype"] = dtype_of(params, source)  # each transformers version's name
+    cast = ml_dtypes.bfloat16 if config["dtype"] == "bfloat16" else np.dtype(config["dtype"])
     kind, g = config["model_type"], arch._with_defaults(kwargs)
     ours = flat_paths(params)
     rows = tables.rows(kind, set(ours))
@@ -78,18 +111,24 @@ def write_folder(params, model_name: str, kwargs: dict, out: Path, tokenizer_dir
             files.append((name, list(pending)))
         pending = {}
 
+    def add(tensors: dict):
+        nonlocal total
+        for name, tensor in tensors.items():
+            tensor = tensor.astype(cast, copy=False)
+            if pending and sum(t.nbytes for t in pending.values()) + tensor.nbytes > shard_bytes:
+                flush()
+            pending[name] = tensor
+            total += tensor.nbytes
+
     try:
         for family in families(rows):
             values = {r.ours: host_value(ours[r.ours]) for r in family}
-            for name, tensor in their_tensors(family, values, size, g["n_layers"]).items():
-                if pending and sum(t.nbytes for t in pending.values()) + tensor.nbytes > shard_bytes:
-                    flush()
-                pending[name] = tensor
-                total += tensor.nbytes
+            add(their_tensors(family, values, size, g["n_layers"]))
             del values
+        add(implied_zeros(kind, g, size))
         flush()
         if main:
-            _finish(scratch, out, files, total, config, tokenizer_dir)
+            _finish(scratch, out, files, total, config, tokenizer_dir, source)
     except BaseException:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -97,8 +136,10 @@ def write_folder(params, model_name: str, kwargs: dict, out: Path, tokenizer_dir
     return len(files), total
 
 
-def _finish(scratch: Path, out: Path, files: list, total: int, config: dict, tokenizer_dir: Path | None) -> None:
-    """Name the shards as transformers does, write the index, config and tokenizer, and move into place."""
+def _finish(scratch: Path, out: Path, files: list, total: int, config: dict, tokenizer_dir: Path | None,
+            source: Folder | None = None) -> None:
+    """Name the shards as transformers does, write the index, config, generation config and tokenizer, and
+    move into place."""
     weight_map = {}
     for i, (name, tensors) in enumerate(files):
         final = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
@@ -110,7 +151,16 @@ def _finish(scratch: Path, out: Path, files: list, total: int, config: dict, tok
         for f in tokenizer_dir.iterdir():
             shutil.copyfile(f, scratch / f.name)
         config.update(_special_ids(scratch))
+    for k in SPECIAL_IDS if source is not None else ():  # the source model's ids where the tokenizer gave none
+        if source.config.get(k) is not None:
+            config.setdefault(k, source.config[k])
     (scratch / "config.json").write_text(json.dumps(config, indent=2))
+    given = source.path / GENERATION if source is not None else None
+    if given is not None and given.is_file():
+        shutil.copyfile(given, scratch / GENERATION)
+    else:  # what transformers derives from config.json where a folder has none
+        ids = {k: config[k] for k in SPECIAL_IDS if config.get(k) is not None}
+        (scratch / GENERATION).write_text(json.dumps({"_from_model_config": True, **ids}, indent=2))
     if out.exists():  # an empty folder (checked by the caller) gives way
         out.rmdir()
     os.replace(scratch, out)
@@ -132,7 +182,16 @@ def check_model(model_name: str, kwargs: dict) -> None:
 
 
 def check_out(out: Path) -> None:
+    """A new or empty folder, whose missing parents can be made (made when it is written)."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} exists and is not an empty folder; nothing is overwritten: name a new folder")
-    if not out.parent.is_dir():
-        raise UserError(f"--out {out}: folder {out.parent} does not exist")
+    check_parents(out)
+
+
+def check_parents(out: Path) -> None:
+    """One line where `out`'s nearest existing folder above it is a file or cannot be written in."""
+    above = next(p for p in out.parents if p.exists())
+    if not above.is_dir():
+        raise UserError(f"--out {out}: {above} is a file, not a folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: no permission to write in {above}")

@@ -15,14 +15,17 @@ straight into its place, for a model too large for one device's memory; otherwis
 Models of the library that convert: mlp, cnn, gpt (both position kinds, every norm and MLP option), vit,
 lstm and moe. A model using an operation jax2onnx has no converter for fails in one line naming it.
 
---format hf writes config.json, safetensors shards (float32) and the run's tokenizer into a new folder that
-transformers' AutoModelForCausalLM.from_pretrained reads, for a gpt whose options are one of Llama, Qwen2,
-Gemma or GPT-2 (shard/hf/arch.py); the parameters come to the host one at a time (shard/hf/write.py).
+--format hf writes config.json, generation_config.json, safetensors shards and the run's tokenizer into a new
+folder (its missing parents made) that transformers' AutoModelForCausalLM.from_pretrained reads, for a gpt whose
+options are one of Llama, Qwen2, Gemma or GPT-2 (shard/hf/arch.py); the parameters come to the host one at a
+time (shard/hf/write.py). A run started from a Hugging Face folder (train.init_from) is written in that folder's
+dtype, with its special token ids and generation_config.json; any other in its parameters' dtype (float32).
 A LoRA run (train.lora.rank > 0) exports its merged weights (W + alpha/r A B) in either format;
 --adapters-only writes the adapters alone in the layout Hugging Face's peft loads (shard/hf/peft.py).
 """
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -155,15 +158,16 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--out {out}: name a .onnx file")
     if out.is_dir():
         raise UserError(f"--out {out} is a folder; name a .onnx file")
-    if not out.parent.is_dir():
-        raise UserError(f"--out {out}: folder {out.parent} does not exist")
+    from shard.hf.write import check_parents
+
+    check_parents(out)
     loaded = load.load(args.run, overrides, step=args.step, whole_mesh=whole_mesh, key="RUN",
                        trust_code=args.trust_code)
     inputs = example_batch(loaded.cfg, args.batch or 3)  # 3: a batch no dimension of the model has
     start = time.perf_counter()
     # Written beside the target under its own name (large weights go to a sidecar file the model names), and
     # moved there once checked: an earlier export stays whole until then.
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as scratch:
+    with new_parents(out), tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as scratch:
         written = Path(scratch) / out.name
         to_onnx(loaded.model, inputs, str(written), args.batch, loaded.cfg.model.name)
         error = check(str(written), loaded.model, inputs)
@@ -176,7 +180,9 @@ def main(argv: list[str]) -> int:
 
 
 def export_hf(args, overrides: list[str], whole_mesh: bool) -> int:
+    from shard import hf
     from shard.hf import write
+    from shard.hf.read import Folder
     from shard.use import load
     from shard.use.generate import TOKENIZER_FOLDER
 
@@ -187,15 +193,35 @@ def export_hf(args, overrides: list[str], whole_mesh: bool) -> int:
     run_folder = Path(load.run_config(args.run, "RUN")).parent
     cfg = load.run_settings(args.run, overrides, "RUN")
     write.check_model(cfg.model.name, cfg.model.kwargs)  # before the (slow) read
+    # The folder the run started from, where it is still here: its dtype and generation settings carry over.
+    source = Folder(cfg.train.init_from) if hf.is_folder(cfg.train.init_from) else None
     loaded = load.load(args.run, overrides, step=args.step, whole_mesh=whole_mesh, key="RUN",
                        trust_code=args.trust_code)
     _, params, _ = nnx.split(loaded.model, nnx.Param, ...)
     start = time.perf_counter()
-    files, size = write.write_folder(params, loaded.cfg.model.name, loaded.cfg.model.kwargs, out,
-                                     run_folder / TOKENIZER_FOLDER)
-    print(f"wrote {out} ({files} safetensors file{'s' * (files > 1)}, {size / 1e6:.1f} MB, step {loaded.step} of "
-          f"{args.run}) in {time.perf_counter() - start:.1f} s")
+    with new_parents(out):
+        files, size = write.write_folder(params, loaded.cfg.model.name, loaded.cfg.model.kwargs, out,
+                                         run_folder / TOKENIZER_FOLDER, source=source)
+    dtype = write.dtype_of(params, source)
+    print(f"wrote {out} ({files} safetensors file{'s' * (files > 1)}, {size / 1e6:.1f} MB, {dtype}"
+          f"{f' as in {source.path}' if source else ''}, step {loaded.step} of {args.run}) in "
+          f"{time.perf_counter() - start:.1f} s")
     return 0
+
+
+@contextlib.contextmanager
+def new_parents(out: Path):
+    """The folders above `out` that do not exist yet, made for the export and removed again if it fails."""
+    made = [p for p in reversed(out.parents) if not p.exists()]
+    for p in made:
+        p.mkdir(exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for p in reversed(made):
+            with contextlib.suppress(OSError):  # not empty: another process wrote there meanwhile
+                p.rmdir()
+        raise
 
 
 if __name__ == "__main__":
