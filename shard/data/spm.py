@@ -19,17 +19,13 @@ has no `added_tokens_decoder`.
 import re
 from pathlib import Path
 
+from shard.data import pipelines
 from shard.errors import UserError, first_line
 
 BPE_TYPE, UNIGRAM_TYPE = 2, 1  # TrainerSpec.model_type
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # SentencePiece piece types
 NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-# The constructor defaults of the classes with their own pipeline, for named tokens the config leaves out
-CLASS_DEFAULTS = {
-    "LlamaTokenizer": {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
-    "GemmaTokenizer": {"unk_token": "<unk>", "bos_token": "<bos>", "eos_token": "<eos>",
-                       "pad_token": "<pad>", "mask_token": "<mask>"},
-}
+SPM_CLASSES = ("LlamaTokenizer", "GemmaTokenizer")  # the classes with their own pipeline over a .model
 GENERIC = (None, "TokenizersBackend")
 # transformers' clean_up_tokenization, applied in order to the decoded text
 CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
@@ -41,12 +37,11 @@ def to_tokenizers(model_file: Path, config: dict):
     tokenizer_config.json beside it, {} when there is none)."""
     proto = read(model_file)
     name = config.get("tokenizer_class")
-    if name == "PreTrainedTokenizerFast":
-        name = "TokenizersBackend"  # its transformers 5 name (PreTrainedTokenizer is another class)
-    name = name[:-4] if isinstance(name, str) and name.endswith("Fast") else name
-    if name in CLASS_DEFAULTS:
+    # PreTrainedTokenizerFast is TokenizersBackend in transformers 5 (PreTrainedTokenizer is another class)
+    name = "TokenizersBackend" if name == "PreTrainedTokenizerFast" else pipelines.class_name(config)
+    if name in SPM_CLASSES:
         tok = (_llama if name == "LlamaTokenizer" else _gemma)(proto, config)
-        named = {**CLASS_DEFAULTS[name]}
+        named = {**pipelines.CLASS_DEFAULTS[name]}
         extras = _spm_specials(proto, user_defined=True)
     elif name in GENERIC:
         tok = _generic(proto, config)
@@ -100,28 +95,18 @@ def _id_ranked_bpe(proto, **options):
 
 
 def _llama(proto, config):
-    """LlamaTokenizer's pipeline: Metaspace with no normalizer, a prefix space where add_prefix_space says."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers import Tokenizer
 
-    prefix = config.get("add_prefix_space")
-    prefix = True if prefix is None else prefix
-    # transformers' _get_prepend_scheme: only a truthy `legacy` prefixes every chunk between added tokens
-    scheme = ("always" if config.get("legacy", False) else "first") if prefix else "never"
     tok = Tokenizer(_id_ranked_bpe(proto))  # the class gives its BPE no unk token
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    pipelines.llama(tok, config)
     return tok
 
 
 def _gemma(proto, config):
-    """GemmaTokenizer's pipeline: spaces become "▁", no dummy prefix."""
-    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer
 
     tok = Tokenizer(_id_ranked_bpe(proto, unk_token=str(_token(config.get("unk_token", "<unk>")))))
-    tok.normalizer = normalizers.Replace(" ", "▁")
-    tok.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    pipelines.gemma(tok, config)
     return tok
 
 

@@ -6,7 +6,7 @@ encodes exactly as transformers' `AutoTokenizer.from_pretrained(folder)(text)` d
 
 - tokenizer.json as written, except where tokenizer_config.json names a tokenizer class whose constructor
   transformers uses to rebuild the text pipeline around the file's vocabulary (Llama, Gemma, Qwen2, GPT-2:
-  `CLASSES` below); a SentencePiece .model converted as transformers converts it (shard/data/spm.py);
+  shard/data/pipelines.py); a SentencePiece .model converted as transformers converts it (shard/data/spm.py);
   vocab.json + merges.txt read as the class's byte-level BPE.
 - Special tokens around a text (BOS, EOS) as tokenizer_config.json's add_bos_token/add_eos_token say where it
   sets them, else as tokenizer.json's post-processor says, else none.
@@ -27,15 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
-from shard.data import tokenizer_files
+from shard.data import pipelines, tokenizer_files
 from shard.data.tokenizer_files import Found
-from shard.errors import UserError
+from shard.errors import UserError, first_line
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")  # where the config names none
 BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "[CLS]")
-# Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer writes the same expression)
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-               r"|\s+(?!\S)|\s+")
 
 
 class Bytes:
@@ -185,7 +182,7 @@ def _backend(found: Found, where: str):
     from tokenizers import Tokenizer
     from tokenizers.models import BPE
 
-    cls = _class_name(found)
+    cls = pipelines.class_name(found.config)
     try:
         if found.kind == "sentencepiece":
             from shard.data import spm
@@ -199,61 +196,11 @@ def _backend(found: Found, where: str):
     except UserError:
         raise
     except Exception as e:  # the libraries raise their own Exception subclasses for a bad file
-        raise UserError(f"{where}: {found.main.name} is not a readable tokenizer: {_line(e)}") from None
-    if found.kind != "sentencepiece" and cls in CLASSES:
-        CLASSES[cls](tok, found.config)
+        raise UserError(f"{where}: {found.main.name} is not a readable tokenizer: {first_line(e)}") from None
+    if found.kind != "sentencepiece" and cls in pipelines.CLASSES:
+        pipelines.CLASSES[cls](tok, found.config)
     _add_named(tok, found, cls)
     return tok
-
-
-def _class_name(found: Found) -> str | None:
-    name = found.config.get("tokenizer_class")
-    return name[:-4] if isinstance(name, str) and name.endswith("Fast") else name
-
-
-def _llama(tok, config: dict) -> None:
-    from tokenizers import decoders, pre_tokenizers
-
-    prefix = config.get("add_prefix_space", True) is not False
-    scheme = ("first" if config.get("legacy") is False else "always") if prefix else "never"
-    tok.normalizer = None
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
-
-
-def _gemma(tok, config: dict) -> None:
-    from tokenizers import decoders, normalizers, pre_tokenizers
-
-    tok.normalizer = normalizers.Replace(" ", "▁")
-    tok.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
-
-
-def _qwen2(tok, config: dict) -> None:
-    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
-
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), "isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=bool(config.get("add_prefix_space")), use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-
-
-def _gpt2(tok, config: dict) -> None:
-    from tokenizers import decoders, pre_tokenizers
-
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=bool(config.get("add_prefix_space")))
-    tok.decoder = decoders.ByteLevel()
-
-
-# The classes whose constructor rebuilds the pipeline around the file's vocabulary (transformers 5 does this
-# for a tokenizer.json too, so a Llama folder's legacy normalizer in tokenizer.json is not what it runs).
-CLASSES = {"LlamaTokenizer": _llama, "GemmaTokenizer": _gemma, "Qwen2Tokenizer": _qwen2, "GPT2Tokenizer": _gpt2}
-CLASS_DEFAULTS = {"GPT2Tokenizer": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
-                                    "unk_token": "<|endoftext|>"},
-                  "Qwen2Tokenizer": {"eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
-                                     "pad_token": "<|endoftext|>"}}
 
 
 def _add_named(tok, found: Found, cls: str | None) -> None:
@@ -269,7 +216,7 @@ def _add_named(tok, found: Found, cls: str | None) -> None:
                                   lstrip=entry.get("lstrip", False), rstrip=entry.get("rstrip", False),
                                   normalized=entry.get("normalized", True), special=entry.get("special", False)))
             have.add(entry["content"])
-    defaults = CLASS_DEFAULTS.get(cls, {})
+    defaults = pipelines.CLASS_DEFAULTS.get(cls, {})
     for key in tokenizer_files.SPECIAL_KEYS:
         text = found.special(key) if key in found.config else defaults.get(key)
         if text and text not in have:
@@ -304,10 +251,6 @@ def _byte_counts(ends: np.ndarray, total: int) -> np.ndarray:
     counts = np.diff(reach, prepend=0)
     counts[-1] += total - reach[-1]
     return np.minimum(counts, np.iinfo(np.uint16).max).astype(np.uint16)
-
-
-def _line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def quiet_parallelism() -> None:
