@@ -301,3 +301,24 @@ def test_without_a_source_folder_the_export_is_the_parameters_dtype_and_a_minima
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {"_from_model_config": True}
     transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
+
+
+def test_a_gpt_with_biases_on_every_layer_but_the_gate_exports_its_gate_bias_as_zeros(tmp_path):
+    """bias=true without mlp_bias: the gated MLP's gate has no bias, which a Llama with mlp_bias has; the
+    export writes it as the zeros it is, so transformers misses nothing."""
+    from shard.core.state import build_model
+    from shard.models.gpt import GPT
+
+    kwargs = dict(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_len=32,
+                  position="rope", norm="rmsnorm", mlp="swiglu", bias=True)
+    model = build_model(GPT, kwargs, 0)
+    model.blocks.ffn.b_in.set_value(model.blocks.ffn.b_in[...] + 0.1)  # off zero, as trained
+    write.write_folder(nnx.state(model, nnx.Param), "gpt", kwargs, tmp_path / "hf", None)
+    from safetensors.numpy import load_file
+
+    written = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert not written["model.layers.1.mlp.gate_proj.bias"].any() and written["model.layers.1.mlp.up_proj.bias"].any()
+    again = reread(tmp_path / "hf")
+    assert again.config.mlp_bias
+    got = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(TOKENS)))
+    assert relative(torch_logits(again), got) < 1e-5
