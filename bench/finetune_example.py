@@ -71,7 +71,7 @@ def check(out: Path) -> int:
 
     prompt = pairs(1, seed=1)[0]["prompt"]
     tokenizer = shard.load_tokenizer(str(out / "lora"))
-    ids = tokenizer.encode(prompt)
+    ids = tokenizer.prompt(prompt)  # the tokens training put before the completion
     theirs_model = transformers.AutoModelForCausalLM.from_pretrained(out / "merged", torch_dtype=torch.float32)
     with torch.no_grad():
         theirs = theirs_model(torch.tensor([ids])).logits[0].numpy()

@@ -124,11 +124,11 @@ def test_a_chat_without_a_template_uses_the_plain_one(made, tmp_path):
         cache = token_cache.load([made / path], "messages", "bytes", tmp_path)
         first_trained, first_rest = trained_and_not(cache, byte_text)[0]
         assert first_trained == "1\nYou are welcome, 0.\n" + "\n"  # and the separator after the row
-        assert first_rest == "system: Be brief.\nuser: Add 0 and 1.\nassistant: user: Thanks!\nassistant: "
+        assert first_rest == "system: Be brief.\nuser: Add 0 and 1.\nassistant:\nuser: Thanks!\nassistant:\n"
     from shard.data import tokenizer as tokenizer_lib
 
     plain = formats.Formatter(("messages",), tokenizer_lib.Bytes())
-    assert plain.prompt([{"role": "user", "content": "hi"}]) == "user: hi\nassistant: "
+    assert plain.prompt([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:\n"
 
 
 def test_fine_tuning_trains_the_same_under_fsdp_accumulation_pipeline_and_context(made, train):

@@ -199,3 +199,43 @@ def test_the_cli_refuses_a_folder_without_a_tokenizer_with_exit_2(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "looked for tokenizer.json" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+class _Idle:
+    """An engine stand-in: nothing runs, so a request waits in the queue with its prompt's tokens."""
+    slots, recompiles = 1, 0
+
+
+@pytest.mark.parametrize("name", ["llama-2-7b-hf", "gemma-2b-it", "qwen2.5-0.5b-instruct", "mistral-7b-v0.1-tokenizer"])
+def test_the_servers_prompts_are_the_training_rows_first_tokens(name, folders, tmp_path):
+    import asyncio
+
+    import httpx
+
+    from shard.serve import app, scheduler
+
+    tok = ours(name, folders)
+    queue = scheduler.Scheduler(_Idle(), tok, max_queue=1)
+    served = app.build(queue, tok, chat.Template(tok), "m", 1 << 16)
+
+    async def asked(route: str, body: dict) -> list[int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=served), base_url="http://t") as c:
+            pending = asyncio.create_task(c.post(route, json=body))
+            while not queue.waiting:
+                await asyncio.sleep(0.01)
+            request = queue.waiting.popleft()
+            pending.cancel()
+            return request.prompt
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in PAIRS))
+    rows = token_cache.load([pairs], ("prompt", "completion"), str(folders[name]), tmp_path / "cache")
+    for i, (p, _) in enumerate(PAIRS):
+        prompt = asyncio.run(asked("/v1/completions", {"prompt": p, "max_tokens": 1}))
+        assert prompt == _row(rows, i)[0][:len(prompt)] and prompt == theirs(name, folders)(p).input_ids
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CHATS))
+    rows = token_cache.load([chats], "messages", str(folders[name]), tmp_path / "cache")
+    for i, messages in enumerate(CHATS):
+        prompt = asyncio.run(asked("/v1/chat/completions", {"messages": messages[:-1], "max_tokens": 1}))
+        assert len(prompt) > 2 and prompt == _row(rows, i)[0][:len(prompt)]

@@ -217,7 +217,7 @@ def test_chat_messages_go_through_the_tokenizers_template_or_the_plain_one(tmp_p
     from shard.data import tokenizer as tokenizer_lib
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    assert chat.Template(_Bytes()).text(messages) == "system: Be brief.\nuser: hi\nassistant: "  # as chats train
+    assert chat.Template(_Bytes()).text(messages) == "system: Be brief.\nuser: hi\nassistant:\n"  # as chats train
     Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
     template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")

@@ -19,7 +19,11 @@ where its characters overlap a trained span (one that straddles the boundary cou
 The plain template, for tokenizers without one (the byte-level vocabulary among them):
 
     <role>: <content>\\n          for each system or user message
-    assistant: <content>\\n       the content and its newline trained, "assistant: " not
+    assistant:\\n<content>\\n     the content and its newline trained, "assistant:\\n" not
+
+The answer starts on a line of its own so that its first token is the same whether the conversation is
+tokenized whole (training) or up to "assistant:\\n" (a prompt): a space there would merge with the answer's
+first word in most vocabularies, and a prompt ending in it would not be the start of any training row.
 """
 
 from typing import NamedTuple
@@ -93,7 +97,7 @@ class Formatter:
         """The conversation so far, ready for the assistant's next turn (as a server or generate feeds it)."""
         checked = _messages(messages, "messages", "messages")
         if self.template is None:
-            return "".join(text for m in checked for text, _ in plain(m)) + "assistant: "
+            return "".join(text for m in checked for text, _ in plain(m)) + "assistant:\n"
         return self.render(checked, True, "messages")[0]
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
@@ -131,7 +135,7 @@ def _joined(pieces: list[tuple[str, bool]], special: bool) -> Row | None:
 
 def plain(message: dict) -> list[tuple[str, bool]]:
     if message["role"] == "assistant":
-        return [("assistant: ", False), (message["content"] + "\n", True)]
+        return [("assistant:\n", False), (message["content"] + "\n", True)]
     return [(f"{message['role']}: {message['content']}\n", False)]
 
 

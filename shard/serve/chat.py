@@ -4,7 +4,8 @@ a run folder is data, not code), else with the plain template a chat was trained
 
     system: You are terse.
     user: Hi
-    assistant: <the answer follows here>
+    assistant:
+    <the answer follows here>
 """
 
 from shard.data import formats, tokenizer as tokenizer_lib
