@@ -156,7 +156,7 @@ def test_the_command_line_wins_over_config_json_and_the_tokenizer_comes_along(fo
     words.save(str(path / "tokenizer.json"))
     cfg = config.load(None, [f"train.init_from={path}", "model.max_len=32", "data.name=documents"])
     assert (cfg.model.kwargs["max_len"], cfg.model.kwargs["n_kv_heads"]) == (32, 2)
-    assert cfg.data.tokenizer == str(path / "tokenizer.json")
+    assert cfg.data.tokenizer == str(path)  # the folder: its tokenizer.json and tokenizer_config.json
     assert config.load(None, [f"train.init_from={path}", "data.name=documents", "data.tokenizer=bytes"]).data.tokenizer == "bytes"
     assert load.load_tokenizer(str(path)).encode("w7 w3") == [7, 3]
 
@@ -234,7 +234,7 @@ def test_a_documents_run_takes_the_folders_tokenizer_and_exports_it(folders, tmp
     cfg = config.load(None, overrides(tmp_path / "run", f"train.init_from={path}", "data.name=documents",
                                       f"data.path={corpus}", "data.seq_len=16", "data.batch_size=8", "train.steps=1",
                                       "checkpoint.enabled=true", "mesh=fsdp", "run.cpu_devices=2"))
-    assert cfg.data.tokenizer == str(path / "tokenizer.json")
+    assert cfg.data.tokenizer == str(path)  # the folder: its tokenizer.json and tokenizer_config.json
     trainer.run(cfg)
     out = tmp_path / "hf"
     assert export.main([str(tmp_path / "run"), "--format", "hf", "--out", str(out)]) == 0

@@ -239,3 +239,52 @@ def test_the_servers_prompts_are_the_training_rows_first_tokens(name, folders, t
     for i, messages in enumerate(CHATS):
         prompt = asyncio.run(asked("/v1/chat/completions", {"messages": messages[:-1], "max_tokens": 1}))
         assert len(prompt) > 2 and prompt == _row(rows, i)[0][:len(prompt)]
+
+
+def test_a_folder_with_only_a_sentencepiece_model_fine_tunes_generates_and_exports_with_it(tmp_path, capsys):
+    """A Llama folder whose tokenizer is tokenizer.model alone: the run reads it (not bytes), generation starts
+    from BOS as training did, and the exported folder's tokenizer is transformers' same one."""
+    import torch
+
+    from shard import config, load_tokenizer
+    from shard.run import trainer
+    from shard.use import export, generate
+
+    from conftest import overrides
+
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(vocab_size=32000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, max_position_embeddings=64)
+    folder = tmp_path / "llama-spm"
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(folder)
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(FIXTURES / "llama-2-7b-hf" / name, folder / name)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"Document {i}: le fromage, c'est bon. 🧀"}) + "\n" for i in range(40)))
+    run = tmp_path / "run"
+    cfg = config.load(None, overrides(run, f"train.init_from={folder}", "data.name=documents", f"data.path={corpus}",
+                                      "data.seq_len=16", "data.batch_size=4", "train.steps=1", "checkpoint.enabled=true",
+                                      "run.cpu_devices=1"))
+    assert cfg.data.tokenizer == str(folder)
+    trainer.run(cfg)
+    ref = transformers.AutoTokenizer.from_pretrained(str(folder))
+    text = "Le fromage 🧀, c'est bon"
+    assert load_tokenizer(str(run)).encode(text) == ref(text).input_ids and ref(text).input_ids[0] == 1
+    assert load_tokenizer(str(run)).prompt(text) == ref(text).input_ids  # what generate and the server feed
+    capsys.readouterr()
+    assert generate.main([str(run), "--prompt", text, "--max-new-tokens", "2", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    new = printed[len(text):].rstrip("\n")
+    assert printed.startswith(text) and ref.decode(ref(text + new).input_ids, skip_special_tokens=True) == text + new
+    out = tmp_path / "exported" / "hf"  # its parent is made
+    assert export.main([str(run), "--format", "hf", "--out", str(out)]) == 0
+    assert (out / "tokenizer.model").is_file()
+    assert transformers.AutoTokenizer.from_pretrained(str(out))(text).input_ids == ref(text).input_ids
+    bare = tmp_path / "bare"  # the same model without any tokenizer: a documents run is refused
+    bare.mkdir()
+    for f in folder.iterdir():
+        if not f.name.startswith("tokenizer"):
+            shutil.copy(f, bare / f.name)
+    with pytest.raises(UserError, match="train.init_from=.*no tokenizer in the folder; looked for tokenizer.json"):
+        config.load(None, overrides(tmp_path / "run2", f"train.init_from={bare}", "data.name=documents",
+                                    f"data.path={corpus}"))

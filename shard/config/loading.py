@@ -46,8 +46,9 @@ def load(path: "str | Path | None", overrides: list[str], sections: tuple | None
 
 def _hf_layer(layers: list[dict]) -> dict | None:
     """Where train.init_from is a Hugging Face folder: its model (config.json) and, for documents unless
-    data.tokenizer is set, its tokenizer.json, as a layer of settings."""
+    data.tokenizer is set, its tokenizer (refused in one line where it has none), as a layer of settings."""
     from shard import hf
+    from shard.data import tokenizer_files
 
     init_from = next((v for layer in reversed(layers) if (v := (layer.get("train") or {}).get("init_from"))), None)
     if not hf.is_folder(init_from):
@@ -58,8 +59,9 @@ def _hf_layer(layers: list[dict]) -> dict | None:
     layer = {"model": {"name": "gpt", **folder.gpt_kwargs()}}
     data = [given.get("data") or {} for given in layers]
     documents = next((d["name"] for d in reversed(data) if d.get("name")), _schema().data.name) == "documents"
-    if documents and folder.tokenizer() and not any(d.get("tokenizer") for d in data):
-        layer["data"] = {"tokenizer": folder.tokenizer()}
+    if documents and not any(d.get("tokenizer") for d in data):
+        tokenizer_files.find(init_from, "train.init_from")  # text needs the model's tokenizer, never bytes
+        layer["data"] = {"tokenizer": init_from}
     return layer
 
 

@@ -60,6 +60,9 @@ class Bytes:
     def decode(self, ids) -> str:
         return bytes(int(t) % 256 for t in ids).decode("utf-8", errors="replace")
 
+    def continuation(self, prompt, ids) -> str:
+        return self.decode(ids)
+
     def special(self, key: str) -> str | None:
         return None
 
@@ -134,6 +137,13 @@ class Text:
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def continuation(self, prompt, ids) -> str:
+        """The text `ids` add after `prompt`. Decoded alone they would lose what their first token owes to the
+        one before it (a SentencePiece answer's leading space), so the last few prompt tokens decode along."""
+        before = [int(i) for i in prompt[-4:]]  # enough for a character split over byte-fallback tokens
+        head, whole = self.decode(before), self.decode([*before, *(int(i) for i in ids)])
+        return whole[len(head):] if whole.startswith(head) else self.decode(ids)
 
 
 def load(spec: str | None, key: str = "data.tokenizer"):

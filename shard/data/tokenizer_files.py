@@ -53,6 +53,12 @@ class Found:
         return value if isinstance(value, bool) else None
 
 
+def present(folder: Path) -> bool:
+    """Whether `folder` holds a tokenizer `find` would read."""
+    return (folder / "tokenizer.json").is_file() or any(folder.glob("*.model")) or \
+        ((folder / "vocab.json").is_file() and (folder / "merges.txt").is_file())
+
+
 def find(spec: str, key: str = "data.tokenizer") -> Found:
     """The tokenizer `spec` names: a tokenizer.json, a .model, a vocab.json, or a folder holding one."""
     path = Path(spec).expanduser()

@@ -22,7 +22,7 @@ class Folder:
     """A Hugging Face model folder: its config.json, its weight files and which tensor is in which."""
 
     def __init__(self, path: str, key: str = "train.init_from"):
-        self.path, self.where = Path(path).expanduser(), f"{key}={path!r}"
+        self.path, self.key, self.where = Path(path).expanduser(), key, f"{key}={path!r}"
         if not (self.path / "config.json").is_file():
             raise UserError(f"{self.where}: no config.json in the folder (a Hugging Face model folder needs one)")
         try:
@@ -68,9 +68,6 @@ class Folder:
         """Whether two tensors hold the same values (read in blocks of rows, at most once per pair of files)."""
         files = (self.files[a], self.files[b])
         return _same(self, a, b, tuple((str(f), f.stat().st_mtime_ns) for f in files))
-
-    def tokenizer(self) -> str | None:
-        return str(self.path / "tokenizer.json") if (self.path / "tokenizer.json").is_file() else None
 
     def shape(self, name: str) -> tuple:
         from safetensors import safe_open
@@ -170,12 +167,11 @@ def check(path: str, params, kwargs: dict) -> None:
 
 def check_tokenizer(folder: Folder, vocab_size: int) -> None:
     """The folder's tokenizer must not have more tokens than the embedding has rows."""
-    path = folder.tokenizer()
-    if path is None:
-        return
-    from tokenizers import Tokenizer
+    from shard.data import tokenizer, tokenizer_files
 
-    n = Tokenizer.from_file(path).get_vocab_size(with_added_tokens=True)
+    if not tokenizer_files.present(folder.path):
+        return  # text needs data.tokenizer then, which the vocabulary check of the job reads
+    n = tokenizer.load(str(folder.path), folder.key).vocab_size
     if n > vocab_size:
         raise UserError(f"{folder.where}: its tokenizer has {n} tokens, more than the embedding's {vocab_size} rows")
 

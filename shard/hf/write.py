@@ -168,9 +168,9 @@ def _finish(scratch: Path, out: Path, files: list, total: int, config: dict, tok
 
 def _special_ids(folder: Path) -> dict:
     """BOS and EOS ids of the tokenizer copied into the folder, for config.json (generate stops at EOS)."""
-    from shard.data import tokenizer
+    from shard.data import tokenizer, tokenizer_files
 
-    if not (folder / "tokenizer.json").is_file():
+    if not tokenizer_files.present(folder):
         return {}
     t = tokenizer.load(str(folder))
     return {k: v for k, v in (("bos_token_id", t.bos), ("eos_token_id", t.eos)) if v is not None}

@@ -166,7 +166,7 @@ def end_sample(cfg, job: Job, state) -> str | None:
     prompt = tok.prompt(cfg.train.sample_prompt or "\n")  # something to condition on, as training put it
     tokens = generator(np.array([prompt[-generator.context:] if generator.context else prompt]), cfg.train.sample_len,
                        generate.Sampling(vocab=tok.vocab_size), seed=cfg.train.seed, eos=tok.eos)
-    return tok.decode(generate.until_eos(tokens[0], tok.eos))
+    return tok.continuation(prompt, generate.until_eos(tokens[0], tok.eos))
 
 
 def metrics_log(cfg, run_dir, start_step: int, work, main: bool, plan: dict | None = None) -> MetricsLog:

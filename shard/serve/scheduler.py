@@ -141,7 +141,7 @@ class Scheduler:
         if token == self.tok.eos:
             return self._finish(slot, "stop")
         request.tokens.append(token)
-        text = self.tok.decode(request.tokens)
+        text = self.tok.continuation(request.prompt, request.tokens)
         hits = [i for i in (text.find(s, max(len(request.sent) - len(s), 0)) for s in request.stop) if i >= 0]
         if hits:
             return self._finish(slot, "stop", text[:min(hits)])
@@ -156,7 +156,7 @@ class Scheduler:
 
     def _finish(self, slot: int, reason: str, text: str | None = None) -> None:
         request = self.active[slot]
-        text = self.tok.decode(request.tokens) if text is None else text
+        text = self.tok.continuation(request.prompt, request.tokens) if text is None else text
         request.finish = reason
         if reason == "cancelled":
             self.cancelled += 1

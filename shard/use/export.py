@@ -184,7 +184,7 @@ def export_hf(args, overrides: list[str], whole_mesh: bool) -> int:
     from shard.hf import write
     from shard.hf.read import Folder
     from shard.use import load
-    from shard.use.generate import TOKENIZER_FOLDER
+    from shard.data.tokenizer import RUN_FOLDER
 
     if not args.out:
         raise UserError("--format hf needs --out FOLDER (a new or empty folder)")
@@ -201,7 +201,7 @@ def export_hf(args, overrides: list[str], whole_mesh: bool) -> int:
     start = time.perf_counter()
     with new_parents(out):
         files, size = write.write_folder(params, loaded.cfg.model.name, loaded.cfg.model.kwargs, out,
-                                         run_folder / TOKENIZER_FOLDER, source=source)
+                                         run_folder / RUN_FOLDER, source=source)
     dtype = write.dtype_of(params, source)
     print(f"wrote {out} ({files} safetensors file{'s' * (files > 1)}, {size / 1e6:.1f} MB, {dtype}"
           f"{f' as in {source.path}' if source else ''}, step {loaded.step} of {args.run}) in "

@@ -249,9 +249,6 @@ def recompute(model: nnx.Module, prompt: np.ndarray, new_tokens: int, vocab: int
                                       jax.random.key(0), None)
 
 
-TOKENIZER_FOLDER = tokenizer_lib.RUN_FOLDER
-
-
 def text_tokens(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
@@ -316,13 +313,14 @@ def main(argv: list[str]) -> int:
     sampling = Sampling(args.temperature, args.top_k, args.top_p, vocab=tok.vocab_size).check()
     rows = [prompt for prompt in prompts for _ in range(args.batch)]
     start = time.perf_counter()
-    out = generator([tok.prompt(prompt) for prompt in rows], args.max_new_tokens, sampling, seed=args.seed,
+    asked = [tok.prompt(prompt) for prompt in rows]
+    out = generator(asked, args.max_new_tokens, sampling, seed=args.seed,
                     eos=tok.eos)
     seconds = time.perf_counter() - start
-    for i, (prompt, row) in enumerate(zip(rows, out)):
+    for i, (prompt, ids, row) in enumerate(zip(rows, asked, out)):
         if len(rows) > 1:
             print(f"--- {i}")
-        print(prompt + tok.decode(until_eos(row, tok.eos)))
+        print(prompt + tok.continuation(ids, until_eos(row, tok.eos)))
     print(f"{loaded.cfg.model.name} at step {loaded.step} of {args.run}: {len(rows)} x {args.max_new_tokens} tokens, "
           f"{out.size / seconds:,.0f} tokens/s ({seconds:.2f} s, compiling included)", file=sys.stderr)
     return 0
