@@ -35,7 +35,14 @@ PAIRS = [("Cheese in French:", " fromage"), ("Q: 2+2?\nA:", " 4"), ("Translate: 
 CHATS = [[{"role": "user", "content": "How do you say bread in French?"},
           {"role": "assistant", "content": "pain"}],
          [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello 👋 — how can I help?"},
-          {"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1, 2, 3."}]]
+          {"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1, 2, 3."}],
+         [{"role": "system", "content": "Think first."}, {"role": "user", "content": "2+2?"},
+          {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\n4"},
+          {"role": "user", "content": "And 2+3?"}, {"role": "assistant", "content": "5"}]]
+
+
+def chats_for(name: str) -> list:
+    return CHATS if name != "gemma-2b-it" else CHATS[:2]  # Gemma 1's template refuses a system message
 
 
 def long_document() -> str:
@@ -143,7 +150,7 @@ def test_prompt_completion_rows_are_the_whole_texts_tokens_with_the_completion_t
 @pytest.mark.parametrize("name", WITH_TEMPLATE)
 def test_chat_rows_are_the_templates_tokens_with_the_assistant_trained(name, folders, tmp_path):
     ref, tok = theirs(name, folders), ours(name, folders)
-    chats = CHATS[:1] if name == "qwen3-4b" else CHATS  # Qwen3's template rewrites earlier turns: one turn only
+    chats = chats_for(name)
     corpus = tmp_path / "chats.jsonl"
     corpus.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
     cache = token_cache.load([corpus], "messages", str(folders[name]), tmp_path / "cache")
@@ -153,8 +160,11 @@ def test_chat_rows_are_the_templates_tokens_with_the_assistant_trained(name, fol
         assert tokens[:len(want)] == want, name
         trained = ref.decode([t for t, m in zip(tokens, mask) if m])
         rest = ref.decode([t for t, m in zip(tokens, mask) if not m])
-        for m in messages:
-            assert m["content"] in (trained if m["role"] == "assistant" else rest), (name, m)
+        for m in messages:  # (a reasoning template keeps an earlier answer's reasoning out of the text)
+            shown = m["content"].split("</think>")[-1].strip()
+            assert shown in (trained if m["role"] == "assistant" else rest), (name, m)
+        if name == "qwen3-4b" and i == 1:  # its template rewrites earlier turns once later ones follow
+            assert trained == "Hello 👋 — how can I help?<|im_end|>\n<think>\n\n</think>\n\n1, 2, 3.<|im_end|>\n<|im_end|>"
         # the server's prompt for the conversation before the last answer starts the training row
         prompt = chat.Template(tok)(messages[:-1])
         assert prompt == ref.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True,
@@ -234,9 +244,9 @@ def test_the_servers_prompts_are_the_training_rows_first_tokens(name, folders, t
         prompt = asyncio.run(asked("/v1/completions", {"prompt": p, "max_tokens": 1}))
         assert prompt == _row(rows, i)[0][:len(prompt)] and prompt == theirs(name, folders)(p).input_ids
     chats = tmp_path / "chats.jsonl"
-    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CHATS))
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats_for(name)))
     rows = token_cache.load([chats], "messages", str(folders[name]), tmp_path / "cache")
-    for i, messages in enumerate(CHATS):
+    for i, messages in enumerate(chats_for(name)):
         prompt = asyncio.run(asked("/v1/chat/completions", {"messages": messages[:-1], "max_tokens": 1}))
         assert len(prompt) > 2 and prompt == _row(rows, i)[0][:len(prompt)]
 

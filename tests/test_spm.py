@@ -45,7 +45,6 @@ def document(size: int, seed: int = 0) -> str:
     return "".join(parts)
 
 
-LONG = document(300_000)
 
 
 def transformers_tokenizer(folder: Path):
@@ -114,7 +113,7 @@ def real(request, tmp_path_factory):
 def test_real_models_encode_and_decode_as_transformers(real):
     mine, ref = real
     same_added_tokens(mine, ref)
-    same_as_transformers(mine, ref, EDGES + [LONG])
+    same_as_transformers(mine, ref, EDGES)  # a 430 KB document: tests/test_real_tokenizers.py, through the cache
 
 
 @needs_fixtures

@@ -11,10 +11,11 @@ where its characters overlap a trained span (one that straddles the boundary cou
   rendered with the tokenizer's chat template (shard/data/chat_template.py) where it has one, tokenized
   without special tokens (the template writes them), as `apply_chat_template(tokenize=True)` does; the
   assistant's turns trained. Which characters those are: the template's `{% generation %}` blocks where it
-  marks them (transformers' assistant mask); else learnt by rendering the conversation one message longer
-  at a time: the characters that message i adds (after the generation prompt, for an assistant turn) are
-  its own. A template that does not render a conversation as a prefix of the conversation one message
-  longer is then refused in one line. Without a template, the plain one below, with special tokens.
+  marks them (transformers' assistant mask); else from the whole conversation's rendering: an assistant's
+  turn starts where the conversation before it, rendered with the generation prompt, ends, and runs to
+  where the next message's turn starts (`_next_turn`). A template that writes the conversation before a
+  turn otherwise than the whole conversation starts is then refused in one line. Without a template, the
+  plain one below, with special tokens.
 
 The plain template, for tokenizers without one (the byte-level vocabulary among them):
 
@@ -80,18 +81,33 @@ class Formatter:
         if self.template.marks_generation:
             text, spans = self.render(messages, False, where)
             return Row(text, spans, False) if text else None
-        pieces, done = [], ""
+        text, _ = self.render(messages, False, where)
+        spans = []
         for i, message in enumerate(messages):
-            if message["role"] == "assistant":
-                prompt, _ = self.render(messages[:i], True, where)
-                _check_prefix(done, prompt, where)
-                pieces.append((prompt[len(done):], False))
-                done = prompt
-            whole, _ = self.render(messages[:i + 1], False, where)
-            _check_prefix(done, whole, where)
-            pieces.append((whole[len(done):], message["role"] == "assistant"))
-            done = whole
-        return _joined(pieces, False)
+            if message["role"] != "assistant":
+                continue
+            prompt, _ = self.render(messages[:i], True, where)
+            _check_prefix(prompt, text, where)
+            end = len(text) if i + 1 == len(messages) else self._next_turn(messages, i, text, where)
+            spans.append((len(prompt), end))
+        return Row(text, spans, False) if text else None
+
+    def _next_turn(self, messages: list[dict], i: int, text: str, where: str) -> int:
+        """Where message i + 1's turn starts in `text` (the whole conversation, rendered). The conversation to
+        message i is rendered with a probe message of message i + 1's role after it: the probe's header (what
+        its turn writes before its content, as a one-message conversation shows it) ends where the probe
+        begins. Unlike rendering the conversation one message longer at a time, this holds for templates
+        that write earlier turns differently once later ones follow (Qwen3's drop their reasoning)."""
+        role = messages[i + 1]["role"]
+        probed, _ = self.render([*messages[:i + 1], {"role": role, "content": PROBE}], False, where)
+        alone, _ = self.render([{"role": role, "content": PROBE}], False, where)
+        if PROBE not in probed or PROBE not in alone:  # a template that drops the message
+            _untold(where)
+        at = probed.index(PROBE)
+        header = alone[:alone.index(PROBE)]
+        shared = next(n for n in range(min(len(header), at), -1, -1) if probed[at - n:at] == header[len(header) - n:])
+        _check_prefix(probed[:at - shared], text, where)
+        return at - shared
 
     def prompt(self, messages: list[dict]) -> str:
         """The conversation so far, ready for the assistant's next turn (as a server or generate feeds it)."""
@@ -139,10 +155,18 @@ def plain(message: dict) -> list[tuple[str, bool]]:
     return [(f"{message['role']}: {message['content']}\n", False)]
 
 
-def _check_prefix(done: str, longer: str, where: str) -> None:
-    if not longer.startswith(done):
-        raise UserError(f"{where}: the tokenizer's chat template does not render a conversation as the start of the "
-                        "same conversation one message longer, so the assistant's turns cannot be told apart")
+PROBE = "\U000F0002"  # a private-use character no conversation holds: where a probe message's content goes
+
+
+def _check_prefix(start: str, whole: str, where: str) -> None:
+    if not whole.startswith(start):
+        _untold(where)
+
+
+def _untold(where: str):
+    raise UserError(f"{where}: the tokenizer's chat template writes the conversation before an assistant's turn "
+                    "otherwise than the whole conversation starts, so the turn cannot be told apart (a template "
+                    "that marks it with {% generation %} ... {% endgeneration %} can)")
 
 
 def text_value(value, name: str, where: str) -> str:
