@@ -218,7 +218,8 @@ def _encode_file(index: int, path: Path, names: tuple[str, ...], spec, scratch: 
                 ids, offsets, counts = encoded[id(row)]
                 if not len(ids):
                     continue
-                mask = trained_mask(offsets, row.trained, len(row.text))
+                whole = row.trained == [(0, len(row.text))]  # a document: every token trained
+                mask = np.ones(len(ids), np.uint8) if whole else trained_mask(offsets, row.trained, len(row.text))
                 ends_in_eos = tok.eos is not None and ids[-1] == tok.eos
                 sep = (sep_ids[:0], sep_bytes[:0]) if ends_in_eos else (sep_ids, sep_bytes)
                 parts += [ids.astype(dtype), sep[0].astype(dtype)]
