@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shard.data import pipelines, tokenizer_files
+from shard.data import pipelines, spm, tokenizer_files
 from shard.data.tokenizer_files import Found
 from shard.errors import UserError, first_line
 
@@ -194,10 +194,8 @@ def _backend(found: Found, where: str):
 
     cls = pipelines.class_name(found.config)
     try:
-        if found.kind == "sentencepiece":
-            from shard.data import spm
-
-            tok = spm.to_tokenizers(found.main, found.config)
+        if found.kind == "sentencepiece":  # its class pipeline and added tokens are the converter's
+            return spm.to_tokenizers(found.main, found.config)
         elif found.kind == "bpe":
             tok = Tokenizer(BPE.from_file(str(found.main), str(found.extra["merges"])))
             cls = cls or "GPT2Tokenizer"  # two files and no class: GPT-2's, whose files these are
@@ -207,7 +205,7 @@ def _backend(found: Found, where: str):
         raise
     except Exception as e:  # the libraries raise their own Exception subclasses for a bad file
         raise UserError(f"{where}: {found.main.name} is not a readable tokenizer: {first_line(e)}") from None
-    if found.kind != "sentencepiece" and cls in pipelines.CLASSES:
+    if cls in pipelines.CLASSES:
         pipelines.CLASSES[cls](tok, found.config)
     _add_named(tok, found, cls)
     return tok
