@@ -57,7 +57,9 @@ def prepare(out: Path) -> None:
     model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(out / "model")
     bpe.save(str(out / "model" / "tokenizer.json"))
-    (out / "model" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    # add_bos_token as Llama's own folders say it: transformers, and so the run, put BOS before every text
+    (out / "model" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                                      "add_bos_token": True}))
     size = sum(p.numel() for p in model.parameters())
     print(f"{out / 'model'}: a random Llama of {size:,} parameters; {out / 'pairs.jsonl'}: {len(rows)} pairs")
 
