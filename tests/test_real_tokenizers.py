@@ -25,8 +25,8 @@ transformers = pytest.importorskip("transformers")
 # class their files are for (gpt2: vocab.json + merges.txt and no config).
 TOKENIZERS = ["llama-2-7b-hf", "llama-2-spm-only", "gemma-2b-it", "gemma-3-1b-it", "gemma-4-tokenizer",
               "mistral-7b-v0.1-tokenizer", "gpt2", "olmo-2-tokenizer", "qwen2.5-0.5b-instruct", "qwen3-4b",
-              "qwen3-truncating"]
-WITH_TEMPLATE = ["gemma-2b-it", "gemma-3-1b-it", "qwen2.5-0.5b-instruct", "qwen3-4b"]
+              "qwen3-truncating", "deepseek-r1-on-qwen3"]
+WITH_TEMPLATE = ["gemma-2b-it", "gemma-3-1b-it", "qwen2.5-0.5b-instruct", "qwen3-4b", "deepseek-r1-on-qwen3"]
 EDGES = ["", " ", "  ", " leading", "trailing  ", "\n", "\n\n", "a  b", "tab\there", "x\r\ny", "ça va? naïve café",
          "日本語のテキスト", "😀👍🏽 👨‍👩‍👧", "a\u00a0b", "e\u0301", "12345 3.14159", "<s> literal", "<bos>hi",
          "<|im_start|>user\nHi<|im_end|>\n", "don't  stop\n\n  indented"]
@@ -69,6 +69,12 @@ def folders(tmp_path_factory):
                        "pad_id": 151643, "pad_type_id": 0, "pad_token": "<|endoftext|>"}
     (out["qwen3-truncating"] / "tokenizer.json").write_text(json.dumps(spec))
     shutil.copy(FIXTURES / "qwen3-4b" / "tokenizer_config.json", out["qwen3-truncating"])
+    # DeepSeek-R1-Distill-Qwen's config (LlamaTokenizerFast, add_bos_token) over a byte-level tokenizer.json (its
+    # own, 7 MB, is not among the files; it is Qwen's vocabulary): transformers keeps the file's pipeline
+    out["deepseek-r1-on-qwen3"] = made / "deepseek-r1-on-qwen3"
+    out["deepseek-r1-on-qwen3"].mkdir()
+    shutil.copy(FIXTURES / "qwen3-4b" / "tokenizer.json", out["deepseek-r1-on-qwen3"])
+    shutil.copy(FIXTURES / "deepseek-r1-distill-qwen-32b" / "tokenizer_config.json", out["deepseek-r1-on-qwen3"])
     return out
 
 
@@ -160,9 +166,13 @@ def test_chat_rows_are_the_templates_tokens_with_the_assistant_trained(name, fol
         assert tokens[:len(want)] == want, name
         trained = ref.decode([t for t, m in zip(tokens, mask) if m])
         rest = ref.decode([t for t, m in zip(tokens, mask) if not m])
+        closing = end_of_turn(ref)
         for m in messages:  # (a reasoning template keeps an earlier answer's reasoning out of the text)
             shown = m["content"].split("</think>")[-1].strip()
-            assert shown in (trained if m["role"] == "assistant" else rest), (name, m)
+            if m["role"] == "assistant":  # with the end of its turn: the model learns to close every turn
+                assert shown + closing in trained, (name, m, closing)
+            else:
+                assert shown in rest and shown not in trained, (name, m)
         if name == "qwen3-4b" and i == 1:  # its template rewrites earlier turns once later ones follow
             assert trained == "Hello 👋 — how can I help?<|im_end|>\n<think>\n\n</think>\n\n1, 2, 3.<|im_end|>\n<|im_end|>"
         # the server's prompt for the conversation before the last answer starts the training row
@@ -170,6 +180,13 @@ def test_chat_rows_are_the_templates_tokens_with_the_assistant_trained(name, fol
         assert prompt == ref.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True,
                                                  return_dict=False)
         assert tokens[:len(prompt)] == prompt
+
+
+def end_of_turn(ref) -> str:
+    """What transformers' rendering of the template writes after an assistant's content (its end of turn)."""
+    shown = ref.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "@@"}],
+                                    tokenize=False)
+    return shown[shown.index("@@") + 2:]
 
 
 def test_a_templates_generation_blocks_are_what_is_trained(folders, tmp_path):

@@ -10,6 +10,7 @@ jinja2's immutable one: a template is data from a folder, and rendering it runs 
 """
 
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 
@@ -17,6 +18,8 @@ from shard.errors import UserError
 
 # Private-use characters that bracket a generation block while rendering; removed before anyone sees the text.
 OPEN, CLOSE = "\U000F0000", "\U000F0001"
+MARKS = (OPEN, CLOSE)
+GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # a {% generation %} tag, as transformers finds it
 
 
 class TemplateFailed(ValueError):
@@ -27,7 +30,7 @@ class Template:
     def __init__(self, source: str, special: dict[str, str], where: str):
         self.source, self.special = source, special
         self.program = _compiled(source, where)
-        self.marks_generation = "generation" in source and "endgeneration" in source
+        self.marks_generation = bool(GENERATION.search(source))
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[tuple[int, int]]]:
         """(text, spans of {% generation %} blocks in it) for `messages`."""
@@ -40,6 +43,8 @@ class Template:
 
 
 def _spans(raw: str) -> tuple[str, list[tuple[int, int]]]:
+    if OPEN not in raw:
+        return raw, []
     text, spans, start = [], [], None
     at = 0
     for ch in raw:

@@ -55,7 +55,7 @@ class Formatter:
     tokens' text)."""
 
     def __init__(self, names: tuple[str, ...], tokenizer):
-        self.names, self.tok = names, tokenizer
+        self.names, self.tok, self._closing_text = names, tokenizer, None
         source = tokenizer.chat_template
         self.template = None if source is None else chat_template.Template(
             source, template_tokens(tokenizer), f"data.tokenizer={str(tokenizer.found.main.parent)!r}")
@@ -106,8 +106,27 @@ class Formatter:
         at = probed.index(PROBE)
         header = alone[:alone.index(PROBE)]
         shared = next(n for n in range(min(len(header), at), -1, -1) if probed[at - n:at] == header[len(header) - n:])
-        _check_prefix(probed[:at - shared], text, where)
-        return at - shared
+        end = at - shared
+        # The one-message render may open with a default system turn whose end looks like any turn's end
+        # (Qwen2.5's, Llama 3's): the assistant's turn runs at least through what the template writes after
+        # an assistant's content (its end-of-turn text).
+        closing = self._closing(where)
+        if closing and (after := probed.rfind(closing, 0, at)) >= 0:
+            end = max(end, after + len(closing))
+        _check_prefix(probed[:end], text, where)
+        return end
+
+    def _closing(self, where: str) -> str:
+        """What the template writes after an assistant's content, up to the next message ("" where it cannot
+        tell: a template that refuses the two-message conversation it is asked for)."""
+        if self._closing_text is None:
+            try:
+                shown, _ = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": PROBE}],
+                                       False, where)
+            except UserError:
+                shown = ""
+            self._closing_text = shown[shown.index(PROBE) + 1:] if PROBE in shown else ""
+        return self._closing_text
 
     def prompt(self, messages: list[dict]) -> str:
         """The conversation so far, ready for the assistant's next turn (as a server or generate feeds it)."""
@@ -132,8 +151,10 @@ class Formatter:
 def template_tokens(tokenizer) -> dict[str, str]:
     """The special tokens' text a chat template may name (bos_token, eos_token, ...): those the tokenizer's
     config names, as transformers passes them."""
-    named = {key: text for key in tokenizer_files.SPECIAL_KEYS if (text := tokenizer.special(key))}
-    extra = tokenizer.found.config.get("extra_special_tokens") if tokenizer.found else None
+    config = tokenizer.found.config if tokenizer.found else {}
+    keys = [*tokenizer_files.SPECIAL_KEYS, *(k for k in config if k.endswith("_token") and k not in tokenizer_files.SPECIAL_KEYS)]
+    named = {key: text for key in keys if (text := tokenizer.special(key))}
+    extra = config.get("extra_special_tokens")
     if isinstance(extra, dict):
         named.update({k: v for k, v in extra.items() if isinstance(v, str)})
     return named
@@ -186,6 +207,9 @@ def _messages(value, field: str, where: str) -> list[dict]:
                             "{\"role\": ..., \"content\": ...} message with text in both")
         if message["role"] not in ROLES:
             raise UserError(f"{where}: message role {message['role']!r}; the roles are {', '.join(ROLES)}")
+        if any(mark in message["content"] for mark in (PROBE, *chat_template.MARKS)):
+            raise UserError(f"{where}: a message holds one of the private-use characters U+F0000-U+F0002, which "
+                            "mark places while a chat template renders; remove them")
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 

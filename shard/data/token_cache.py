@@ -219,7 +219,9 @@ def _encode_file(index: int, path: Path, names: tuple[str, ...], spec, scratch: 
                 if not len(ids):
                     continue
                 whole = row.trained == [(0, len(row.text))]  # a document: every token trained
-                mask = np.ones(len(ids), np.uint8) if whole else trained_mask(offsets, row.trained, len(row.text))
+                around = (len(tok.head), len(tok.tail)) if row.special else (0, 0)
+                mask = np.ones(len(ids), np.uint8) if whole else \
+                    trained_mask(offsets, row.trained, len(row.text), *around)
                 ends_in_eos = tok.eos is not None and ids[-1] == tok.eos
                 sep = (sep_ids[:0], sep_bytes[:0]) if ends_in_eos else (sep_ids, sep_bytes)
                 parts += [ids.astype(dtype), sep[0].astype(dtype)]
@@ -234,15 +236,18 @@ def _encode_file(index: int, path: Path, names: tuple[str, ...], spec, scratch: 
     return np.asarray(lengths, np.int64), masked
 
 
-def trained_mask(offsets: np.ndarray, spans: list[tuple[int, int]], length: int) -> np.ndarray:
-    """1 for each token whose characters overlap a trained span. Tokens with no characters (special ones)
-    take the mask of the character they stand at: the first for those before the text, the last after it."""
+def trained_mask(offsets: np.ndarray, spans: list[tuple[int, int]], length: int, head: int = 0,
+                 tail: int = 0) -> np.ndarray:
+    """1 for each token whose characters overlap a trained span (transformers' assistant mask). The `head`
+    special ids before the text take its first character's mask (BOS is a target only after the previous
+    row), the `tail` ones after it its last character's."""
     starts, ends = offsets[:, 0], offsets[:, 1]
     mask = np.zeros(len(offsets), bool)
-    char_trained = np.zeros(max(length, 1), bool)
     for lo, hi in spans:
         mask |= (starts < hi) & (ends > lo)
-        char_trained[lo:hi] = True
-    empty = starts >= ends
-    mask[empty] = char_trained[np.clip(np.where(starts[empty] >= length, length - 1, starts[empty]), 0, None)]
+    first = any(lo <= 0 < hi for lo, hi in spans)
+    last = any(lo < length <= hi for lo, hi in spans)
+    mask[:head] = first
+    if tail:
+        mask[-tail:] = last
     return mask.astype(np.uint8)

@@ -23,6 +23,8 @@ text's counts add up to its UTF-8 length exactly; special tokens stand for none.
 
 import hashlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +41,7 @@ class Bytes:
     """The byte-level vocabulary of `data.name=text`: token = byte, no BOS or EOS (documents are joined
     by a newline byte)."""
     kind, vocab_size, bos, eos, chat_template, found = "bytes", 256, None, None, None, None
+    head, tail = (), ()  # no special ids around a text
 
     def identity(self) -> str:
         return "bytes"
@@ -73,7 +76,7 @@ class Text:
 
     def __init__(self, found: Found, where: str):
         self.found, self.where = found, where
-        self.tok = _backend(found, where)
+        self.tok, self.as_written = _backend(found, where)
         self.tok.no_truncation()  # transformers' tokenizer(text) truncates only when asked
         self.tok.no_padding()
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
@@ -89,7 +92,7 @@ class Text:
     def _around(self) -> tuple[list[int], list[int]]:
         """The special ids before and after every text, as transformers places them."""
         add_bos, add_eos = self.found.flag("add_bos_token"), self.found.flag("add_eos_token")
-        if add_bos is not None or add_eos is not None:
+        if (add_bos is not None or add_eos is not None) and not self.as_written:
             return ([self.bos] if add_bos and self.bos is not None else [],
                     [self.eos] if add_eos and self.eos is not None else [])
         if self.tok.post_processor is None:
@@ -167,11 +170,18 @@ def of_run(data_cfg, run_folder: Path | None = None):
 
 def keep(data_cfg, run_folder: Path) -> None:
     """Copy data.tokenizer's files into the run folder, where generation, serving and export find them."""
+    kept = run_folder / RUN_FOLDER
     if data_cfg.name != "documents" or data_cfg.tokenizer in (None, tokenizer_files.BYTES):
+        if kept.is_dir():  # an earlier run's copy in this folder would otherwise be read for this one's text
+            shutil.rmtree(kept)
         return
-    (run_folder / RUN_FOLDER).mkdir(parents=True, exist_ok=True)
-    for name, content in tokenizer_files.find(data_cfg.tokenizer).files().items():
-        (run_folder / RUN_FOLDER / name).write_bytes(content)
+    files = tokenizer_files.find(data_cfg.tokenizer).files()
+    fresh = Path(tempfile.mkdtemp(prefix=f".{RUN_FOLDER}.", dir=run_folder))
+    for name, content in files.items():
+        (fresh / name).write_bytes(content)
+    if kept.is_dir():
+        shutil.rmtree(kept)
+    os.replace(fresh, kept)
 
 
 def separator(tokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -188,14 +198,16 @@ def separator(tokenizer) -> tuple[np.ndarray, np.ndarray]:
 # ----------------------------------------------------------------------------- building the backend
 
 def _backend(found: Found, where: str):
-    """The `tokenizers` Tokenizer of `found`, its text pipeline as transformers' class for it builds it."""
+    """The `tokenizers` Tokenizer of `found`, its text pipeline as transformers' class for it builds it, and
+    whether it is a tokenizer.json taken as written over the class the config names (transformers then
+    follows the file's post-processor, not the config's add_bos_token/add_eos_token)."""
     from tokenizers import Tokenizer
     from tokenizers.models import BPE
 
     cls = pipelines.class_name(found.config)
     try:
         if found.kind == "sentencepiece":  # its class pipeline and added tokens are the converter's
-            return spm.to_tokenizers(found.main, found.config)
+            return spm.to_tokenizers(found.main, found.config), False
         elif found.kind == "bpe":
             tok = Tokenizer(BPE.from_file(str(found.main), str(found.extra["merges"])))
             cls = cls or "GPT2Tokenizer"  # two files and no class: GPT-2's, whose files these are
@@ -205,10 +217,22 @@ def _backend(found: Found, where: str):
         raise
     except Exception as e:  # the libraries raise their own Exception subclasses for a bad file
         raise UserError(f"{where}: {found.main.name} is not a readable tokenizer: {first_line(e)}") from None
+    as_written = cls == "LlamaTokenizer" and found.kind == "json" and _byte_level(tok)
+    if as_written:  # transformers loads such a file (Llama 3 style, DeepSeek-R1-Distill) as written
+        cls = None
     if cls in pipelines.CLASSES:
         pipelines.CLASSES[cls](tok, found.config)
     _add_named(tok, found, cls)
-    return tok
+    return tok, as_written
+
+
+def _byte_level(tok) -> bool:
+    import json
+
+    spec = json.loads(tok.to_str())
+    parts = [spec.get("pre_tokenizer") or {}, spec.get("decoder") or {}]
+    parts += [p for part in list(parts) for p in part.get("pretokenizers", part.get("decoders", []))]
+    return any(p.get("type") == "ByteLevel" for p in parts)
 
 
 def _add_named(tok, found: Found, cls: str | None) -> None:

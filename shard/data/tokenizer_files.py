@@ -99,8 +99,9 @@ def _main_file(folder: Path, key: str, spec: str) -> Path:
         return folder / "vocab.json"
     hint = f"; {TIKTOKEN_HINT}" if (folder / "original" / "tokenizer.model").is_file() else ""
     several = f" (several .model files: name one)" if len(models) > 1 else ""
-    raise UserError(f"{key}={spec!r}: no tokenizer in the folder{several}; looked for {LOOKED_FOR}{hint}. Give one "
-                    "with data.tokenizer=PATH (or --tokenizer PATH)")
+    give = "give one with data.tokenizer=PATH" if key in ("data.tokenizer", "train.init_from") else \
+        "put the model's tokenizer files in the folder"
+    raise UserError(f"{key}={spec!r}: no tokenizer in the folder{several}; looked for {LOOKED_FOR}{hint}; {give}")
 
 
 def _read_config(path: Path, key: str, spec: str) -> dict | None:
