@@ -78,19 +78,17 @@ class Formatter:
         if self.template is None:
             pieces = [piece for m in messages for piece in plain(m)]
             return _joined(pieces, True)
-        if self.template.marks_generation:
-            text, spans = self.render(messages, False, where)
-            return Row(text, spans, False) if text else None
-        text, _ = self.render(messages, False, where)
-        spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            prompt, _ = self.render(messages[:i], True, where)
-            _check_prefix(prompt, text, where)
-            end = len(text) if i + 1 == len(messages) else self._next_turn(messages, i, text, where)
-            spans.append((len(prompt), end))
+        text, spans = self.render(messages, False, where)
+        if not self.template.marks_generation:
+            spans = [self._turn(messages, i, text, where) for i, m in enumerate(messages) if m["role"] == "assistant"]
         return Row(text, spans, False) if text else None
+
+    def _turn(self, messages: list[dict], i: int, text: str, where: str) -> tuple[int, int]:
+        """Assistant message i's characters in `text`: from the end of the conversation before it, rendered
+        with the generation prompt, to where the next message's turn starts."""
+        prompt, _ = self.render(messages[:i], True, where)
+        _check_prefix(prompt, text, where)
+        return len(prompt), (len(text) if i + 1 == len(messages) else self._next_turn(messages, i, text, where))
 
     def _next_turn(self, messages: list[dict], i: int, text: str, where: str) -> int:
         """Where message i + 1's turn starts in `text` (the whole conversation, rendered). The conversation to

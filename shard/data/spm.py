@@ -19,12 +19,12 @@ has no `added_tokens_decoder`.
 import re
 from pathlib import Path
 
-from shard.data import pipelines
+from shard.data import pipelines, tokenizer_files
 from shard.errors import UserError, first_line
 
 BPE_TYPE, UNIGRAM_TYPE = 2, 1  # TrainerSpec.model_type
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # SentencePiece piece types
-NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+NAMED = tokenizer_files.SPECIAL_KEYS
 SPM_CLASSES = ("LlamaTokenizer", "GemmaTokenizer")  # the classes with their own pipeline over a .model
 GENERIC = (None, "TokenizersBackend")
 # transformers' clean_up_tokenization, applied in order to the decoded text

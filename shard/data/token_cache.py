@@ -209,13 +209,9 @@ def _encode_file(index: int, path: Path, names: tuple[str, ...], spec, scratch: 
         for batch in documents.rows(path, names):
             rows = [formatter.row(values, f"{path}:row {len(lengths) + n + 1}") for n, values in enumerate(batch)]
             rows = [r for r in rows if r is not None]
-            encoded = {}
-            for special in (True, False):  # rows with special tokens around them, and rendered templates
-                some = [r for r in rows if r.special == special]
-                encoded.update(zip(map(id, some), tok.encode_rows([r.text for r in some], special)))
+            encoded = tok.encode_rows([r.text for r in rows], [r.special for r in rows])
             parts, byte_parts, mask_parts = [], [], []
-            for row in rows:
-                ids, offsets, counts = encoded[id(row)]
+            for row, (ids, offsets, counts) in zip(rows, encoded):
                 if not len(ids):
                     continue
                 whole = row.trained == [(0, len(row.text))]  # a document: every token trained

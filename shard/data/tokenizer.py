@@ -22,6 +22,7 @@ text's counts add up to its UTF-8 length exactly; special tokens stand for none.
 """
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -51,7 +52,7 @@ class Bytes:
 
     prompt = encode
 
-    def encode_rows(self, texts: list[str], special: bool = True):
+    def encode_rows(self, texts: list[str], special: list[bool]):
         """(ids, character offsets (n, 2), byte counts) per text."""
         out = []
         for text in texts:
@@ -120,12 +121,12 @@ class Text:
         """What a model is asked to continue: the special tokens before the text, and the text."""
         return self.head + self.tok.encode(text, add_special_tokens=False).ids
 
-    def encode_rows(self, texts: list[str], special: bool = True):
-        """(ids, character offsets (n, 2), byte counts) per text; the special ids before a text have the
-        offsets (0, 0), those after it (len, len)."""
+    def encode_rows(self, texts: list[str], special: list[bool]):
+        """(ids, character offsets (n, 2), byte counts) per text; where `special` says, the special ids
+        before a text (offsets (0, 0)) and after it (len, len)."""
         out = []
-        for text, enc in zip(texts, self.tok.encode_batch(texts, add_special_tokens=False)):
-            head, tail = (self.head, self.tail) if special else ([], [])
+        for text, around, enc in zip(texts, special, self.tok.encode_batch(texts, add_special_tokens=False)):
+            head, tail = (self.head, self.tail) if around else ([], [])
             ids = np.array(head + enc.ids + tail, np.uint32)
             offsets = np.array(enc.offsets, np.int64).reshape(-1, 2)
             offsets = np.concatenate([np.zeros((len(head), 2), np.int64), offsets,
@@ -227,10 +228,8 @@ def _backend(found: Found, where: str):
 
 
 def _byte_level(tok) -> bool:
-    import json
-
-    spec = json.loads(tok.to_str())
-    parts = [spec.get("pre_tokenizer") or {}, spec.get("decoder") or {}]
+    """Whether the pre-tokenizer or decoder is (or holds) ByteLevel, as transformers asks of a tokenizer.json."""
+    parts = [json.loads(part.__getstate__()) for part in (tok.pre_tokenizer, tok.decoder) if part is not None]
     parts += [p for part in list(parts) for p in part.get("pretokenizers", part.get("decoders", []))]
     return any(p.get("type") == "ByteLevel" for p in parts)
 

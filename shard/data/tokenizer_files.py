@@ -23,7 +23,7 @@ BYTES = "bytes"
 LOOKED_FOR = "tokenizer.json, tokenizer.model (SentencePiece), vocab.json with merges.txt"
 TIKTOKEN_HINT = ("original/tokenizer.model is a tiktoken file, which is not read here: give the folder's tokenizer.json "
                  "(transformers writes one with AutoTokenizer.from_pretrained(...).save_pretrained(...))")
-SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")  # transformers' order
 
 
 @dataclass
