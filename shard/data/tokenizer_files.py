@@ -21,8 +21,8 @@ from shard.errors import UserError
 
 BYTES = "bytes"
 LOOKED_FOR = "tokenizer.json, tokenizer.model (SentencePiece), vocab.json with merges.txt"
-TIKTOKEN_HINT = ("original/tokenizer.model is a tiktoken file, which is not read here: give the folder's tokenizer.json "
-                 "(transformers writes one with AutoTokenizer.from_pretrained(...).save_pretrained(...))")
+TIKTOKEN_HINT = ("original/tokenizer.model is a tiktoken file, which is not read here (nor by AutoTokenizer): add the "
+                 "model's tokenizer.json, as its Hub repository has it")
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")  # transformers' order
 
 
