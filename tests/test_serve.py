@@ -105,6 +105,42 @@ def test_completion_chat_stream_and_stop_strings_equal_generating_alone(served):
     assert hot.choices[0].finish_reason == "length" and hot.usage.completion_tokens == 20
 
 
+def test_logprobs_are_the_models_own_log_softmax_in_every_shape(served):
+    """Completions' token_logprobs/top_logprobs and chat's content entries, whole and streamed, against the
+    log-softmax of one forward pass over the prompt and the answer (one device; the server runs on two)."""
+    c, name = client(served), served["folder"].name
+    prompt = generate.text_tokens("def f(x):")
+    answer = served["generator"](np.array([prompt]), 6, GREEDY)[0].tolist()
+    logits = np.asarray(shard.load_model(str(served["folder"]))(np.array([prompt + answer[:-1]])), np.float64)
+    logp = logits[0, len(prompt) - 1:] - np.log(np.exp(logits[0, len(prompt) - 1:]).sum(-1, keepdims=True))
+    want = [logp[i, t] for i, t in enumerate(answer)]
+    best = -np.sort(-logp, axis=-1)
+
+    got = c.completions.create(model=name, prompt="def f(x):", max_tokens=6, temperature=0, logprobs=3).choices[0]
+    np.testing.assert_allclose(got.logprobs.token_logprobs, want, atol=2e-4)
+    for i, top in enumerate(got.logprobs.top_logprobs):  # keyed by text: ids that decode alike keep the likelier
+        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(best[i, 0], abs=2e-4)
+    assert got.logprobs.text_offset[0] == 0 and len(got.logprobs.tokens) == 6
+
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = generate.text_tokens(chat.plain(messages))
+    answer = served["generator"](np.array([prompt]), 5, GREEDY)[0].tolist()
+    whole = c.chat.completions.create(model=name, messages=messages, max_tokens=5, temperature=0, logprobs=True,
+                                      top_logprobs=2).choices[0].logprobs.content
+    streamed = [e for chunk in c.chat.completions.create(model=name, messages=messages, max_tokens=5, temperature=0,
+                                                          logprobs=True, top_logprobs=2, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in whole] and len(whole) == 5
+    logits = np.asarray(shard.load_model(str(served["folder"]))(np.array([prompt + answer[:-1]])), np.float64)
+    logp = logits[0, len(prompt) - 1:] - np.log(np.exp(logits[0, len(prompt) - 1:]).sum(-1, keepdims=True))
+    for i, entry in enumerate(whole):
+        assert entry.logprob == pytest.approx(logp[i, answer[i]], abs=2e-4) and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob == pytest.approx(np.max(logp[i]), abs=2e-4)
+        assert entry.bytes == list(entry.token.encode())
+    none = c.completions.create(model=name, prompt="x", max_tokens=2, temperature=0)
+    assert none.choices[0].logprobs is None
+
+
 def test_64_concurrent_requests_of_mixed_lengths_each_get_their_own_answer(served):
     """More requests than slots: they queue, join the running batch as slots free, and each answer is its
     prompt's alone (the reference: one left-padded batch, which tests/test_generate.py holds equal to solo)."""
@@ -177,14 +213,15 @@ def test_past_the_queue_the_server_answers_503_with_retry_after():
 
 def test_after_warm_up_no_request_compiles_and_a_trace_is_logged_as_a_recompile(served, caplog):
     generator = served["generator"]
-    slots = engine.Engine(generator, slots=2, capacity=CONTEXT, vocab=generate.BYTES)
+    slots = engine.Engine(generator, slots=2, context=CONTEXT, vocab=generate.BYTES)
+    slots.allocate()
     slots.warm_up()
     prompt = generate.text_tokens("import os")
-    first = slots.start(1, prompt, 0.0, 0, 1.0)  # a prompt length between two buckets
+    first = slots.start(1, prompt, 0.0, 0, 1.0).tokens  # a prompt length between two buckets
     assert first == generator(np.array([prompt]), 1, GREEDY)[0, 0] and slots.recompiles == 0
     with caplog.at_level(logging.WARNING, logger="shard.serve"):  # a shape no bucket has
-        slots.prefill(generator.state, np.zeros((1, 5), np.int32), np.ones(1, np.int32), np.int32(0),
-                      *slots.settings(1))
+        _, slots.cache = slots.first(generator.state, slots.cache, np.int32(0), np.zeros((1, 5), np.int32),
+                                     np.ones(1, np.int32), np.int32(0), *slots.settings(1))
     assert slots.recompiles == 1 and "recompile after warm-up: prefill (1, 5)" in caplog.text
 
 
@@ -249,17 +286,16 @@ def test_a_request_joining_mid_way_decodes_as_it_would_alone(name):
 
     cfg = config.load(None, TINY_MODELS[name])
     generator = generate.Generator(state_lib.build_model(*registry.load(cfg.model), seed=1))
-    queue = scheduler.Scheduler(engine.Engine(generator, slots=2, capacity=32, vocab=generate.BYTES), _Bytes(), 4)
+    slots = engine.Engine(generator, slots=2, context=32, vocab=generate.BYTES, burst=1)
+    slots.allocate()
+    queue = scheduler.Scheduler(slots, _Bytes(), 4)
     first, second = (scheduler.Request(generate.text_tokens(text), 10, temperature=0) for text in ("def f(x):", "ab"))
     queue.submit(first)
-    queue._admit()
     for _ in range(3):
-        queue._step()
+        queue.tick()
     queue.submit(second)
     while queue.waiting or any(queue.active):
-        queue._admit()
-        if any(queue.active):
-            queue._step()
+        queue.tick()
     for request in (first, second):
         want = generator(np.array([request.prompt]), 10, GREEDY)[0].tolist()
         assert request.tokens == want and request.finish == "length" and len(set(want)) > 2

@@ -165,8 +165,8 @@ def end_sample(cfg, job: Job, state) -> str | None:
     generator = generate.Generator(model, job.mesh, job.rules, cfg.train.dtype, window=cfg.data.seq_len)
     prompt = tok.prompt(cfg.train.sample_prompt or "\n")  # something to condition on, as training put it
     tokens = generator(np.array([prompt[-generator.context:] if generator.context else prompt]), cfg.train.sample_len,
-                       generate.Sampling(vocab=tok.vocab_size), seed=cfg.train.seed, eos=tok.eos)
-    return tok.continuation(prompt, generate.until_eos(tokens[0], tok.eos))
+                       generate.Sampling(vocab=tok.vocab_size), seed=cfg.train.seed, eos=generate.stop_ids(tok))
+    return tok.continuation(prompt, generate.until_eos(tokens[0], generate.stop_ids(tok)))
 
 
 def metrics_log(cfg, run_dir, start_step: int, work, main: bool, plan: dict | None = None) -> MetricsLog:

@@ -1,5 +1,7 @@
 """The HTTP side: FastAPI routes in OpenAI's shapes over the scheduler. Handlers only check, tokenize, queue
-and relay; the engine thread does the model's work (shard/serve/scheduler.py)."""
+and relay; the engine thread does the model's work (shard/serve/scheduler.py). A body is read up to a limit
+(413 past it), and parsing and tokenizing run off the event loop, so one large request cannot stall the
+others' streams."""
 
 import asyncio
 import contextlib
@@ -9,13 +11,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from shard.serve import chat, protocol
 from shard.serve.protocol import BadRequest
-from shard.serve.scheduler import QueueFull, Request, Scheduler
+from shard.serve.scheduler import Piece, QueueFull, Request, Scheduler, Unhealthy
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions; chat: up to the context
 RETRY_AFTER_S = 1
+MAX_BODY = 8 * 2**20  # bytes of a request body, by default
 
 
-def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int) -> FastAPI:
+def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int, max_body: int = MAX_BODY) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         scheduler.start()
@@ -31,7 +34,10 @@ def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int) -
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": name, **scheduler.counts()}
+        problem = scheduler.unhealthy()
+        body = {"status": "unhealthy" if problem else "ok", "model": name, **scheduler.counts(),
+                **({"reason": problem} if problem else {})}
+        return JSONResponse(body, status_code=503 if problem else 200)
 
     @app.get("/v1/models")
     async def models():
@@ -40,27 +46,50 @@ def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int) -
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
-        body = protocol.parse(await http.body(), protocol.Completion)
+        body, tokens = await asyncio.to_thread(completion_tokens, await read(http))
+        return await answer(http, body, tokens, "prompt", body.max_tokens or COMPLETION_DEFAULT_TOKENS,
+                            protocol.completion, "cmpl", body.logprobs)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest):
+        body, tokens = await asyncio.to_thread(chat_tokens, await read(http))
+        alternatives = (body.top_logprobs or 0) if body.logprobs else None
+        return await answer(http, body, tokens, "messages", body.max_tokens or body.max_completion_tokens,
+                            protocol.chat, "chatcmpl", alternatives)
+
+    async def read(http: HttpRequest) -> bytes:
+        """The body, refused (413) as soon as it passes `max_body` bytes: before it is read whole."""
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body:
+            raise BadRequest(f"the body is {int(declared)} bytes; this server takes at most {max_body} "
+                             "(python -m shard.serve --max-body)", "body", 413)
+        parts, size = [], 0
+        async for part in http.stream():
+            size += len(part)
+            if size > max_body:
+                raise BadRequest(f"the body passes {max_body} bytes, the most this server takes (python -m "
+                                 "shard.serve --max-body)", "body", 413)
+            parts.append(part)
+        return b"".join(parts)
+
+    def completion_tokens(raw: bytes):
+        body = protocol.parse(raw, protocol.Completion)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise BadRequest(f"prompt: {len(prompt)} prompts; this server takes one per request", "prompt")
             prompt = prompt[0]
-        tokens = tokenizer.prompt(prompt) if isinstance(prompt, str) else list(prompt)
-        return await answer(http, body, tokens, "prompt", body.max_tokens or COMPLETION_DEFAULT_TOKENS,
-                            protocol.completion, "cmpl")
+        return body, tokenizer.prompt(prompt) if isinstance(prompt, str) else list(prompt)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(http: HttpRequest):
-        body = protocol.parse(await http.body(), protocol.Chat)
+    def chat_tokens(raw: bytes):
+        body = protocol.parse(raw, protocol.Chat)
         try:
-            tokens = template([m.model_dump() for m in body.messages])
+            return body, template([m.model_dump() for m in body.messages])
         except chat.Refused as e:
             raise BadRequest(f"messages: the chat template refused them: {e}", "messages") from None
-        return await answer(http, body, tokens, "messages", body.max_tokens or body.max_completion_tokens,
-                            protocol.chat, "chatcmpl")
 
-    async def answer(http, body, tokens: list[int], field: str, max_tokens: int | None, shape, prefix: str):
+    async def answer(http, body, tokens: list[int], field: str, max_tokens: int | None, shape, prefix: str,
+                     alternatives: int | None):
         if body.model is not None and body.model != name:
             raise BadRequest(f"model {body.model!r} is not served here; this server serves {name!r}", "model")
         if not tokens:
@@ -69,59 +98,73 @@ def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int) -
             raise BadRequest(f"{field}: token ids must be in [0, {tokenizer.vocab_size})", field)
         room = capacity - len(tokens)
         if room < 1:
-            raise BadRequest(f"{field}: {len(tokens)} tokens; the model's context is {capacity}", field)
+            raise BadRequest(f"{field}: {len(tokens)} tokens; this server's context is {capacity} tokens (prompt "
+                             "and answer)", field)
         max_tokens = room if max_tokens is None else max_tokens
         if max_tokens > room:
-            raise BadRequest(f"max_tokens {max_tokens}: with the prompt's {len(tokens)} tokens it passes the model's "
-                             f"context of {capacity}; at most {room}", "max_tokens")
-        request = Request(tokens, max_tokens, body.temperature, body.top_k, body.top_p, body.stops(),
+            raise BadRequest(f"max_tokens {max_tokens}: with the prompt's {len(tokens)} tokens it passes this "
+                             f"server's context of {capacity}; at most {room}", "max_tokens")
+        request = Request(tokens, max_tokens, body.temperature, body.top_k, body.top_p, body.stops(), alternatives,
                           loop=asyncio.get_running_loop())
         try:
             scheduler.submit(request)
         except QueueFull as full:
             raise BadRequest(f"the server is busy: {full}; retry after {RETRY_AFTER_S} s", None, 503) from None
+        except Unhealthy as sick:
+            raise BadRequest(f"the server cannot run requests: {sick}", None, 503) from None
         rid = protocol.new_id(prefix)
+        logprobs = protocol.Logprobs(tokenizer, tokens, shape is protocol.chat) if alternatives is not None else None
         if body.stream:
-            return StreamingResponse(streamed(request, rid, shape, body.streamed_usage()),
+            return StreamingResponse(streamed(request, rid, shape, body.streamed_usage(), logprobs),
                                      media_type="text/event-stream")
-        text, finish = await answered(request, http)
-        if finish is None:  # the client went away: no one to answer (nginx's 499)
+        pieces = await answered(request, http)
+        if pieces is None:  # the client went away: no one to answer (nginx's 499)
             return Response(status_code=499)
-        if finish == "error":
-            raise BadRequest("the model failed on this request (the server log says why)", None, 500)
-        return {**shape(rid, name, text, finish), "usage": protocol.usage(len(tokens), len(request.tokens))}
+        last = pieces[-1]
+        if last.finish == "error":
+            raise BadRequest(f"the model failed on this request: {last.error}", None, 500)
+        text = "".join(p.text for p in pieces)
+        given = logprobs.of([t for p in pieces for t in p.tokens]) if logprobs else None
+        return {**shape(rid, name, text, last.finish, logprobs=given),
+                "usage": protocol.usage(len(tokens), len(request.tokens))}
 
-    async def answered(request: Request, http: HttpRequest) -> tuple[str, str | None]:
-        """The whole answer and why it ended; (so far, None) if the client leaves first, its slot then freed."""
+    async def answered(request: Request, http: HttpRequest) -> list[Piece] | None:
+        """The answer's pieces, the last with its finish reason; None if the client leaves first (its slot
+        then freed)."""
         left = asyncio.ensure_future(gone(http))
-        text = ""
+        pieces = []
         try:
             while True:
                 piece = asyncio.ensure_future(request.events.get())
                 await asyncio.wait((piece, left), return_when=asyncio.FIRST_COMPLETED)
                 if not piece.done():
                     piece.cancel()
-                    return text, None
-                delta, finish = piece.result()
-                text += delta
-                if finish:
-                    return text, finish
+                    return None
+                pieces.append(piece.result())
+                if pieces[-1].finish:
+                    return pieces
         finally:
             left.cancel()
             release(request)
 
-    async def streamed(request: Request, rid: str, shape, with_usage: bool):
+    async def streamed(request: Request, rid: str, shape, with_usage: bool, logprobs):
         try:
             first = True
             while True:
-                delta, finish = await request.events.get()
-                if delta or finish:
-                    chunk = {"first": first} if shape is protocol.chat else {}
-                    yield protocol.event(shape(rid, name, delta, finish, chunk=True, **chunk))
-                    first = False
-                if finish:
+                piece = await request.events.get()
+                if piece.finish == "error":  # OpenAI's error object, in the stream
+                    yield protocol.event(BadRequest(f"the model failed on this request: {piece.error}", None,
+                                                    500).body())
                     break
-            if with_usage:  # OpenAI's shape: no choices, the counts
+                if piece.text or piece.finish or piece.tokens:
+                    chunk = {"first": first} if shape is protocol.chat else {}
+                    given = logprobs.of(piece.tokens) if logprobs else None
+                    yield protocol.event(shape(rid, name, piece.text, piece.finish, chunk=True, logprobs=given,
+                                               **chunk))
+                    first = False
+                if piece.finish:
+                    break
+            if with_usage and request.finish != "error":  # OpenAI's shape: no choices, the counts
                 last = {**shape(rid, name, "", None, chunk=True), "choices": []}
                 yield protocol.event({**last, "usage": protocol.usage(len(request.prompt), len(request.tokens))})
             yield protocol.event("[DONE]")

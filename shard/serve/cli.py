@@ -1,13 +1,16 @@
 """python -m shard.serve RUN|HF_FOLDER [--mesh PRESET] [--host 127.0.0.1] [--port 8000] [--slots 8]
-                         [--max-queue 256] [--context N] [--name NAME] [--seed S] [--step N] [--trust-code]
-                         [key=value ...]
+                         [--max-queue 256] [--context N] [--prefill-chunk 512] [--burst 8] [--max-body BYTES]
+                         [--name NAME] [--seed S] [--step N] [--trust-code] [key=value ...]
 
-Loads the run's newest checkpoint (or --step's), or a Hugging Face folder's model and tokenizer, compiles
-every program a request can need (warm-up), then serves until
-SIGTERM or Ctrl-C: it stops taking connections, finishes the running requests, and exits 0."""
+Loads the run's newest checkpoint (or --step's), or a Hugging Face folder's model and tokenizer, sizes the
+cache (--context, by default the model's positions, capped so that every slot's cache fits the device's
+memory: run.device_memory_gb, the runtime's figure, or a CPU's RAM), compiles every program a request can
+need (warm-up), then serves until SIGTERM or Ctrl-C: it stops taking connections, finishes the running
+requests, and exits 0."""
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
@@ -15,12 +18,15 @@ from shard import paths
 from shard.errors import UserError
 
 DEFAULT_CONTEXT = 1024  # for a model without a fixed context (an LSTM): the longest prompt + answer
+MEMORY_SHARE = 0.85     # of a device's memory, for the weights and the cache (the rest: the programs' work)
+SMALLEST_CONTEXT = 16
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(f"{message}; usage: python -m shard.serve RUN [--mesh PRESET] [--host HOST] [--port PORT] "
-                        "[--slots N] [--max-queue N] [--context N] [--name NAME] [--step N] [--trust-code] "
+                        "[--slots N] [--max-queue N] [--context N] [--prefill-chunk N] [--burst N] [--max-body BYTES] "
+                        "[--name NAME] [--step N] [--trust-code] "
                         "[key=value ...]")
 
 
@@ -35,15 +41,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--slots", type=int, default=8, help="sequences decoded together (the cache's rows)")
     parser.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot; past it, 503")
-    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
-                        help="prompt + answer tokens, for a model without a fixed context (max_len)")
+    parser.add_argument("--context", type=int, help="prompt + answer tokens each slot holds (default: the model's "
+                        f"positions, capped to the device's memory; {DEFAULT_CONTEXT} for a model without a limit)")
+    parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill call")
+    parser.add_argument("--burst", type=int, default=8, help="tokens per step call while no request waits")
+    parser.add_argument("--max-body", type=int, default=8 * 2**20, help="bytes of a request body (past it, 413)")
     parser.add_argument("--name", help="the model's name in requests and /v1/models (default: the run folder's)")
     parser.add_argument("--seed", type=int, default=0, help="of the sampling keys")
     load.add_loading_arguments(parser)
     args, overrides, whole_mesh = load.parse_loading(parser, argv)
-    if args.slots < 1 or args.max_queue < 0 or args.context < 2:
-        raise UserError(f"--slots {args.slots}, --max-queue {args.max_queue}, --context {args.context}: need at "
-                        "least 1 slot, a queue of 0 or more, a context of 2 or more")
+    for flag, value, least in (("--slots", args.slots, 1), ("--max-queue", args.max_queue, 0),
+                               ("--context", args.context, 2), ("--prefill-chunk", args.prefill_chunk, 8),
+                               ("--burst", args.burst, 1), ("--max-body", args.max_body, 1)):
+        if value is not None and value < least:
+            raise UserError(f"{flag} {value}: must be at least {least}")
     if args.mesh:
         overrides, whole_mesh = [f"mesh={args.mesh}", *overrides], True
     handler = logging.StreamHandler()  # this server's lines (uvicorn keeps its own), not every library's
@@ -71,19 +82,22 @@ def serve(args, overrides, whole_mesh) -> int:
     if not generator.caches():
         raise UserError(f"model {loaded.cfg.model.name}: its attention or recurrence does not go through shard.hooks, "
                         "so it keeps no cache to serve from; python -m shard.generate still runs it")
-    capacity = generator.context or args.context
-    slots = engine.Engine(generator, args.slots, capacity, tok.vocab_size, seed=args.seed)
-    log.info("warming up: prefill for prompts of up to %s tokens, and the step over %d slots", slots.buckets,
-             args.slots)
+    build = lambda context: engine.Engine(generator, args.slots, context, tok.vocab_size, seed=args.seed,
+                                          chunk=args.prefill_chunk, burst=args.burst)
+    context = sized_context(args, generator, build, loaded.cfg.run, log)
+    slots = build(context)
+    log.info("cache: %s per device (%d slots x %d positions), allocated", _size(slots.allocate()), args.slots, context)
+    log.info("warming up: %d programs (prefill chunks of up to %d tokens in buckets %s, views %s, steps of 1 and "
+             "%d tokens)", slots.programs(), slots.chunk, slots.buckets, slots.views, slots.burst)
     slots.warm_up()
     name = args.name or folder.name
     template = chat.Template(tok)
-    queue = scheduler.Scheduler(slots, tok, args.max_queue)
+    queue = scheduler.Scheduler(slots, tok, args.max_queue, ends=generate.stop_ids(tok))
     server = uvicorn.Server(uvicorn.Config(
-        app.build(queue, tok, template, name, capacity),
+        app.build(queue, tok, template, name, context, args.max_body),
         host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=None))
-    log.info("serving %s (step %d, context %d, %d slots) on http://%s:%d", name, loaded.step, capacity, args.slots,
-             args.host, args.port)
+    log.info("serving %s (step %d, context %d, %d slots, end tokens %s) on http://%s:%d", name, loaded.step, context,
+             args.slots, sorted(queue.ends), args.host, args.port)
     # uvicorn stops on SIGTERM/SIGINT gracefully, then raises the signal again under the handler it found:
     # one that ignores it lets this process exit 0 after the graceful stop.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -91,6 +105,72 @@ def serve(args, overrides, whole_mesh) -> int:
     server.run()
     log.info("stopped: %d requests served, %d recompiles after warm-up", queue.served, slots.recompiles)
     return 0
+
+
+def sized_context(args, generator, build, run_cfg, log) -> int:
+    """The positions each slot holds: --context, else the model's (a default for a model without a limit),
+    capped so that the weights and every slot's cache fit the device's memory. Refused (one line) where the
+    asked context passes the model's positions or its cache cannot fit; all by arithmetic, before anything is
+    compiled or allocated."""
+    from shard.plan import hardware
+
+    limit = generator.context
+    if args.context is not None and limit is not None and args.context > limit:
+        raise UserError(f"--context {args.context}: the model's positions end at {limit}; give at most {limit}")
+    wanted = args.context or limit or DEFAULT_CONTEXT
+    small, large = build(SMALLEST_CONTEXT).cache_bytes(), build(2 * SMALLEST_CONTEXT).cache_bytes()
+    per_position = (large - small) / SMALLEST_CONTEXT
+    fixed = small - per_position * SMALLEST_CONTEXT
+    need = lambda context: int(fixed + per_position * context)
+    device = (generator.mesh.devices.flat[0] if generator.mesh is not None else jax_device())
+    memory = hardware.memory_bytes(device, run_cfg.device_memory_gb) or _ram(device)
+    if memory is None:
+        log.info("cache: %s per device for %d positions (the device's memory is not known: not checked)",
+                 _size(need(wanted)), wanted)
+        return wanted
+    weights = max(sum(leaf.addressable_shards[0].data.nbytes for leaf in _arrays(generator.state)), 0)
+    room = int(MEMORY_SHARE * memory) - weights
+    fits = int((room - fixed) // per_position) if per_position else wanted
+    said = (f"{args.slots} slots x {wanted} positions need {_size(need(wanted))} of cache per device; with the "
+            f"weights' {_size(weights)}, {MEMORY_SHARE:.0%} of the device's {_size(memory)} leaves {_size(max(room, 0))}")
+    if fits >= wanted:
+        log.info("cache: %s", said)
+        return wanted
+    if args.context is not None or fits < SMALLEST_CONTEXT:
+        hint = (f"give --context {fits} or less, or fewer --slots" if fits >= SMALLEST_CONTEXT else
+                "give fewer --slots, or lay the model over more devices (--mesh)")
+        raise UserError(f"the cache cannot fit: {said}; {hint} (run.device_memory_gb sets the device's memory)")
+    log.info("context capped at %d (the model's is %d): %s; --context sets it", fits, wanted, said)
+    return fits
+
+
+def jax_device():
+    import jax
+
+    return jax.devices()[0]
+
+
+def _ram(device) -> int | None:
+    """A CPU device's memory is the machine's."""
+    if device.platform != "cpu":
+        return None
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
+def _arrays(state):
+    import jax
+
+    return [leaf for leaf in jax.tree.leaves(state) if hasattr(leaf, "addressable_shards")]
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1024
 
 
 if __name__ == "__main__":

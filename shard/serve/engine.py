@@ -1,17 +1,25 @@
 """The server's model side: one KV cache of a fixed number of slots, each slot a sequence at its own place.
 
-Three compiled programs, all compiled at warm-up:
-- `prefill`: one request's prompt, right-padded to a bucket length (powers of two up to the context), into a
-  one-row cache, and its first token;
-- `insert`: that row into the big cache at a free slot;
-- `step`: every slot one token further (a slot without a request computes too, and its token is ignored).
-Each slot keeps its own write slot and first real slot (shard/use/decoding.py), so sequences that began at
-different times share a step. The cache carries logical names and is split like generation's (heads over
-`tensor`, the slots over the batch axes where they divide them). A trace after warm-up is a recompile: the log
-says so and `recompiles` counts it.
+The cache holds `context` positions per slot: what the server was asked to hold (python -m shard.serve
+--context), not the model's maximum. Its programs, all compiled at warm-up (a trace after it is a recompile:
+logged and counted):
+- `first`: a prompt's first chunk (all of a short prompt), right-padded to a bucket (powers of two up to
+  `chunk`), run from a fresh row and written into its slot; it samples the token after the prompt;
+- `more`: a long prompt's next `chunk` tokens, continuing its slot's row. The first chunk takes the remainder,
+  so every later chunk is whole and none writes past the context; a chunk bounds the prefill's memory
+  whatever the context;
+- `step`: every slot one token further, or `burst` tokens in one call (a scan) while no request waits (a slot
+  without a request computes too, and its tokens are ignored).
+Each attends over a view, the first `chunk * 4^k` slots (or the context) holding every position written, so
+a short request on a long-context server does not pay for the whole context. Each slot keeps its own write
+slot (shard/use/decoding.py), so sequences that began at different times share a step. The cache carries
+logical names and is split like generation's (heads over `tensor`, the slots over the batch axes where they
+divide them).
 """
 
 import logging
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,65 +27,104 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard import partition
+from shard.use import decoding, sampling
 from shard.use.generate import Generator
 
 log = logging.getLogger("shard.serve")
 SMALLEST_BUCKET = 8
+CHUNK = 512   # prompt tokens per prefill call
+BURST = 8     # tokens per step call while no request waits
 
 
-def buckets(capacity: int) -> list[int]:
-    """Prompt lengths the prefill is compiled for: powers of two from 8, and the whole context."""
+def buckets(chunk: int) -> list[int]:
+    """First-chunk lengths the prefill is compiled for: powers of two from 8, and the whole chunk."""
     sizes, size = [], SMALLEST_BUCKET
-    while size < capacity:
+    while size < chunk:
         sizes.append(size)
         size *= 2
-    return sizes + [capacity]
+    return sizes + [chunk]
 
 
-def pick_rows(logits, key, temperature, top_k, top_p):
-    """(rows, vocab) float32 logits -> (rows,) tokens, each row under its own settings: temperature 0 is the
-    argmax; else the top_k likeliest (0: all), of those the smallest set holding top_p of the mass, drawn."""
-    vocab = logits.shape[-1]
-    hot = temperature > 0
-    scaled = logits / jnp.where(hot, temperature, 1.0)[:, None]
-    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
-    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-    ordered = jnp.where(jnp.arange(vocab)[None] < k[:, None], ordered, -jnp.inf)
-    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
-    probs = jax.nn.softmax(ordered, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # the mass of the likelier tokens
-    cutoff = jnp.min(jnp.where(before < top_p[:, None], ordered, jnp.inf), axis=-1, keepdims=True)
-    kept = jnp.where((scaled >= kth) & (scaled >= cutoff), scaled, -jnp.inf)
-    drawn = jax.random.categorical(key, kept)
-    return jnp.where(hot, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+def views(chunk: int, context: int) -> list[int]:
+    """The attended prefixes: the chunk times 4, 16, ... until it holds the context, and the context (each
+    view a set of programs to compile; a step attends over at most 4x the slots it needs)."""
+    sizes, size = [], chunk
+    while size < context:
+        sizes.append(size)
+        size *= 4
+    return sizes + [context]
+
+
+class Picked(NamedTuple):
+    """Tokens drawn, with the model's log-probabilities: of each token, and the likeliest ids and theirs."""
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
 
 
 class Engine:
-    def __init__(self, generator: Generator, slots: int, capacity: int, vocab: int, seed: int = 0):
-        self.g, self.slots, self.capacity, self.vocab = generator, slots, capacity, vocab
-        self.buckets = buckets(capacity)
+    def __init__(self, generator: Generator, slots: int, context: int, vocab: int, seed: int = 0,
+                 chunk: int = CHUNK, burst: int = BURST):
+        self.g, self.slots, self.context, self.vocab = generator, slots, context, vocab
+        self.chunk, self.burst = min(chunk, context), max(1, burst)
+        self.buckets, self.views = buckets(self.chunk), views(self.chunk, context)
         self.key = jax.random.key(seed)
-        self.warm, self.recompiles, self.steps = False, 0, 0
+        self.warm, self.recompiles, self.runs = False, 0, 0
         self.one_rules, self.rules = generator.batch_rules(1), generator.batch_rules(slots)
-        with partition.activate(generator.mesh, self.rules):  # the slots' cache, laid out as the step lays it
-            self.cache = jax.jit(self._empty)(generator.state)
-        layout = jax.tree.map(lambda a: a.sharding, self.cache)
-        one = jax.eval_shape(self._prefill, generator.state, np.zeros((1, SMALLEST_BUCKET), np.int32),
-                             np.ones(1, np.int32), np.int32(0), *self.settings(1))[1]
+        shapes = jax.eval_shape(self._empty, generator.state)
+        self.layout = self._layout(shapes)
+        one = jax.eval_shape(lambda s: self._fresh_row(s, jnp.zeros((1, SMALLEST_BUCKET), jnp.int32),
+                                                       jnp.ones(1, jnp.int32))[1], generator.state)
         # each leaf's slot axis: where the one-row cache's shape differs from the slots' (all of it for 1 slot)
         self.axes = jax.tree.map(lambda big, row: next((i for i, (a, b) in enumerate(zip(big.shape, row.shape))
-                                                        if a != b), 0), self.cache, one)
-        self.prefill = jax.jit(self._prefill)
-        self.insert = jax.jit(self._insert, donate_argnums=0, out_shardings=layout)
-        self.step = jax.jit(self._step, donate_argnums=1, out_shardings=(self._replicated(), layout))
+                                                        if a != b), 0), shapes, one)
+        self.first = jax.jit(self._first, donate_argnums=1, out_shardings=(self._replicated(), self.layout))
+        self.more = jax.jit(self._more, donate_argnums=1, static_argnames="view",
+                            out_shardings=(self._replicated(), self.layout))
+        self.step = jax.jit(self._step, donate_argnums=1, static_argnames=("steps", "view"),
+                            out_shardings=(self._replicated(), self.layout))
+        self.cache = None
+
+    # ------------------------------------------------------------------ memory, before anything is allocated
+
+    def _layout(self, shapes):
+        """Each cache leaf's sharding: the logical names attention gives it, on its last four dimensions."""
+        if self.g.mesh is None:
+            return None
+        spec = partition.logical_to_spec(decoding.CACHE_NAMES, self.rules, self.g.mesh.shape)
+
+        def placed(leaf):
+            if leaf.ndim < 4:  # a recurrence's carry: small, on every device
+                return NamedSharding(self.g.mesh, PartitionSpec())
+            parts = [None] * (leaf.ndim - 4) + [
+                axes if axes and leaf.shape[leaf.ndim - 4 + i] % _size(self.g.mesh, axes) == 0 else None
+                for i, axes in enumerate(spec)]
+            return NamedSharding(self.g.mesh, PartitionSpec(*parts))
+
+        return jax.tree.map(placed, shapes)
+
+    def cache_bytes(self) -> int:
+        """Bytes of the slots' cache on one device, from its shapes and shardings (nothing allocated)."""
+        shapes = jax.eval_shape(self._empty, self.g.state)
+        layouts = jax.tree.leaves(self.layout) if self.layout is not None else [None] * len(jax.tree.leaves(shapes))
+        return sum(math.prod(s.shape if lay is None else lay.shard_shape(s.shape)) * s.dtype.itemsize
+                   for s, lay in zip(jax.tree.leaves(shapes), layouts))
+
+    def allocate(self) -> int:
+        """The slots' cache, empty; its bytes on one device (as allocated)."""
+        with partition.activate(self.g.mesh, self.rules):
+            self.cache = jax.jit(self._empty, out_shardings=self.layout)(self.g.state)
+        return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(self.cache))
+
+    def intact(self) -> bool:
+        """Whether the cache still exists: a program that failed after its inputs were donated leaves it gone."""
+        return self.cache is not None and not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache))
+
+    # ------------------------------------------------------------------ the traced programs
 
     def _replicated(self):
         return None if self.g.mesh is None else NamedSharding(self.g.mesh, PartitionSpec())
-
-    @staticmethod
-    def settings(rows: int):
-        """Greedy sampling settings for `rows` rows: temperature, top_k, top_p."""
-        return np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32)
 
     def _traced(self, what: str, shape) -> None:
         """Runs while a program is traced, that is before it is compiled: after warm-up, a recompile."""
@@ -88,58 +135,120 @@ class Engine:
     def _empty(self, state):
         tokens = jnp.zeros((self.slots, 1), jnp.int32)
         zeros = jnp.zeros(self.slots, jnp.int32)
-        return self.g.forward(state, tokens, zeros, zeros, None, self.capacity)[1]  # what it holds is never seen
+        return self.g.forward(state, tokens, zeros, zeros, None, self.context, seen=1)[1]  # never seen as it is
 
-    def _prefill(self, state, tokens, length, count, temperature, top_k, top_p):
-        """One prompt right-padded to its bucket: its first token and its one-row cache."""
-        self._traced("prefill", tokens.shape)
-        key = jax.random.fold_in(self.key, count)
+    def _fresh_row(self, state, tokens, length):
         zero = jnp.zeros(1, jnp.int32)
-        logits, cache = self.g.forward(state, tokens, zero, zero, None, self.capacity, end=length, last=length - 1)
-        return pick_rows(logits[:, :self.vocab], key, temperature, top_k, top_p), cache
+        with partition.activate(self.g.mesh, self.one_rules):
+            return self.g.forward(state, tokens, zero, zero, None, self.context, end=length, last=length - 1,
+                                  seen=tokens.shape[1])
 
-    def _insert(self, cache, row, slot):
-        self._traced("insert", slot.shape)
+    def _pick(self, logits, count, temperature, top_k, top_p) -> Picked:
+        logits = logits[:, :self.vocab]
+        tokens = sampling.pick(logits, jax.random.fold_in(self.key, count), temperature, top_k, top_p)
+        return Picked(tokens, *sampling.log_probs(logits, tokens))
+
+    def _write(self, cache, row, slot):
         return jax.tree.map(lambda c, r, axis: jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), slot, axis),
                             cache, row, self.axes)
 
-    def _step(self, state, cache, tokens, index, start, count, temperature, top_k, top_p):
-        self._traced("step", tokens.shape)
-        key = jax.random.fold_in(self.key, count)
-        logits, cache = self.g.forward(state, tokens[:, None], index, start, cache, self.capacity)
-        return pick_rows(logits[:, :self.vocab], key, temperature, top_k, top_p), cache
+    def _first(self, state, cache, slot, tokens, length, count, temperature, top_k, top_p):
+        """A prompt's first chunk into `slot`, right-padded to its bucket: the token after it, and the cache."""
+        self._traced("prefill", tokens.shape)
+        logits, row = self._fresh_row(state, tokens, length)
+        return self._pick(logits, count, temperature, top_k, top_p), self._write(cache, row, slot)
+
+    def _more(self, state, cache, slot, tokens, index, length, count, temperature, top_k, top_p, view: int):
+        """The next whole chunk of `slot`'s prompt, written from `index` (the prompt ends at `length`)."""
+        self._traced("prefill", (tokens.shape, view))
+        row = jax.tree.map(lambda c, axis: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis), cache, self.axes)
+        last = jnp.clip(length - index - 1, 0, tokens.shape[1] - 1)
+        with partition.activate(self.g.mesh, self.one_rules):
+            logits, row = self.g.forward(state, tokens, index, jnp.zeros(1, jnp.int32), row, self.context,
+                                         end=length, last=last, seen=view)
+        return self._pick(logits, count, temperature, top_k, top_p), self._write(cache, row, slot)
+
+    def _step(self, state, cache, tokens, index, count, temperature, top_k, top_p, steps: int, view: int):
+        """`steps` tokens for every slot, each slot's `tokens` (its newest) written at its `index`."""
+        self._traced("step", (tokens.shape, steps, view))
+        start = jnp.zeros(self.slots, jnp.int32)
+
+        def one(carry, key):
+            cache, token, index = carry
+            logits, cache = self.g.forward(state, token[:, None], index, start, cache, self.context, seen=view)
+            picked = self._pick(logits, key, temperature, top_k, top_p)
+            return (cache, picked.tokens, index + 1), picked
+
+        counts = count * steps + jnp.arange(steps, dtype=jnp.int32)
+        (cache, _, _), picked = jax.lax.scan(one, (cache, tokens, index), counts)
+        return Picked(*(jnp.moveaxis(a, 0, 1) for a in picked)), cache  # (slots, steps, ...)
+
+    # ------------------------------------------------------------------ called by the scheduler's thread
 
     def _count(self):
         """A fresh number for each program run: the sampling key is the seed's folded with it."""
-        self.steps += 1
-        return np.int32(self.steps)
+        self.runs += 1
+        return np.int32(self.runs)
 
     def bucket(self, length: int) -> int:
         return next(b for b in self.buckets if b >= length)
 
-    def start(self, slot: int, prompt: list[int], temperature: float, top_k: int, top_p: float) -> int:
-        """Prefill `prompt` into `slot`: its first new token (the slot's next write is at len(prompt))."""
-        tokens = np.zeros((1, self.bucket(len(prompt))), np.int32)
-        tokens[0, :len(prompt)] = prompt
-        settings = (np.array([temperature], np.float32), np.array([top_k], np.int32), np.array([top_p], np.float32))
-        with partition.activate(self.g.mesh, self.one_rules):
-            token, row = self.prefill(self.g.state, tokens, np.array([len(prompt)], np.int32), self._count(),
-                                      *settings)
-        with partition.activate(self.g.mesh, self.rules):
-            self.cache = self.insert(self.cache, row, np.int32(slot))
-        return int(np.asarray(token)[0])
+    def view(self, end: int) -> int:
+        """The smallest view holding slots up to `end` (exclusive)."""
+        return next(v for v in self.views if v >= end)
 
-    def advance(self, tokens, index, temperature, top_k, top_p) -> np.ndarray:
-        """Every slot one token on: `tokens` (slots,) the last ones, written at `index` (each slot's)."""
+    def start(self, slot: int, prompt: list[int], temperature: float, top_k: int, top_p: float) -> Picked:
+        """Prefill `prompt` into `slot`, chunk by chunk: its first new token (the slot's next write is at
+        len(prompt))."""
+        settings = (np.array([temperature], np.float32), np.array([top_k], np.int32), np.array([top_p], np.float32))
+        head = len(prompt) - self.chunk * ((len(prompt) - 1) // self.chunk)  # 1..chunk tokens
+        tokens = np.zeros((1, self.bucket(head)), np.int32)
+        tokens[0, :head] = prompt[:head]
+        length = np.array([len(prompt)], np.int32)
         with partition.activate(self.g.mesh, self.rules):
-            out, self.cache = self.step(self.g.state, self.cache, tokens, index, np.zeros(self.slots, np.int32),
-                                        self._count(), temperature, top_k, top_p)
-        return np.asarray(out)
+            picked, self.cache = self.first(self.g.state, self.cache, np.int32(slot), tokens,
+                                            np.array([head], np.int32), self._count(), *settings)
+            for index in range(head, len(prompt), self.chunk):
+                picked = self._next_chunk(slot, prompt[index:index + self.chunk], index, length, settings)
+        return Picked(*(np.asarray(a)[0] for a in picked))
+
+    def _next_chunk(self, slot: int, tokens, index: int, length, settings) -> Picked:
+        picked, self.cache = self.more(self.g.state, self.cache, np.int32(slot), np.array([tokens], np.int32),
+                                       np.array([index], np.int32), length, self._count(), *settings,
+                                       view=self.view(index + self.chunk))
+        return picked
+
+    def advance(self, tokens, index, temperature, top_k, top_p, steps: int = 1) -> Picked:
+        """Every slot `steps` tokens on: `tokens` (slots,) the newest ones, written at `index` (each slot's;
+        index + steps must stay within the context). Arrays (slots, steps, ...)."""
+        view = self.view(int(np.max(index)) + steps)
+        with partition.activate(self.g.mesh, self.rules):
+            picked, self.cache = self.step(self.g.state, self.cache, tokens, index, self._count(), temperature,
+                                           top_k, top_p, steps=steps, view=view)
+        return Picked(*(np.asarray(a) for a in picked))
+
+    @staticmethod
+    def settings(rows: int):
+        """Greedy sampling settings for `rows` rows: temperature, top_k, top_p."""
+        return np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32)
+
+    def programs(self) -> int:
+        return len(self.buckets) + sum(v > self.chunk for v in self.views) + len(self.views) * (1 + (self.burst > 1))
 
     def warm_up(self) -> None:
-        """Compile every program a request can need (each bucket's prefill, insert, step); after this, a trace
-        is a recompile."""
+        """Compile every program a request can need; after this, a trace is a recompile."""
         for size in self.buckets:
             self.start(0, [0] * size, 0.0, 0, 1.0)
-        self.advance(np.zeros(self.slots, np.int32), np.zeros(self.slots, np.int32), *self.settings(self.slots))
+        for view in self.views:
+            if view > self.chunk:  # the last chunk of a prompt that ends at `view` (not the whole prompt: its time)
+                with partition.activate(self.g.mesh, self.rules):
+                    self._next_chunk(0, [0] * self.chunk, view - self.chunk, np.array([view], np.int32),
+                                     self.settings(1))
+            for steps in {1, self.burst}:
+                self.advance(np.zeros(self.slots, np.int32), np.full(self.slots, max(view - steps, 0), np.int32),
+                             *self.settings(self.slots), steps=steps)
         self.warm = True
+
+
+def _size(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))

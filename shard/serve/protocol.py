@@ -1,12 +1,14 @@
 """The OpenAI request and response shapes the server speaks (the subset client libraries use): requests
 checked field by field, so that a bad one gets a 400 naming its field; responses and stream chunks as dicts.
-Fields this server does not act on (logprobs, presence_penalty, user, ...) are accepted and ignored."""
+Fields that change no answer (user, seed, metadata, ...) are accepted and ignored; one that would change the
+answer and that this server does not act on (penalties, logit_bias, echo, tools, ...) is refused by name, not
+silently dropped."""
 
 import json
 import time
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class BadRequest(Exception):
@@ -21,6 +23,15 @@ class BadRequest(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": None}}
 
 
+MAX_STOPS = 4  # OpenAI's limit on `stop`
+
+
+# fields that change an answer, and the value this server gives them (any other is refused)
+NOT_ACTED_ON = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None,
+                "echo": False, "best_of": 1, "suffix": None, "tools": None, "functions": None,
+                "response_format": None, "min_tokens": 0}
+
+
 class Sampled(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
@@ -28,10 +39,20 @@ class Sampled(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # not OpenAI's, but vLLM's and TGI's: 0 keeps all tokens
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOPS)
     n: int = Field(1, ge=1, le=1)  # one choice per request
     stream: bool = False
     stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the token counts
+
+    @model_validator(mode="before")
+    @classmethod
+    def _acted_on(cls, body):
+        for key, default in NOT_ACTED_ON.items():
+            value = body.get(key) if isinstance(body, dict) else None
+            if value not in (None, default, {}, []) and not (key == "response_format" and value == {"type": "text"}):
+                raise ValueError(f"{key}={value!r} is not supported by this server (it takes {default!r}); leave "
+                                 "it out")
+        return body
 
     def streamed_usage(self) -> bool:
         return bool(self.stream and (self.stream_options or {}).get("include_usage"))
@@ -43,6 +64,7 @@ class Sampled(BaseModel):
 
 class Completion(Sampled):
     prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=5)  # the likeliest alternatives per token (OpenAI's limit: 5)
 
 
 class Message(BaseModel):
@@ -54,6 +76,14 @@ class Message(BaseModel):
 class Chat(Sampled):
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
 
 def parse(raw: bytes, shape: type[BaseModel]):
@@ -68,8 +98,9 @@ def parse(raw: bytes, shape: type[BaseModel]):
         return shape.model_validate(body)
     except ValidationError as e:
         error = e.errors()[0]
-        field = ".".join(str(part) for part in error["loc"]) or "body"
-        raise BadRequest(f"{field}: {error['msg']}", field.split(".")[0]) from None
+        message = error["msg"].removeprefix("Value error, ")
+        field = ".".join(str(part) for part in error["loc"]) or message.split("=")[0].split(" ")[0]
+        raise BadRequest(f"{field}: {message}", field.split(".")[0]) from None
 
 
 def new_id(prefix: str) -> str:
@@ -81,21 +112,60 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(rid: str, model: str, text: str, finish: str | None, chunk: bool = False) -> dict:
+def completion(rid: str, model: str, text: str, finish: str | None, chunk: bool = False, logprobs=None) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
 
-def chat(rid: str, model: str, text: str, finish: str | None, chunk: bool = False, first: bool = False) -> dict:
+def chat(rid: str, model: str, text: str, finish: str | None, chunk: bool = False, first: bool = False,
+         logprobs=None) -> dict:
     """A whole answer, or (chunk) one piece of a stream: its delta, the first carrying the role."""
     if chunk:
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish}
     return {"id": rid, "object": "chat.completion.chunk" if chunk else "chat.completion", "created": int(time.time()),
             "model": model, "choices": [choice]}
+
+
+class Logprobs:
+    """A request's answer tokens as `logprobs` shows them: the completions' lists (tokens, token_logprobs,
+    top_logprobs, text_offset) or the chat's `content` entries. An alternative's text is decoded after the
+    tokens before it (a SentencePiece token keeps its leading space)."""
+
+    def __init__(self, tokenizer, prompt: list[int], is_chat: bool):
+        self.tok, self.context, self.is_chat, self.offset = tokenizer, list(prompt[-4:]), is_chat, 0
+
+    def _text(self, token: int) -> str:
+        return self.tok.continuation(self.context, [token])
+
+    def of(self, tokens) -> dict:
+        entries = []
+        for t in tokens:
+            top = [(self._text(i), lp) for i, lp in t.top]
+            entries.append((t.text, t.logprob, top))
+            self.context = (self.context + [t.id])[-4:]
+        if self.is_chat:
+            entry = lambda text, lp: {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            return {"content": [{**entry(text, lp), "top_logprobs": [entry(*alt) for alt in top]}
+                                for text, lp, top in entries], "refusal": None}
+        offsets = []
+        for text, _, _ in entries:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": [text for text, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [_first_of_each(top) for _, _, top in entries],
+                "text_offset": offsets}
+
+
+def _first_of_each(top: list[tuple[str, float]]) -> dict:
+    """The alternatives by text, the likelier kept where two ids decode alike (the format's keys are texts)."""
+    out = {}
+    for text, lp in top:
+        out.setdefault(text, lp)
+    return out
 
 
 def event(data) -> str:

@@ -43,6 +43,7 @@ class Calls:
     given: list | None      # the previous pass's entries; None for the prefill
     made: list = field(default_factory=list)
     end: jax.Array | None = None  # (batch,) int: from this slot on, this call's tokens are padding (None: none)
+    seen: int | None = None  # attend over the first `seen` slots only (None: all): no written slot lies past them
 
     def slots(self, length: int) -> jax.Array:
         """(batch, length): the cache slots of this call's tokens."""
@@ -72,7 +73,8 @@ class Calls:
 
     def inner(self, given) -> "Calls":
         """The calls of one layer inside a stack, at the same position."""
-        return Calls(self.index, self.start, self.capacity, None if self.given is None else given, end=self.end)
+        return Calls(self.index, self.start, self.capacity, None if self.given is None else given, end=self.end,
+                     seen=self.seen)
 
 
 def attend(q, k, v, is_causal: bool, calls: Calls):
@@ -88,11 +90,50 @@ def attend(q, k, v, is_causal: bool, calls: Calls):
     keys, values = (constrain(write(entry[n], jnp.where(real, x, 0).astype(entry[n].dtype), calls.index), CACHE_NAMES)
                     for n, x in (("k", k), ("v", v)))
     calls.put({"k": keys, "v": values})
+    width = calls.seen or calls.capacity  # a server attends over the slots in use, not the whole context
     new = calls.slots(q.shape[1])[:, :, None]            # (batch, new, 1): the queries' slots
-    seen = jnp.arange(calls.capacity)[None, None, :]      # the cache's slots
+    seen = jnp.arange(width)[None, None, :]               # the cache's slots attended over
     mask = (seen >= calls.start[:, None, None]) & (seen <= (new if is_causal else new[:, -1:]))
     mask = mask | (seen == new)
-    return jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=mask[:, None])
+    return _attention(q, keys[:, :width].astype(q.dtype), values[:, :width].astype(q.dtype), mask)
+
+
+SCORES = 1 << 22  # queries x keys past which attention runs over blocks of keys
+KEY_BLOCK = 2048
+
+
+def _attention(q, k, v, mask):
+    """Attention with a (batch, queries, keys) mask. Where the scores would be large (a long prompt's chunk
+    over a long context) it runs over blocks of keys, keeping each query's running maximum, sum and output
+    (the online softmax), so that its memory is bounded by a block, not by the context."""
+    batch, length, heads, dim = q.shape
+    width, groups = k.shape[1], heads // k.shape[2]
+    if length * width <= SCORES:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
+    blocks = -(-width // KEY_BLOCK)
+    pad = blocks * KEY_BLOCK - width
+    k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (k, v))
+    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
+    split = lambda x: jnp.moveaxis(x.reshape(batch, blocks, KEY_BLOCK, *x.shape[2:]), 1, 0)
+    qg = q.reshape(batch, length, k.shape[2], groups, dim).astype(jnp.float32) / jnp.sqrt(dim).astype(jnp.float32)
+
+    def fold(carry, block):
+        best, total, out = carry
+        kb, vb, mb = block
+        scores = jnp.einsum("blkgd,bwkd->bkglw", qg, kb.astype(jnp.float32))
+        scores = jnp.where(mb[:, None, None], scores, -jnp.inf)
+        new_best = jnp.maximum(best, scores.max(axis=-1))
+        seen = jnp.isfinite(new_best)  # a query that has seen no key yet keeps nothing
+        scale = jnp.where(seen, jnp.exp(best - new_best), 0.0)
+        weights = jnp.where(seen[..., None], jnp.exp(scores - new_best[..., None]), 0.0)
+        out = out * scale[..., None] + jnp.einsum("bkglw,bwkd->bkgld", weights, vb.astype(jnp.float32))
+        return (new_best, total * scale + weights.sum(axis=-1), out), None
+
+    shape = (batch, k.shape[2], groups, length)
+    start = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros((*shape, dim)))
+    (_, total, out), _ = jax.lax.scan(fold, start, (split(k), split(v), split(mask.transpose(0, 2, 1)).transpose(0, 1, 3, 2)))
+    out = out / total[..., None]  # (batch, kv heads, groups, queries, dim)
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, dim).astype(q.dtype)
 
 
 def recur(step, carry, xs, calls: Calls):

@@ -24,7 +24,6 @@ import argparse
 import functools
 import sys
 import time
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -32,48 +31,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from shard.data import tokenizer as tokenizer_lib
+from shard.data import formats
 from shard.use import decoding
+from shard.use.sampling import Sampling  # noqa: F401  (generation's setting, here by its old name too)
 from shard.run import distributed
 from shard import hooks, partition, paths
 from shard.errors import UserError, exit_from
 from shard.core.step import cast_floats
 
 BYTES = 256  # the text sources' vocabulary: one token per byte
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.8  # 0: greedy (the most likely token)
-    top_k: int = 0            # keep the k most likely tokens (0: all)
-    top_p: float = 1.0        # keep the most likely tokens whose probabilities sum to p (1: all)
-    vocab: int | None = None  # choose among the first `vocab` tokens only (bytes: 256)
-
-    def check(self) -> "Sampling":
-        if self.temperature < 0:
-            raise UserError(f"--temperature {self.temperature}: must be 0 (greedy) or more")
-        if self.top_k < 0:
-            raise UserError(f"--top-k {self.top_k}: must be 0 (all tokens) or more")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"--top-p {self.top_p}: must be in (0, 1]")
-        return self
-
-    def pick(self, logits: jax.Array, key: jax.Array) -> jax.Array:
-        """(batch, vocab) float32 logits -> (batch,) int32 tokens."""
-        if self.vocab is not None:
-            logits = logits[:, :self.vocab]
-        if self.temperature == 0:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        logits = logits / self.temperature
-        if 0 < self.top_k < logits.shape[-1]:
-            kth = jax.lax.top_k(logits, self.top_k)[0][:, -1:]
-            logits = jnp.where(logits < kth, -jnp.inf, logits)
-        if self.top_p < 1:  # the nucleus: the smallest set of the likeliest tokens holding top_p of the mass
-            ordered = jnp.sort(logits, axis=-1)[:, ::-1]
-            before = jnp.cumsum(jax.nn.softmax(ordered, axis=-1), axis=-1) - jax.nn.softmax(ordered, axis=-1)
-            cutoff = jnp.min(jnp.where(before < self.top_p, ordered, jnp.inf), axis=-1, keepdims=True)
-            logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-        return jax.random.categorical(key, logits).astype(jnp.int32)
 
 
 class Generator:
@@ -99,13 +65,13 @@ class Generator:
         model.eval()
         return model
 
-    def forward(self, state, tokens, index, start, cache, capacity: int, end=None, last=None):
+    def forward(self, state, tokens, index, start, cache, capacity: int, end=None, last=None, seen: int | None = None):
         """Logits of the last of `tokens` (float32; of each row's column `last` where given) and the cache with
-        them written at each row's `index` (its padding before its `start` and from its `end`:
-        shard/use/decoding.py)."""
+        them written at each row's `index` (its padding before its `start` and from its `end`; attending over
+        its first `seen` slots: shard/use/decoding.py)."""
         model = self._model(state)
         calls = decoding.Calls(jnp.asarray(index, jnp.int32), jnp.asarray(start, jnp.int32), capacity, cache,
-                               end=None if end is None else jnp.asarray(end, jnp.int32))
+                               end=None if end is None else jnp.asarray(end, jnp.int32), seen=seen)
         with hooks.use(decode=calls):
             logits = model(tokens)
         logits = logits[:, -1] if last is None else jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
@@ -161,13 +127,14 @@ class Generator:
         return self._caches
 
     def __call__(self, prompt, new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
-                 eos: int | None = None, pad: int | None = None) -> np.ndarray:
+                 eos=None, pad: int | None = None) -> np.ndarray:
         """(batch, prompt length) int tokens, or a list of prompts of any lengths -> (batch, new_tokens) int
         tokens. Prompts of different lengths run as one batch, left-padded to the longest: padding is never
         attended and each row's positions start at 0 at its first token, so under greedy decoding each row is
         what its prompt gives alone (while it fits in a fixed context; past it the whole batch's window slides
-        at once). A model that keeps no cache runs one group per length. `eos`: a row ends at that token; the
-        rest of its row is `pad` (default: eos), and generation stops once every row has ended."""
+        at once). A model that keeps no cache runs one group per length. `eos`: a token id or several (a
+        model's generation_config.json may list several end tokens); a row ends at the first of them, the rest
+        of its row is `pad` (default: the end token it met), and generation stops once every row has ended."""
         lengths = [len(p) for p in prompt]
         if min(lengths, default=0) == 0:
             raise UserError("a prompt is empty; give at least one token (one byte of text)")
@@ -181,13 +148,14 @@ class Generator:
         for row, p in zip(padded, prompt):
             row[len(row) - len(p):] = p
         made = self._generate(padded, padded.shape[1] - np.array(lengths, np.int32), new_tokens, sampling, seed, eos)
-        return made if eos is None else after_eos(made, eos, eos if pad is None else pad)
+        return made if not len(end_ids(eos)) else after_eos(made, eos, pad)
 
     def _generate(self, prompt: np.ndarray, pads: np.ndarray, new_tokens: int, sampling: Sampling, seed: int,
-                  eos: int | None) -> np.ndarray:
+                  eos) -> np.ndarray:
         """`prompt` left-padded, each row's first real token in its column `pads`."""
         batch, length = prompt.shape
-        capacity = length + new_tokens if self.context is None else self.context
+        # a fixed context bounds the cache; within it, the cache holds what this call needs, not the model's maximum
+        capacity = min(length + new_tokens, self.context or length + new_tokens)
         if length > capacity:
             raise UserError(f"the prompt is {length} tokens but the model's context is {self.context} (max_len); "
                             f"shorten the prompt to at most {self.context} tokens")
@@ -215,7 +183,8 @@ class Generator:
                 made.append(chunk)
                 seq = np.concatenate([seq, chunk], axis=1)
         out = np.concatenate(made, axis=1)[:, :new_tokens]
-        return np.pad(out, ((0, 0), (0, new_tokens - out.shape[1])), constant_values=eos if eos is not None else 0)
+        ends = end_ids(eos)
+        return np.pad(out, ((0, 0), (0, new_tokens - out.shape[1])), constant_values=ends[0] if len(ends) else 0)
 
     def place(self, tokens: np.ndarray, rules):
         if self.mesh is None:
@@ -224,15 +193,24 @@ class Generator:
         return jax.device_put(tokens, NamedSharding(self.mesh, spec))
 
 
-def ended(made: list, eos: int | None) -> bool:
-    """Whether every row of the chunks made so far holds `eos`."""
-    return eos is not None and bool(made) and bool((np.concatenate(made, axis=1) == eos).any(axis=1).all())
+def end_ids(eos) -> np.ndarray:
+    """The end token ids `eos` names: None, one id, or several."""
+    return np.array(sorted(eos) if isinstance(eos, (set, frozenset)) else [] if eos is None else np.ravel(eos),
+                    np.int64)
 
 
-def after_eos(tokens: np.ndarray, eos: int, pad: int) -> np.ndarray:
-    """Each row up to and including its first `eos`, `pad` after it."""
-    hit = np.cumsum(tokens == eos, axis=1)
-    return np.where((hit > 1) | ((hit == 1) & (tokens != eos)), pad, tokens).astype(np.int32)
+def ended(made: list, eos) -> bool:
+    """Whether every row of the chunks made so far holds an end token."""
+    ends = end_ids(eos)
+    return len(ends) > 0 and bool(made) and bool(np.isin(np.concatenate(made, axis=1), ends).any(axis=1).all())
+
+
+def after_eos(tokens: np.ndarray, eos, pad: int | None = None) -> np.ndarray:
+    """Each row up to and including its first end token, `pad` after it (default: that end token)."""
+    hit = np.cumsum(np.isin(tokens, end_ids(eos)), axis=1)
+    first = np.take_along_axis(tokens, np.argmax(hit == 1, axis=1)[:, None], axis=1)
+    return np.where((hit > 1) | ((hit == 1) & ~np.isin(tokens, end_ids(eos))), first if pad is None else pad,
+                    tokens).astype(np.int32)
 
 
 def output_vocab(model: nnx.Module) -> int:
@@ -253,11 +231,18 @@ def text_tokens(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def until_eos(tokens, eos: int | None):
-    """A row's tokens before its first `eos` (all of them without one)."""
+def until_eos(tokens, eos):
+    """A row's tokens before its first end token (all of them without one)."""
     tokens = np.asarray(tokens)
-    hits = np.flatnonzero(tokens == eos) if eos is not None else []
+    hits = np.flatnonzero(np.isin(tokens, end_ids(eos)))
     return tokens[:hits[0]] if len(hits) else tokens
+
+
+def stop_ids(tok) -> frozenset[int]:
+    """The ids that end an answer: the tokenizer's end tokens (its EOS and generation_config.json's list) and
+    its chat template's end-of-turn token."""
+    turn = formats.end_of_turn_id(tok)
+    return frozenset(tok.end_ids) | ({turn} if turn is not None else set())
 
 
 def token_text(tokens) -> str:
@@ -314,13 +299,13 @@ def main(argv: list[str]) -> int:
     rows = [prompt for prompt in prompts for _ in range(args.batch)]
     start = time.perf_counter()
     asked = [tok.prompt(prompt) for prompt in rows]
-    out = generator(asked, args.max_new_tokens, sampling, seed=args.seed,
-                    eos=tok.eos)
+    ends = stop_ids(tok)
+    out = generator(asked, args.max_new_tokens, sampling, seed=args.seed, eos=ends)
     seconds = time.perf_counter() - start
     for i, (prompt, ids, row) in enumerate(zip(rows, asked, out)):
         if len(rows) > 1:
             print(f"--- {i}")
-        print(prompt + tok.continuation(ids, until_eos(row, tok.eos)))
+        print(prompt + tok.continuation(ids, until_eos(row, ends)))
     print(f"{loaded.cfg.model.name} at step {loaded.step} of {args.run}: {len(rows)} x {args.max_new_tokens} tokens, "
           f"{out.size / seconds:,.0f} tokens/s ({seconds:.2f} s, compiling included)", file=sys.stderr)
     return 0
