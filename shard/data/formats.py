@@ -146,6 +146,16 @@ class Formatter:
             raise UserError(f"{where}: the tokenizer's chat template failed on this conversation: {e}") from None
 
 
+def end_of_turn_id(tokenizer) -> int | None:
+    """The id of the chat template's end-of-turn text (what it writes after an assistant's content, blank
+    around it aside) where that text is one added token (Qwen's <|im_end|>, Gemma's <end_of_turn>, Llama 3's
+    <|eot_id|>): a model trained on the template's turns ends its answer there. None without a template."""
+    if tokenizer.chat_template is None:
+        return None
+    closing = Formatter((), tokenizer)._closing("data.tokenizer's chat template").strip()
+    return tokenizer.added_id(closing) if closing else None
+
+
 def template_tokens(tokenizer) -> dict[str, str]:
     """The special tokens' text a chat template may name (bos_token, eos_token, ...): those the tokenizer's
     config names, as transformers passes them."""

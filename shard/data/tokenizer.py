@@ -19,6 +19,9 @@ special=False)` the text alone (a rendered chat template writes its own special 
 Every tokenizer also says how many bytes of the original text each token stands for (eval's bits per
 byte): a token covers the bytes from the end of the previous token's span to the end of its own, so a
 text's counts add up to its UTF-8 length exactly; special tokens stand for none.
+
+`stream(prompt)` decodes an answer as its tokens come (`Detokenizer`), and `end_ids` are the ids that end one:
+EOS and generation_config.json's `eos_token_id`s.
 """
 
 import hashlib
@@ -26,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +40,68 @@ from shard.errors import UserError, first_line
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")  # where the config names none
 BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "[CLS]")
+CONTEXT = 4  # prompt tokens decoded along with an answer: enough for a character split over byte-fallback tokens
+REPLACEMENT = "\ufffd"
+
+
+class Detokenizer:
+    """An answer's text as its tokens come (`tokenizer.stream(prompt)`): `add(id)` is the text that token
+    completes, `flush()` at the end what is still held back; joined, they are `continuation(prompt, ids)`.
+
+    As vLLM does it, each add decodes a short window, the tokens of the last text shown (the first `read`)
+    and those after them, and emits what the window's text adds to theirs: decoded after the token before
+    it, a token keeps what it owes to it (a SentencePiece word's leading space), and the cost stays linear.
+    Text is held back while it may still change: with SentencePiece's byte fallback, which decodes a run of
+    <0x..> tokens as one (a stray byte to come turns the run's characters into U+FFFD), while the window
+    ends in such a token; else while it ends in U+FFFD, unless what came before the new token is settled
+    (the two decode apart as together), so that bytes that never make a character do not widen the window
+    for ever.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], seed: list[int], dropped: Callable[[int], bool],
+                 runs: frozenset[int] = frozenset()):
+        self._decode, self._dropped, self._runs = decode, dropped, runs
+        self._start([i for i in seed if not dropped(i)])
+
+    def _start(self, seed: list[int]) -> None:
+        self.ids, self.read = list(seed), len(seed)
+        self.shown = self.text = self._decode(seed)  # the first `read` tokens' text; the window's as last decoded
+        self.prompt_text = self.shown  # until the first text, which must start with it as in continuation
+
+    def add(self, token_id: int) -> str:
+        token_id = int(token_id)
+        if self._dropped(token_id):  # as decode drops special and unknown ids
+            return ""
+        self.ids.append(token_id)
+        if token_id in self._runs:
+            return ""
+        before, self.text = self.text, self._decode(self.ids)
+        if self._runs or not self.text.endswith(REPLACEMENT):
+            return self._show(self.text, len(self.ids))
+        alone = self._decode(self.ids[-1:])
+        if before + alone == self.text:  # no character across the new token's start
+            return self._show(before, len(self.ids) - 1, alone)
+        return ""
+
+    def flush(self) -> str:
+        """What is held back at the end of the answer (U+FFFD for bytes that never made a character)."""
+        return self._show(self._decode(self.ids), len(self.ids), final=True)
+
+    def _show(self, text: str, end: int, rest: str = "", final: bool = False) -> str:
+        """What `text`, the first `end` tokens', adds to those shown; the window then starts at `read`."""
+        if self.prompt_text is not None:
+            if not text.startswith(self.prompt_text):  # the answer changed how the prompt's tail decodes:
+                answer = self.ids[self.read:]          # continuation then decodes the answer alone
+                self._start([])
+                out = "".join(map(self.add, answer))
+                return out + self.flush() if final else out
+            self.prompt_text = None
+        new = text[len(self.shown):]
+        del self.ids[:self.read]
+        self.read = end - self.read
+        self.shown = self._decode(self.ids[:self.read])
+        self.text = self.shown + rest
+        return new
 
 
 class Bytes:
@@ -43,6 +109,7 @@ class Bytes:
     by a newline byte)."""
     kind, vocab_size, bos, eos, chat_template, found = "bytes", 256, None, None, None, None
     head, tail = (), ()  # no special ids around a text
+    end_ids = frozenset()
 
     def identity(self) -> str:
         return "bytes"
@@ -67,6 +134,9 @@ class Bytes:
     def continuation(self, prompt, ids) -> str:
         return self.decode(ids)
 
+    def stream(self, prompt) -> Detokenizer:
+        return Detokenizer(self.decode, [], lambda token_id: False)  # continuation decodes the answer alone
+
     def special(self, key: str) -> str | None:
         return None
 
@@ -86,6 +156,11 @@ class Text:
         self.eos = self._id(found.special("eos_token") or next((n for n in EOS_NAMES if n in special), None))
         self.head, self.tail = self._around()
         self.chat_template = found.chat_template
+        self.end_ids = self._ends()
+        self._special = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+        self._bytes = frozenset()  # byte fallback's <0x..> tokens, where the decoder reads them
+        if "ByteFallback" in _types(self.tok.decoder):
+            self._bytes = frozenset(i for b in range(256) if (i := self.tok.token_to_id(f"<0x{b:02X}>")) is not None)
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self.tok.token_to_id(token)
@@ -104,8 +179,22 @@ class Text:
             return list(enc.ids), []
         return list(enc.ids[:body[0]]), list(enc.ids[body[-1] + 1:])
 
+    def _ends(self) -> frozenset[int]:
+        """EOS and generation_config.json's eos_token_id (one id or a list: Llama 3 instruct's three, Qwen3's
+        two, Gemma 3's <end_of_turn>), as transformers' generate stops; ids outside the vocabulary left out."""
+        listed = self.found.generation.get("eos_token_id")
+        listed = listed if isinstance(listed, list) else [listed]
+        return frozenset(i for i in (self.eos, *listed) if type(i) is int and self._known(i))
+
+    def _known(self, token_id: int) -> bool:
+        return 0 <= token_id < 1 << 32 and self.tok.id_to_token(token_id) is not None
+
     def special(self, key: str) -> str | None:
         return self.found.special(key)
+
+    def added_id(self, text: str) -> int | None:
+        """The id of the added token (special or not: <|im_end|>, <end_of_turn>) whose text is `text`."""
+        return next((i for i, t in self.tok.get_added_tokens_decoder().items() if t.content == text), None)
 
     def identity(self) -> str:
         digest = hashlib.sha256()
@@ -145,9 +234,16 @@ class Text:
     def continuation(self, prompt, ids) -> str:
         """The text `ids` add after `prompt`. Decoded alone they would lose what their first token owes to the
         one before it (a SentencePiece answer's leading space), so the last few prompt tokens decode along."""
-        before = [int(i) for i in prompt[-4:]]  # enough for a character split over byte-fallback tokens
+        before = [int(i) for i in prompt[-CONTEXT:]]
         head, whole = self.decode(before), self.decode([*before, *(int(i) for i in ids)])
         return whole[len(head):] if whole.startswith(head) else self.decode(ids)
+
+    def stream(self, prompt) -> Detokenizer:
+        """The answer to `prompt` decoded as its tokens come, each add's text as `continuation` has it."""
+        return Detokenizer(self.decode, [int(i) for i in prompt[-CONTEXT:]], self._dropped, self._bytes)
+
+    def _dropped(self, token_id: int) -> bool:
+        return token_id in self._special or not self._known(token_id)
 
 
 def load(spec: str | None, key: str = "data.tokenizer"):
@@ -176,7 +272,7 @@ def keep(data_cfg, run_folder: Path) -> None:
         if kept.is_dir():  # an earlier run's copy in this folder would otherwise be read for this one's text
             shutil.rmtree(kept)
         return
-    files = tokenizer_files.find(data_cfg.tokenizer).files()
+    files = tokenizer_files.find(data_cfg.tokenizer).kept()
     fresh = Path(tempfile.mkdtemp(prefix=f".{RUN_FOLDER}.", dir=run_folder))
     for name, content in files.items():
         (fresh / name).write_bytes(content)
@@ -229,9 +325,14 @@ def _backend(found: Found, where: str):
 
 def _byte_level(tok) -> bool:
     """Whether the pre-tokenizer or decoder is (or holds) ByteLevel, as transformers asks of a tokenizer.json."""
-    parts = [json.loads(part.__getstate__()) for part in (tok.pre_tokenizer, tok.decoder) if part is not None]
+    return "ByteLevel" in _types(tok.pre_tokenizer, tok.decoder)
+
+
+def _types(*parts) -> set[str]:
+    """The types of these pipeline parts and of those a Sequence of them holds."""
+    parts = [json.loads(part.__getstate__()) for part in parts if part is not None]
     parts += [p for part in list(parts) for p in part.get("pretokenizers", part.get("decoders", []))]
-    return any(p.get("type") == "ByteLevel" for p in parts)
+    return {p.get("type") for p in parts}
 
 
 def _add_named(tok, found: Found, cls: str | None) -> None:

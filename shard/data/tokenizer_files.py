@@ -8,7 +8,8 @@ returns the files one tokenizer is built from, in transformers' order of prefere
     vocab.json + merges.txt         a byte-level BPE's two files (GPT-2, Qwen2)
 
 with tokenizer_config.json (special tokens, add_bos_token/add_eos_token, the tokenizer class, the chat
-template) and chat_template.jinja / chat_template.json (newer folders keep the template apart) beside them.
+template) and chat_template.jinja / chat_template.json (newer folders keep the template apart) beside them,
+and a model folder's generation_config.json (the ids that end a generated answer).
 A folder with none of the first three is refused in one line naming what was looked for: text is never
 read with another vocabulary by default.
 """
@@ -23,6 +24,7 @@ BYTES = "bytes"
 LOOKED_FOR = "tokenizer.json, tokenizer.model (SentencePiece), vocab.json with merges.txt"
 TIKTOKEN_HINT = ("original/tokenizer.model is a tiktoken file, which is not read here (nor by AutoTokenizer): add the "
                  "model's tokenizer.json, as its Hub repository has it")
+GENERATION = "generation_config.json"
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")  # transformers' order
 
 
@@ -34,12 +36,20 @@ class Found:
     config: dict = field(default_factory=dict)  # tokenizer_config.json ({} where there is none)
     chat_template: str | None = None
     extra: dict[str, Path] = field(default_factory=dict)  # merges.txt, tokenizer_config.json, chat_template.*
+    generation: dict = field(default_factory=dict)  # generation_config.json ({} where there is none)
+    generation_file: Path | None = None
 
     def files(self) -> dict[str, bytes]:
-        """name -> content of every file this tokenizer is read from (what a run folder keeps a copy of), the
+        """name -> content of every file the text's tokens depend on (the tokenizer's identity hashes them), the
         main one under the name `find` looks for first."""
         main = {"json": "tokenizer.json", "sentencepiece": "tokenizer.model", "bpe": "vocab.json"}[self.kind]
         return {main: self.main.read_bytes(), **{p.name: p.read_bytes() for p in self.extra.values()}}
+
+    def kept(self) -> dict[str, bytes]:
+        """What a run folder keeps a copy of: the files, and generation_config.json (where generation stops),
+        which changes no token and so no identity."""
+        extra = {GENERATION: self.generation_file.read_bytes()} if self.generation_file else {}
+        return {**self.files(), **extra}
 
     def special(self, key: str) -> str | None:
         """A named special token's text (bos_token, ...), written as a string or as {"content": ...}."""
@@ -84,7 +94,9 @@ def find(spec: str, key: str = "data.tokenizer") -> Found:
     if config is not None:
         extra["config"] = folder / "tokenizer_config.json"
     template = _template(folder, config or {}, extra, key, spec)
-    return Found(kind, main, config or {}, template, extra)
+    generation = _read_config(folder / GENERATION, key, spec)
+    return Found(kind, main, config or {}, template, extra, generation or {},
+                 None if generation is None else folder / GENERATION)
 
 
 def _main_file(folder: Path, key: str, spec: str) -> Path:
