@@ -130,8 +130,24 @@ def scan(layers: nnx.Module, x):
 
 
 def scan_decoding(layers: nnx.Module, x, calls: decoding.Calls):
-    """The scan of `scan`, over the layers' decoding entries too: each layer's calls take and put theirs."""
+    """The scan of `scan`, over the layers' decoding entries too: each layer's calls take and put theirs. After
+    the prefill the stacked entries ride in the scan's carry, each layer writing its new tokens into them in
+    place (as the scan's input and output they would be copied whole at every step)."""
     given = calls.take()
+    if given is not None:
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def carried(carry, one):
+            x, entries, i = carry
+            inner = calls.inner(entries, layer=i)
+            token = _DECODE.set(inner)
+            try:
+                return one(x), inner.made, i + 1
+            finally:
+                _DECODE.reset(token)
+
+        x, made, _ = carried((x, given, jnp.int32(0)), layers)
+        calls.put(made)
+        return x
 
     @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"})
     def run(x, one, entries):

@@ -318,15 +318,16 @@ def idle(max_queue: int, template=None):
     return queue, app.build(queue, _Bytes(), template or chat.Template(_Bytes()), "m", CONTEXT)
 
 
-def test_the_serving_bench_checks_its_answers_and_reports_both_rates():
+def test_the_serving_bench_checks_its_answers_and_reports_every_figure():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), *TINY_GPT, "--requests", "6", "--slots", "2",
-                           "--max-prompt", "8", "--max-tokens", "8"], env=subprocess_env(), capture_output=True,
-                          text=True, timeout=600)
+                           "--clients", "1,3", "--max-prompt", "8", "--max-tokens", "8", "--alone", "6"],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert figures["requests"] == 6 and figures["ratio"] > 0
-    for way in ("one_at_a_time", "all_at_once"):
+    assert figures["requests"] == 6 and figures["resident_bytes"] > 0 and "per device" in figures["cache"]
+    for way in ("clients_1", "clients_3"):
         assert figures[way]["tokens_per_s"] > 0 and figures[way]["p50_s"] <= figures[way]["p99_s"]
+    assert figures["alone"]["served_tokens_per_s"] > 0 and figures["alone"]["generate_tokens_per_s"] > 0
 
 
 def test_sigterm_finishes_the_running_requests_then_exits_0(served):

@@ -43,7 +43,7 @@ class Scripted:
         self.at[slot] = 1
         return self._picked(self.script[0])
 
-    def advance(self, tokens, index, temperature, top_k, top_p, steps=1):
+    def advance(self, tokens, index, temperature, top_k, top_p, steps=1, active=None, logprobs=True):
         out = []
         for slot in range(self.slots):
             at = self.at.get(slot, 0)
@@ -197,7 +197,7 @@ def test_a_burst_decodes_several_tokens_per_call_only_while_no_one_waits():
     scripted = Scripted(2, [ord("a")], burst=4)
     calls = []
     advance = scripted.advance
-    scripted.advance = lambda *a, steps=1: calls.append(steps) or advance(*a, steps=steps)
+    scripted.advance = lambda *a, steps=1, **_: calls.append(steps) or advance(*a, steps=steps)
     queue = scheduler.Scheduler(scripted, BYTES, max_queue=8)
     long, short = scheduler.Request([1], 9), scheduler.Request([1], 3)
     queue.submit(long)
@@ -270,12 +270,13 @@ def tiny():
 def test_a_long_prompt_prefills_chunk_by_chunk_and_decodes_as_it_would_alone(tiny):
     """Prompts longer than the chunk, in a context that is no multiple of it, with bursts: each request's
     tokens are its prompt's alone; the cache was sized by --context, not by the model's positions."""
-    slots = engine.Engine(tiny, slots=2, context=30, vocab=generate.BYTES, chunk=8, burst=3)
-    assert (slots.buckets, slots.views, slots.context) == ([8], [8, 30], 30)
+    slots = engine.Engine(tiny, slots=4, context=30, vocab=generate.BYTES, chunk=8, burst=3)
+    assert (slots.buckets, slots.views, slots.context, slots.row_buckets) == ([8], [30], 30, [1, 2, 4])
     slots.allocate()
-    queue = scheduler.Scheduler(slots, BYTES, 4)
-    prompts = [generate.text_tokens(t) for t in ("def f(x): return x", "ab", "import os, sys\nprint(1)")]
-    requests = [scheduler.Request(p, 30 - len(p) - 1, temperature=0) for p in prompts]
+    queue = scheduler.Scheduler(slots, BYTES, 8)
+    texts = ("def f(x): return x", "ab", "import os, sys\nprint(1)", "x = 1", "for i in range(3):", "#")
+    prompts = [generate.text_tokens(t) for t in texts]  # they end at different steps: running slots with gaps
+    requests = [scheduler.Request(p, min(30 - len(p) - 1, 3 + 4 * i), temperature=0) for i, p in enumerate(prompts)]
     for request in requests:
         queue.submit(request)
     while queue.waiting or any(queue.active):

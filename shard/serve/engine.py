@@ -8,9 +8,9 @@ logged and counted):
 - `more`: a long prompt's next `chunk` tokens, continuing its slot's row. The first chunk takes the remainder,
   so every later chunk is whole and none writes past the context; a chunk bounds the prefill's memory
   whatever the context;
-- `step`: every slot one token further, or `burst` tokens in one call (a scan) while no request waits (a slot
-  without a request computes too, and its tokens are ignored).
-Each attends over a view, the first `chunk * 4^k` slots (or the context) holding every position written, so
+- `step`: the running slots one token further, or up to `burst` tokens in one call while no request waits;
+  compiled for each count of rows (powers of two: a lone request does not pay for idle slots).
+Each attends over a view, the first `128 * 2^k` slots (or the context) holding every position written, so
 a short request on a long-context server does not pay for the whole context. Each slot keeps its own write
 slot (shard/use/decoding.py), so sequences that began at different times share a step. The cache carries
 logical names and is split like generation's (heads over `tensor`, the slots over the batch axes where they
@@ -45,13 +45,16 @@ def buckets(chunk: int) -> list[int]:
     return sizes + [chunk]
 
 
-def views(chunk: int, context: int) -> list[int]:
-    """The attended prefixes: the chunk times 4, 16, ... until it holds the context, and the context (each
-    view a set of programs to compile; a step attends over at most 4x the slots it needs)."""
-    sizes, size = [], chunk
+SMALLEST_VIEW = 128
+
+
+def views(context: int) -> list[int]:
+    """The attended prefixes: 128 slots doubled until they hold the context, and the context (each view a set
+    of programs to compile; a step attends over at most twice the slots it needs)."""
+    sizes, size = [], SMALLEST_VIEW
     while size < context:
         sizes.append(size)
-        size *= 4
+        size *= 2
     return sizes + [context]
 
 
@@ -68,7 +71,7 @@ class Engine:
                  chunk: int = CHUNK, burst: int = BURST):
         self.g, self.slots, self.context, self.vocab = generator, slots, context, vocab
         self.chunk, self.burst = min(chunk, context), max(1, burst)
-        self.buckets, self.views = buckets(self.chunk), views(self.chunk, context)
+        self.buckets, self.views = buckets(self.chunk), views(context)
         self.key = jax.random.key(seed)
         self.warm, self.recompiles, self.runs = False, 0, 0
         self.one_rules, self.rules = generator.batch_rules(1), generator.batch_rules(slots)
@@ -79,10 +82,14 @@ class Engine:
         # each leaf's slot axis: where the one-row cache's shape differs from the slots' (all of it for 1 slot)
         self.axes = jax.tree.map(lambda big, row: next((i for i, (a, b) in enumerate(zip(big.shape, row.shape))
                                                         if a != b), 0), shapes, one)
+        # each leaf's position axis (attention's: right after the slots), None for a recurrence's carry
+        self.position_axes = jax.tree.map(lambda big, axis: axis + 1 if big.ndim >= 4 and big.shape[axis + 1] == context
+                                          else None, shapes, self.axes)
+        self.row_buckets = [r for r in (1, 2, 4, 8, 16, 32, 64, 128, 256) if r < slots] + [slots]
         self.first = jax.jit(self._first, donate_argnums=1, out_shardings=(self._replicated(), self.layout))
         self.more = jax.jit(self._more, donate_argnums=1, static_argnames="view",
                             out_shardings=(self._replicated(), self.layout))
-        self.step = jax.jit(self._step, donate_argnums=1, static_argnames=("steps", "view"),
+        self.step = jax.jit(self._step, donate_argnums=1, static_argnames="view",
                             out_shardings=(self._replicated(), self.layout))
         self.cache = None
 
@@ -143,10 +150,13 @@ class Engine:
             return self.g.forward(state, tokens, zero, zero, None, self.context, end=length, last=length - 1,
                                   seen=tokens.shape[1])
 
-    def _pick(self, logits, count, temperature, top_k, top_p) -> Picked:
+    def _pick(self, logits, count, temperature, top_k, top_p, logprobs) -> Picked:
+        """Each row's token, and its log-probabilities where `logprobs` (a flag: some request asks for them)."""
         logits = logits[:, :self.vocab]
         tokens = sampling.pick(logits, jax.random.fold_in(self.key, count), temperature, top_k, top_p)
-        return Picked(tokens, *sampling.log_probs(logits, tokens))
+        top = min(sampling.TOP_LOGPROBS, self.vocab)
+        none = lambda: (jnp.zeros(len(tokens)), jnp.zeros((len(tokens), top), jnp.int32), jnp.zeros((len(tokens), top)))
+        return Picked(tokens, *jax.lax.cond(logprobs, lambda: sampling.log_probs(logits, tokens, top), none))
 
     def _write(self, cache, row, slot):
         return jax.tree.map(lambda c, r, axis: jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), slot, axis),
@@ -156,7 +166,7 @@ class Engine:
         """A prompt's first chunk into `slot`, right-padded to its bucket: the token after it, and the cache."""
         self._traced("prefill", tokens.shape)
         logits, row = self._fresh_row(state, tokens, length)
-        return self._pick(logits, count, temperature, top_k, top_p), self._write(cache, row, slot)
+        return self._pick(logits, count * self.burst, temperature, top_k, top_p, True), self._write(cache, row, slot)
 
     def _more(self, state, cache, slot, tokens, index, length, count, temperature, top_k, top_p, view: int):
         """The next whole chunk of `slot`'s prompt, written from `index` (the prompt ends at `length`)."""
@@ -166,22 +176,35 @@ class Engine:
         with partition.activate(self.g.mesh, self.one_rules):
             logits, row = self.g.forward(state, tokens, index, jnp.zeros(1, jnp.int32), row, self.context,
                                          end=length, last=last, seen=view)
-        return self._pick(logits, count, temperature, top_k, top_p), self._write(cache, row, slot)
+        return self._pick(logits, count * self.burst, temperature, top_k, top_p, True), self._write(cache, row, slot)
 
-    def _step(self, state, cache, tokens, index, count, temperature, top_k, top_p, steps: int, view: int):
-        """`steps` tokens for every slot, each slot's `tokens` (its newest) written at its `index`."""
-        self._traced("step", (tokens.shape, steps, view))
-        start = jnp.zeros(self.slots, jnp.int32)
+    def _step(self, state, cache, rows, tokens, index, count, temperature, top_k, top_p, steps, logprobs, view: int):
+        """`steps` tokens (at most `burst`: one program for any number) for the slots `rows` (all of them, or a
+        few: only theirs computed), each row's `tokens` (its newest) written at its `index`."""
+        self._traced("step", (tokens.shape, view))
+        whole = len(tokens) == self.slots
+        # a few rows: their first `view` slots taken out, decoded, and put back (in place: the cache is donated)
+        part = cache if whole else jax.tree.map(lambda c, axis, pos: _take(c, axis, rows, pos, view),
+                                                cache, self.axes, self.position_axes)
+        start = jnp.zeros(len(tokens), jnp.int32)
+        top = min(sampling.TOP_LOGPROBS, self.vocab)
+        out = Picked(jnp.zeros((self.burst, len(tokens)), jnp.int32), jnp.zeros((self.burst, len(tokens))),
+                     jnp.zeros((self.burst, len(tokens), top), jnp.int32), jnp.zeros((self.burst, len(tokens), top)))
 
-        def one(carry, key):
-            cache, token, index = carry
-            logits, cache = self.g.forward(state, token[:, None], index, start, cache, self.context, seen=view)
-            picked = self._pick(logits, key, temperature, top_k, top_p)
-            return (cache, picked.tokens, index + 1), picked
+        def one(i, carry):
+            part, token, out = carry
+            logits, part = self.g.forward(state, token[:, None], index + i, start, part,
+                                          self.context if whole else view, seen=view)
+            picked = self._pick(logits, count * self.burst + i, temperature, top_k, top_p, logprobs)
+            out = Picked(*(jax.lax.dynamic_update_index_in_dim(o, p.astype(o.dtype), i, 0)
+                           for o, p in zip(out, picked)))
+            return part, picked.tokens, out
 
-        counts = count * steps + jnp.arange(steps, dtype=jnp.int32)
-        (cache, _, _), picked = jax.lax.scan(one, (cache, tokens, index), counts)
-        return Picked(*(jnp.moveaxis(a, 0, 1) for a in picked)), cache  # (slots, steps, ...)
+        part, _, out = jax.lax.fori_loop(0, steps, one, (part, tokens, out))
+        if not whole:
+            cache = jax.tree.map(lambda c, p, axis, pos: _put(c, p, axis, rows, pos, view), cache, part, self.axes,
+                                 self.position_axes)
+        return Picked(*(jnp.moveaxis(a, 0, 1) for a in out)), part if whole else cache  # (rows, burst, ...)
 
     # ------------------------------------------------------------------ called by the scheduler's thread
 
@@ -218,14 +241,29 @@ class Engine:
                                        view=self.view(index + self.chunk))
         return picked
 
-    def advance(self, tokens, index, temperature, top_k, top_p, steps: int = 1) -> Picked:
-        """Every slot `steps` tokens on: `tokens` (slots,) the newest ones, written at `index` (each slot's;
-        index + steps must stay within the context). Arrays (slots, steps, ...)."""
+    def rows(self, active: int) -> int:
+        """How many rows a step computes for `active` running slots: a power of two, or all the slots."""
+        return next((r for r in self.row_buckets if r >= active), self.slots)
+
+    def advance(self, tokens, index, temperature, top_k, top_p, steps: int = 1, active=None,
+                logprobs: bool = True) -> Picked:
+        """The `active` slots (default: all) `steps` tokens on (at most `burst`): per slot, `tokens` its
+        newest, written at `index` (index + steps within the context), and its sampling settings; the
+        log-probabilities where `logprobs`. Arrays (slots, steps, ...); a slot not computed gets zeros."""
+        active = list(range(self.slots)) if active is None else list(active)
+        rows = self.rows(len(active))
+        picks = np.array(range(self.slots) if rows == self.slots else  # all of them: in the cache's order
+                         active + [s for s in range(self.slots) if s not in active][:rows - len(active)], np.int32)
+        index = np.where(np.isin(picks, active), np.asarray(index)[picks], 0).astype(np.int32)  # fillers at 0
         view = self.view(int(np.max(index)) + steps)
-        with partition.activate(self.g.mesh, self.rules):
-            picked, self.cache = self.step(self.g.state, self.cache, tokens, index, self._count(), temperature,
-                                           top_k, top_p, steps=steps, view=view)
-        return Picked(*(np.asarray(a) for a in picked))
+        with partition.activate(self.g.mesh, self.rules if rows == self.slots else self.g.batch_rules(rows)):
+            picked, self.cache = self.step(self.g.state, self.cache, picks, np.asarray(tokens)[picks], index,
+                                           self._count(), *(np.asarray(a)[picks] for a in (temperature, top_k, top_p)),
+                                           np.int32(steps), np.bool_(logprobs), view=view)
+        out = [np.zeros((self.slots, steps, *np.shape(a)[2:]), np.asarray(a).dtype) for a in picked]
+        for full, part in zip(out, picked):
+            full[picks] = np.asarray(part)[:, :steps]
+        return Picked(*out)
 
     @staticmethod
     def settings(rows: int):
@@ -233,7 +271,7 @@ class Engine:
         return np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32)
 
     def programs(self) -> int:
-        return len(self.buckets) + sum(v > self.chunk for v in self.views) + len(self.views) * (1 + (self.burst > 1))
+        return len(self.buckets) + sum(v > self.chunk for v in self.views) + len(self.views) * len(self.row_buckets)
 
     def warm_up(self) -> None:
         """Compile every program a request can need; after this, a trace is a recompile."""
@@ -244,10 +282,25 @@ class Engine:
                 with partition.activate(self.g.mesh, self.rules):
                     self._next_chunk(0, [0] * self.chunk, view - self.chunk, np.array([view], np.int32),
                                      self.settings(1))
-            for steps in {1, self.burst}:
-                self.advance(np.zeros(self.slots, np.int32), np.full(self.slots, max(view - steps, 0), np.int32),
-                             *self.settings(self.slots), steps=steps)
+            for rows in self.row_buckets:
+                self.advance(np.zeros(self.slots, np.int32), np.full(self.slots, max(view - self.burst, 0), np.int32),
+                             *self.settings(self.slots), steps=self.burst, active=range(rows))
         self.warm = True
+
+
+def _take(leaf, axis: int, rows, positions: int | None, view: int):
+    """`rows` of a cache leaf along its slot axis, and of those the first `view` positions."""
+    part = jnp.take(leaf, rows, axis=axis)
+    return part if positions is None else jax.lax.slice_in_dim(part, 0, view, axis=positions)
+
+
+def _put(leaf, part, axis: int, rows, positions: int | None, view: int):
+    """`part` back into its `rows` (and first `view` positions) of a cache leaf."""
+    where = [slice(None)] * leaf.ndim
+    where[axis] = rows
+    if positions is not None:
+        where[positions] = slice(0, view)
+    return leaf.at[tuple(where)].set(part.astype(leaf.dtype))
 
 
 def _size(mesh, axes) -> int:

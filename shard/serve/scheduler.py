@@ -208,7 +208,8 @@ class Scheduler:
             settings[0][slot], settings[1][slot], settings[2][slot] = (request.temperature, request.top_k,
                                                                        request.top_p)
         steps = self._burst(running)
-        picked = self.engine.advance(self.last, self.index, *settings, steps=steps)
+        picked = self.engine.advance(self.last, self.index, *settings, steps=steps, active=[s for s, _ in running],
+                                     logprobs=any(r.logprobs is not None for _, r in running))
         for slot, request in running:
             for i in range(steps):
                 if self.active[slot] is not request:  # ended within this burst

@@ -59,8 +59,10 @@ class Calls:
         real = slots >= self.start[:, None]
         return real if self.end is None else real & (slots < self.end[:, None])
 
-    def take(self):
-        """The previous pass's entry for the next call (None at the prefill)."""
+    layer: jax.Array | None = None  # inside a stack, this layer's index: `given` then holds every layer's entries
+
+    def _given(self):
+        """The previous pass's entry for the next call, as given (a stack's: every layer's)."""
         if self.given is None:
             return None
         if len(self.made) >= len(self.given):
@@ -68,34 +70,55 @@ class Calls:
                              "calls, in the same order, on every pass")
         return self.given[len(self.made)]
 
+    def take(self):
+        """The previous pass's entry for the next call (None at the prefill)."""
+        entry = self._given()
+        return entry if entry is None or self.layer is None else jax.tree.map(lambda a: a[self.layer], entry)
+
     def put(self, entry) -> None:
+        if self.layer is not None and self.given is not None:  # back into its layer of the stacked entry
+            entry = jax.tree.map(lambda s, e: jax.lax.dynamic_update_index_in_dim(s, e.astype(s.dtype), self.layer, 0),
+                                 self._given(), entry)
         self.made.append(entry)
 
-    def inner(self, given) -> "Calls":
-        """The calls of one layer inside a stack, at the same position."""
+    def write(self, new: dict) -> dict:
+        """Attention's entry: `new` (name -> (batch, length, heads, head_dim)) written at each row's slots of
+        this call's cache (an empty one at the prefill), and the cache's arrays for this layer. In a stack the
+        tokens go straight into the stacked cache, so that a step updates it in place rather than copying it."""
+        stacked = self._given()
+        batch, length = next(iter(new.values())).shape[:2]
+        rows, slots = jnp.arange(batch)[:, None], self.slots(length)
+        if stacked is None:
+            stacked = {n: jnp.zeros((batch, self.capacity, *x.shape[2:]), x.dtype) for n, x in new.items()}
+        if self.layer is None:
+            entry = {n: constrain(stacked[n].at[rows, slots].set(x.astype(stacked[n].dtype)), CACHE_NAMES)
+                     for n, x in new.items()}
+            self.made.append(entry)
+            return entry
+        entry = {n: constrain(stacked[n].at[self.layer, rows, slots].set(x.astype(stacked[n].dtype)),
+                              (None, *CACHE_NAMES)) for n, x in new.items()}
+        self.made.append(entry)
+        return {n: a[self.layer] for n, a in entry.items()}
+
+    def inner(self, given, layer: jax.Array | None = None) -> "Calls":
+        """The calls of one layer inside a stack, at the same position: `given`, the layer's own entries, or
+        with `layer`, every layer's."""
         return Calls(self.index, self.start, self.capacity, None if self.given is None else given, end=self.end,
-                     seen=self.seen)
+                     seen=self.seen, layer=layer)
 
 
 def attend(q, k, v, is_causal: bool, calls: Calls):
     """Attention of the new tokens' queries (batch, new, heads, head_dim) over each row's cached slots: the
     new keys and values are written at the row's `index` first (zeros for padding). A query sees the slots
     from its row's `start` up to its own (all written ones without `is_causal`); a padding query, only itself."""
-    entry = calls.take()
-    if entry is None:  # the prefill starts an empty cache
-        empty = lambda x: jnp.zeros((x.shape[0], calls.capacity, *x.shape[2:]), x.dtype)
-        entry = {"k": empty(k), "v": empty(v)}
     real = calls.real(q.shape[1])[:, :, None, None]
-    write = jax.vmap(lambda cache, new, at: jax.lax.dynamic_update_slice(cache, new, (at, 0, 0)))
-    keys, values = (constrain(write(entry[n], jnp.where(real, x, 0).astype(entry[n].dtype), calls.index), CACHE_NAMES)
-                    for n, x in (("k", k), ("v", v)))
-    calls.put({"k": keys, "v": values})
+    cache = calls.write({"k": jnp.where(real, k, 0), "v": jnp.where(real, v, 0)})
     width = calls.seen or calls.capacity  # a server attends over the slots in use, not the whole context
     new = calls.slots(q.shape[1])[:, :, None]            # (batch, new, 1): the queries' slots
     seen = jnp.arange(width)[None, None, :]               # the cache's slots attended over
     mask = (seen >= calls.start[:, None, None]) & (seen <= (new if is_causal else new[:, -1:]))
     mask = mask | (seen == new)
-    return _attention(q, keys[:, :width].astype(q.dtype), values[:, :width].astype(q.dtype), mask)
+    return _attention(q, cache["k"][:, :width].astype(q.dtype), cache["v"][:, :width].astype(q.dtype), mask)
 
 
 SCORES = 1 << 22  # queries x keys past which attention runs over blocks of keys

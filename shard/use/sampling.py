@@ -29,15 +29,18 @@ def pick(logits: jax.Array, key: jax.Array, temperature=1.0, top_k=0, top_p=1.0)
             scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
         if top_p < 1:
             scaled = _nucleus(scaled, jnp.sort(scaled, axis=-1)[:, ::-1], jnp.full(rows, top_p, jnp.float32))
-    else:
-        ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
-        k = _per_row(top_k, rows, jnp.int32)
-        k = jnp.where((k > 0) & (k < vocab), k, vocab)
-        ordered = jnp.where(jnp.arange(vocab)[None] < k[:, None], ordered, -jnp.inf)
-        scaled = jnp.where(scaled < jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1), -jnp.inf, scaled)
-        scaled = _nucleus(scaled, ordered, _per_row(top_p, rows, jnp.float32))
-    drawn = jax.random.categorical(key, scaled).astype(jnp.int32)
-    return jnp.where(hot, drawn, greedy)
+    else:  # each row its own cuts; none computed while every row is greedy (a server's usual step)
+        def drawn():
+            ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+            k = _per_row(top_k, rows, jnp.int32)
+            k = jnp.where((k > 0) & (k < vocab), k, vocab)
+            ordered = jnp.where(jnp.arange(vocab)[None] < k[:, None], ordered, -jnp.inf)
+            cut = jnp.where(scaled < jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1), -jnp.inf, scaled)
+            cut = _nucleus(cut, ordered, _per_row(top_p, rows, jnp.float32))
+            return jnp.where(hot, jax.random.categorical(key, cut).astype(jnp.int32), greedy)
+
+        return jax.lax.cond(jnp.any(hot), drawn, lambda: greedy)
+    return jnp.where(hot, jax.random.categorical(key, scaled).astype(jnp.int32), greedy)
 
 
 def _nucleus(scaled, ordered, top_p):
