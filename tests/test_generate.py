@@ -232,6 +232,13 @@ def test_prompts_of_different_lengths_and_an_end_token(runs):
         cut = list(want).index(eos) + 1 if eos in want else len(want)
         assert list(row[:cut]) == list(want[:cut]) and (row[cut:] == -1).all()
     assert generate.Generator(untrained(loaded))(np.array([prompts[0]]), 10, GREEDY, eos=eos)[0][4:].tolist() == [eos] * 6
+    # several end tokens (a generation_config.json list): each row ends at the first of any of them
+    ends = {eos, int(solo[1][2])}
+    ended = generator(prompts, 10, GREEDY, eos=ends)
+    for row, want in zip(ended, solo):
+        cut = next((i + 1 for i, t in enumerate(want) if t in ends), len(want))
+        assert list(row[:cut]) == list(want[:cut]) and (row[cut:] == want[cut - 1]).all()
+    assert generate.until_eos(solo[1], ends).tolist() == list(solo[1][:next(i for i, t in enumerate(solo[1]) if t in ends)])
 
 
 def test_top_k_and_top_p_keep_the_set_their_definitions_name():

@@ -107,3 +107,11 @@ def test_a_smaller_device_caps_the_context_and_a_context_that_cannot_fit_is_refu
     with pytest.raises(UserError, match=f"--context 200000: the model's positions end at {POSITIONS}"):
         sized(context=200000)
     assert sized() == POSITIONS  # this machine's memory holds it all
+
+
+@pytest.mark.parametrize("name, ends", [("qwen3-4b", {151643, 151645}), ("gemma-2b-it", {1, 107}),
+                                        ("llama-2-7b-hf", {2})])
+def test_every_end_token_of_a_real_folder_stops_generation_and_serving(name, ends):
+    """EOS, generation_config.json's eos_token_id list and the chat template's end of turn (<|im_end|>,
+    <end_of_turn>): the ids shard.generate and the server stop at."""
+    assert generate.stop_ids(tokenizer_lib.load(str(FIXTURES / name))) == ends

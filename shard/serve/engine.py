@@ -9,7 +9,7 @@ logged and counted):
   so every later chunk is whole and none writes past the context; a chunk bounds the prefill's memory
   whatever the context;
 - `step`: the running slots one token further, or up to `burst` tokens in one call while no request waits;
-  compiled for each count of rows (powers of two: a lone request does not pay for idle slots).
+  compiled for 1, 4, 16, ... rows and all the slots (a lone request does not pay for idle slots).
 Each attends over a view, the first `128 * 2^k` slots (or the context) holding every position written, so
 a short request on a long-context server does not pay for the whole context. Each slot keeps its own write
 slot (shard/use/decoding.py), so sequences that began at different times share a step. The cache carries
@@ -77,15 +77,12 @@ class Engine:
         self.one_rules, self.rules = generator.batch_rules(1), generator.batch_rules(slots)
         shapes = jax.eval_shape(self._empty, generator.state)
         self.layout = self._layout(shapes)
-        one = jax.eval_shape(lambda s: self._fresh_row(s, jnp.zeros((1, SMALLEST_BUCKET), jnp.int32),
-                                                       jnp.ones(1, jnp.int32))[1], generator.state)
-        # each leaf's slot axis: where the one-row cache's shape differs from the slots' (all of it for 1 slot)
-        self.axes = jax.tree.map(lambda big, row: next((i for i, (a, b) in enumerate(zip(big.shape, row.shape))
-                                                        if a != b), 0), shapes, one)
-        # each leaf's position axis (attention's: right after the slots), None for a recurrence's carry
-        self.position_axes = jax.tree.map(lambda big, axis: axis + 1 if big.ndim >= 4 and big.shape[axis + 1] == context
-                                          else None, shapes, self.axes)
-        self.row_buckets = [r for r in (1, 2, 4, 8, 16, 32, 64, 128, 256) if r < slots] + [slots]
+        # each leaf's slot axis and position axis (None for a recurrence's carry): where its shape moves with them
+        moved = lambda other: jax.tree.map(lambda a, b: next((i for i, (x, y) in enumerate(zip(a.shape, b.shape))
+                                                              if x != y), None), shapes, other)
+        self.axes = moved(jax.eval_shape(lambda s: self._cache_of(s, slots + 1, context), generator.state))
+        self.position_axes = moved(jax.eval_shape(lambda s: self._cache_of(s, slots, context + 1), generator.state))
+        self.row_buckets = [r for r in (1, 4, 16, 64, 256) if r < slots] + [slots]  # each: a program per view
         self.first = jax.jit(self._first, donate_argnums=1, out_shardings=(self._replicated(), self.layout))
         self.more = jax.jit(self._more, donate_argnums=1, static_argnames="view",
                             out_shardings=(self._replicated(), self.layout))
@@ -139,16 +136,19 @@ class Engine:
             self.recompiles += 1
             log.warning("recompile after warm-up: %s %s (%d so far)", what, shape, self.recompiles)
 
+    def _cache_of(self, state, rows: int, positions: int):
+        tokens, zeros = jnp.zeros((rows, 1), jnp.int32), jnp.zeros(rows, jnp.int32)
+        return self.g.forward(state, tokens, zeros, zeros, None, positions, seen=1)[1]  # never seen as it is
+
     def _empty(self, state):
-        tokens = jnp.zeros((self.slots, 1), jnp.int32)
-        zeros = jnp.zeros(self.slots, jnp.int32)
-        return self.g.forward(state, tokens, zeros, zeros, None, self.context, seen=1)[1]  # never seen as it is
+        return self._cache_of(state, self.slots, self.context)
 
     def _fresh_row(self, state, tokens, length):
+        """A prompt's first chunk from nothing: the token after it, and a row holding the chunk's positions only
+        (written over the start of its slot; what lies past it there is never attended)."""
         zero = jnp.zeros(1, jnp.int32)
         with partition.activate(self.g.mesh, self.one_rules):
-            return self.g.forward(state, tokens, zero, zero, None, self.context, end=length, last=length - 1,
-                                  seen=tokens.shape[1])
+            return self.g.forward(state, tokens, zero, zero, None, tokens.shape[1], end=length, last=length - 1)
 
     def _pick(self, logits, count, temperature, top_k, top_p, logprobs) -> Picked:
         """Each row's token, and its log-probabilities where `logprobs` (a flag: some request asks for them)."""
@@ -159,8 +159,14 @@ class Engine:
         return Picked(tokens, *jax.lax.cond(logprobs, lambda: sampling.log_probs(logits, tokens, top), none))
 
     def _write(self, cache, row, slot):
-        return jax.tree.map(lambda c, r, axis: jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), slot, axis),
-                            cache, row, self.axes)
+        """`row` into `slot` of the cache, from its first position (the row may hold fewer)."""
+        def put(c, r, axis):
+            start = [0] * c.ndim
+            if axis is not None:
+                start[axis] = slot
+            return jax.lax.dynamic_update_slice(c, r.astype(c.dtype), start)
+
+        return jax.tree.map(put, cache, row, self.axes)
 
     def _first(self, state, cache, slot, tokens, length, count, temperature, top_k, top_p):
         """A prompt's first chunk into `slot`, right-padded to its bucket: the token after it, and the cache."""
@@ -242,7 +248,7 @@ class Engine:
         return picked
 
     def rows(self, active: int) -> int:
-        """How many rows a step computes for `active` running slots: a power of two, or all the slots."""
+        """How many rows a step computes for `active` running slots: a power of four, or all the slots."""
         return next((r for r in self.row_buckets if r >= active), self.slots)
 
     def advance(self, tokens, index, temperature, top_k, top_p, steps: int = 1, active=None,
@@ -290,8 +296,8 @@ class Engine:
 
 def _take(leaf, axis: int, rows, positions: int | None, view: int):
     """`rows` of a cache leaf along its slot axis, and of those the first `view` positions."""
-    part = jnp.take(leaf, rows, axis=axis)
-    return part if positions is None else jax.lax.slice_in_dim(part, 0, view, axis=positions)
+    part = leaf if positions is None else jax.lax.slice_in_dim(leaf, 0, view, axis=positions)
+    return jnp.take(part, rows, axis=axis)
 
 
 def _put(leaf, part, axis: int, rows, positions: int | None, view: int):
