@@ -177,10 +177,11 @@ class Engine:
     def _more(self, state, cache, slot, tokens, index, length, count, temperature, top_k, top_p, view: int):
         """The next whole chunk of `slot`'s prompt, written from `index` (the prompt ends at `length`)."""
         self._traced("prefill", (tokens.shape, view))
-        row = jax.tree.map(lambda c, axis: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis), cache, self.axes)
+        row = jax.tree.map(lambda c, axis, pos: _take(c, axis, slot[None], pos, view), cache, self.axes,
+                           self.position_axes)  # the slot's first `view` positions: all its chunks so far
         last = jnp.clip(length - index - 1, 0, tokens.shape[1] - 1)
         with partition.activate(self.g.mesh, self.one_rules):
-            logits, row = self.g.forward(state, tokens, index, jnp.zeros(1, jnp.int32), row, self.context,
+            logits, row = self.g.forward(state, tokens, index, jnp.zeros(1, jnp.int32), row, view,
                                          end=length, last=last, seen=view)
         return self._pick(logits, count * self.burst, temperature, top_k, top_p, True), self._write(cache, row, slot)
 
