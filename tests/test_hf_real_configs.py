@@ -301,6 +301,13 @@ def test_without_a_source_folder_the_export_is_the_parameters_dtype_and_a_minima
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {"_from_model_config": True}
     transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
+    kept = tmp_path / "tokenizer"  # a run's tokenizer copy keeps its folder's generation_config.json: it wins
+    kept.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(FIXTURES / "llama-2-7b-hf" / name, kept / name)
+    write.write_folder(nnx.split(loaded, nnx.Param, ...)[1], "gpt", Folder(str(path)).gpt_kwargs(), tmp_path / "hf2",
+                       kept)
+    assert (tmp_path / "hf2" / "generation_config.json").read_bytes() == (kept / "generation_config.json").read_bytes()
 
 
 def test_a_gpt_with_biases_on_every_layer_but_the_gate_exports_its_gate_bias_as_zeros(tmp_path):

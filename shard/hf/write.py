@@ -158,7 +158,8 @@ def _finish(scratch: Path, out: Path, files: list, total: int, config: dict, tok
     given = source.path / GENERATION if source is not None else None
     if given is not None and given.is_file():
         shutil.copyfile(given, scratch / GENERATION)
-    else:  # what transformers derives from config.json where a folder has none
+    elif not (scratch / GENERATION).is_file():  # else the run's tokenizer copy's; else what transformers derives
+        # from config.json where a folder has none
         ids = {k: config[k] for k in SPECIAL_IDS if config.get(k) is not None}
         (scratch / GENERATION).write_text(json.dumps({"_from_model_config": True, **ids}, indent=2))
     if out.exists():  # an empty folder (checked by the caller) gives way
