@@ -87,8 +87,9 @@ def serve(args, overrides, whole_mesh) -> int:
     context = sized_context(args, generator, build, loaded.cfg.run, log)
     slots = build(context)
     log.info("cache: %s per device (%d slots x %d positions), allocated", _size(slots.allocate()), args.slots, context)
-    log.info("warming up: %d programs (prefill chunks of up to %d tokens in buckets %s, views %s, steps of 1 and "
-             "%d tokens)", slots.programs(), slots.chunk, slots.buckets, slots.views, slots.burst)
+    log.info("warming up: %d programs (prefill chunks of up to %d tokens in buckets %s; steps of up to %d tokens "
+             "over %s rows; views %s)", slots.programs(), slots.chunk, slots.buckets, slots.burst, slots.row_buckets,
+             slots.views)
     slots.warm_up()
     name = args.name or folder.name
     template = chat.Template(tok)
