@@ -83,8 +83,9 @@ class Calls:
 
     def write(self, new: dict) -> dict:
         """Attention's entry: `new` (name -> (batch, length, heads, head_dim)) written at each row's slots of
-        this call's cache (an empty one at the prefill), and the cache's arrays for this layer. In a stack the
-        tokens go straight into the stacked cache, so that a step updates it in place rather than copying it."""
+        this call's cache (an empty one at the prefill), and this layer's cache up to `seen`. In a stack the
+        tokens go straight into the stacked cache, so that a step updates it in place rather than copying it,
+        and only the slots attended over are read out of it."""
         stacked = self._given()
         batch, length = next(iter(new.values())).shape[:2]
         rows, slots = jnp.arange(batch)[:, None], self.slots(length)
@@ -98,7 +99,9 @@ class Calls:
         entry = {n: constrain(stacked[n].at[self.layer, rows, slots].set(x.astype(stacked[n].dtype)),
                               (None, *CACHE_NAMES)) for n, x in new.items()}
         self.made.append(entry)
-        return {n: a[self.layer] for n, a in entry.items()}
+        width = self.seen or self.capacity
+        return {n: jax.lax.dynamic_slice(a, (self.layer, *(0,) * (a.ndim - 1)), (1, a.shape[1], width, *a.shape[3:]))[0]
+                for n, a in entry.items()}
 
     def inner(self, given, layer: jax.Array | None = None) -> "Calls":
         """The calls of one layer inside a stack, at the same position: `given`, the layer's own entries, or
