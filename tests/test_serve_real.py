@@ -97,11 +97,11 @@ def test_a_smaller_device_caps_the_context_and_a_context_that_cannot_fit_is_refu
                                  loaded.cfg.run, logging.getLogger("shard.serve"))
 
     with caplog.at_level(logging.INFO, logger="shard.serve"):
-        capped = sized(memory_gb=0.02)
+        capped = sized(memory_gb=0.2)
     assert 1000 < capped < POSITIONS and f"context capped at {capped} (the model's is {POSITIONS})" in caplog.text
-    assert sized(context=1000, memory_gb=0.02) == 1000
+    assert sized(context=1000, memory_gb=0.2) == 1000
     with pytest.raises(UserError, match=f"the cache cannot fit: 2 slots x {POSITIONS} positions need 64.0 MiB"):
-        sized(context=POSITIONS, memory_gb=0.02)
+        sized(context=POSITIONS, memory_gb=0.2)
     with pytest.raises(UserError, match="fewer --slots"):
         sized(memory_gb=0.005)
     with pytest.raises(UserError, match=f"--context 200000: the model's positions end at {POSITIONS}"):

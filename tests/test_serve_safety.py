@@ -14,7 +14,7 @@ from shard import config
 from shard.core import registry
 from shard.core import state as state_lib
 from shard.data import tokenizer as tokenizer_lib
-from shard.serve import app, chat, engine, scheduler
+from shard.serve import app, chat, engine, protocol, scheduler
 from shard.use import generate
 
 httpx = pytest.importorskip("httpx")
@@ -96,6 +96,38 @@ def test_a_cancelled_request_frees_its_slot_within_one_round_in_every_slot(queue
         assert queue.active[victim] is (waiting[0] if queued else None), (victim, queued)
         assert queue.cancelled == 1 and running[victim].finish == "cancelled"
         assert [r.finish for i, r in enumerate(running) if i != victim] == [None] * (slots - 1)
+
+
+def test_requests_whose_client_left_take_no_place_in_the_queue():
+    queue = scheduler.Scheduler(Scripted(1, [ord("a")]), BYTES, max_queue=1)
+    gone = scheduler.Request([1], 5)
+    queue.submit(gone)
+    gone.cancelled = True
+    queue.submit(scheduler.Request([2], 5))  # the queue holds one, and the one there left
+    with pytest.raises(scheduler.QueueFull):
+        queue.submit(scheduler.Request([3], 5))
+
+
+def test_a_failure_anywhere_in_the_loop_ends_every_request_it_holds():
+    """Not only a program: a tokenizer that fails while decoding an answer ends the running and the waiting
+    requests with the reason, and the loop goes on."""
+    class Failing(type(BYTES)):
+        def stream(self, prompt):
+            raise ValueError("the decoder broke")
+
+    queue = scheduler.Scheduler(Scripted(1, [ord("a")]), Failing(), max_queue=8)
+    requests = [scheduler.Request([1], 5) for _ in range(3)]
+    for request in requests:
+        queue.submit(request)
+    queue.start()
+    try:
+        for request in requests:
+            while request.finish is None:
+                time.sleep(0.01)
+    finally:
+        queue.stop()
+    assert [r.finish for r in requests] == ["error"] * 3
+    assert drained(requests[0])[-1].error == "ValueError: the decoder broke" and queue.thread is not None
 
 
 def test_cancelled_requests_still_waiting_never_take_a_slot():
@@ -235,6 +267,8 @@ def test_bodies_past_the_limit_get_413_before_they_are_read_whole_and_stop_lists
     assert penalty.status_code == 400 and penalty.json()["error"]["param"] == "presence_penalty"
     assert logprobs.status_code == 400 and logprobs.json()["error"]["param"] == "logprobs"
     assert top.status_code == 400 and top.json()["error"]["param"] == "top_logprobs"
+    one = protocol.parse(b'{"prompt": "x", "stop": "a stop longer than four"}', protocol.Completion)
+    assert one.stops() == ("a stop longer than four",)  # one string of any length: the limit is on the list
 
 
 def test_tokenizing_a_large_prompt_does_not_stall_the_event_loop():

@@ -79,7 +79,10 @@ def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int, m
             if len(prompt) != 1:
                 raise BadRequest(f"prompt: {len(prompt)} prompts; this server takes one per request", "prompt")
             prompt = prompt[0]
-        return body, tokenizer.prompt(prompt) if isinstance(prompt, str) else list(prompt)
+        tokens = tokenizer.prompt(prompt) if isinstance(prompt, str) else list(prompt)
+        if any(not 0 <= t < tokenizer.vocab_size for t in tokens):  # here, off the event loop: ids can be many
+            raise BadRequest(f"prompt: token ids must be in [0, {tokenizer.vocab_size})", "prompt")
+        return body, tokens
 
     def chat_tokens(raw: bytes):
         body = protocol.parse(raw, protocol.Chat)
@@ -94,8 +97,6 @@ def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int, m
             raise BadRequest(f"model {body.model!r} is not served here; this server serves {name!r}", "model")
         if not tokens:
             raise BadRequest(f"{field}: empty; give at least one token", field)
-        if any(not 0 <= t < tokenizer.vocab_size for t in tokens):
-            raise BadRequest(f"{field}: token ids must be in [0, {tokenizer.vocab_size})", field)
         room = capacity - len(tokens)
         if room < 1:
             raise BadRequest(f"{field}: {len(tokens)} tokens; this server's context is {capacity} tokens (prompt "

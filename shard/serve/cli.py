@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="of the sampling keys")
     load.add_loading_arguments(parser)
     args, overrides, whole_mesh = load.parse_loading(parser, argv)
-    for flag, value, least in (("--slots", args.slots, 1), ("--max-queue", args.max_queue, 0),
+    for flag, value, least in (("--slots", args.slots, 1), ("--max-queue", args.max_queue, 1),
                                ("--context", args.context, 2), ("--prefill-chunk", args.prefill_chunk, 8),
                                ("--burst", args.burst, 1), ("--max-body", args.max_body, 1)):
         if value is not None and value < least:
@@ -119,6 +119,7 @@ def sized_context(args, generator, build, run_cfg, log) -> int:
     if args.context is not None and limit is not None and args.context > limit:
         raise UserError(f"--context {args.context}: the model's positions end at {limit}; give at most {limit}")
     wanted = args.context or limit or DEFAULT_CONTEXT
+    probe = build(wanted)  # its chunk, vocabulary and row counts (its shapes are traced, nothing compiled)
     small, large = build(SMALLEST_CONTEXT).cache_bytes(), build(2 * SMALLEST_CONTEXT).cache_bytes()
     per_position = (large - small) / SMALLEST_CONTEXT
     fixed = small - per_position * SMALLEST_CONTEXT
@@ -129,11 +130,21 @@ def sized_context(args, generator, build, run_cfg, log) -> int:
         log.info("cache: %s per device for %d positions (the device's memory is not known: not checked)",
                  _size(need(wanted)), wanted)
         return wanted
-    weights = max(sum(leaf.addressable_shards[0].data.nbytes for leaf in _arrays(generator.state)), 0)
-    room = int(MEMORY_SHARE * memory) - weights
-    fits = int((room - fixed) // per_position) if per_position else wanted
-    said = (f"{args.slots} slots x {wanted} positions need {_size(need(wanted))} of cache per device; with the "
-            f"weights' {_size(weights)}, {MEMORY_SHARE:.0%} of the device's {_size(memory)} leaves {_size(max(room, 0))}")
+    arrays = _arrays(generator.state)
+    weights = sum(leaf.addressable_shards[0].data.nbytes for leaf in arrays)
+    # the programs' own work: the weights cast to the compute dtype, a prefill chunk's logits, the copies of
+    # the cache a step over a few rows or a long prompt's chunk makes (Engine.working_share)
+    cast = sum(leaf.addressable_shards[0].data.size * generator.dtype.itemsize for leaf in arrays
+               if jnp_floating(leaf) and leaf.dtype != generator.dtype)
+    logits = probe.chunk * probe.vocab * 4
+    share = 1 + probe.working_share()
+    room = int(MEMORY_SHARE * memory) - weights - cast - logits
+    fits = int((room / share - fixed) // per_position) if per_position else wanted
+    said = (f"{args.slots} slots x {wanted} positions need {_size(need(wanted))} of cache per device, and "
+            f"{probe.working_share():.0%} more for the programs' copies of it; with the weights' {_size(weights)}"
+            + (f", their {_size(cast)} cast to {generator.dtype.name}" if cast else "")
+            + f" and a prefill's {_size(logits)} of logits, {MEMORY_SHARE:.0%} of the device's {_size(memory)} "
+            f"leaves {_size(max(room, 0))}")
     if fits >= wanted:
         log.info("cache: %s", said)
         return wanted
@@ -143,6 +154,12 @@ def sized_context(args, generator, build, run_cfg, log) -> int:
         raise UserError(f"the cache cannot fit: {said}; {hint} (run.device_memory_gb sets the device's memory)")
     log.info("context capped at %d (the model's is %d): %s; --context sets it", fits, wanted, said)
     return fits
+
+
+def jnp_floating(leaf) -> bool:
+    import jax.numpy as jnp
+
+    return jnp.issubdtype(leaf.dtype, jnp.floating)
 
 
 def jax_device():

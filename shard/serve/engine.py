@@ -9,7 +9,8 @@ logged and counted):
   so every later chunk is whole and none writes past the context; a chunk bounds the prefill's memory
   whatever the context;
 - `step`: the running slots one token further, or up to `burst` tokens in one call while no request waits;
-  compiled for 1, 4, 16, ... rows and all the slots (a lone request does not pay for idle slots).
+  compiled for 1, 4, 16, ... rows (up to a quarter of the slots) and all of them (a lone request does not
+  pay for idle slots).
 Each attends over a view, the first `128 * 2^k` slots (or the context) holding every position written, so
 a short request on a long-context server does not pay for the whole context. Each slot keeps its own write
 slot (shard/use/decoding.py), so sequences that began at different times share a step. The cache carries
@@ -82,7 +83,8 @@ class Engine:
                                                               if x != y), None), shapes, other)
         self.axes = moved(jax.eval_shape(lambda s: self._cache_of(s, slots + 1, context), generator.state))
         self.position_axes = moved(jax.eval_shape(lambda s: self._cache_of(s, slots, context + 1), generator.state))
-        self.row_buckets = [r for r in (1, 4, 16, 64, 256) if r < slots] + [slots]  # each: a program per view
+        # each a program per view; at most a quarter of the slots below all of them, as their copy takes memory
+        self.row_buckets = [r for r in (1, 4, 16, 64) if r <= slots // 4] + [slots]
         self.first = jax.jit(self._first, donate_argnums=1, out_shardings=(self._replicated(), self.layout))
         self.more = jax.jit(self._more, donate_argnums=1, static_argnames="view",
                             out_shardings=(self._replicated(), self.layout))
@@ -115,6 +117,11 @@ class Engine:
         return sum(math.prod(s.shape if lay is None else lay.shard_shape(s.shape)) * s.dtype.itemsize
                    for s, lay in zip(jax.tree.leaves(shapes), layouts))
 
+    def working_share(self) -> float:
+        """The cache's share the programs copy beside it: a step over a few rows carries their slots (in and
+        out), a long prompt's chunk one slot's."""
+        return 2 * max((r for r in self.row_buckets if r < self.slots), default=0) / self.slots + 1 / self.slots
+
     def allocate(self) -> int:
         """The slots' cache, empty; its bytes on one device (as allocated)."""
         with partition.activate(self.g.mesh, self.rules):
@@ -122,8 +129,15 @@ class Engine:
         return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(self.cache))
 
     def intact(self) -> bool:
-        """Whether the cache still exists: a program that failed after its inputs were donated leaves it gone."""
-        return self.cache is not None and not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache))
+        """Whether the cache still exists and holds values: a program that failed after its inputs were donated
+        leaves it gone, one that failed on the device leaves it holding the error."""
+        if self.cache is None or any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
+            return False
+        try:
+            jax.block_until_ready(self.cache)
+        except Exception:
+            return False
+        return True
 
     # ------------------------------------------------------------------ the traced programs
 
@@ -249,7 +263,8 @@ class Engine:
         return picked
 
     def rows(self, active: int) -> int:
-        """How many rows a step computes for `active` running slots: a power of four, or all the slots."""
+        """How many rows a step computes for `active` running slots: a power of four up to a quarter of the
+        slots, or all of them."""
         return next((r for r in self.row_buckets if r >= active), self.slots)
 
     def advance(self, tokens, index, temperature, top_k, top_p, steps: int = 1, active=None,
@@ -289,9 +304,9 @@ class Engine:
                 with partition.activate(self.g.mesh, self.rules):
                     self._next_chunk(0, [0] * self.chunk, view - self.chunk, np.array([view], np.int32),
                                      self.settings(1))
-            for rows in self.row_buckets:
-                self.advance(np.zeros(self.slots, np.int32), np.full(self.slots, max(view - self.burst, 0), np.int32),
-                             *self.settings(self.slots), steps=self.burst, active=range(rows))
+            for rows in self.row_buckets:  # one step at the view's last slot: the program takes any count of steps
+                self.advance(np.zeros(self.slots, np.int32), np.full(self.slots, view - 1, np.int32),
+                             *self.settings(self.slots), steps=1, active=range(rows))
         self.warm = True
 
 

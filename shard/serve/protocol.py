@@ -7,6 +7,7 @@ silently dropped."""
 import json
 import time
 import uuid
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -39,7 +40,7 @@ class Sampled(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # not OpenAI's, but vLLM's and TGI's: 0 keeps all tokens
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOPS)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     n: int = Field(1, ge=1, le=1)  # one choice per request
     stream: bool = False
     stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the token counts

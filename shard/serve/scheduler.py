@@ -99,8 +99,9 @@ class Scheduler:
         with self.lock:
             if self.unhealthy():
                 raise Unhealthy(self.unhealthy())
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting (the queue holds {self.max_queue})")
+            waiting = sum(not r.cancelled for r in self.waiting)  # those whose client left take no place
+            if waiting >= self.max_queue:
+                raise QueueFull(f"{waiting} requests are waiting (the queue holds {self.max_queue})")
             self.waiting.append(request)
         self.wake.set()
 
@@ -130,7 +131,12 @@ class Scheduler:
 
     def _loop(self) -> None:
         while True:
-            if self.tick():
+            try:
+                if self.tick():
+                    continue
+            except Exception as e:  # anything else that fails: every request held ends, none is left waiting
+                log.exception("the engine loop failed; ending every request it holds")
+                self._end_all(_reason(e))
                 continue
             if self.stopping and not self.waiting:
                 return
@@ -180,16 +186,23 @@ class Scheduler:
                 self.index[slot], self.last[slot] = len(request.prompt), picked.tokens
                 self._took(slot, picked.tokens, picked.logprobs, picked.top_ids, picked.top_logprobs)
         if self.problem:  # nothing can start: those waiting are answered now, not left hanging
-            with self.lock:
-                waiting, self.waiting = list(self.waiting), collections.deque()
-            for request in waiting:
-                request.finish = "error"
-                request.emit(Piece("", [], "error", self.problem))
+            self._end_all(self.problem)
+
+    def _end_all(self, reason: str) -> None:
+        for slot, request in enumerate(self.active):
+            if request is not None:
+                self._finish(slot, "error", error=reason)
+        with self.lock:
+            waiting, self.waiting = list(self.waiting), collections.deque()
+        for request in waiting:
+            request.finish = "error"
+            request.emit(Piece("", [], "error", reason))
+        self._recover()
 
     def _recover(self) -> None:
         """After a failure: the requests still in the cache go on where it survived; else they end, and a fresh
         cache is made (or, failing that, the engine is unhealthy)."""
-        if self.engine.intact():
+        if self.problem or self.engine.intact():
             return
         for slot, request in enumerate(self.active):
             if request is not None:
@@ -270,7 +283,7 @@ class Scheduler:
             text = request.held + request.decoder.flush() if text is None else text
             request.emit(Piece(text, self._unsent(request), reason))
         self.active[slot], self.index[slot], self.last[slot] = None, 0, 0
-        self.served += reason != "error"
+        self.served += reason not in ("error", "cancelled")
 
 
 def _reason(error: Exception) -> str:
