@@ -161,6 +161,30 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert wire == pytest.approx(5 * 2 * 3 / 4 * 32 + 1 / 2 * 72 + 24 + 8)
 
 
+def test_an_instruction_whose_attributes_span_lines_keeps_the_rest_of_its_computation():
+    """A Pallas kernel's custom-call prints its backend_config and frontend_attributes over several lines, some
+    starting with `}`: the collectives after it in the loop body still count, with the loop's trip count."""
+    text = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %k = f32[8]{0} custom-call(%x), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":
+{"body": "a } b {", "cost_estimate": {"flops": 10}}
+}, frontend_attributes={kernel_name="splash_mha_fwd",
+kernel_metadata="{\\"block_q\\": 512}"
+}
+  %ar = f32[8]{0} all-reduce(f32[8]{0} %k), replica_groups=[2,4]<=[8], to_apply=%add
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"20"}}
+}
+"""
+    comps, entry = hlo.computations(text)
+    assert entry == "main" and len(comps["body"]) == 2 and comps["body"][0].count("splash_mha_fwd") == 1
+    (reduce,) = hlo.collectives(text, 8)
+    assert (reduce.kind, reduce.count, reduce.group) == ("all-reduce", 20, 4)
+
+
 def test_mesh_auto_trains_with_the_chosen_mesh_and_says_why(tmp_path):
     done = run_cli(*TINY_GPT, "run.cpu_devices=2", "mesh=auto", f"run.dir={tmp_path}", "train.steps=2",
                    "run.progress=false", "train.sample_len=0", "train.eval_batches=1", "checkpoint.enabled=false")

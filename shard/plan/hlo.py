@@ -88,22 +88,45 @@ def _senders(line: str, n_devices: int) -> float:
 
 
 def computations(text: str) -> tuple[dict[str, list[str]], str]:
-    """(computation name -> its lines, the entry computation's name)."""
+    """(computation name -> its instructions, one a line, the entry computation's name). An instruction whose
+    attributes span lines (a Pallas kernel's backend_config and frontend_attributes) is joined into one, so a
+    line of it that starts with `}` does not end its computation."""
     out: dict[str, list[str]] = {}
     current = entry = None
+    pending, depth, quoted = "", 0, False
     for line in text.splitlines():
-        header = _HEADER.match(line)
-        if header and not line.startswith(" "):
-            current = header.group(2)
-            out[current] = []
-            if header.group(1):
-                entry = current
+        if current is None:
+            header = _HEADER.match(line)
+            if header and not line.startswith(" "):
+                current = header.group(2)
+                out[current] = []
+                if header.group(1):
+                    entry = current
             continue
-        if line.startswith("}"):
+        if not pending and line.startswith("}"):  # the computation's own closing brace
             current = None
-        elif current is not None:
-            out[current].append(line)
+            continue
+        pending = f"{pending} {line.strip()}" if pending else line
+        depth, quoted = _balance(line, depth, quoted)
+        if depth <= 0 and not quoted:
+            out[current].append(pending)
+            pending, depth = "", 0
     return out, entry
+
+
+def _balance(line: str, depth: int, quoted: bool) -> tuple[int, bool]:
+    """Brackets left open after `line`, and whether a quoted string is, counting none inside strings."""
+    escaped = False
+    for ch in line:
+        if quoted:
+            escaped, quoted = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            quoted = True
+        elif ch in "{([":
+            depth += 1
+        elif ch in "})]":
+            depth -= 1
+    return depth, quoted
 
 
 def trip_count(line: str, comps: dict[str, list[str]]) -> int:
