@@ -225,6 +225,29 @@ def test_end_tokens_stop_a_request_and_multi_byte_characters_and_stop_strings_ne
         assert len(pieces) > 5 and all("\ufffd" not in p.text for p in pieces)
 
 
+def test_each_tokens_logprobs_go_with_the_chunk_that_carries_its_text():
+    """A token whose text is held back (it may begin a stop string) is reported with the chunk that sends it."""
+    texts = {1: "ab", 2: "c-", 3: "de", 4: "-", 5: "x"}  # token 2's "-" may begin the stop string "-x"
+
+    class Pieces:
+        def stream(self, prompt):
+            return type("Decoder", (), {"add": lambda _, t: texts[t], "flush": lambda _: ""})()
+
+    queue = scheduler.Scheduler(Scripted(1, [1, 2, 3, 4, 5]), Pieces(), max_queue=8)
+    request = scheduler.Request([1], 9, stop=("-x",), logprobs=1)
+    queue.submit(request)
+    while queue.waiting or any(queue.active):
+        queue.tick()
+    pieces = drained(request)
+    assert "".join(p.text for p in pieces) == "abc-de" and pieces[-1].finish == "stop"
+    sent = released = ""
+    for piece in pieces:  # a token goes with the chunk that completes its text, never before
+        sent += piece.text
+        released += "".join(t.text for t in piece.tokens)
+        assert sent.startswith(released) or piece.finish, (sent, released)
+    assert [t.id for p in pieces for t in p.tokens] == [1, 2, 3, 4, 5]
+
+
 def test_a_burst_decodes_several_tokens_per_call_only_while_no_one_waits():
     scripted = Scripted(2, [ord("a")], burst=4)
     calls = []

@@ -264,11 +264,18 @@ class Scheduler:
         ready = len(text) - held_back(text, request.stop)
         request.held = text[ready:]
         if ready:
-            request.emit(Piece(text[:ready], self._unsent(request)))
+            request.emit(Piece(text[:ready], self._unsent(request, keep=len(request.held))))
 
     @staticmethod
-    def _unsent(request: Request) -> list[Token]:
-        tokens, request.unsent = request.unsent, []
+    def _unsent(request: Request, keep: int = 0) -> list[Token]:
+        """The tokens not yet sent whose text goes out now: all but those ending in the `keep` characters held
+        back (their log-probabilities go with the chunk that carries their text)."""
+        left = sum(len(t.text) for t in request.unsent)
+        out = 0
+        while out < len(request.unsent) and left - len(request.unsent[out].text) >= keep:
+            left -= len(request.unsent[out].text)
+            out += 1
+        tokens, request.unsent = request.unsent[:out], request.unsent[out:]
         return tokens
 
     def _finish(self, slot: int, reason: str, text: str | None = None, error: str | None = None) -> None:
