@@ -9,6 +9,7 @@ need (warm-up), then serves until SIGTERM or Ctrl-C: it stops taking connections
 requests, and exits 0."""
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -82,8 +83,9 @@ def serve(args, overrides, whole_mesh) -> int:
     if not generator.caches():
         raise UserError(f"model {loaded.cfg.model.name}: its attention or recurrence does not go through shard.hooks, "
                         "so it keeps no cache to serve from; python -m shard.generate still runs it")
-    build = lambda context: engine.Engine(generator, args.slots, context, tok.vocab_size, seed=args.seed,
-                                          chunk=args.prefill_chunk, burst=args.burst)
+    # one engine per context: sizing builds the one at the wanted context, served as it is where it fits
+    build = functools.cache(lambda context: engine.Engine(generator, args.slots, context, tok.vocab_size,
+                                                          seed=args.seed, chunk=args.prefill_chunk, burst=args.burst))
     context = sized_context(args, generator, build, loaded.cfg.run, log)
     slots = build(context)
     log.info("cache: %s per device (%d slots x %d positions), allocated", _size(slots.allocate()), args.slots, context)
@@ -113,6 +115,10 @@ def sized_context(args, generator, build, run_cfg, log) -> int:
     capped so that the weights and every slot's cache fit the device's memory. Refused (one line) where the
     asked context passes the model's positions or its cache cannot fit; all by arithmetic, before anything is
     compiled or allocated."""
+    import jax
+    import jax.numpy as jnp
+
+    from shard.core import state as state_lib
     from shard.plan import hardware
 
     limit = generator.context
@@ -120,22 +126,22 @@ def sized_context(args, generator, build, run_cfg, log) -> int:
         raise UserError(f"--context {args.context}: the model's positions end at {limit}; give at most {limit}")
     wanted = args.context or limit or DEFAULT_CONTEXT
     probe = build(wanted)  # its chunk, vocabulary and row counts (its shapes are traced, nothing compiled)
-    small, large = build(SMALLEST_CONTEXT).cache_bytes(), build(2 * SMALLEST_CONTEXT).cache_bytes()
+    small, large = probe.cache_bytes(SMALLEST_CONTEXT), probe.cache_bytes(2 * SMALLEST_CONTEXT)
     per_position = (large - small) / SMALLEST_CONTEXT
     fixed = small - per_position * SMALLEST_CONTEXT
     need = lambda context: int(fixed + per_position * context)
-    device = (generator.mesh.devices.flat[0] if generator.mesh is not None else jax_device())
+    device = generator.mesh.devices.flat[0] if generator.mesh is not None else jax.devices()[0]
     memory = hardware.memory_bytes(device, run_cfg.device_memory_gb) or _ram(device)
     if memory is None:
         log.info("cache: %s per device for %d positions (the device's memory is not known: not checked)",
                  _size(need(wanted)), wanted)
         return wanted
-    arrays = _arrays(generator.state)
-    weights = sum(leaf.addressable_shards[0].data.nbytes for leaf in arrays)
+    weights = state_lib.shard_bytes(generator.state)
     # the programs' own work: the weights cast to the compute dtype, a prefill chunk's logits, the copies of
     # the cache a step over a few rows or a long prompt's chunk makes (Engine.working_share)
-    cast = sum(leaf.addressable_shards[0].data.size * generator.dtype.itemsize for leaf in arrays
-               if jnp_floating(leaf) and leaf.dtype != generator.dtype)
+    cast = state_lib.shard_bytes([jax.ShapeDtypeStruct(leaf.shape, generator.dtype, sharding=leaf.sharding)
+                                  for leaf in jax.tree.leaves(generator.state)
+                                  if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != generator.dtype])
     logits = probe.chunk * probe.vocab * 4
     share = 1 + probe.working_share()
     room = int(MEMORY_SHARE * memory) - weights - cast - logits
@@ -156,18 +162,6 @@ def sized_context(args, generator, build, run_cfg, log) -> int:
     return fits
 
 
-def jnp_floating(leaf) -> bool:
-    import jax.numpy as jnp
-
-    return jnp.issubdtype(leaf.dtype, jnp.floating)
-
-
-def jax_device():
-    import jax
-
-    return jax.devices()[0]
-
-
 def _ram(device) -> int | None:
     """A CPU device's memory is the machine's."""
     if device.platform != "cpu":
@@ -176,12 +170,6 @@ def _ram(device) -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return None
-
-
-def _arrays(state):
-    import jax
-
-    return [leaf for leaf in jax.tree.leaves(state) if hasattr(leaf, "addressable_shards")]
 
 
 def _size(n: float) -> str:

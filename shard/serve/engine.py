@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard import partition
+from shard.core import state as state_lib
 from shard.use import decoding, sampling
 from shard.use.generate import Generator
 
@@ -37,26 +38,27 @@ CHUNK = 512   # prompt tokens per prefill call
 BURST = 8     # tokens per step call while no request waits
 
 
-def buckets(chunk: int) -> list[int]:
-    """First-chunk lengths the prefill is compiled for: powers of two from 8, and the whole chunk."""
-    sizes, size = [], SMALLEST_BUCKET
-    while size < chunk:
+SMALLEST_VIEW = 128
+
+
+def doubling(first: int, last: int) -> list[int]:
+    """`first` doubled while it is below `last`, and `last`."""
+    sizes, size = [], first
+    while size < last:
         sizes.append(size)
         size *= 2
-    return sizes + [chunk]
+    return sizes + [last]
 
 
-SMALLEST_VIEW = 128
+def buckets(chunk: int) -> list[int]:
+    """First-chunk lengths the prefill is compiled for: powers of two from 8, and the whole chunk."""
+    return doubling(SMALLEST_BUCKET, chunk)
 
 
 def views(context: int) -> list[int]:
     """The attended prefixes: 128 slots doubled until they hold the context, and the context (each view a set
     of programs to compile; a step attends over at most twice the slots it needs)."""
-    sizes, size = [], SMALLEST_VIEW
-    while size < context:
-        sizes.append(size)
-        size *= 2
-    return sizes + [context]
+    return doubling(SMALLEST_VIEW, context)
 
 
 class Picked(NamedTuple):
@@ -104,18 +106,21 @@ class Engine:
             if leaf.ndim < 4:  # a recurrence's carry: small, on every device
                 return NamedSharding(self.g.mesh, PartitionSpec())
             parts = [None] * (leaf.ndim - 4) + [
-                axes if axes and leaf.shape[leaf.ndim - 4 + i] % _size(self.g.mesh, axes) == 0 else None
+                axes if axes and leaf.shape[leaf.ndim - 4 + i] % math.prod(
+                    self.g.mesh.shape[a] for a in partition.axes_of(axes)) == 0 else None
                 for i, axes in enumerate(spec)]
             return NamedSharding(self.g.mesh, PartitionSpec(*parts))
 
         return jax.tree.map(placed, shapes)
 
-    def cache_bytes(self) -> int:
-        """Bytes of the slots' cache on one device, from its shapes and shardings (nothing allocated)."""
-        shapes = jax.eval_shape(self._empty, self.g.state)
-        layouts = jax.tree.leaves(self.layout) if self.layout is not None else [None] * len(jax.tree.leaves(shapes))
-        return sum(math.prod(s.shape if lay is None else lay.shard_shape(s.shape)) * s.dtype.itemsize
-                   for s, lay in zip(jax.tree.leaves(shapes), layouts))
+    def cache_bytes(self, context: int | None = None) -> int:
+        """Bytes of the slots' cache on one device for `context` positions (default: this engine's), from its
+        shapes and shardings (nothing allocated)."""
+        shapes = jax.eval_shape(lambda s: self._cache_of(s, self.slots, context or self.context), self.g.state)
+        if self.g.mesh is not None:
+            shapes = jax.tree.map(lambda s, lay: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=lay), shapes,
+                                  self._layout(shapes))
+        return state_lib.shard_bytes(shapes)
 
     def working_share(self) -> float:
         """The cache's share the programs copy beside it: a step over a few rows carries their slots (in and
@@ -126,7 +131,7 @@ class Engine:
         """The slots' cache, empty; its bytes on one device (as allocated)."""
         with partition.activate(self.g.mesh, self.rules):
             self.cache = jax.jit(self._empty, out_shardings=self.layout)(self.g.state)
-        return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(self.cache))
+        return state_lib.shard_bytes(self.cache)
 
     def intact(self) -> bool:
         """Whether the cache still exists and holds values: a program that failed after its inputs were donated
@@ -323,7 +328,3 @@ def _put(leaf, part, axis: int, rows, positions: int | None, view: int):
     if positions is not None:
         where[positions] = slice(0, view)
     return leaf.at[tuple(where)].set(part.astype(leaf.dtype))
-
-
-def _size(mesh, axes) -> int:
-    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))

@@ -44,6 +44,7 @@ class Calls:
     made: list = field(default_factory=list)
     end: jax.Array | None = None  # (batch,) int: from this slot on, this call's tokens are padding (None: none)
     seen: int | None = None  # attend over the first `seen` slots only (None: all): no written slot lies past them
+    layer: jax.Array | None = None  # inside a stack, this layer's index: `given` then holds every layer's entries
 
     def slots(self, length: int) -> jax.Array:
         """(batch, length): the cache slots of this call's tokens."""
@@ -58,8 +59,6 @@ class Calls:
         slots = self.slots(length)
         real = slots >= self.start[:, None]
         return real if self.end is None else real & (slots < self.end[:, None])
-
-    layer: jax.Array | None = None  # inside a stack, this layer's index: `given` then holds every layer's entries
 
     def _given(self):
         """The previous pass's entry for the next call, as given (a stack's: every layer's)."""
