@@ -18,7 +18,9 @@ import contextvars
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from shard import attention as attn
 from shard.strategies import context
 from shard.use import decoding
 from shard.errors import UserError
@@ -211,78 +213,20 @@ def layer(fn):
 
 
 # ----------------------------------------------------------------------------- attention
+# The kernels, and which one runs, are shard/attention.py's.
 
-# cuDNN's fused (flash) attention: NVIDIA GPUs, half-precision inputs, head sizes up to 128 in steps of 8.
-CUDNN_DTYPES = ("bfloat16", "float16")
-
-
-def check_attention(attention: str, device, dtype) -> None:
-    """Fail early, in one line, when `train.attention` cannot run on this device and compute dtype."""
-    if attention == "cudnn" and (device.platform != "gpu" or str(dtype) not in CUDNN_DTYPES):
-        raise UserError(f"train.attention=cudnn needs an NVIDIA GPU and train.dtype=bfloat16, got a "
-                        f"{device.platform} device and {dtype}; use train.attention=xla")
-
-
-# Every attention call is a jitted function of (q, k, v), and a packed batch's segment ids, with one of
-# these names, so that shard/core/flops.py finds it in a step's jaxpr and counts its FLOPs from the shapes
-# of the first three, whichever kernel runs inside (XLA's matrix products, or cuDNN's fused primitive that
-# no FLOP count sees).
-CAUSAL_NAME, FULL_NAME = "shard_attention_causal", "shard_attention_full"
-
-
-def _kernel(q, k, v, implementation, is_causal, segments=None):
-    if implementation == "xla" and jax.default_backend() == "cpu":
-        return _cpu_attention(q, k, v, is_causal, segments)
-    if segments is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, implementation=implementation)
-    # Packed rows: a query sees only keys of its own document (padding, id 0, sees padding: no empty row).
-    mask = (segments[:, :, None] == segments[:, None, :])[:, None]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, implementation=implementation)
-
-
-def _cpu_attention(q, k, v, is_causal, segments=None):
-    """jax.nn.dot_product_attention's XLA path, written so XLA's CPU backend compiles it faster: the
-    scale applied to the queries rather than the scores, the causal mask one (length, length) table
-    rather than a mask the size of the scores, and the products as 3-D batched products over (batch x
-    key/value heads) with a query head's group folded into its rows, rather than 4-D products and a vmap
-    over groups. The same products and float32 softmax; the default GPT's step on 2 cores: 62.9 -> 59.6
-    ms for the first two, about 2 ms more for the 3-D products (bench/RESULTS.md)."""
-    b, t, heads, d = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
-    groups = heads // kv_heads  # query heads per key/value head (heads = kv_head * groups + group, as JAX's)
-    q = q * jnp.asarray(d ** -0.5, q.dtype)
-    q = q.reshape(b, t, kv_heads, groups, d).transpose(0, 2, 3, 1, 4).reshape(b * kv_heads, groups * t, d)
-    k, v = (a.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, a.shape[-1]) for a in (k, v))
-    scores = jnp.einsum("nqd,nsd->nqs", q, k, preferred_element_type=jnp.float32)
-    mask = jnp.tile(jnp.tri(t, s, dtype=bool), (groups, 1)) if is_causal else None
-    if segments is not None:  # packed rows: a query sees its own document's keys only
-        same = segments[:, :, None] == segments[:, None, :]  # (b, t, s)
-        same = jnp.broadcast_to(same[:, None, None], (b, kv_heads, groups, t, s)).reshape(b * kv_heads, groups * t, s)
-        mask = same if mask is None else mask & same
-    if mask is not None:  # query i sees keys 0..i, aligned at the top left, masked with JAX's large negative
-        scores = jnp.where(mask, scores, -0.7 * jnp.finfo(jnp.float32).max)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("nqs,nsd->nqd", probs, v)
-    return out.reshape(b, kv_heads, groups, t, -1).transpose(0, 3, 1, 2, 4).reshape(b, t, heads, -1)
-
-
-def _named(name: str, is_causal: bool):
-    def fn(q, k, v, implementation, segments=None):  # flops.py reads the shapes of (q, k, v), the first three
-        return _kernel(q, k, v, implementation, is_causal, segments)
-
-    fn.__name__ = fn.__qualname__ = name
-    return jax.jit(fn, static_argnames="implementation")
-
-
-_CALLS = {True: _named(CAUSAL_NAME, True), False: _named(FULL_NAME, False)}
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, window: int | None = None) -> jax.Array:
     """Scaled dot-product attention over (batch, length, heads, head_dim) arrays with the active kernel
-    (`train.attention`): XLA's own (any device), or cuDNN's fused flash attention. A model calls this
-    instead of choosing a kernel; outside the framework it is XLA's."""
-    implementation, split = _ATTENTION.get(), _CONTEXT.get()
+    (`train.attention`: XLA's products, cuDNN's or splash's fused kernel). `window`: a query sees only the
+    `window` nearest keys, itself included (causal: the latest ones). A model calls this instead of choosing
+    a kernel; outside the framework it is XLA's. The inputs and output carry the checkpoint names of
+    shard/attention.py (QUERY, KEY, VALUE, OUTPUT) for remat policies."""
+    q, k, v = (checkpoint_name(x, name) for x, name in ((q, attn.QUERY), (k, attn.KEY), (v, attn.VALUE)))
+    split = _CONTEXT.get()
     if (calls := _DECODE.get()) is not None:  # generating: over the cached keys and values
+        if window is not None:
+            raise UserError("generation keeps no sliding window over its cache yet: a model with attention windows "
+                            "cannot be sampled")
         return decoding.attend(q, k, v, bool(is_causal), calls)
     segments = None
     if (rows := _PACKED.get()) is not None:
@@ -291,16 +235,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool) -> j
             raise UserError(f"data.packing=documents: attention over {q.shape[:2]} (batch, length) queries and "
                             f"{k.shape[1]} keys does not match the batch's segment ids {segments.shape}; packed "
                             "rows need self-attention over whole rows (a pipeline's microbatches do not carry them)")
-        if implementation == "cudnn":
-            raise UserError("train.attention=cudnn with data.packing=documents: jax.nn.dot_product_attention's "
-                            "cuDNN path takes no segment ids; use train.attention=xla")
     if split is not None and split.size > 1:  # the sequence is split over the context devices
-        return context.attention(q, k, v, bool(is_causal), split, segments)
-    head_dim = q.shape[-1]
-    if implementation == "cudnn" and (head_dim > 128 or head_dim % 8):
-        raise UserError(f"train.attention=cudnn needs a head size <= 128 and a multiple of 8, got {head_dim}; "
-                        "use train.attention=xla")
-    return _CALLS[bool(is_causal)](q, k, v, implementation=implementation, segments=segments)
+        if window is not None:
+            raise UserError("mesh.context > 1: the context strategies attend over whole sequences, not sliding "
+                            "windows; use mesh.context=1")
+        out = context.attention(q, k, v, bool(is_causal), split, segments)
+    else:
+        out = attn.run(q, k, v, bool(is_causal), _ATTENTION.get(), segments, window)
+    return checkpoint_name(out, attn.OUTPUT)
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -314,18 +256,3 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     if x.ndim <= 2 or (split is not None and split.size > 1):
         return x @ w
     return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
-
-
-def attention_flops(q_shape, k_shape, v_shape, is_causal: bool) -> float:
-    """Forward FLOPs of one attention call: the scores Q.K^T and the weighted sum P.V, 2 FLOPs per
-    multiply-add, over the (query, key) pairs the output depends on. Causal attention counts only the
-    pairs on or below the diagonal (L(L+1)/2 of L^2 for equal lengths): the work actually needed,
-    which is what a fused kernel does; XLA's own computes the full square and masks half of it."""
-    batch, q_len, heads, head_dim = q_shape
-    k_len, v_dim = k_shape[1], v_shape[-1]
-    if is_causal:  # query i sees keys 0..i (JAX's mask is aligned at the top left)
-        m = min(q_len, k_len)
-        pairs = m * (m + 1) // 2 + (q_len - m) * k_len
-    else:
-        pairs = q_len * k_len
-    return 2.0 * batch * heads * pairs * (head_dim + v_dim)

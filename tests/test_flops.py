@@ -42,7 +42,7 @@ def test_attention_flops_are_the_same_for_the_xla_and_cudnn_kernels(tmp_path, mo
     from shard.run import job
 
     monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 90800)
-    monkeypatch.setattr(job.hooks, "check_attention", lambda *args: None)  # a GPU's check
+    monkeypatch.setattr(job.attn, "check", lambda *args: None)  # a GPU's check
     counts = {}
     for kernel in ("xla", "cudnn"):
         cfg = config.load(None, overrides(tmp_path, *TINY_GPT, "model.n_heads=2", "train.dtype=bfloat16",

@@ -57,15 +57,15 @@ def test_layers_are_scanned_and_remat_policies_change_memory_not_results(train):
 
 
 def test_attention_kernel_is_the_configured_one(monkeypatch):
-    from shard import hooks, partition
+    from shard import attention, hooks, partition
     from shard.errors import UserError
 
     seen = []
     real = jax.nn.dot_product_attention
     monkeypatch.setattr(jax.nn, "dot_product_attention",
                         lambda *a, implementation=None, **kw: seen.append(implementation) or real(*a, **kw))
-    cpu = hooks._cpu_attention  # train.attention=xla on a CPU: the same attention, written for XLA:CPU
-    monkeypatch.setattr(hooks, "_cpu_attention", lambda *a: seen.append("xla") or cpu(*a))
+    cpu = attention.xla_cpu  # train.attention=xla on a CPU: the same attention, written for XLA:CPU
+    monkeypatch.setattr(attention, "xla_cpu", lambda *a: seen.append("xla") or cpu(*a))
     axes = ("data", "expert", "fsdp", "tensor")
     mesh = jax.make_mesh((1,) * 4, axes, axis_types=(jax.sharding.AxisType.Auto,) * 4, devices=jax.devices()[:1])
     with nnx.use_eager_sharding(False):
@@ -85,14 +85,14 @@ def test_attention_kernel_is_the_configured_one(monkeypatch):
 def test_cpu_attention_is_jax_attention(heads, kv_heads, causal, q_len):
     """The CPU formulation of `train.attention=xla` gives jax.nn.dot_product_attention's outputs and
     gradients (grouped heads, a causal mask aligned at the top left for fewer queries than keys)."""
-    from shard import hooks
+    from shard import attention
 
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(kq, (2, q_len, heads, 8))
     k, v = jax.random.normal(kk, (2, 16, kv_heads, 8)), jax.random.normal(kv, (2, 16, kv_heads, 8))
-    ours = lambda q, k, v: jnp.sum(jnp.sin(hooks._cpu_attention(q, k, v, causal)))  # noqa: E731
+    ours = lambda q, k, v: jnp.sum(jnp.sin(attention.xla_cpu(q, k, v, causal)))  # noqa: E731
     ref = lambda q, k, v: jnp.sum(jnp.sin(jax.nn.dot_product_attention(q, k, v, is_causal=causal)))  # noqa: E731
-    np.testing.assert_allclose(hooks._cpu_attention(q, k, v, causal),
+    np.testing.assert_allclose(attention.xla_cpu(q, k, v, causal),
                                jax.nn.dot_product_attention(q, k, v, is_causal=causal), atol=2e-6)
     for got, want in zip(jax.grad(ours, (0, 1, 2))(q, k, v), jax.grad(ref, (0, 1, 2))(q, k, v)):
         np.testing.assert_allclose(got, want, atol=2e-6)

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT, TINY_GPT, TINY_MODELS, overrides
-from shard import config, hooks, partition
+from shard import attention, config, hooks, partition
 from shard.core import state as state_lib
 from shard.core import step as step_lib
 from shard.data import packing
@@ -51,7 +51,7 @@ def test_the_cpu_kernel_masks_documents_as_jax_does(causal):
     b, t, h, kv, d = 2, 16, 4, 2, 8
     q, k, v = (jax.random.normal(key, (b, t, n, d)) for key, n in zip(jax.random.split(jax.random.key(0), 3), (h, kv, kv)))
     segments = jnp.asarray(np.repeat([[1, 2, 3, 0], [1, 1, 2, 2]], 4, axis=1))
-    ours = hooks._cpu_attention(q, k, v, causal, segments)
+    ours = attention.xla_cpu(q, k, v, causal, segments)
     mask = (segments[:, :, None] == segments[:, None, :])[:, None]
     want = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal)
     np.testing.assert_allclose(ours, want, rtol=1e-6, atol=1e-6)

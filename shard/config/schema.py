@@ -100,13 +100,23 @@ class TrainConfig:
     dtype: str = option("float32", "compute dtype; parameters stay float32",
                         choices=("float32", "bfloat16"), job=True)
     loss: str = option("auto", "loss name (see shard/core/losses.py); auto = the task's default", job=True)
-    remat: str = option("none", "activation checkpointing of each scanned layer: keep all, recompute all, "
-                        "or keep matmul outputs", choices=("none", "full", "dots"))
+    remat: str = option("none", "activation checkpointing of each layer: none keeps every activation, full "
+                        "recomputes the layer, dots keeps matmul outputs, qkv keeps the query/key/value projections, "
+                        "attention keeps those and attention's output (recomputes the MLP), offload keeps matmul "
+                        "outputs in host memory (TPU, GPU)",
+                        choices=("none", "full", "dots", "qkv", "attention", "offload"))
+    scan_layers: bool = option(True, "run a model's stacked layers as one scanned layer (fast compile); false "
+                               "writes every layer out (slower compile; the compiler schedules across layers)")
     context_strategy: str = option("all_gather", "attention under mesh.context > 1: all_gather (each device keeps "
                                    "its queries and gathers every key and value) or ring (keys and values pass "
                                    "round the context devices, never whole on one)", choices=("all_gather", "ring"))
-    attention: str = option("xla", "attention kernel: xla (any device) or cudnn (fused flash attention; NVIDIA "
-                            "GPU, bfloat16, head size <= 128)", choices=("xla", "cudnn"))
+    attention: str = option("auto", "attention kernel: auto (splash on TPU, cudnn on an NVIDIA GPU where it "
+                            "applies, else xla), xla (XLA's products, any device: the reference), cudnn (fused flash "
+                            "attention; NVIDIA GPU, bfloat16, head size <= 128) or splash (Pallas splash attention; TPU)",
+                            choices=("auto", "xla", "cudnn", "splash"))
+    attention_precision: str = option("float32", "the XLA attention's logits and softmax: float32, or bfloat16 "
+                                      "(normalised after the value product; less memory, as MaxText does)",
+                                      choices=("float32", "bfloat16"))
     init_from: Optional[str] = option(None, "load parameters only from this checkpoint (run, checkpoints or step folder), e.g. to fine-tune", job=True)
     deterministic: bool = option(False, "bitwise-reproducible GPU kernels (XLA's --xla_gpu_deterministic_ops; "
                                  "slower); CPU runs are deterministic anyway")
@@ -230,6 +240,11 @@ class RunConfig:
                                    "a TPU slice (v4-8, v5e-16, v5p-128, v6e-64; TensorCores on v4/v5p, chips on "
                                    "v5e/v6e) or GPUs (h100x8, h100x16 = two nodes, a100x8, h200x8); with --dry-run "
                                    "or --compare only (nothing runs on it)")
+    compiler_flags: dict = option({}, "XLA/libtpu flags for the compiler, {name: value}, over the target's "
+                                  "recommended ones (shard/plan/chips.yaml); a null value drops a recommended flag")
+    recommended_flags: bool = option(True, "compile for a TPU or GPU (run.target, or the device itself) with the "
+                                     "flags chips.yaml recommends for it (collective fusion, async collectives, "
+                                     "scoped VMEM; the latency-hiding scheduler)")
     target_slices: int = option(1, "run.target's TPU slices (multi-slice: mesh.dcn_* axes cross between them)", min=1)
     search_compiles: int = option(6, "mesh=auto with run.target: how many of the candidates (mesh x train.remat x "
                                   "train.grad_accum) ranked best by formula to compile for the target, besides "

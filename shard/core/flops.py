@@ -7,8 +7,8 @@ scan reports the FLOPs of one layer (and it also counts elementwise work, which 
 leaves out). For a transformer this count is the textbook one: 2 FLOPs per multiply-add, i.e.
 6 x (parameters in matrix multiplies) x tokens for forward and backward, plus attention.
 
-Attention (every call through shard.hooks.attention, whatever the kernel: XLA's matrix products or
-cuDNN's fused primitive, which has no dot_general to count) is counted from the query, key and
+Attention (every call through shard.hooks.attention, whatever the kernel: XLA's matrix products, or
+cuDNN's or splash's fused kernel, which has no dot_general to count) is counted from the query, key and
 value shapes: forward 2 x (query, key) pairs x (head_dim + value dim) per head, backward twice that.
 Causal attention counts the pairs on or below the diagonal, about half the square: the work actually
 needed (the convention of MaxText's and PaLM's MFU), not the masked square XLA's kernel computes.
@@ -18,7 +18,7 @@ MFU and the plan count a trace without it (shard/run/job.py).
 
 import math
 
-from shard import hooks
+from shard import attention
 
 
 try:  # the jaxpr types moved between JAX versions
@@ -35,9 +35,6 @@ def _sub_jaxprs(value):
     elif isinstance(value, (tuple, list)):
         for v in value:
             yield from _sub_jaxprs(v)
-
-
-ATTENTION_CALLS = {hooks.CAUSAL_NAME: True, hooks.FULL_NAME: False}  # jitted call's name -> causal
 
 
 def train_step_flops(train_jaxpr: Jaxpr, forward_jaxpr: Jaxpr) -> float:
@@ -70,19 +67,19 @@ def jaxpr_flops(jaxpr: Jaxpr) -> float:
 def attention_flops(jaxpr: Jaxpr) -> float:
     """Forward FLOPs of the attention calls in a forward (not differentiated) jaxpr, from their shapes."""
     def eqn_flops(eqn) -> float:
-        causal = _attention_call(eqn)
-        if causal is None:
+        call = _attention_call(eqn)
+        if call is None:
             return None
-        return hooks.attention_flops(*(v.aval.shape for v in eqn.invars[:3]), causal)  # q, k, v (then segment ids)
+        return attention.flops(*(v.aval.shape for v in eqn.invars[:3]), *call)  # q, k, v (then segment ids)
 
     return _walk(jaxpr, eqn_flops)
 
 
-def _attention_call(eqn) -> bool | None:
-    """Whether this equation is a call of shard.hooks.attention (causal or not), else None."""
+def _attention_call(eqn) -> tuple | None:
+    """(is_causal, window) of an equation that calls an attention kernel (shard/attention.py), else None."""
     if eqn.primitive.name not in ("pjit", "jit"):
         return None
-    return ATTENTION_CALLS.get(eqn.params.get("name"))
+    return attention.call_of(eqn.params.get("name") or "")
 
 
 def _walk(jaxpr: Jaxpr, eqn_flops) -> float:

@@ -23,6 +23,7 @@ from shard.strategies import gradients
 from shard.strategies import registry as strategies
 from shard.strategies.base import Strategy
 from shard.run import distributed
+from shard import attention as attn
 from shard import hf, hooks, partition, paths
 from shard.hf import read as hf_read
 from shard.core import blame, losses, optim, registry
@@ -135,7 +136,7 @@ class Placement:
 def workload(cfg: config_lib.Config, devices: list) -> Workload:
     """Model, data, loss and optimizer for cfg, checked against each other and the devices (nothing
     allocated)."""
-    hooks.check_attention(cfg.train.attention, devices[0], jnp.dtype(cfg.train.dtype))
+    attn.check(cfg.train.attention, devices[0], jnp.dtype(cfg.train.dtype))
     model_cls, kwargs = registry.load(cfg.model)
     kwargs = with_vocabulary(cfg, model_cls, kwargs)
     resolved = config_lib.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, kwargs))
@@ -147,7 +148,7 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
     batch, eval_batch = data.abstract_batch(), data.abstract_batch(eval=True)
     # The model's FLOPs do not depend on the mesh: traced once, without rules and without remat (MFU
     # counts the model's work, not a recomputed forward), with the configured attention kernel.
-    with hooks.use(attention=cfg.train.attention):
+    with hooks.use(attention=cfg.train.attention), attn.configured(cfg.train.attention_precision, devices[0]):
         with hooks.watch_stacks() as stacks:  # one forward: each stack the model runs, once
             forward = step_lib.model_forward(graphdef, abstract, batch, dtype, cfg.model.name, data.num_classes)
         try:  # the loss alone on the model's outputs: blamed only for what fails there
@@ -205,7 +206,8 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
     rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
     active = strategies.build(cfg, dict(mesh.shape), rules, work)
     traced = {k: v for s in active for k, v in s.hooks().items()}
-    with partition.activate(mesh, rules), hooks.use(cfg.train.remat, cfg.train.attention, **traced):
+    with partition.activate(mesh, rules), hooks.use(cfg.train.remat, cfg.train.attention, **traced), \
+            attn.configured(cfg.train.attention_precision, devices[0]):
         place = Placement(cfg, work, mesh, rules, state_lib.auto_min_size(cfg.mesh), active)
         shardings = state_lib.state_shardings(work.abstract, mesh, rules, place.auto_min)
         for s in active:

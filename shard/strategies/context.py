@@ -243,10 +243,10 @@ def settings(cfg, mesh_shape: dict, work) -> Split | None:
     n = mesh_shape[AXIS]
     if n == 1:
         return None
-    if cfg.train.attention != "xla":
+    if cfg.train.attention not in ("auto", "xla"):  # auto: the strategy's own attention
         raise UserError(f"train.attention={cfg.train.attention} with mesh.context={n}: the fused kernel takes whole "
                         "sequences, and the context strategies compute attention from their chunks with XLA's "
-                        "matrix products; use train.attention=xla")
+                        "matrix products; use train.attention=auto or xla")
     order = None
     if work.data.task == "lm":  # causal: the load-balanced layout
         length = work.batch["inputs"].shape[1]

@@ -1,0 +1,342 @@
+"""Attention kernels: which one runs (`train.attention`), and each of them.
+
+- xla: the products and softmax written out for XLA, on any device; the reference. On a CPU a formulation
+  XLA:CPU compiles faster; elsewhere jax.nn.dot_product_attention's. `train.attention_precision=bfloat16`
+  computes its logits and softmax in bfloat16 and normalises after the value product, as MaxText does.
+- cudnn: cuDNN's fused flash attention through jax.nn.dot_product_attention (NVIDIA GPUs, half precision).
+- splash: JAX's Pallas splash attention (TPUs), run by each device on its shard of the batch and heads.
+- auto: splash on a TPU and cudnn on an NVIDIA GPU where the call fits them, else xla; never refuses.
+
+Models call shard.hooks.attention, which names its inputs and output for remat policies (QUERY, KEY, VALUE,
+OUTPUT) and hands the call here unless generation or a context split takes it.
+"""
+
+import contextlib
+import contextvars
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from shard import partition
+from shard.errors import UserError
+
+# jax.ad_checkpoint.checkpoint_name's names for attention's inputs and output, which remat policies keep or drop.
+QUERY, KEY, VALUE, OUTPUT = "query", "key", "value", "attention"
+
+# Every attention call is a jitted function of (q, k, v), and a packed batch's segment ids, with one of these
+# names (a sliding window's size after them), so that shard/core/flops.py finds it in a step's jaxpr and
+# counts its FLOPs from the shapes, whichever kernel runs inside (fused ones have no matrix product to count).
+CAUSAL_NAME, FULL_NAME, WINDOW = "shard_attention_causal", "shard_attention_full", "_window"
+
+CUDNN_DTYPES = ("bfloat16", "float16")
+SPLASH_BLOCKS = (512, 256, 128)  # the kernel's tiles, largest first: a length must be a multiple of one
+MASKED = -0.7 * float(np.finfo(np.float32).max)  # JAX's large negative for masked logits (finite: no NaN)
+
+
+@dataclass(frozen=True)
+class Settings:
+    precision: str = "float32"  # train.attention_precision
+    device: object = None       # the job's device (None: the active mesh's, else JAX's default backend)
+
+
+_SETTINGS: contextvars.ContextVar = contextvars.ContextVar("shard_attention_settings", default=Settings())
+
+
+@contextlib.contextmanager
+def configured(precision: str = "float32", device=None):
+    """While tracing: the XLA kernel's precision, and the device the step is compiled for (a run.target's
+    compile-only device is not JAX's default backend, which is the CPU then)."""
+    token = _SETTINGS.set(Settings(precision, device))
+    try:
+        yield
+    finally:
+        _SETTINGS.reset(token)
+
+
+def family(device) -> str:
+    """tpu, nvidia (an NVIDIA GPU: cuDNN), gpu (another) or cpu."""
+    if device.platform == "tpu":
+        return "tpu"
+    if device.platform in ("gpu", "cuda", "rocm"):
+        return "nvidia" if device.platform == "cuda" or "nvidia" in device.device_kind.lower() else "gpu"
+    return "cpu"
+
+
+def _device():
+    if (device := _SETTINGS.get().device) is not None:
+        return device
+    if (active := partition.active()) is not None:
+        return active[0].devices.flat[0]
+    return jax.devices()[0]
+
+
+def check(kernel: str, device, dtype) -> None:
+    """Fail early, in one line, when an explicit `train.attention` cannot run on this device and dtype."""
+    where = family(device)
+    if kernel == "cudnn" and (where != "nvidia" or str(dtype) not in CUDNN_DTYPES):
+        raise UserError(f"train.attention=cudnn needs an NVIDIA GPU and train.dtype=bfloat16, got a "
+                        f"{device.platform} device and {dtype}; use train.attention=auto or xla")
+    if kernel == "splash" and where != "tpu":
+        raise UserError(f"train.attention=splash is a TPU kernel (Pallas' Mosaic), got a {device.platform} device; "
+                        "use train.attention=auto or xla")
+
+
+# ----------------------------------------------------------------------------- choosing
+
+def _cudnn_misfit(q, k, segments, window, is_causal) -> str:
+    """Why cuDNN's fused attention cannot take this call ("" if it can; its dtype is `check`'s)."""
+    if q.shape[-1] > 128 or q.shape[-1] % 8:
+        return f"a head size <= 128 and a multiple of 8, got {q.shape[-1]}"
+    if segments is not None:
+        return "no segment ids (data.packing=documents): jax.nn.dot_product_attention's cuDNN path takes none"
+    if window is not None and not is_causal:
+        return "a causal mask with a sliding window (cuDNN's window looks back only)"
+    return ""
+
+
+def splash_block(q_len: int, kv_len: int) -> int | None:
+    """The splash kernel's tile along both lengths: the largest of SPLASH_BLOCKS that divides them, else None."""
+    return next((b for b in SPLASH_BLOCKS if q_len % b == 0 and kv_len % b == 0), None)
+
+
+def _splash_misfit(q, k) -> str:
+    if splash_block(q.shape[1], k.shape[1]) is None:
+        return (f"sequence lengths that are multiples of {SPLASH_BLOCKS[-1]} (its tiles), got {q.shape[1]} queries "
+                f"and {k.shape[1]} keys")
+    return ""
+
+
+def choose(kernel: str, q, k, segments=None, window=None, is_causal=True, device=None) -> str:
+    """The kernel that runs this call: `auto` resolved by the device and the call's shapes; an explicit cudnn
+    or splash that cannot take the call refused in one line (the device itself is checked by `check`)."""
+    if kernel == "auto":
+        where = family(device or _device())
+        if where == "tpu" and not _splash_misfit(q, k):
+            return "splash"
+        if where == "nvidia" and str(q.dtype) in CUDNN_DTYPES and not _cudnn_misfit(q, k, segments, window, is_causal):
+            return "cudnn"
+        return "xla"
+    why = (_cudnn_misfit(q, k, segments, window, is_causal) if kernel == "cudnn"
+           else _splash_misfit(q, k) if kernel == "splash" else "")
+    if why:
+        raise UserError(f"train.attention={kernel} needs {why}; use train.attention=auto or xla")
+    return kernel
+
+
+def run(q, k, v, is_causal: bool, kernel: str, segments=None, window: int | None = None) -> jax.Array:
+    """Attention over (batch, length, heads, head_dim) arrays with `kernel` (auto resolved here). `segments`
+    (batch, length): a packed batch's document ids, a query seeing only its own document's keys. `window`: a
+    query sees only the `window` nearest keys on each side, itself included (causal: the latest ones)."""
+    if window is not None and int(window) < 1:
+        raise UserError(f"attention: a sliding window of {window} keys; a window holds at least one")
+    window = None if window is None else int(window)
+    kernel = choose(kernel, q, k, segments, window, is_causal)
+    precision = _SETTINGS.get().precision if kernel == "xla" else "float32"
+    layout = splash_layout(q.shape, k.shape) if kernel == "splash" else None
+    cpu = kernel == "xla" and family(_device()) == "cpu"
+    # Everything the trace depends on is a static argument: JAX caches a jitted function's trace by its
+    # arguments, not by the context (mesh, rules, settings) it was traced under.
+    return _named(bool(is_causal), window)(q, k, v, segments, kernel=kernel, precision=precision, layout=layout,
+                                           cpu=cpu)
+
+
+@functools.cache
+def _named(is_causal: bool, window: int | None):
+    def fn(q, k, v, segments, kernel, precision, layout, cpu):  # flops.py reads (q, k, v): the first three
+        if kernel == "splash":
+            return splash(q, k, v, is_causal, segments, window, layout=layout)
+        if kernel == "xla" and cpu:
+            return xla_cpu(q, k, v, is_causal, segments, window, precision)
+        if kernel == "xla" and precision == "bfloat16":
+            return xla_grouped(q, k, v, is_causal, segments, window, precision)
+        # XLA's own (float32 logits and softmax) or cuDNN's fused kernel
+        mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
+        sides = None if window is None else (window - 1, 0 if is_causal else window - 1)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, local_window_size=sides,
+                                            implementation=kernel)
+
+    name = CAUSAL_NAME if is_causal else FULL_NAME
+    fn.__name__ = fn.__qualname__ = name if window is None else f"{name}{WINDOW}{window}"
+    return jax.jit(fn, static_argnames=("kernel", "precision", "layout", "cpu"))
+
+
+def call_of(name: str) -> tuple | None:
+    """(is_causal, window) of a jitted attention call by its name, else None (shard/core/flops.py)."""
+    for base, causal in ((CAUSAL_NAME, True), (FULL_NAME, False)):
+        size = name[len(base) + len(WINDOW):]
+        if name == base or (name.startswith(base + WINDOW) and size.isdigit()):
+            return causal, int(size) if size else None
+    return None
+
+
+def flops(q_shape, k_shape, v_shape, is_causal: bool, window: int | None = None) -> float:
+    """Forward FLOPs of one attention call: the scores Q.K^T and the weighted sum P.V, 2 FLOPs per
+    multiply-add, over the (query, key) pairs the output depends on. Causal attention counts only the
+    pairs on or below the diagonal (L(L+1)/2 of L^2 for equal lengths), a window only the pairs inside it:
+    the work actually needed, which is what a fused kernel does; XLA's own computes the full square."""
+    batch, q_len, heads, head_dim = q_shape
+    k_len, v_dim = k_shape[1], v_shape[-1]
+    i = np.arange(q_len, dtype=np.int64)  # query i sees keys lo..hi (JAX's causal mask aligned at the top left)
+    reach = k_len if window is None else window - 1
+    hi = np.minimum(i if is_causal else i + reach, k_len - 1)
+    lo = np.maximum(i - reach, 0) if window is not None else 0
+    pairs = int(np.maximum(hi - lo + 1, 0).sum())
+    return 2.0 * batch * heads * pairs * (head_dim + v_dim)
+
+
+# ----------------------------------------------------------------------------- xla
+
+def _visible(t: int, s: int, is_causal: bool, window: int | None):
+    """(t, s): which keys each query sees by position (None: all)."""
+    if not is_causal and window is None:
+        return None
+    qpos, kpos = np.arange(t)[:, None], np.arange(s)[None, :]
+    seen = qpos >= kpos if is_causal else np.ones((t, s), bool)
+    if window is not None:
+        seen &= np.abs(qpos - kpos) < window
+    return jnp.asarray(seen)
+
+
+def _softmax_values(scores, mask, v, product, precision):
+    """softmax(scores) . v over the last axis of scores, where `product(p, v)` is the weighted sum. float32:
+    JAX's softmax on float32 logits. bfloat16 (MaxText's): exp(s - max) in bfloat16, its product with v,
+    then division by the row sums accumulated in float32; no (rows, keys) array is normalised or kept in float32."""
+    if mask is not None:
+        scores = jnp.where(mask, scores, MASKED)
+    if precision == "float32":
+        return product(jax.nn.softmax(scores, axis=-1).astype(v.dtype), v)
+    peak = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))  # any shift gives the same result
+    weights = jnp.exp(scores - peak)
+    out = product(weights, v.astype(weights.dtype), jnp.float32)
+    return out / weights.sum(axis=-1, dtype=jnp.float32)[..., None]
+
+
+def _logits(q, k, spec: str, precision: str):
+    """The scores Q.K^T: float32 (from inputs of any dtype), or bfloat16 inputs and outputs."""
+    if precision == "bfloat16":
+        return jnp.einsum(spec, q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), preferred_element_type=jnp.bfloat16)
+    return jnp.einsum(spec, q, k, preferred_element_type=jnp.float32)
+
+
+def xla_cpu(q, k, v, is_causal, segments=None, window=None, precision="float32"):
+    """The XLA kernel written so XLA's CPU backend compiles it faster: the scale applied to the queries rather
+    than the scores, the causal mask one (length, length) table rather than a mask the size of the scores, and
+    the products as 3-D batched products over (batch x key/value heads) with a query head's group folded into
+    its rows, rather than 4-D products and a vmap over groups. The default GPT's step on 2 cores: 62.9 -> 59.6
+    ms for the first two, about 2 ms more for the 3-D products (bench/RESULTS.md)."""
+    b, t, heads, d = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    groups = heads // kv_heads  # query heads per key/value head (heads = kv_head * groups + group, as JAX's)
+    q = q * jnp.asarray(d ** -0.5, q.dtype)
+    q = q.reshape(b, t, kv_heads, groups, d).transpose(0, 2, 3, 1, 4).reshape(b * kv_heads, groups * t, d)
+    k, v = (a.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, a.shape[-1]) for a in (k, v))
+    scores = _logits(q, k, "nqd,nsd->nqs", precision)
+    mask = _visible(t, s, is_causal, window)
+    mask = None if mask is None else jnp.tile(mask, (groups, 1))
+    if segments is not None:  # packed rows: a query sees its own document's keys only
+        same = segments[:, :, None] == segments[:, None, :]  # (b, t, s)
+        same = jnp.broadcast_to(same[:, None, None], (b, kv_heads, groups, t, s)).reshape(b * kv_heads, groups * t, s)
+        mask = same if mask is None else mask & same
+    product = lambda p, v, acc=None: jnp.einsum("nqs,nsd->nqd", p, v, preferred_element_type=acc)  # noqa: E731
+    out = _softmax_values(scores, mask, v, product, precision).astype(v.dtype)
+    return out.reshape(b, kv_heads, groups, t, -1).transpose(0, 3, 1, 2, 4).reshape(b, t, heads, -1)
+
+
+def xla_grouped(q, k, v, is_causal, segments=None, window=None, precision="bfloat16"):
+    """The XLA kernel on any device with a query head's group as its own axis (each array keeps the batch and
+    head axes the mesh splits): train.attention_precision=bfloat16 off the CPU."""
+    b, t, heads, d = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    qg = (q * jnp.asarray(d ** -0.5, q.dtype)).reshape(b, t, kv_heads, heads // kv_heads, d)
+    scores = _logits(qg, k, "btkgd,bskd->bkgts", precision)
+    mask = _visible(t, s, is_causal, window)
+    if segments is not None:  # packed rows, as in xla_cpu
+        same = (segments[:, :, None] == segments[:, None, :])[:, None, None]  # (b, 1, 1, t, s)
+        mask = same if mask is None else mask & same
+    product = lambda p, v, acc=None: jnp.einsum("bkgts,bskd->bkgtd", p, v, preferred_element_type=acc)  # noqa: E731
+    out = _softmax_values(scores, mask, v, product, precision).astype(v.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, -1)
+
+
+# ----------------------------------------------------------------------------- splash
+
+@dataclass(frozen=True)
+class Layout:
+    """How the splash kernel's inputs lie on the mesh: each device runs the kernel on its own block."""
+    mesh: object
+    q: PartitionSpec       # (batch, length, heads, head_dim)
+    kv: PartitionSpec      # (batch, length, kv_heads, head_dim)
+    segments: PartitionSpec
+
+
+def splash_layout(q_shape, kv_shape) -> Layout | None:
+    """The blocks of the active mesh's devices (None: no mesh): the batch and heads split as the logical rules
+    split them, where they divide; whole sequences and head dims on each device (the kernel takes whole ones).
+    Grouped heads are split only where the key/value heads split the same way, so that each device holds the
+    key/value heads of its query heads."""
+    if (active := partition.active()) is None:
+        return None
+    mesh, rules = active
+    sizes = dict(mesh.shape)
+    size = lambda entry: int(np.prod([sizes[a] for a in partition.axes_of(entry)]))  # noqa: E731
+    batch, _, heads, _ = partition.logical_to_spec(("batch", "length", "heads", "head_dim"), rules, sizes)
+    kv_heads = partition.logical_to_spec(("batch", "length", "kv_heads", "head_dim"), rules, sizes)[2]
+    batch = batch if q_shape[0] % size(batch) == 0 else None
+    if heads != kv_heads or q_shape[2] % size(heads) or kv_shape[2] % size(heads):
+        heads = None
+    return Layout(mesh, PartitionSpec(batch, None, heads, None), PartitionSpec(batch, None, heads, None),
+                  PartitionSpec(batch, None))
+
+
+def splash(q, k, v, is_causal: bool, segments=None, window: int | None = None, *, layout: Layout | None = None,
+           interpret: bool = False) -> jax.Array:
+    """Pallas splash attention over (batch, length, heads, head_dim) arrays: the kernel works on one example's
+    (heads, length, head_dim), so it is mapped over the batch, and under a mesh (`layout`) each device maps it
+    over its own block (a shard_map: the partitioner cannot split a Mosaic kernel). Grouped key/value heads are
+    the kernel's own (a single one: its MQA form). `interpret`: Pallas' interpreter, on any device (tests)."""
+    def local(q, k, v, segments):
+        kernel = _splash_kernel(q.shape[2], k.shape[2], q.shape[1], k.shape[1], is_causal, window, interpret)
+        # splash does not scale the logits; heads first, as it takes them
+        q = (q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)).transpose(0, 2, 1, 3)
+        k, v = (a.transpose(0, 2, 1, 3) for a in (k, v))
+        if k.shape[1] == 1:  # one key/value head: the kernel's MQA form takes it without the head axis
+            k, v = k[:, 0], v[:, 0]
+        if segments is None:
+            out = jax.vmap(kernel)(q, k, v)
+        else:
+            out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=_segment_ids(s)))(q, k, v, segments)
+        return out.transpose(0, 2, 1, 3)
+
+    if layout is None:
+        return local(q, k, v, segments)
+    specs = (layout.q, layout.kv, layout.kv, None if segments is None else layout.segments)
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=layout.q, check_vma=False)(
+        q, k, v, segments)
+
+
+def _segment_ids(s):
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+    return SegmentIds(q=s, kv=s)
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(heads: int, kv_heads: int, q_len: int, kv_len: int, is_causal: bool, window: int | None,
+                   interpret: bool):
+    """The kernel for one example's shapes (its mask's block map is worked out here, once, in NumPy)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    shape = (q_len, kv_len)
+    if window is not None:
+        mask = sa.LocalMask(shape, (window - 1, 0 if is_causal else window - 1), offset=0)
+    else:
+        mask = sa.CausalMask(shape) if is_causal else sa.FullMask(shape)
+    block = splash_block(q_len, kv_len)
+    blocks = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                           block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    make = sa.make_splash_mqa if kv_heads == 1 else sa.make_splash_mha
+    return make(sa.MultiHeadMask([mask] * heads), block_sizes=blocks, head_shards=1, q_seq_shards=1,
+                interpret=interpret)

@@ -1,0 +1,193 @@
+"""The attention kernels of shard/attention.py: Pallas' splash kernel (run by Pallas' interpreter on the CPU)
+gives the XLA kernel's outputs and gradients, alone and per device under a mesh; `auto` picks each device's
+kernel; explicit kernels that cannot run are one line; bfloat16 logits stay close to float32 ones; a sliding
+window masks and counts its FLOPs; a TPU target's step runs the splash kernel (Mosaic's custom call)."""
+
+import importlib.util
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY_GPT, overrides, run_cli
+from shard import attention, config, hooks, partition
+from shard.errors import UserError
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+
+CPU, TPU = SimpleNamespace(platform="cpu", device_kind="cpu"), SimpleNamespace(platform="tpu", device_kind="TPU v5")
+H100 = SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+# A GPT the splash kernel takes: its length a multiple of the kernel's 128-wide tiles.
+SPLASH_GPT = ["model.name=gpt", "model.vocab_size=256", "model.d_model=256", "model.n_layers=2", "model.n_heads=2",
+              "model.d_ff=256", "model.max_len=128", "data.name=text", "data.seq_len=128", "data.batch_size=8"]
+
+
+def inputs(batch=2, length=256, heads=4, kv_heads=2, dim=64, seed=0, dtype=jnp.float32):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (batch, length, heads, dim), dtype)
+    return q, jax.random.normal(kk, (batch, length, kv_heads, dim), dtype), jax.random.normal(kv, (batch, length, kv_heads, dim), dtype)
+
+
+def documents(batch, length):
+    """Segment ids: row 0 three documents and padding (id 0), the others two halves."""
+    ids = np.tile(np.repeat([1, 2], length // 2), (batch, 1))
+    ids[0] = np.repeat([1, 2, 3, 0], length // 4)
+    return jnp.asarray(ids, jnp.int32)
+
+
+def reference(q, k, v, causal, segments=None, window=None):
+    """jax.nn.dot_product_attention with the window and documents as its own arguments."""
+    mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
+    sides = None if window is None else (window - 1, 0 if causal else window - 1)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, local_window_size=sides)
+
+
+@pytest.mark.parametrize("causal,packed,window,heads,kv_heads", [
+    (True, False, None, 4, 2),    # causal, grouped heads
+    (True, True, 100, 2, 1),      # documents and a window across the kernel's tiles, one key/value head (MQA)
+    (False, True, None, 2, 2),    # full attention over documents
+    (False, False, 60, 2, 2),     # a two-sided window
+])
+def test_splash_gives_the_xla_kernels_outputs_and_gradients(causal, packed, window, heads, kv_heads):
+    q, k, v = inputs(length=384, heads=heads, kv_heads=kv_heads, dim=32)  # 3 tiles of 128
+    segments = documents(2, 384) if packed else None
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))  # noqa: E731
+    ours = lambda q, k, v: attention.splash(q, k, v, causal, segments, window, interpret=True)  # noqa: E731
+    xla = lambda q, k, v: attention.xla_cpu(q, k, v, causal, segments, window)  # noqa: E731
+    np.testing.assert_allclose(ours(q, k, v), reference(q, k, v, causal, segments, window), atol=2e-5)
+    np.testing.assert_allclose(xla(q, k, v), reference(q, k, v, causal, segments, window), atol=2e-6)
+    for got, want in zip(jax.grad(loss(ours), (0, 1, 2))(q, k, v), jax.grad(loss(xla), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(got, want, atol=5e-5)
+
+
+def test_splash_runs_on_each_devices_block_under_a_mesh():
+    """Batch over data, heads over tensor (key/value heads with their query heads), bfloat16 inputs."""
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:4])
+    q, k, v = inputs(batch=4, length=128, heads=4, kv_heads=2, dtype=jnp.bfloat16)
+    segments = documents(4, 128)
+    with partition.activate(mesh, partition.merged_rules(None, mesh.axis_names)):
+        layout = attention.splash_layout(q.shape, k.shape)
+        run = jax.jit(lambda q, k, v, s: attention.splash(q, k, v, True, s, layout=layout, interpret=True))
+        out = run(q, k, v, segments)
+    assert layout.q == jax.sharding.PartitionSpec("data", None, "tensor", None)
+    want = reference(*(a.astype(jnp.float32) for a in (q, k, v)), True, segments)
+    np.testing.assert_allclose(out.astype(jnp.float32), want, atol=2e-2)
+    with partition.activate(mesh, partition.merged_rules(None, mesh.axis_names)):
+        # 3 key/value heads do not split over 2 devices: every device gets the whole heads
+        assert attention.splash_layout((4, 128, 6, 64), (4, 128, 3, 64)).q[2] is None
+
+
+@pytest.mark.parametrize("kernel,device,dtype,length,packed,window,want", [
+    ("auto", CPU, jnp.bfloat16, 128, False, None, "xla"),
+    ("auto", TPU, jnp.float32, 256, True, 64, "splash"),
+    ("auto", TPU, jnp.bfloat16, 100, False, None, "xla"),       # not whole tiles
+    ("auto", H100, jnp.bfloat16, 100, False, 16, "cudnn"),
+    ("auto", H100, jnp.float32, 128, False, None, "xla"),        # cuDNN takes half precision
+    ("auto", H100, jnp.bfloat16, 128, True, None, "xla"),        # no segment ids
+    ("auto", SimpleNamespace(platform="gpu", device_kind="AMD Instinct MI300X"), jnp.bfloat16, 128, False, None, "xla"),
+    ("xla", TPU, jnp.bfloat16, 128, False, None, "xla"),
+])
+def test_auto_picks_the_devices_kernel_where_the_call_fits_it(kernel, device, dtype, length, packed, window, want):
+    q = jax.ShapeDtypeStruct((2, length, 4, 64), dtype)
+    segments = jnp.ones((2, length), jnp.int32) if packed else None
+    assert attention.choose(kernel, q, q, segments, window, True, device=device) == want
+
+
+def test_explicit_kernels_that_cannot_take_a_call_are_one_line():
+    q = jax.ShapeDtypeStruct((2, 100, 4, 64), jnp.bfloat16)
+    with pytest.raises(UserError, match="train.attention=splash needs sequence lengths that are multiples of 128"):
+        attention.choose("splash", q, q, device=TPU)
+    with pytest.raises(UserError, match="a causal mask with a sliding window"):
+        attention.choose("cudnn", q, q, window=8, is_causal=False, device=H100)
+    with pytest.raises(UserError, match="train.attention=splash is a TPU kernel"):
+        attention.check("splash", CPU, jnp.float32)
+    with pytest.raises(UserError, match="train.attention=cudnn needs an NVIDIA GPU"):
+        attention.check("cudnn", TPU, jnp.bfloat16)
+    attention.check("auto", CPU, jnp.float32)  # auto never refuses
+
+
+@pytest.mark.parametrize("kernel", ["splash", "cudnn"])
+def test_a_kernel_the_cpu_cannot_run_is_one_line_and_exit_2(tmp_path, kernel):
+    r = run_cli(*overrides(tmp_path, *TINY_GPT), f"train.attention={kernel}", "train.dtype=bfloat16", "train.steps=1")
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and f"train.attention={kernel}" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_bfloat16_logits_stay_close_to_float32_on_both_xla_paths(kv_heads):
+    q, k, v = inputs(length=64, heads=4, kv_heads=kv_heads, dim=16)
+    segments = documents(2, 64)
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))  # noqa: E731
+    exact = lambda q, k, v: attention.xla_cpu(q, k, v, True, segments)  # noqa: E731
+    for path in (attention.xla_cpu, attention.xla_grouped):
+        low = lambda q, k, v: path(q, k, v, True, segments, None, "bfloat16")  # noqa: E731
+        assert low(q, k, v).dtype == q.dtype
+        np.testing.assert_allclose(low(q, k, v), exact(q, k, v), atol=3e-2)
+        for got, want in zip(jax.grad(loss(low), (0, 1, 2))(q, k, v), jax.grad(loss(exact), (0, 1, 2))(q, k, v)):
+            np.testing.assert_allclose(got, want, atol=6e-2)
+    np.testing.assert_allclose(attention.xla_grouped(q, k, v, True, segments, None, "float32"), exact(q, k, v),
+                               atol=2e-6)
+
+
+def test_bfloat16_attention_trains_as_float32_does(train):
+    curves = {p: [h["loss"] for h in train(*TINY_GPT, "train.steps=4", "run.log_every=1", "run.cpu_devices=1",
+                                           f"train.attention_precision={p}", subdir=p).history]
+              for p in ("float32", "bfloat16")}
+    np.testing.assert_allclose(curves["bfloat16"], curves["float32"], rtol=1e-2)
+    assert curves["bfloat16"] != curves["float32"]  # the setting reached the kernel
+
+
+def test_attention_names_its_inputs_and_output_and_counts_a_windows_flops():
+    q, k, v = inputs(batch=1, length=8, heads=2, kv_heads=1, dim=4)
+    jaxpr = jax.make_jaxpr(lambda q, k, v: hooks.attention(q, k, v, is_causal=True, window=3))(q, k, v)
+    names = [e.params["name"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "name"]
+    assert names == [attention.QUERY, attention.KEY, attention.VALUE, attention.OUTPUT]
+    call = next(e.params["name"] for e in jaxpr.jaxpr.eqns if e.primitive.name in ("pjit", "jit"))
+    assert attention.call_of(call) == (True, 3)
+    # query i sees keys i-2..i: 1 + 2 + 3 x 6 pairs, 2 FLOPs x (4 + 4) each, 2 heads
+    assert attention.flops(q.shape, k.shape, v.shape, True, 3) == 2 * 2 * 21 * 8
+    assert attention.flops(q.shape, k.shape, v.shape, True) == 2 * 2 * 36 * 8  # causal: L(L+1)/2 pairs
+    np.testing.assert_allclose(hooks.attention(q, k, v, is_causal=True, window=3), reference(q, k, v, True, None, 3),
+                               atol=2e-6)
+
+
+def target_config(tmp_path, *extra):
+    return config.load(None, overrides(tmp_path, *SPLASH_GPT, "run.target=v5p-8", *extra))
+
+
+@needs_libtpu
+def test_auto_traces_splash_for_a_tpu_target_and_counts_the_same_flops(tmp_path):
+    from shard.plan import target
+    from shard.run import job
+
+    devices = target.devices(target.of(target_config(tmp_path).run))
+    works = {kernel: job.workload(target_config(tmp_path, f"train.attention={kernel}"), devices)
+             for kernel in ("auto", "xla")}
+    assert works["auto"].flops_per_step == works["xla"].flops_per_step  # the kernel's own products not counted
+    with hooks.use(attention="auto"), attention.configured(device=devices[0]):
+        assert "pallas_call" in str(jax.make_jaxpr(lambda q: hooks.attention(q, q, q, is_causal=True))(
+            jnp.zeros((2, 128, 2, 128))))
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_a_tpu_targets_step_runs_the_splash_kernel(tmp_path):
+    """auto on a v5p-8 under FSDP x tensor: the compiled step holds Mosaic's custom calls (forward, dq, dkv)."""
+    from shard.plan import target
+    from shard.run import job
+
+    cfg = target_config(tmp_path, "mesh=fsdp_tp", "mesh.tensor=2")
+    compiled = job.prepare(cfg, target.devices(target.of(cfg.run)), training=False).train_step
+    assert compiled.as_text().count("tpu_custom_call") >= 3
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_a_dry_run_with_splash_for_a_tpu_target_compiles(tmp_path):
+    r = run_cli(*overrides(tmp_path, *SPLASH_GPT), "run.target=v5p-8", "mesh=fsdp", "train.attention=splash",
+                "--dry-run")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "compile-only devices of v5p-8" in r.stdout
