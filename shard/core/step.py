@@ -5,6 +5,7 @@ resharded behind the user's back and the compiled program (memory, collectives) 
 The train step donates the old state: its buffers are reused for the new one.
 """
 
+import re
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
@@ -186,14 +187,37 @@ def model_forward(graphdef: nnx.GraphDef, abstract_state, abstract_batch: dict, 
     return Forward(outputs, jaxpr)
 
 
+_UNKNOWN = re.compile(r"No such compile option: '([^']+)'")
+
+
+def compile_with(lowered, flags=None):
+    """lowered.compile() with the flags (shard.plan.target.CompilerFlags) as compiler options: each a
+    DebugOptions field or, on TPU, a libtpu flag."""
+    if flags is None or not flags.flags:
+        return lowered.compile()
+    while True:
+        try:
+            return lowered.compile(compiler_options=dict(flags.flags))
+        except Exception as e:  # the runtime's error type differs between jaxlib versions
+            unknown = _UNKNOWN.search(str(e))
+            if not unknown:
+                raise
+            name = unknown.group(1)
+            if name in flags.users or name not in flags.flags:
+                raise UserError(f"run.compiler_flags: this compiler has no flag {name!r} (a libtpu flag needs a TPU "
+                                "or run.target=<TPU slice>; an XLA GPU flag a GPU or run.target=<GPUs>)") from None
+            flags.flags.pop(name)
+            flags.dropped.append(name)
+
+
 def compile_step(fn: Callable, abstract_state, state_shardings, abstract_batch, batch_shardings,
-                 mesh, *, donate: bool, returns_state: bool, what: str):
+                 mesh, *, donate: bool, returns_state: bool, what: str, flags=None):
     """jit with explicit shardings, traced, lowered and compiled now (errors surface before training
-    starts, named by `what`)."""
+    starts, named by `what`), with the compiler flags for the device."""
     replicated = NamedSharding(mesh, PartitionSpec())
     out_shardings = (state_shardings, replicated) if returns_state else replicated
     jitted = jax.jit(fn, in_shardings=(state_shardings, batch_shardings), out_shardings=out_shardings,
                      donate_argnums=(0,) if donate else ())
     with blamed(f"{what} does not compile on mesh {dict(mesh.shape)}"):  # it traced without one: the layout's
         lowered = jitted.lower(abstract_state, abstract_batch)
-    return lowered.compile()
+    return compile_with(lowered, flags)

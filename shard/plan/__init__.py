@@ -50,7 +50,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     """Compile the train step for cfg's mesh on these devices and read out its costs (the workload
     is built here unless given: --compare builds it once for every mesh)."""
     try:
-        prepared = job.prepare(cfg, devices, work, training=False)
+        prepared = job.prepare(cfg, devices, work, training=False, flags=target_lib.compiler_flags(cfg.run, devices[0]))
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program larger than the chip's memory
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -111,7 +111,9 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "peak_tflops": peak / 1e12 if peak else None,
         "link_gbps": link,
         "estimated_step_s": estimate,
-        "compiler": compiler_figures(step, text, work, flops_device, peak),
+        "compiler": compiler_figures(step, text, work, flops_device, peak, n, cfg.train.remat),
+        "compiler_flags": dict(prepared.flags.flags) if prepared.flags else {},
+        "compiler_flags_dropped": list(prepared.flags.dropped) if prepared.flags else [],
         "strategies": [s.label for s in prepared.strategies],
         # each strategy's own figures (pipeline, context, sync, ema, ...), with None for those not active
         **{key: None for cls in strategies.ALL for key in cls.plan_keys},
@@ -119,23 +121,33 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     }
 
 
-def compiler_figures(step, text: str, work, flops_device: float, peak: float | None) -> dict:
+def compiler_figures(step, text: str, work, flops_device: float, peak: float | None, n: int, remat: str) -> dict:
     """What the compiler itself says of the step, per device: its FLOPs and, where it gives one (the TPU
     compiler's `optimal_seconds`), its estimate of the step's time, with the MFU and throughput that implies.
-    XLA's cost analysis counts a loop body once, so a scanned layer stack counts as one layer: `loop_factor`
-    (the program's matrix-product FLOPs with its loops run their trip counts, over those counted once)
-    scales both to the whole step; the raw figures are kept beside."""
+
+    XLA's cost analysis counts a loop body once, so a scanned layer stack counts as one layer. The FLOPs get
+    the matrix products of the loops' other iterations added; the time scales each loop body's share of the
+    program (weighed by the compiler's per-instruction estimates) by its trip count, and leaves the work
+    outside loops (optimizer, embedding, loss) counted once. Custom-call kernels (Pallas splash attention,
+    cuDNN's) are opaque to the cost model (zero FLOPs, zero time): where the program runs them, attention's
+    analytic FLOPs (forward, backward, and the forward again under remat) are added, at the chip's peak."""
     cost = step.cost_analysis()
     cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})  # a list in older JAX
     once = hlo.dot_flops(text, loops=False, convolutions=True)
-    factor = hlo.dot_flops(text, convolutions=True) / once if once else 1.0
+    extra = hlo.dot_flops(text, convolutions=True) - once  # the loops' other iterations' matrix products
+    scale, basis = hlo.loop_scale(text)
+    kernels = hlo.kernel_calls(text)
+    kernel_flops = work.attention_flops * (3 + (remat != "none")) / n if kernels else 0.0
+    kernel_s = kernel_flops / peak if kernel_flops and peak else 0.0
     raw_s = cost.get("optimal_seconds")
     raw_s = raw_s if raw_s and raw_s > 0 else None  # the TPU cost model answers a negative time where it has none
-    seconds = raw_s * factor if raw_s else None
+    seconds = raw_s * scale + kernel_s if raw_s else None
     lm = work.data.task == "lm"
     items = math.prod(work.batch["targets"].shape[:2 if lm else 1])  # tokens (language models) or samples
-    return {"flops_per_device": cost["flops"] * factor if cost.get("flops") else None,
-            "raw_flops_per_device": cost.get("flops"), "raw_step_s": raw_s, "loop_factor": factor,
+    raw_flops = cost.get("flops")
+    return {"flops_per_device": raw_flops + extra + kernel_flops if raw_flops else None,
+            "raw_flops_per_device": raw_flops, "raw_step_s": raw_s, "loop_factor": scale, "loop_basis": basis,
+            "kernel_calls": kernels, "kernel_flops_per_device": kernel_flops, "kernel_s": kernel_s,
             "bytes_accessed": cost.get("bytes accessed"), "step_s": seconds,
             "mfu": flops_device / (seconds * peak) if seconds and peak else None,
             "per_s": items / seconds if seconds else None, "unit": "tokens" if lm else "samples"}
@@ -188,17 +200,26 @@ def report(plan: dict) -> str:
 def compiler_lines(plan: dict) -> list[str]:
     """The compiler's own figures, labelled as such (beside the plan's: for a run.target, a real compiler's)."""
     c = plan.get("compiler") or {}
+    lines = []
+    if plan.get("compiler_flags"):
+        lines.append("  compiler flags (chips.yaml's for the device, run.compiler_flags): "
+                     + " ".join(f"{k}={v}" for k, v in plan["compiler_flags"].items()))
+    if plan.get("compiler_flags_dropped"):
+        lines.append("  flags this compiler does not know, dropped: " + ", ".join(plan["compiler_flags_dropped"]))
     if not plan.get("target") or not c.get("flops_per_device"):
-        return []
+        return lines
     whose = "the target's compiler"
-    loops = f" (its loop bodies counted once: x{c['loop_factor']:.2f} for their trip counts)" \
+    loops = f" (its loop bodies counted through their trip counts, x{c['loop_factor']:.2f} by {c['loop_basis']})" \
         if abs(c["loop_factor"] - 1) > 0.01 else ""
-    lines = [f"  {whose}: {c['flops_per_device']:.3g} FLOPs per device per step{loops}; the model's share: "
-             f"{plan['flops_per_device']:.3g}"]
+    lines.append(f"  {whose}: {c['flops_per_device']:.3g} FLOPs per device per step{loops}; the model's share: "
+                 f"{plan['flops_per_device']:.3g}")
+    if c.get("kernel_calls"):
+        lines.append(f"  {c['kernel_calls']} custom-call kernel runs (attention) the cost model cannot see: counted as "
+                     f"attention's {c['kernel_flops_per_device']:.3g} FLOPs at peak, {c['kernel_s'] * 1e3:.3g} ms")
     if c["step_s"]:
         mfu = f", MFU {c['mfu']:.0%}" if c["mfu"] is not None else ""
         lines.append(f"  {whose} estimates the step at {c['step_s'] * 1e3:.3g} ms{mfu}, {c['per_s']:,.0f} "
-                     f"{c['unit']}/s (its cost model, scaled by the same factor; not a measurement)")
+                     f"{c['unit']}/s (its cost model; not a measurement)")
     return lines
 
 

@@ -301,11 +301,73 @@ def _contracted(rest: str, shapes: dict) -> int | None:
     return math.prod(lhs[int(i)] for i in contracting.group(1).split(",") if i)
 
 
-def _convolved(rest: str, shapes: dict) -> int | None:
-    """A convolution's multiply-adds per output element, at most: the kernel's input features times its window."""
-    rhs, labels = _operand_dims(rest, shapes, 1), re.search(r"dim_labels=\w+_(\w+)->", rest)
-    if not rhs or not labels or len(labels.group(1)) != len(rhs):
+def _convolved(rest: str, shapes: dict) -> float | None:
+    """A convolution's multiply-adds per output element, on average: the kernel's input features times the
+    window positions that fall on the input, not on its padding (the TPU compiler writes matrix products as
+    convolutions, and a collective matmul's pieces as windows over a padded input)."""
+    lhs, rhs = _operand_dims(rest, shapes, 0), _operand_dims(rest, shapes, 1)
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", rest)
+    if not lhs or not rhs or not labels or len(labels.group(2)) != len(rhs) or len(labels.group(1)) != len(lhs):
         return None
-    features = rhs[labels.group(1).index("i")]
-    window = re.search(r"window=\{size=([\dx]+)", rest)
-    return features * (math.prod(int(w) for w in window.group(1).split("x")) if window else 1)
+    lhs_labels, rhs_labels, _ = labels.groups()
+    per_output = float(rhs[rhs_labels.index("i")])
+    window = re.search(r"window=\{([^}]*)\}", rest)
+    if not window:
+        return per_output
+    fields = dict(re.findall(r"(\w+)=(\S+)", window.group(1)))
+    sizes = [int(w) for w in fields["size"].split("x")]
+    def per_dim(key, default):
+        return [tuple(int(p) for p in v.split("_")) if "_" in v else int(v)
+                for v in fields[key].split("x")] if key in fields else [default] * len(sizes)
+    pads, strides = per_dim("pad", (0, 0)), per_dim("stride", 1)
+    lhs_dilations, rhs_dilations = per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
+    for d, size in enumerate(sizes):
+        extent = (lhs[lhs_labels.index(str(d))] - 1) * lhs_dilations[d] + 1  # the input, dilated
+        (low, high), stride, dilate, rhs_dilate = pads[d], strides[d], lhs_dilations[d], rhs_dilations[d]
+        outputs = (extent + low + high - (size - 1) * rhs_dilate - 1) // stride + 1
+        if outputs <= 0:
+            return 0.0
+        per_output *= _hits(outputs, size, stride, rhs_dilate, low, extent, dilate) / outputs
+    return per_output
+
+
+def _hits(outputs: int, size: int, stride: int, rhs_dilate: int, low: int, extent: int, dilate: int) -> int:
+    """Window positions that fall on input elements (not padding, not a dilation's holes), over all outputs."""
+    hits = 0
+    for w in range(size):
+        start = w * rhs_dilate - low  # output o reads input o * stride + start
+        if dilate == 1:  # the outputs whose read lands in [0, extent)
+            first, last = max(0, -(start // stride) if start < 0 else 0), min(outputs - 1, (extent - 1 - start) // stride)
+            hits += max(0, last - first + 1)
+        else:
+            hits += sum(1 for o in range(outputs) if 0 <= (at := o * stride + start) < extent and at % dilate == 0)
+    return hits
+
+
+_CYCLES = re.compile(r'"estimated_cycles"\s*:\s*"(\d+)"')
+# Custom calls that are whole kernels the compiler's cost model cannot see into: Pallas/Mosaic on TPU, cuDNN's
+# fused attention and Pallas/Triton on GPU.
+_KERNEL = re.compile(r'custom_call_target="(tpu_custom_call|__cudnn\$fmha[^"]*|__gpu\$xla\.gpu\.triton)"')
+
+
+def loop_scale(text: str) -> tuple[float, str]:
+    """How much more work the program does with every loop run its trip count than with each loop body
+    counted once (as XLA's cost analysis counts them), and what that was weighed by: the TPU compiler's own
+    per-instruction estimates (`estimated_cycles`) where the program has them, else matrix-product FLOPs. A
+    body's share of the step is scaled by its trips, and only it: the work outside loops counts once."""
+    comps, entry = computations(text)
+    weights = {name: sum(int(c) for line in lines for c in _CYCLES.findall(line)) for name, lines in comps.items()}
+    basis = "the compiler's per-instruction cycle estimates"
+    if not any(weights.values()):
+        once, looped = dot_flops(text, loops=False, convolutions=True), dot_flops(text, convolutions=True)
+        return (looped / once if once else 1.0), "matrix-product FLOPs"
+    runs, once = executions(comps, entry), executions(comps, entry, loops=False)
+    counted = sum(w * once.get(name, 0) for name, w in weights.items())
+    return (sum(w * runs.get(name, 0) for name, w in weights.items()) / counted if counted else 1.0), basis
+
+
+def kernel_calls(text: str) -> int:
+    """Executions per call of the custom-call kernels (Pallas, cuDNN attention) the program runs."""
+    comps, entry = computations(text)
+    runs = executions(comps, entry)
+    return sum(runs.get(name, 0) for name, lines in comps.items() for line in lines if _KERNEL.search(line))

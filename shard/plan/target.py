@@ -16,7 +16,7 @@ import math
 import os
 import re
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from shard.config import yaml_load
 from shard.errors import UserError
@@ -159,6 +159,40 @@ def devices(target: Target) -> list:
         detail = (str(e).strip().splitlines() or [said()])[0]
         raise UserError(f"run.target={target.name}: the compiler refused topology {target.topology}: {detail}") from None
     return list(got.devices)
+
+
+@dataclass
+class CompilerFlags:
+    """The flags a step compiles with: chips.yaml's recommended ones for the device's family and the user's
+    (run.compiler_flags), merged by compiler_flags below. A recommended flag this compiler does
+    not know (another libtpu or XLA version) is dropped and listed; an unknown flag of the user's is refused."""
+    flags: dict = field(default_factory=dict)
+    users: frozenset = frozenset()   # the names the user gave (refused when unknown, never dropped)
+    dropped: list = field(default_factory=list)
+
+
+def family(run, device) -> str | None:
+    """Whose recommended compiler flags apply: run.target's family, else the device's (tpu, gpu); None on CPU."""
+    if run.target:
+        return parse(run.target, run.target_slices).family
+    return device.platform if device.platform in ("tpu", "gpu") else None
+
+
+def compiler_flags(run, device):
+    """The flags the steps compile with: chips.yaml's recommended ones for the family (unless
+    run.recommended_flags=false), then run.compiler_flags over them (a null value drops one; a leading -- is
+    allowed, as in LIBTPU_INIT_ARGS)."""
+    kind = family(run, device)
+    flags = dict(chips().get("flags", {}).get(kind, {})) if run.recommended_flags and kind else {}
+    users = set()
+    for name, value in (run.compiler_flags or {}).items():
+        name = str(name).lstrip("-")
+        if value is None:
+            flags.pop(name, None)
+        else:
+            flags[name] = value
+            users.add(name)
+    return CompilerFlags(flags, frozenset(users))
 
 
 def check_mesh(mesh_cfg, target: Target, n_devices: int) -> None:

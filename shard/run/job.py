@@ -52,6 +52,7 @@ class Workload:
     eval_batch: dict
     flops_per_step: float  # model FLOPs of one train step, all devices together (shard/core/flops.py)
     stacks: tuple = ()     # the layer count of each stack the model runs through shard.hooks.stack
+    attention_flops: float = 0.0  # of those, attention's forward (a fused kernel's work: the plan counts it apart)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Job:
     init: object = None       # builds that state (jitted with `shardings` by state.init_state)
     one_target: object = None  # the model's own train state's target, before any strategy added to it
     fill: object = None       # compiled: sets strategies' state from the model (a checkpoint without it)
+    flags: object = None      # the compiler flags the steps compiled with (shard.plan.target.CompilerFlags)
 
     def strategy(self, name: str):
         """The active strategy of that name, else None (for tests and tools that look at one)."""
@@ -160,7 +162,7 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
             train_jaxpr = jax.make_jaxpr(train_fn)(abstract, batch)
     flops = flops_lib.train_step_flops(train_jaxpr.jaxpr, forward.jaxpr)
     return Workload(model_cls, kwargs, resolved, data, loss_fn, tx, schedule, dtype, graphdef, abstract, init,
-                    batch, eval_batch, flops, tuple(stacks))
+                    batch, eval_batch, flops, tuple(stacks), flops_lib.attention_flops(forward.jaxpr))
 
 
 def with_vocabulary(cfg, model_cls, kwargs: dict) -> dict:
@@ -193,10 +195,12 @@ def _loss_context(cfg, loss_fn, data, forward, batch) -> str:
             f"{tuple(targets.shape)} {targets.dtype} (task {data.task})")
 
 
-def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None, training: bool = True) -> Job:
+def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None, training: bool = True,
+            flags=None) -> Job:
     """cfg's workload (built here unless given) on cfg's mesh over these devices, compiled, with every active
     strategy applied in turn. `training=False` (the plan) compiles only the train step and leaves checkpoints
-    alone."""
+    alone. `flags`: the compiler flags for the device (shard.plan.target.compiler_flags; None: the compiler's
+    defaults)."""
     if cfg.mesh.preset == "auto":
         raise UserError("mesh=auto is resolved before a job is prepared (shard.plan.apply_auto, as train.py does)")
     work = work or workload(cfg, devices)
@@ -206,7 +210,8 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
     rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
     active = strategies.build(cfg, dict(mesh.shape), rules, work)
     traced = {k: v for s in active for k, v in s.hooks().items()}
-    with partition.activate(mesh, rules), hooks.use(cfg.train.remat, cfg.train.attention, **traced), \
+    with partition.activate(mesh, rules), hooks.use(cfg.train.remat, cfg.train.attention,
+                                                     unroll=not cfg.train.scan_layers, **traced), \
             attn.configured(cfg.train.attention_precision, devices[0]):
         place = Placement(cfg, work, mesh, rules, state_lib.auto_min_size(cfg.mesh), active)
         shardings = state_lib.state_shardings(work.abstract, mesh, rules, place.auto_min)
@@ -244,11 +249,11 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
             train_fn, eval_fn = s.wrap_train(train_fn), s.wrap_eval(eval_fn)
         compile_start = time.perf_counter()
         train_step = step_lib.compile_step(train_fn, abstract, shardings, work.batch, batch_shardings, mesh,
-                                           donate=True, returns_state=True, what="the train step")
+                                           donate=True, returns_state=True, what="the train step", flags=flags)
         compile_s = time.perf_counter() - compile_start
         eval_step = None if not training else step_lib.compile_step(
             eval_fn, abstract, shardings, work.eval_batch, eval_shardings, mesh, donate=False, returns_state=False,
-            what="the eval step")
+            what="the eval step", flags=flags)
         for s in active:
             s.compile(abstract, shardings)
         fill = None
@@ -260,7 +265,7 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
             fill = jax.jit(fill_all, out_shardings=shardings)
 
     return Job(work, mesh, rules, shardings, batch_shardings, eval_shardings, target, checkpoint_dir, train_step,
-               eval_step, compile_s, split, active, reduction, abstract, init, one_target, fill)
+               eval_step, compile_s, split, active, reduction, abstract, init, one_target, fill, flags)
 
 
 REDUCTION_FIELDS = {f.name for f in dataclasses.fields(gradients.Reduction)}

@@ -22,6 +22,7 @@ from shard.data import tokenizer as tokenizer_lib
 from shard.run import badsteps, distributed, host_malloc, stopping, watchdog
 from shard.use import generate
 from shard.plan import hardware
+from shard.plan import target as target_lib
 from shard import hf, paths
 from shard.hf import read as hf_read
 from shard.observe import goodput, plot, profiling, wandb_log
@@ -69,7 +70,7 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
     host_malloc.for_training(cfg.run, devices)
     main = stop.main = jax.process_index() == 0
     say = print if main else (lambda *a, **k: None)
-    job = prepare(cfg, devices)
+    job = prepare(cfg, devices, flags=target_lib.compiler_flags(cfg.run, devices[0]))
     work, data = job.work, job.work.data
     # Each process reads the batch rows its devices hold (all of them where an axis such as `stage`
     # copies the batch across processes).
