@@ -35,10 +35,16 @@ _UNROLL: contextvars.ContextVar = contextvars.ContextVar("shard_unroll_layers", 
 _PACKED: contextvars.ContextVar = contextvars.ContextVar("shard_packed_rows", default=None)
 
 
-# train.remat -> what a layer keeps for the backward pass (everything, nothing, or matmul outputs).
+# train.remat -> what a layer keeps for the backward pass; the rest is recomputed from the layer's input.
+# qkv and attention keep the arrays `attention` names with checkpoint_name: its query, key and value (rotated),
+# and its output; keeping the output too spares recomputing the values' weighted sum, the MLP is recomputed
+# either way (MaxText's save_dot_with_context_except_mlp). offload keeps what dots keeps, in host memory.
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "qkv": jax.checkpoint_policies.save_only_these_names(attn.QUERY, attn.KEY, attn.VALUE),
+    "attention": jax.checkpoint_policies.save_only_these_names(attn.QUERY, attn.KEY, attn.VALUE, attn.OUTPUT),
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 
 
@@ -50,7 +56,7 @@ def use(remat: str = "none", attention: str = "xla", pipeline=None, split: conte
     under context parallelism (`split`) attention runs over the context devices and `positions` gives
     the tokens' positions in their load-balanced order. `decode`: generating, attention, positions,
     stacks and recurrences keep their state in these calls' entries (shard/use/decoding.py). `unroll`: the
-    stack runs its layers one after another in Python, without a scan (ONNX export)."""
+    stack runs its layers one after another in Python, without a scan (train.scan_layers=false, ONNX export)."""
     variables = ((_REMAT, remat), (_ATTENTION, attention), (_PIPELINE, pipeline), (_CONTEXT, split),
                  (_DECODE, decode), (_UNROLL, unroll))
     tokens = [var.set(value) for var, value in variables]
@@ -116,13 +122,15 @@ def stack(layers: nnx.Module, x):
         seen.append(jax.tree.leaves(nnx.state(layers))[0].shape[0])
     if (calls := _DECODE.get()) is not None:
         return scan_decoding(layers, x, calls)
-    if _UNROLL.get():
-        return unrolled(layers, x)
     return scan(layers, x) if pipeline is None else pipeline(layers, x)
 
 
 def scan(layers: nnx.Module, x):
-    """The stacked layers in order, one at a time (the compiled program holds one layer)."""
+    """The stacked layers in order, one at a time, each through `layer`: a scan (the compiled program holds one
+    layer), or under `use(unroll=True)` the layers written out one after another (`unrolled`). A pipeline's
+    stages run their share of the layers through this too, so train.scan_layers and train.remat apply there."""
+    if _UNROLL.get():
+        return unrolled(layers, x)
 
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def run(x, one):
@@ -166,15 +174,18 @@ def scan_decoding(layers: nnx.Module, x, calls: decoding.Calls):
 
 
 def unrolled(layers: nnx.Module, x):
-    """The stacked layers in order as a Python loop over their slices (a program with every layer written
-    out, for converters that do not take Flax's scan); what a layer updates is written back, as by `scan`."""
+    """The stacked layers in order as a Python loop over their slices, each through `layer` (a program with every
+    layer written out: the compiler schedules across layers, and converters that do not take Flax's scan read it);
+    what a layer updates is written back, as by `scan`."""
     graphdef, state = nnx.split(layers)
+    apply = layer(lambda one, x: one(x))
     updated = []
     for i in range(jax.tree.leaves(state)[0].shape[0]):
         one = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
-        x = one(x)
-        updated.append(nnx.state(one))
-    nnx.update(layers, jax.tree.map(lambda *a: jnp.stack(a), *updated))
+        x = apply(one, x)
+        updated.append(nnx.state(one, nnx.Not(nnx.Param)))  # a call changes no parameter: no copy of them
+    if jax.tree.leaves(updated[0]):
+        nnx.update(layers, jax.tree.map(lambda *a: jnp.stack(a), *updated))
     return x
 
 
@@ -203,9 +214,10 @@ def recurrence(step, carry, xs):
 
 
 def layer(fn):
-    """Wrap the function that applies one (scanned) layer with the active activation-checkpointing
-    policy (`train.remat`): none keeps every activation, full recomputes the layer in the backward
-    pass, dots keeps only matrix-product outputs. A model calls this instead of choosing a policy."""
+    """Wrap the function that applies one layer with the active activation-checkpointing policy (`train.remat`):
+    none keeps every activation, full recomputes the layer in the backward pass, dots keeps only matrix-product
+    outputs, qkv attention's query, key and value, attention those and its output, offload the matrix-product
+    outputs in host memory (REMAT_POLICIES). A model calls this instead of choosing a policy."""
     policy = REMAT_POLICIES.get(_REMAT.get())
     if policy is None:
         return fn

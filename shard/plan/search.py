@@ -1,12 +1,13 @@
 """mesh=auto for a run.target: search the mesh, the remat policy and the microbatch count, then compile the best.
 
 Every factorization of the target's devices into the canonical axes that the model's dimensions allow, times
-train.remat (none, dots, full) and train.grad_accum (1, 2, 4, where the batch divides), is first ranked by
-formulas (no compiling): the state's bytes per device from the shardings (exact), activations by Korthikanti
-et al.'s per-layer count, compute over the chip's peak and the ZeRO / Megatron communication volumes over its
-links. The `run.search_compiles` best that fit, and every mesh preset as configured (the baselines a person
-would try), are then compiled for the target, and the winner is the fastest by the compiler's own step
-estimate (the TPU compiler's; the plan's compiled estimate where the compiler gives none) among those that fit.
+train.remat (none, dots, qkv, attention, full; offload only as configured) and train.grad_accum (1, 2, 4, where the
+batch divides), is first ranked by formulas (no compiling): the state's bytes per device from the shardings (exact),
+activations by Korthikanti et al.'s per-layer count, compute over the chip's peak and the ZeRO / Megatron
+communication volumes over its links. The `run.search_compiles` best that fit, and every mesh preset as configured
+(the baselines a person would try), are then compiled for the target, and the winner is the fastest by the
+compiler's own step estimate (the TPU compiler's; the plan's compiled estimate where the compiler gives none) among
+those that fit.
 """
 
 import dataclasses
@@ -24,10 +25,18 @@ from shard.plan import target as target_lib
 from shard.run import job
 from shard.strategies.base import mb
 
-REMATS = ("none", "dots", "full")
+# train.remat=offload is searched only as configured (the presets' baselines): what it costs is its transfers over
+# the host link, which no chip figure here gives, so by formula it would look like full's memory at dots' compute.
+REMATS = ("none", "dots", "qkv", "attention", "full")
 ACCUMS = (1, 2, 4)
-RECOMPUTE = {"none": 1.0, "dots": 1.1, "full": 4 / 3}  # full: one more forward, 4 units of work instead of 3
-KEPT = {"none": 1.0, "dots": 0.4, "full": 0.0}          # share of a layer's activations kept for the backward
+# A step is 3 forwards' work (forward, backward twice); a policy adds the share of the forward it recomputes. A
+# GPT layer's forward per token: 6 h^2 query/key/value projections, 2 h^2 output projection, 16 h^2 MLP, plus the
+# attention itself. dots recomputes the elementwise work; qkv everything but the projections it keeps (about 3/4);
+# attention that less the values' weighted sum, whose output it keeps; offload recomputes what dots does.
+RECOMPUTE = {"none": 1.0, "dots": 1.1, "qkv": 1 + 0.75 / 3, "attention": 1 + 0.7 / 3, "full": 4 / 3, "offload": 1.1}
+# Share of a layer's ACTIVATION_WIDTHS kept in device memory for the backward: qkv keeps 3 of the 17 widths (query,
+# key, value), attention 4 (and attention's output), a grouped-query model less; offload keeps dots' on the host.
+KEPT = {"none": 1.0, "dots": 0.4, "qkv": 3 / 17, "attention": 4 / 17, "full": 0.0, "offload": 0.0}
 ACTIVATION_WIDTHS = 17  # values of d_model kept per token per layer without remat (Korthikanti et al.: 34 sbh bytes in 16-bit)
 
 
@@ -45,13 +54,15 @@ class Candidate:
 
 def enumerate_candidates(cfg, work, n: int) -> list[Candidate]:
     out = []
+    remats = REMATS if cfg.train.remat in REMATS else (*REMATS, cfg.train.remat)
     for label, sizes in plan_lib.candidate_meshes(n, sequences=work.data.task == "lm"):
         preset = sizes.pop("preset")
-        for remat in REMATS:
+        for remat in remats:
             for accum in ACCUMS:
                 baseline = " x " not in label and "=" not in label and remat == cfg.train.remat \
                     and accum == cfg.train.grad_accum
-                out.append(Candidate(label, preset, sizes, remat, accum, baseline=baseline))
+                if remat in REMATS or baseline:
+                    out.append(Candidate(label, preset, sizes, remat, accum, baseline=baseline))
     return out
 
 
@@ -127,17 +138,17 @@ def search(cfg, devices: list, compiles: int) -> tuple[list[dict], float, int]:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'#':>2} {'mesh':<30} {'remat':<5} {'accum':>5} {'formula':>9} {'memory/chip':>12} {'fits':<4} "
+    head = (f"{'#':>2} {'mesh':<30} {'remat':<9} {'accum':>5} {'formula':>9} {'memory/chip':>12} {'fits':<4} "
             f"{'FLOPs/chip':>10} {'sends/chip':>11} {'compiler est.':>13}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows, 1):
         name = r["label"] + (" *" if r["baseline"] else "")
         if "skipped" in r:
-            lines.append(f"{i:>2} {name:<30} {r['remat']:<5} {r['grad_accum']:>5} skipped: {r['skipped']}")
+            lines.append(f"{i:>2} {name:<30} {r['remat']:<9} {r['grad_accum']:>5} skipped: {r['skipped']}")
             continue
         mem, c = r["memory_per_device"], r["compiler"] or {}
         step = c.get("step_s")
-        lines.append(f"{i:>2} {name:<30} {r['remat']:<5} {r['grad_accum']:>5} {r['formula_step_s'] * 1e3:>7.3g}ms "
+        lines.append(f"{i:>2} {name:<30} {r['remat']:<9} {r['grad_accum']:>5} {r['formula_step_s'] * 1e3:>7.3g}ms "
                      f"{mb(mem['total']):>12} {'yes' if mem['fits'] is not False else 'no':<4} "
                      f"{c.get('flops_per_device') or 0:>10.3g} {mb(r['wire_bytes_per_device']):>11} "
                      + (f"{step * 1e3:>11.3g}ms" if step else f"{'-':>13}"))
