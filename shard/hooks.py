@@ -37,8 +37,9 @@ _PACKED: contextvars.ContextVar = contextvars.ContextVar("shard_packed_rows", de
 
 # train.remat -> what a layer keeps for the backward pass; the rest is recomputed from the layer's input.
 # qkv and attention keep the arrays `attention` names with checkpoint_name: its query, key and value (rotated),
-# and its output; keeping the output too spares recomputing the values' weighted sum, the MLP is recomputed
-# either way (MaxText's save_dot_with_context_except_mlp). offload keeps what dots keeps, in host memory.
+# and its output; keeping the output too spares recomputing XLA's attention's weighted sum of the values (a fused
+# kernel's backward reruns its forward either way), the MLP is recomputed either way (MaxText's
+# save_dot_with_context_except_mlp). offload keeps what dots keeps, in host memory.
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,

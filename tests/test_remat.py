@@ -32,9 +32,16 @@ def test_a_policy_trains_as_none_does(runs, policy):
     assert runs(policy).eval["eval_loss"] == pytest.approx(runs("none").eval["eval_loss"], rel=1e-5)
 
 
-def test_keeping_less_takes_less_memory(runs):
+def flops(result) -> float:
+    analysis = result.train_step.cost_analysis()
+    return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+
+
+def test_keeping_less_takes_less_memory_and_recomputes_more(runs):
     t = {r: temp(runs(r)) for r in ("none", "full", "qkv", "attention")}
     assert t["full"] < t["qkv"] < t["attention"] < t["none"]  # attention keeps qkv's arrays and one more
+    f = {r: flops(runs(r)) for r in ("none", "full", "qkv", "attention")}
+    assert f["none"] < f["attention"] < f["qkv"] < f["full"]  # XLA's attention: its output kept, not recomputed
 
 
 def test_unrolled_layers_train_as_the_scan_does(runs):

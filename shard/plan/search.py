@@ -32,8 +32,10 @@ ACCUMS = (1, 2, 4)
 # A step is 3 forwards' work (forward, backward twice); a policy adds the share of the forward it recomputes. A
 # GPT layer's forward per token: 6 h^2 query/key/value projections, 2 h^2 output projection, 16 h^2 MLP, plus the
 # attention itself. dots recomputes the elementwise work; qkv everything but the projections it keeps (about 3/4);
-# attention that less the values' weighted sum, whose output it keeps; offload recomputes what dots does.
-RECOMPUTE = {"none": 1.0, "dots": 1.1, "qkv": 1 + 0.75 / 3, "attention": 1 + 0.7 / 3, "full": 4 / 3, "offload": 1.1}
+# attention as much: it keeps attention's output, but a fused kernel's backward (splash, cuDNN: what a target runs)
+# reruns its forward for the statistics it did not keep (gpt_1b on a v5p-8: the compiler counts qkv's FLOPs);
+# offload recomputes what dots does.
+RECOMPUTE = {"none": 1.0, "dots": 1.1, "qkv": 1.25, "attention": 1.25, "full": 4 / 3, "offload": 1.1}
 # Share of a layer's ACTIVATION_WIDTHS kept in device memory for the backward: qkv keeps 3 of the 17 widths (query,
 # key, value), attention 4 (and attention's output), a grouped-query model less; offload keeps dots' on the host.
 KEPT = {"none": 1.0, "dots": 0.4, "qkv": 3 / 17, "attention": 4 / 17, "full": 0.0, "offload": 0.0}
