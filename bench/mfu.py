@@ -15,7 +15,7 @@ causal mask not discounted), and without the forward that activation checkpointi
 and against XLA's own cost analysis.
 
 `--sweep` searches one knob at a time from the config's settings, keeping the best so far: the
-attention kernel (xla; cudnn on an NVIDIA GPU in bf16), `train.remat`, the batch (halved and doubled
+attention kernel (auto, xla; cudnn on an NVIDIA GPU in bf16), `train.remat`, the batch (halved and doubled
 while it helps and fits), and XLA_FLAGS. `--knobs a,b` limits it; `--budget-s` stops starting new
 runs once spent (the best so far is still reported).
 
@@ -120,7 +120,8 @@ def sweep(config, overrides, start: dict, knobs: list[str], device: dict, bf16: 
     for knob in knobs:
         base = dict(best or start)
         if knob == "attention":
-            choices = ["xla", "cudnn"] if gpu_bf16 else ["xla"]
+            # auto picks cuDNN on an NVIDIA GPU in bf16 where the call fits (splash on a TPU): try each by name
+            choices = ["auto", "xla", "cudnn"] if gpu_bf16 else ["auto", "xla"]
             for value in choices:
                 trial({**base, "attention": value})
         elif knob == "remat":
