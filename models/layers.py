@@ -135,13 +135,29 @@ class Block(nnx.Module):
         return constrain(x, ("batch", "length", "embed"))
 
 
-def stacked(n_layers: int, make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module:
+class PerLayer(nnx.Variable):
+    """A layer's own setting that is no weight (its attention window, whether it rotates positions): an int array
+    stacked on the `layers` axis with the weights, so that a scan, a pipeline's stage or an unrolled loop hands
+    each layer its own while the compiled program still holds one layer. Never trained, never changed by a call."""
+
+
+def per_layer(value) -> PerLayer:
+    return PerLayer(jnp.asarray(value, jnp.int32))  # no axis names: a few ints, whole on every device
+
+
+def stacked(n_layers: int, make: Callable[..., nnx.Module], rngs: nnx.Rngs, **settings) -> nnx.Module:
     """`n_layers` copies of `make(rngs)`, each with its own random init, as one module whose arrays
-    have a leading `layers` axis: the compiled program then holds one layer whatever the depth."""
+    have a leading `layers` axis: the compiled program then holds one layer whatever the depth.
+    `settings`: name -> one int per layer, handed to `make(rngs, name=...)` as that layer's traced value
+    (store it with `per_layer`), for layers that differ (a local or a global attention window)."""
+    for name, values in settings.items():
+        if len(values) != n_layers:
+            raise ValueError(f"{name}: {len(values)} values for {n_layers} layers")
+    settings = {k: jnp.asarray(v, jnp.int32) for k, v in settings.items()}
 
     @nnx.split_rngs(splits=n_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def make_all(rngs):
-        return make(rngs)
+    @nnx.vmap(in_axes=(0, 0), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_all(rngs, settings):
+        return make(rngs, **settings)
 
-    return make_all(rngs)
+    return make_all(rngs, settings)
