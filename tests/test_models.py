@@ -144,6 +144,26 @@ def test_moe_output_is_the_routers_weighted_sum_of_its_top_k_experts():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_moe_dropless_routing_equals_capacity_routing_with_room_for_every_token():
+    """Nothing dropped (capacity n_experts / top_k): the ragged products give the dispatch einsums' output,
+    gelu and swiglu experts, the chosen weights renormalised or not (then the output is the renormalised one
+    times the chosen probabilities' sum)."""
+    from shard.models.moe import MoELayer
+
+    x = jax.random.normal(jax.random.key(2), (2, 5, 8))
+    out = {}
+    for swiglu in (False, True):
+        for norm_topk in (True, False):
+            with nnx.use_eager_sharding(False):
+                capacity, dropless = (MoELayer(8, 16, 4, 2, 2.0, 1.0, swiglu, 0.1, nnx.Rngs(0), routing, norm_topk)
+                                      for routing in ("capacity", "dropless"))
+            out[norm_topk] = dropless(x)
+            np.testing.assert_allclose(out[norm_topk], capacity(x), rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(dropless.load.get_value(), capacity.load.get_value())
+        chosen = jax.lax.top_k(jax.nn.softmax(x @ dropless.router[...], axis=-1), 2)[0].sum(-1, keepdims=True)
+        np.testing.assert_allclose(out[False], chosen * out[True], rtol=1e-5, atol=1e-6)
+
+
 def test_moe_drops_tokens_over_an_experts_capacity_in_order():
     layer = moe_layer(top_k=1, capacity_factor=1.0)  # 8 tokens, 4 experts: 2 slots per expert per sequence
     assert layer.capacity(8) == 2
