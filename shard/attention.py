@@ -28,9 +28,10 @@ from shard.errors import UserError
 QUERY, KEY, VALUE, OUTPUT = "query", "key", "value", "attention"
 
 # Every attention call is a jitted function of (q, k, v), and a packed batch's segment ids, with one of these
-# names (a sliding window's size after them), so that shard/core/flops.py finds it in a step's jaxpr and
-# counts its FLOPs from the shapes, whichever kernel runs inside (fused ones have no matrix product to count).
-CAUSAL_NAME, FULL_NAME, WINDOW = "shard_attention_causal", "shard_attention_full", "_window"
+# names (a sliding window's size after them, or a stack's windows and how many layers have each), so that
+# shard/core/flops.py finds it in a step's jaxpr and counts its FLOPs from the shapes, whichever kernel runs
+# inside (fused ones have no matrix product to count).
+CAUSAL_NAME, FULL_NAME, WINDOW, WINDOWS = "shard_attention_causal", "shard_attention_full", "_window", "_windows"
 
 CUDNN_DTYPES = ("bfloat16", "float16")
 SPLASH_BLOCKS = (512, 256, 128)  # the kernel's tiles, largest first: a length must be a multiple of one
@@ -85,16 +86,63 @@ def check(kernel: str, device, dtype) -> None:
                         "use train.attention=auto or xla")
 
 
+# ----------------------------------------------------------------------------- windows
+# A sliding window, as models hand it to shard.hooks.attention: None or 0 (global attention), a positive int (that
+# many keys), or (value, windows) for layers that differ inside one scanned stack: `windows` the static tuple of
+# every layer's window (0: a global layer), `value` this layer's, a traced int32 (models/layers.py's PerLayer).
+
+def windows(window) -> tuple:
+    """(value, sizes) of a call's window: `sizes` ((window, layers), ...) the distinct windows (0: global) and how
+    many layers have each, static; `value` None where there is one size (then static), else the traced one."""
+    value, every = window if isinstance(window, tuple) else (window, (window,))
+    every = tuple(0 if w is None else w for w in every)
+    if any(not isinstance(w, (int, np.integer)) or isinstance(w, bool) or w < 0 for w in every):
+        raise UserError(f"attention: sliding windows {every}; each is a number of keys >= 1, or 0 for a global layer")
+    sizes = tuple((int(w), every.count(w)) for w in sorted(set(every)))
+    return (None if len(sizes) == 1 else value), sizes
+
+
+def fixed(sizes: tuple) -> int | None:
+    """The one static window of `sizes` (None: global, or several sizes)."""
+    return sizes[0][0] or None if len(sizes) == 1 else None
+
+
+def visible(qpos, kpos, is_causal: bool, window=None):
+    """(..., t, s) bool: which keys each query sees by position, from qpos (..., t) and kpos (..., s), NumPy or
+    JAX arrays; None where it sees all. `window`: an int, or a traced int32 where 0 means global."""
+    if not is_causal and window is None:
+        return None
+    static = isinstance(qpos, np.ndarray) and isinstance(kpos, np.ndarray) and isinstance(window, (int, type(None)))
+    xp = np if static else jnp
+    apart = xp.asarray(qpos)[..., :, None] - xp.asarray(kpos)[..., None, :]  # how far back each key lies
+    seen = apart >= 0 if is_causal else None
+    if window is not None:
+        near = xp.abs(apart) < window
+        near = near if isinstance(window, int) else near | (window == 0)
+        seen = near if seen is None else seen & near
+    return seen
+
+
+def capped(scores, softcap: float | None):
+    """Attention-logit soft-capping (Gemma 2's): softcap * tanh(scores / softcap), in the scores' dtype."""
+    if softcap is None:
+        return scores
+    cap = jnp.asarray(softcap, scores.dtype)
+    return cap * jnp.tanh(scores / cap)
+
+
 # ----------------------------------------------------------------------------- choosing
 
-def _cudnn_misfit(q, k, segments, window, is_causal) -> str:
+def _cudnn_misfit(q, k, segments, window, is_causal, softcap=None) -> str:
     """Why cuDNN's fused attention cannot take this call ("" if it can; its dtype is `check`'s)."""
     if q.shape[-1] > 128 or q.shape[-1] % 8:
         return f"a head size <= 128 and a multiple of 8, got {q.shape[-1]}"
     if segments is not None:
         return "no segment ids (data.packing=documents): jax.nn.dot_product_attention's cuDNN path takes none"
-    if window is not None and not is_causal:
+    if window is not None and any(w for w, _ in windows(window)[1]) and not is_causal:
         return "a causal mask with a sliding window (cuDNN's window looks back only)"
+    if softcap is not None:
+        return "no attention-logit soft-capping (jax.nn.dot_product_attention's cuDNN path has none)"
     return ""
 
 
@@ -110,74 +158,107 @@ def _splash_misfit(q, k) -> str:
     return ""
 
 
-def choose(kernel: str, q, k, segments=None, window=None, is_causal=True, device=None) -> str:
+def choose(kernel: str, q, k, segments=None, window=None, is_causal=True, device=None, softcap=None) -> str:
     """The kernel that runs this call: `auto` resolved by the device and the call's shapes; an explicit cudnn
     or splash that cannot take the call refused in one line (the device itself is checked by `check`)."""
     if kernel == "auto":
         where = family(device or _device())
         if where == "tpu" and not _splash_misfit(q, k):
             return "splash"
-        if where == "nvidia" and str(q.dtype) in CUDNN_DTYPES and not _cudnn_misfit(q, k, segments, window, is_causal):
+        if where == "nvidia" and str(q.dtype) in CUDNN_DTYPES and not _cudnn_misfit(q, k, segments, window, is_causal,
+                                                                                     softcap):
             return "cudnn"
         return "xla"
-    why = (_cudnn_misfit(q, k, segments, window, is_causal) if kernel == "cudnn"
+    why = (_cudnn_misfit(q, k, segments, window, is_causal, softcap) if kernel == "cudnn"
            else _splash_misfit(q, k) if kernel == "splash" else "")
     if why:
         raise UserError(f"train.attention={kernel} needs {why}; use train.attention=auto or xla")
     return kernel
 
 
-def run(q, k, v, is_causal: bool, kernel: str, segments=None, window: int | None = None) -> jax.Array:
+def run(q, k, v, is_causal: bool, kernel: str, segments=None, window=None, softcap: float | None = None,
+        scale: float | None = None) -> jax.Array:
     """Attention over (batch, length, heads, head_dim) arrays with `kernel` (auto resolved here). `segments`
     (batch, length): a packed batch's document ids, a query seeing only its own document's keys. `window`: a
-    query sees only the `window` nearest keys on each side, itself included (causal: the latest ones)."""
-    if window is not None and int(window) < 1:
-        raise UserError(f"attention: a sliding window of {window} keys; a window holds at least one")
-    window = None if window is None else int(window)
-    kernel = choose(kernel, q, k, segments, window, is_causal)
+    query sees only the `window` nearest keys on each side, itself included (causal: the latest ones); None, an
+    int or (value, windows) as `windows` reads it. `softcap`: the logits soft-capped (`capped`) before the mask
+    and softmax. `scale`: the factor on q.k (None: 1/sqrt(head_dim))."""
+    value, sizes = windows(window)
+    if softcap is not None and not softcap > 0:
+        raise UserError(f"attention: a logit soft-cap of {softcap}; it must be a positive number")
+    kernel = choose(kernel, q, k, segments, window, is_causal, softcap=softcap)
     precision = _SETTINGS.get().precision if kernel == "xla" else "float32"
     layout = splash_layout(q.shape, k.shape) if kernel == "splash" else None
     cpu = kernel == "xla" and family(_device()) == "cpu"
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    softcap = None if softcap is None else float(softcap)
     # Everything the trace depends on is a static argument: JAX caches a jitted function's trace by its
     # arguments, not by the context (mesh, rules, settings) it was traced under.
-    return _named(bool(is_causal), window)(q, k, v, segments, kernel=kernel, precision=precision, layout=layout,
-                                           cpu=cpu)
+    return _named(bool(is_causal), sizes, softcap, scale)(q, k, v, segments, value, kernel=kernel,
+                                                          precision=precision, layout=layout, cpu=cpu)
 
 
 @functools.cache
-def _named(is_causal: bool, window: int | None):
-    def fn(q, k, v, segments, kernel, precision, layout, cpu):  # flops.py reads (q, k, v): the first three
+def _named(is_causal: bool, sizes: tuple, softcap: float | None, scale: float):
+    def fn(q, k, v, segments, value, kernel, precision, layout, cpu):  # flops.py reads (q, k, v): the first three
+        if value is None:
+            return _static(q, k, v, segments, fixed(sizes), kernel, precision, layout, cpu)
+        if kernel == "xla":  # the traced window is part of the mask
+            return _static(q, k, v, segments, jnp.asarray(value, jnp.int32), kernel, precision, layout, cpu)
+        # a fused kernel takes a static window: one call compiled per distinct window, the layer's chosen by its value
+        index = sum(jnp.where(value == w, i, 0) for i, (w, _) in enumerate(sizes))
+        branches = [functools.partial(_static, window=w or None, kernel=kernel, precision=precision, layout=layout,
+                                      cpu=cpu) for w, _ in sizes]
+        return jax.lax.switch(index, branches, q, k, v, segments)
+
+    def _static(q, k, v, segments, window, kernel, precision, layout, cpu):
         if kernel == "splash":
-            return splash(q, k, v, is_causal, segments, window, layout=layout)
+            return splash(q, k, v, is_causal, segments, window, layout=layout, softcap=softcap, scale=scale)
         if kernel == "xla" and cpu:
-            return xla_cpu(q, k, v, is_causal, segments, window, precision)
-        if kernel == "xla" and precision == "bfloat16":
-            return xla_grouped(q, k, v, is_causal, segments, window, precision)
+            return xla_cpu(q, k, v, is_causal, segments, window, precision, scale=scale, softcap=softcap)
+        traced = not isinstance(window, (int, type(None)))
+        if kernel == "xla" and (precision == "bfloat16" or softcap is not None or traced):
+            return xla_grouped(q, k, v, is_causal, segments, window, precision, scale=scale, softcap=softcap)
         # XLA's own (float32 logits and softmax) or cuDNN's fused kernel
         mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
         sides = None if window is None else (window - 1, 0 if is_causal else window - 1)
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, local_window_size=sides,
-                                            implementation=kernel)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=is_causal,
+                                            local_window_size=sides, implementation=kernel)
 
     name = CAUSAL_NAME if is_causal else FULL_NAME
-    fn.__name__ = fn.__qualname__ = name if window is None else f"{name}{WINDOW}{window}"
+    if len(sizes) > 1:
+        name += WINDOWS + "_".join(f"{w}x{n}" for w, n in sizes)
+    elif fixed(sizes):
+        name += f"{WINDOW}{fixed(sizes)}"
+    fn.__name__ = fn.__qualname__ = name
     return jax.jit(fn, static_argnames=("kernel", "precision", "layout", "cpu"))
 
 
 def call_of(name: str) -> tuple | None:
-    """(is_causal, window) of a jitted attention call by its name, else None (shard/core/flops.py)."""
+    """(is_causal, window) of a jitted attention call by its name, else None (shard/core/flops.py): window None,
+    an int, or ((window, layers), ...) for a stack's windows (0: global)."""
     for base, causal in ((CAUSAL_NAME, True), (FULL_NAME, False)):
+        if name == base:
+            return causal, None
         size = name[len(base) + len(WINDOW):]
-        if name == base or (name.startswith(base + WINDOW) and size.isdigit()):
-            return causal, int(size) if size else None
+        if name.startswith(base + WINDOW) and size.isdigit():
+            return causal, int(size)
+        spec = name[len(base) + len(WINDOWS):].split("_")
+        if name.startswith(base + WINDOWS) and all(len(p.split("x")) == 2 and p.replace("x", "").isdigit()
+                                                   for p in spec):
+            return causal, tuple(tuple(int(n) for n in p.split("x")) for p in spec)
     return None
 
 
-def flops(q_shape, k_shape, v_shape, is_causal: bool, window: int | None = None) -> float:
+def flops(q_shape, k_shape, v_shape, is_causal: bool, window=None) -> float:
     """Forward FLOPs of one attention call: the scores Q.K^T and the weighted sum P.V, 2 FLOPs per
     multiply-add, over the (query, key) pairs the output depends on. Causal attention counts only the
     pairs on or below the diagonal (L(L+1)/2 of L^2 for equal lengths), a window only the pairs inside it:
-    the work actually needed, which is what a fused kernel does; XLA's own computes the full square."""
+    the work actually needed, which is what a fused kernel does; XLA's own computes the full square.
+    `window` ((window, layers), ...), a stack's windows: the mean over its layers (the call runs once a layer)."""
+    if isinstance(window, tuple):
+        total = sum(n * flops(q_shape, k_shape, v_shape, is_causal, w or None) for w, n in window)
+        return total / sum(n for _, n in window)
     batch, q_len, heads, head_dim = q_shape
     k_len, v_dim = k_shape[1], v_shape[-1]
     i = np.arange(q_len, dtype=np.int64)  # query i sees keys lo..hi (JAX's causal mask aligned at the top left)
@@ -190,15 +271,9 @@ def flops(q_shape, k_shape, v_shape, is_causal: bool, window: int | None = None)
 
 # ----------------------------------------------------------------------------- xla
 
-def _visible(t: int, s: int, is_causal: bool, window: int | None):
-    """(t, s): which keys each query sees by position (None: all)."""
-    if not is_causal and window is None:
-        return None
-    qpos, kpos = np.arange(t)[:, None], np.arange(s)[None, :]
-    seen = qpos >= kpos if is_causal else np.ones((t, s), bool)
-    if window is not None:
-        seen &= np.abs(qpos - kpos) < window
-    return jnp.asarray(seen)
+def _visible(t: int, s: int, is_causal: bool, window):
+    """(t, s): which keys each query sees by position in a row (None: all); a traced window gives a traced mask."""
+    return visible(np.arange(t), np.arange(s), is_causal, window)
 
 
 def _softmax_values(scores, mask, v, product, precision):
@@ -222,19 +297,20 @@ def _logits(q, k, spec: str, precision: str):
     return jnp.einsum(spec, q, k, preferred_element_type=jnp.float32)
 
 
-def xla_cpu(q, k, v, is_causal, segments=None, window=None, precision="float32"):
+def xla_cpu(q, k, v, is_causal, segments=None, window=None, precision="float32", scale=None, softcap=None):
     """The XLA kernel written so XLA's CPU backend compiles it faster: the scale applied to the queries rather
     than the scores, the causal mask one (length, length) table rather than a mask the size of the scores, and
     the products as 3-D batched products over (batch x key/value heads) with a query head's group folded into
     its rows, rather than 4-D products and a vmap over groups. The default GPT's step on 2 cores: 62.9 -> 59.6
-    ms for the first two, about 2 ms more for the 3-D products (bench/RESULTS.md)."""
+    ms for the first two, about 2 ms more for the 3-D products (bench/RESULTS.md). `scale` (None: 1/sqrt(head_dim))
+    and `softcap` as `run` takes them; a window may be a traced int (0: global)."""
     b, t, heads, d = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     groups = heads // kv_heads  # query heads per key/value head (heads = kv_head * groups + group, as JAX's)
-    q = q * jnp.asarray(d ** -0.5, q.dtype)
+    q = q * jnp.asarray(d ** -0.5 if scale is None else scale, q.dtype)
     q = q.reshape(b, t, kv_heads, groups, d).transpose(0, 2, 3, 1, 4).reshape(b * kv_heads, groups * t, d)
     k, v = (a.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, a.shape[-1]) for a in (k, v))
-    scores = _logits(q, k, "nqd,nsd->nqs", precision)
+    scores = capped(_logits(q, k, "nqd,nsd->nqs", precision), softcap)
     mask = _visible(t, s, is_causal, window)
     mask = None if mask is None else jnp.tile(mask, (groups, 1))
     if segments is not None:  # packed rows: a query sees its own document's keys only
@@ -246,17 +322,24 @@ def xla_cpu(q, k, v, is_causal, segments=None, window=None, precision="float32")
     return out.reshape(b, kv_heads, groups, t, -1).transpose(0, 3, 1, 2, 4).reshape(b, t, heads, -1)
 
 
-def xla_grouped(q, k, v, is_causal, segments=None, window=None, precision="bfloat16"):
+def xla_grouped(q, k, v, is_causal, segments=None, window=None, precision="bfloat16", scale=None, softcap=None):
     """The XLA kernel on any device with a query head's group as its own axis (each array keeps the batch and
-    head axes the mesh splits): train.attention_precision=bfloat16 off the CPU."""
-    b, t, heads, d = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
-    qg = (q * jnp.asarray(d ** -0.5, q.dtype)).reshape(b, t, kv_heads, heads // kv_heads, d)
-    scores = _logits(qg, k, "btkgd,bskd->bkgts", precision)
+    head axes the mesh splits): train.attention_precision=bfloat16 off the CPU, a soft-cap, a traced window."""
+    t, s = q.shape[1], k.shape[1]
     mask = _visible(t, s, is_causal, window)
     if segments is not None:  # packed rows, as in xla_cpu
         same = (segments[:, :, None] == segments[:, None, :])[:, None, None]  # (b, 1, 1, t, s)
         mask = same if mask is None else mask & same
+    return grouped(q, k, v, mask, precision, scale, softcap)
+
+
+def grouped(q, k, v, mask, precision="float32", scale=None, softcap=None):
+    """softmax(capped(scale q.k)) . v with a mask that broadcasts to (batch, kv_heads, group, queries, keys) (None:
+    none), written for XLA: xla_grouped's, and context parallelism's over gathered keys and values."""
+    b, t, heads, d = q.shape
+    kv_heads = k.shape[2]
+    qg = (q * jnp.asarray(d ** -0.5 if scale is None else scale, q.dtype)).reshape(b, t, kv_heads, heads // kv_heads, d)
+    scores = capped(_logits(qg, k, "btkgd,bskd->bkgts", precision), softcap)
     product = lambda p, v, acc=None: jnp.einsum("bkgts,bskd->bkgtd", p, v, preferred_element_type=acc)  # noqa: E731
     out = _softmax_values(scores, mask, v, product, precision).astype(v.dtype)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, -1)
@@ -293,15 +376,16 @@ def splash_layout(q_shape, kv_shape) -> Layout | None:
 
 
 def splash(q, k, v, is_causal: bool, segments=None, window: int | None = None, *, layout: Layout | None = None,
-           interpret: bool = False) -> jax.Array:
+           softcap: float | None = None, scale: float | None = None, interpret: bool = False) -> jax.Array:
     """Pallas splash attention over (batch, length, heads, head_dim) arrays: the kernel works on one example's
     (heads, length, head_dim), so it is mapped over the batch, and under a mesh (`layout`) each device maps it
     over its own block (a shard_map: the partitioner cannot split a Mosaic kernel). Grouped key/value heads are
-    the kernel's own (a single one: its MQA form). `interpret`: Pallas' interpreter, on any device (tests)."""
+    the kernel's own (a single one: its MQA form). `softcap`: the kernel's own logit soft-cap. `interpret`: Pallas'
+    interpreter, on any device (tests)."""
     def local(q, k, v, segments):
-        kernel = _splash_kernel(q.shape[2], k.shape[2], q.shape[1], k.shape[1], is_causal, window, interpret)
+        kernel = _splash_kernel(q.shape[2], k.shape[2], q.shape[1], k.shape[1], is_causal, window, interpret, softcap)
         # splash does not scale the logits; heads first, as it takes them
-        q = (q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)).transpose(0, 2, 1, 3)
+        q = (q * jnp.asarray(q.shape[-1] ** -0.5 if scale is None else scale, q.dtype)).transpose(0, 2, 1, 3)
         k, v = (a.transpose(0, 2, 1, 3) for a in (k, v))
         if k.shape[1] == 1:  # one key/value head: the kernel's MQA form takes it without the head axis
             k, v = k[:, 0], v[:, 0]
@@ -325,7 +409,7 @@ def _segment_ids(s):
 
 @functools.lru_cache(maxsize=64)
 def _splash_kernel(heads: int, kv_heads: int, q_len: int, kv_len: int, is_causal: bool, window: int | None,
-                   interpret: bool):
+                   interpret: bool, softcap: float | None = None):
     """The kernel for one example's shapes (its mask's block map is worked out here, once, in NumPy)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
@@ -339,4 +423,4 @@ def _splash_kernel(heads: int, kv_heads: int, q_len: int, kv_len: int, is_causal
                            block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
     make = sa.make_splash_mqa if kv_heads == 1 else sa.make_splash_mha
     return make(sa.MultiHeadMask([mask] * heads), block_sizes=blocks, head_shards=1, q_seq_shards=1,
-                interpret=interpret)
+                attn_logits_soft_cap=softcap, interpret=interpret)

@@ -24,6 +24,7 @@ from shard import attention as attn
 from shard.strategies import context
 from shard.use import decoding
 from shard.errors import UserError
+from shard.core import precision
 
 _REMAT: contextvars.ContextVar = contextvars.ContextVar("shard_remat", default="none")
 _ATTENTION: contextvars.ContextVar = contextvars.ContextVar("shard_attention", default="xla")
@@ -33,6 +34,7 @@ _CONTEXT: contextvars.ContextVar = contextvars.ContextVar("shard_context_split",
 _DECODE: contextvars.ContextVar = contextvars.ContextVar("shard_decode_calls", default=None)
 _UNROLL: contextvars.ContextVar = contextvars.ContextVar("shard_unroll_layers", default=False)
 _PACKED: contextvars.ContextVar = contextvars.ContextVar("shard_packed_rows", default=None)
+_CAST: contextvars.ContextVar = contextvars.ContextVar("shard_cast_layers", default=None)
 
 
 # train.remat -> what a layer keeps for the backward pass; the rest is recomputed from the layer's input.
@@ -218,29 +220,66 @@ def layer(fn):
     """Wrap the function that applies one layer with the active activation-checkpointing policy (`train.remat`):
     none keeps every activation, full recomputes the layer in the backward pass, dots keeps only matrix-product
     outputs, qkv attention's query, key and value, attention those and its output, offload the matrix-product
-    outputs in host memory (REMAT_POLICIES). A model calls this instead of choosing a policy."""
+    outputs in host memory (REMAT_POLICIES). A model calls this instead of choosing a policy.
+    Under `cast_layers(dtype)` (the train step's mixed precision) the layer's parameters are cast to dtype
+    inside it, so that the compute-dtype copy lives while the layer does (shard/core/precision.py)."""
     policy = REMAT_POLICIES.get(_REMAT.get())
+    if (dtype := _CAST.get()) is not None:
+        fn = _casting(fn, dtype)
     if policy is None:
         return fn
     return nnx.remat(fn, policy=policy)
 
 
+@contextlib.contextmanager
+def cast_layers(dtype):
+    """While the train step traces: `layer` casts the modules it is given to `dtype` (float32: nothing to do)."""
+    token = _CAST.set(None if jnp.dtype(dtype) == jnp.float32 else dtype)
+    try:
+        yield
+    finally:
+        _CAST.reset(token)
+
+
+def _casting(fn, dtype):
+    def cast_then(*args):
+        copies = [precision.cast_module(a, dtype) if isinstance(a, nnx.Module) else a for a in args]
+        out = fn(*copies)
+        for a, c in zip(args, copies):
+            if c is not a:
+                precision.write_back(a, c)
+        return out
+    return cast_then
+
+
 # ----------------------------------------------------------------------------- attention
 # The kernels, and which one runs, are shard/attention.py's.
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, window: int | None = None) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, window=None,
+              softcap: float | None = None, scale: float | None = None) -> jax.Array:
     """Scaled dot-product attention over (batch, length, heads, head_dim) arrays with the active kernel
-    (`train.attention`: XLA's products, cuDNN's or splash's fused kernel). `window`: a query sees only the
-    `window` nearest keys, itself included (causal: the latest ones). A model calls this instead of choosing
-    a kernel; outside the framework it is XLA's. The inputs and output carry the checkpoint names of
-    shard/attention.py (QUERY, KEY, VALUE, OUTPUT) for remat policies."""
+    (`train.attention`: XLA's products, cuDNN's or splash's fused kernel), or over the context devices, the
+    packed documents or the generation cache where the run has them. A model calls this instead of choosing a
+    kernel; outside the framework it is XLA's. The inputs and output carry the checkpoint names of
+    shard/attention.py (QUERY, KEY, VALUE, OUTPUT) for remat policies.
+
+    window: a query sees only the `window` nearest keys, itself included (causal: the latest ones; else that
+      many on each side). None or 0: global. Layers that differ inside one scanned stack hand
+      `(value, windows)`: `windows` the static tuple of every layer's window in the stack, in order (0 for a
+      global layer), `value` this layer's own, a traced int32 scalar (a models.layers.PerLayer read in the
+      layer's call). The XLA kernel masks by the traced value; the fused kernels, which take a static window,
+      run the call compiled for each distinct window of `windows` that `value` selects (jax.lax.switch);
+      the FLOP count weighs each window by how many layers have it.
+    softcap: attention-logit soft-capping (Gemma 2's), logits = softcap * tanh(logits / softcap), applied after
+      the scale and before the mask and softmax. cuDNN has none: `auto` runs XLA's kernel then, and an
+      explicit train.attention=cudnn is refused in one line.
+    scale: the factor on q.k (None: 1/sqrt(head_dim)).
+    """
     q, k, v = (checkpoint_name(x, name) for x, name in ((q, attn.QUERY), (k, attn.KEY), (v, attn.VALUE)))
     split = _CONTEXT.get()
+    options = dict(window=window, softcap=softcap, scale=scale)
     if (calls := _DECODE.get()) is not None:  # generating: over the cached keys and values
-        if window is not None:
-            raise UserError("generation keeps no sliding window over its cache yet: a model with attention windows "
-                            "cannot be sampled")
-        return decoding.attend(q, k, v, bool(is_causal), calls)
+        return decoding.attend(q, k, v, bool(is_causal), calls, **options)
     segments = None
     if (rows := _PACKED.get()) is not None:
         segments = rows[0]
@@ -249,12 +288,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, wind
                             f"{k.shape[1]} keys does not match the batch's segment ids {segments.shape}; packed "
                             "rows need self-attention over whole rows (a pipeline's microbatches do not carry them)")
     if split is not None and split.size > 1:  # the sequence is split over the context devices
-        if window is not None:
-            raise UserError("mesh.context > 1: the context strategies attend over whole sequences, not sliding "
-                            "windows; use mesh.context=1")
-        out = context.attention(q, k, v, bool(is_causal), split, segments)
+        out = context.attention(q, k, v, bool(is_causal), split, segments, **options)
     else:
-        out = attn.run(q, k, v, bool(is_causal), _ATTENTION.get(), segments, window)
+        out = attn.run(q, k, v, bool(is_causal), _ATTENTION.get(), segments, **options)
     return checkpoint_name(out, attn.OUTPUT)
 
 

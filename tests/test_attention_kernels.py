@@ -191,3 +191,70 @@ def test_a_dry_run_with_splash_for_a_tpu_target_compiles(tmp_path):
                 "--dry-run")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "compile-only devices of v5p-8" in r.stdout
+
+
+def numpy_attention(q, k, v, causal, window=0, softcap=None, scale=None, segments=None):
+    """Attention written out in NumPy (float64): window 0 is global."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    groups = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
+    s = np.einsum("bthd,bshd->bhts", q, k) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    apart = np.arange(q.shape[1])[:, None] - np.arange(k.shape[1])[None, :]
+    seen = (apart >= 0 if causal else np.ones_like(apart, bool)) & ((np.abs(apart) < window) | (window == 0))
+    seen = seen[None, None] if segments is None else seen & (segments[:, :, None] == segments[:, None, :])[:, None]
+    s = np.where(seen, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), v)
+
+
+LAYER_WINDOWS = (3, 0, 5)  # three layers of one stack: local, global, local
+
+
+@pytest.mark.parametrize("kernel,causal,packed,softcap,scale,precision,device", [
+    ("xla", True, False, None, None, "float32", None),     # xla_cpu, a traced window per layer
+    ("xla", True, True, 2.0, 0.3, "float32", None),        # soft-capped and scaled, with documents
+    ("xla", False, False, 1.5, None, "bfloat16", None),    # two-sided windows, bfloat16 logits
+    ("xla", True, True, 2.0, 0.3, "float32", H100),        # xla_grouped: XLA's kernel off the CPU
+    ("splash", True, True, 2.0, 0.3, "float32", None),     # a fused kernel per distinct window, by jax.lax.switch
+])
+def test_per_layer_windows_softcap_and_scale_equal_numpy(monkeypatch, kernel, causal, packed, softcap, scale,
+                                                         precision, device):
+    """A scan over three layers whose windows are traced ints (0: global), as a stacked model's PerLayer values
+    reach the hook; against attention written out in NumPy. Its FLOPs: the mean over the layers' windows."""
+    length = 128 if kernel == "splash" else 16
+    q, k, v = inputs(batch=2, length=length, heads=4, kv_heads=2, dim=8)
+    segments = documents(2, length) if packed else None
+    if kernel == "splash":  # Pallas' interpreter on the CPU
+        monkeypatch.setattr(attention, "splash", lambda *a, **kw: SPLASH(*a, **kw, interpret=True))
+
+    def layers(q, k, v):
+        def one(carry, w):
+            with hooks.use(attention=kernel), hooks.packed(segments, None):
+                return carry, hooks.attention(q, k, v, is_causal=causal, window=(w, LAYER_WINDOWS), softcap=softcap,
+                                              scale=scale)
+        return jax.lax.scan(one, 0, jnp.asarray(LAYER_WINDOWS, jnp.int32))[1]
+
+    with attention.configured(precision, device):
+        got = jax.jit(layers)(q, k, v)
+        jaxpr = jax.make_jaxpr(layers)(q, k, v)
+    tol = 2e-2 if precision == "bfloat16" else 2e-5
+    for i, w in enumerate(LAYER_WINDOWS):
+        want = numpy_attention(q, k, v, causal, w, softcap, scale, None if segments is None else np.asarray(segments))
+        np.testing.assert_allclose(got[i], want, atol=tol, err_msg=f"layer {i}, window {w}")
+    per_layer = [attention.flops(q.shape, k.shape, v.shape, causal, w or None) for w in LAYER_WINDOWS]
+    from shard.core import flops
+    assert flops.attention_flops(jaxpr.jaxpr) == pytest.approx(sum(per_layer))
+
+
+SPLASH = attention.splash
+
+
+def test_cudnn_takes_no_softcap_and_auto_falls_back():
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    with pytest.raises(UserError, match="no attention-logit soft-capping") as e:
+        attention.choose("cudnn", q, q, softcap=50.0, device=H100)
+    assert "\n" not in str(e.value)
+    assert attention.choose("auto", q, q, softcap=50.0, device=H100) == "xla"
+    assert attention.choose("auto", q, q, window=(jnp.int32(4), (4, 0)), device=H100) == "cudnn"

@@ -22,23 +22,8 @@ from shard.errors import UserError
 from shard.core import losses
 from shard.core.blame import blamed
 from shard.core.losses import accuracy
+from shard.core.precision import cast_floats
 from shard.core.state import TrainState
-
-
-def cast_floats(tree, dtype):
-    """Mixed precision: floating arrays to the compute dtype; parameters themselves stay float32.
-
-    A variable created with `full_precision=True` metadata is left as it is: a model asks for it where
-    rounding would change a discrete choice (a mixture of experts' router, as in Switch Transformer)."""
-    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-    is_var = lambda x: isinstance(x, nnx.Variable)
-
-    def one(x):
-        if not is_var(x):
-            return cast(x)
-        return x if x.get_metadata().get("full_precision") else jax.tree.map(cast, x)
-
-    return jax.tree.map(one, tree, is_leaf=is_var)
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable, dtype,
@@ -60,9 +45,11 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
     def objective(params, rest, batch, weights=None):
         batch = context.reorder(batch, order)
         batch = arrange(batch) if arrange is not None else batch
-        model = nnx.merge(graphdef, cast_floats(params if weights is None else weights(params), dtype), rest,
-                          copy=True)
-        outputs = run_model(model, batch, dtype).astype(jnp.float32)
+        # the stacked layers' parameters are cast one layer at a time, inside its checkpoint (shard/core/precision.py)
+        model = nnx.merge(graphdef, cast_floats(params if weights is None else weights(params), dtype,
+                                                keep_stacked=True), rest, copy=True)
+        with hooks.cast_layers(dtype):
+            outputs = run_model(model, batch, dtype).astype(jnp.float32)
         if "loss_mask" in batch:  # packed rows: the real targets' mean (weights from token_weights)
             loss = losses.weighted(loss_fn, outputs, batch["targets"], batch["loss_mask"])
         else:

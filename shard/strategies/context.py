@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from shard import attention as attn
 from shard import partition
 from shard.errors import UserError
 from shard.strategies.base import Strategy
@@ -70,29 +71,39 @@ def positions(split: Split | None, length: int) -> jax.Array:
     return jnp.arange(length, dtype=jnp.int32)
 
 
-def attention(q, k, v, is_causal: bool, split: Split, segments=None) -> jax.Array:
+def attention(q, k, v, is_causal: bool, split: Split, segments=None, window=None, softcap: float | None = None,
+              scale: float | None = None) -> jax.Array:
     """Attention over (batch, length, heads, head_dim) arrays split on length over `context`. `segments`
-    (batch, length), a packed batch's document ids: a query sees only keys of its own document."""
+    (batch, length), a packed batch's document ids: a query sees only keys of its own document. `window`,
+    `softcap` and `scale` as shard.hooks.attention takes them: the window masks by the tokens' positions (a
+    layer's traced one too), so it holds over the split sequence whatever the layout."""
     pos = positions(split, q.shape[1])
+    value, sizes = attn.windows(window)
+    window = attn.fixed(sizes) if value is None else value  # None (global), an int, or a traced int (0: global)
     if split.strategy == "ring":
         mesh, _ = partition.active()
         spec = PartitionSpec(None, AXIS)
         halves = is_causal and split.order is not None and len(split.order) == q.shape[1]
-        run = jax.shard_map(partial(_ring, causal=is_causal, n=split.size, halves=halves), mesh=mesh,
-                            in_specs=(spec, spec, spec, PartitionSpec(AXIS), spec), out_specs=spec, axis_names={AXIS})
-        return run(q, k, v, pos, segments)
+        win = None if window is None else jnp.asarray(window, jnp.int32)
+        run = jax.shard_map(partial(_ring, causal=is_causal, n=split.size, halves=halves, softcap=softcap,
+                                    scale=1 / math.sqrt(q.shape[-1]) if scale is None else scale), mesh=mesh,
+                            in_specs=(spec, spec, spec, PartitionSpec(AXIS), spec, PartitionSpec()), out_specs=spec,
+                            axis_names={AXIS})
+        return run(q, k, v, pos, segments, win)
     # all_gather: keys and values whole along length on every device; queries stay split.
     k, v = (partition.constrain(t, ("batch", None, "kv_heads", "head_dim")) for t in (k, v))
     if is_causal and split.order is not None and len(split.order) == q.shape[1]:
-        return gathered_causal(q, k, v, split.order, split.size, segments)
-    mask = None
-    if is_causal:
-        mask = partition.constrain(pos[:, None] >= pos[None, :], ("length", None))[None, None]
+        return gathered_causal(q, k, v, split.order, split.size, segments, window, softcap, scale)
+    mask = attn.visible(pos, pos, is_causal, window)
+    if mask is not None:
+        mask = partition.constrain(mask, ("length", None))[None, None]
     if segments is not None:  # each query's document against every (gathered) key's
         same = partition.constrain(segments[:, :, None] == partition.constrain(segments, ("batch", None))[:, None],
                                    ("batch", "length", None))[:, None]
         mask = same if mask is None else mask & same
-    return jax.nn.dot_product_attention(q, k, v, mask=mask)
+    if softcap is None:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+    return attn.grouped(q, k, v, None if mask is None else mask[:, :, None], "float32", scale, softcap)
 
 
 # ----------------------------------------------------------------------------- ring attention
@@ -104,27 +115,31 @@ def attention(q, k, v, is_causal: bool, split: Split, segments=None) -> jax.Arra
 # the block's first half (chunk j) and none sees its second (2N-1-j > 2N-1-i); from a later one (j > i) the
 # device's second half (2N-1-i) sees the whole block and its first half sees none of it. So each passed-on
 # block costs half a block (`halves`): the whole sequence's attention costs about half of computing every
-# block, as the unsplit causal model's does.
+# block, as the unsplit causal model's does. A sliding window masks by position inside each block: blocks that
+# lie wholly outside every query's window are still computed (and masked), so a window saves no ring work.
 
 def _grouped(q, k):
     b, t, h, d = q.shape
     return q.reshape(b, t, k.shape[2], h // k.shape[2], d).transpose(0, 2, 3, 1, 4)
 
 
-def _scores(qg, k, qpos, kpos, causal, qseg=None, kseg=None):
-    s = jnp.einsum("bhgqd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) / math.sqrt(qg.shape[-1])
-    s = jnp.where(qpos[:, None] >= kpos[None, :], s, -jnp.inf) if causal else s
+def _scores(qg, k, qpos, kpos, causal, qseg=None, kseg=None, win=None, softcap=None, scale=1.0):
+    """The masked scores of a block, and (with a soft-cap) the cap's derivative at them (else None)."""
+    s = attn.capped(jnp.einsum("bhgqd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale, softcap)
+    slope = None if softcap is None else 1 - jnp.square(s / softcap)
+    seen = attn.visible(qpos, kpos, causal, win)
+    s = s if seen is None else jnp.where(seen, s, -jnp.inf)
     if qseg is None:
-        return s
+        return s, slope
     # packed rows: other documents' keys masked too (every query sees itself on the diagonal, so never none)
-    return jnp.where((qseg[:, :, None] == kseg[:, None, :])[:, None, None], s, -jnp.inf)
+    return jnp.where((qseg[:, :, None] == kseg[:, None, :])[:, None, None], s, -jnp.inf), slope
 
 
 def _pass_on(tree, n):
     return jax.lax.ppermute(tree, AXIS, [(i, (i + 1) % n) for i in range(n)])
 
 
-def _forward(q, k, v, pos, seg, causal, n, halves):
+def _forward(q, k, v, pos, seg, win, causal, n, halves, softcap, scale):
     """Output and log-sum-exp of each query over every chunk: the device's own first (its diagonal, so
     every query has a visible key from the start), then n-1 chunks passed on from its neighbour. With
     `halves` (causal, load-balanced layout) only the visible half of each passed-on block is computed."""
@@ -132,12 +147,12 @@ def _forward(q, k, v, pos, seg, causal, n, halves):
 
     def fold(state, qg, qpos, k, v, kpos, qseg=None, kseg=None):
         m, l, acc = state
-        s = _scores(qg, k, qpos, kpos, causal, qseg, kseg)
+        s, _ = _scores(qg, k, qpos, kpos, causal, qseg, kseg, win, softcap, scale)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
-        scale = jnp.exp(m - m_new)
-        acc = acc * scale[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, v.astype(jnp.float32))
-        return m_new, l * scale + p.sum(-1), acc
+        rescale = jnp.exp(m - m_new)
+        acc = acc * rescale[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, v.astype(jnp.float32))
+        return m_new, l * rescale + p.sum(-1), acc
 
     def fold_visible(state, k, v, kpos, kseg=None):
         if not halves:
@@ -172,28 +187,29 @@ def _forward(q, k, v, pos, seg, causal, n, halves):
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, -1).astype(q.dtype), m + jnp.log(l)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _ring(q, k, v, pos, seg, causal, n, halves):
-    return _forward(q, k, v, pos, seg, causal, n, halves)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _ring(q, k, v, pos, seg, win, causal, n, halves, softcap, scale):
+    return _forward(q, k, v, pos, seg, win, causal, n, halves, softcap, scale)[0]
 
 
-def _ring_fwd(q, k, v, pos, seg, causal, n, halves):
-    out, lse = _forward(q, k, v, pos, seg, causal, n, halves)
-    return out, (q, k, v, pos, seg, out, lse)
+def _ring_fwd(q, k, v, pos, seg, win, causal, n, halves, softcap, scale):
+    out, lse = _forward(q, k, v, pos, seg, win, causal, n, halves, softcap, scale)
+    return out, (q, k, v, pos, seg, win, out, lse)
 
 
-def _ring_bwd(causal, n, halves, residuals, d_out):
+def _ring_bwd(causal, n, halves, softcap, scale, residuals, d_out):
     """The backward ring: each chunk's keys and values travel again, with their gradients accumulated along
     the way; after n-1 steps one more pass brings every chunk's gradients home."""
-    q, k, v, pos, seg, out, lse = residuals
+    q, k, v, pos, seg, win, out, lse = residuals
     qg, dog = _grouped(q, k), _grouped(d_out.astype(jnp.float32), k)
     delta = jnp.sum(dog * _grouped(out.astype(jnp.float32), k), axis=-1)  # rowsum(dO * O)
-    scale = 1 / math.sqrt(q.shape[-1])
 
     def fold(dq, qg, dog, lse, delta, qpos, k, v, kpos, dk, dv, qseg=None, kseg=None):
-        p = jnp.exp(_scores(qg, k, qpos, kpos, causal, qseg, kseg) - lse[..., None])
+        s, slope = _scores(qg, k, qpos, kpos, causal, qseg, kseg, win, softcap, scale)
+        p = jnp.exp(s - lse[..., None])
         dv = dv + jnp.einsum("bhgqk,bhgqd->bkhd", p, dog)
         ds = p * (jnp.einsum("bhgqd,bkhd->bhgqk", dog, v.astype(jnp.float32)) - delta[..., None])
+        ds = ds if slope is None else ds * slope  # through the soft-cap (masked entries have p = 0)
         dq = dq + jnp.einsum("bhgqk,bkhd->bhgqd", ds, k.astype(jnp.float32)) * scale
         dk = dk + jnp.einsum("bhgqk,bhgqd->bkhd", ds, qg.astype(jnp.float32)) * scale
         return dq, dk, dv
@@ -232,7 +248,7 @@ def _ring_bwd(causal, n, halves, residuals, d_out):
     b, t, h, d = q.shape
     dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
     no_grad = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), no_grad(pos), no_grad(seg)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), no_grad(pos), no_grad(seg), no_grad(win)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

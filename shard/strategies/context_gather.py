@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shard import attention as attn
 from shard import partition
 
 # ----------------------------------------------------------------------------- all_gather, causal
@@ -33,9 +34,11 @@ def _blocks(n: int):
     return keys, late
 
 
-def gathered_causal(q, k, v, order, n, segments=None):
+def gathered_causal(q, k, v, order, n, segments=None, window=None, softcap=None, scale=None):
     """Causal attention of split queries over gathered keys and values in the load-balanced layout, computing
-    only the 2N+1 visible blocks of each device (the softmax is taken over all of a query's blocks at once)."""
+    only the 2N+1 visible blocks of each device (the softmax is taken over all of a query's blocks at once).
+    `window` (an int, or a traced int with 0 for global), `softcap` and `scale` as shard.hooks.attention's: the
+    window masks by position inside the blocks (blocks wholly outside it are still computed)."""
     b, t, h, d = q.shape
     kv, c = k.shape[2], t // (2 * n)
     keys, late = _blocks(n)
@@ -48,7 +51,7 @@ def gathered_causal(q, k, v, order, n, segments=None):
     mixed_q = jnp.where(owner, qc[:, :, 1:], qc[:, :, :1])  # (b, device, N+1, chunk, kv, group, d)
     ks, vs = (partition.constrain(x.reshape(b, 2 * n, c, kv, -1)[:, keys], ("batch", "length", None, None, "kv_heads",
                                                                              "head_dim")) for x in (k, v))
-    scale = jnp.float32(1 / math.sqrt(d))
+    scale = jnp.float32(1 / math.sqrt(d) if scale is None else scale)
     precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if q.dtype == jnp.bfloat16 else None  # as jax.nn's
     # scores of the late chunk against chunks 0..N-1, (b, device, kv, group, chunk, N x chunk), and of the single
     # blocks, (b, device, N+1, kv, group, chunk, chunk), these masked by position (the diagonal blocks)
@@ -56,7 +59,11 @@ def gathered_causal(q, k, v, order, n, segments=None):
                           preferred_element_type=jnp.float32).reshape(b, n, kv, h // kv, c, n * c) * scale
     s_blocks = jnp.einsum("bijcngd,bijsnd->bijngcs", mixed_q, ks[:, :, n:], precision=precision,
                           preferred_element_type=jnp.float32) * scale
-    visible = jnp.asarray(qpos)[:, :, None, None, :, None] >= jnp.asarray(kpos[:, n:])[:, :, None, None, None, :]
+    s_prefix, s_blocks = attn.capped(s_prefix, softcap), attn.capped(s_blocks, softcap)
+    visible = attn.visible(qpos, kpos[:, n:], True, window)[:, :, None, None]  # (device, N+1, 1, 1, chunk, chunk)
+    if window is not None:  # the late chunk's prefix: causally all visible, not all within the window
+        near = attn.visible(pos[1::2], kpos[:, :n].reshape(n, n * c), True, window)  # (device, chunk, N x chunk)
+        s_prefix = jnp.where(jnp.asarray(near)[None, :, None, None], s_prefix, -jnp.inf)
     if segments is not None:  # packed rows: a query's own document only (it always sees itself: no empty row)
         qseg = partition.constrain(segments.reshape(b, n, 2, c), ("batch", "length", None, None))
         kseg = partition.constrain(segments.reshape(b, 2 * n, c)[:, keys], ("batch", "length", None, None))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
+from shard import attention as attn
 from shard.partition import constrain
 
 CACHE_NAMES = ("batch", None, "kv_heads", "head_dim")  # (batch, position, key/value heads, head size)
@@ -109,43 +110,53 @@ class Calls:
                      seen=self.seen, layer=layer)
 
 
-def attend(q, k, v, is_causal: bool, calls: Calls):
+def attend(q, k, v, is_causal: bool, calls: Calls, window=None, softcap: float | None = None,
+           scale: float | None = None):
     """Attention of the new tokens' queries (batch, new, heads, head_dim) over each row's cached slots: the
     new keys and values are written at the row's `index` first (zeros for padding). A query sees the slots
-    from its row's `start` up to its own (all written ones without `is_causal`); a padding query, only itself."""
+    from its row's `start` up to its own (all written ones without `is_causal`), within its sliding `window`
+    (shard.hooks.attention's; slots lie as far apart as positions); a padding query, only itself."""
     real = calls.real(q.shape[1])[:, :, None, None]
     cache = calls.write({"k": jnp.where(real, k, 0), "v": jnp.where(real, v, 0)})
     width = calls.seen or calls.capacity  # a server attends over the slots in use, not the whole context
     new = calls.slots(q.shape[1])[:, :, None]            # (batch, new, 1): the queries' slots
     seen = jnp.arange(width)[None, None, :]               # the cache's slots attended over
     mask = (seen >= calls.start[:, None, None]) & (seen <= (new if is_causal else new[:, -1:]))
+    value, sizes = attn.windows(window)
+    near = attn.visible(new[..., 0], seen[0, 0], False, attn.fixed(sizes) if value is None else value)
+    mask = mask if near is None else mask & near
     mask = mask | (seen == new)
-    return _attention(q, cache["k"][:, :width].astype(q.dtype), cache["v"][:, :width].astype(q.dtype), mask)
+    return _attention(q, cache["k"][:, :width].astype(q.dtype), cache["v"][:, :width].astype(q.dtype), mask,
+                      softcap, scale)
 
 
 SCORES = 1 << 22  # queries x keys past which attention runs over blocks of keys
 KEY_BLOCK = 2048
 
 
-def _attention(q, k, v, mask):
-    """Attention with a (batch, queries, keys) mask. Where the scores would be large (a long prompt's chunk
-    over a long context) it runs over blocks of keys, keeping each query's running maximum, sum and output
-    (the online softmax), so that its memory is bounded by a block, not by the context."""
+def _attention(q, k, v, mask, softcap=None, scale=None):
+    """Attention with a (batch, queries, keys) mask, the logits scaled by `scale` (None: 1/sqrt(head_dim)) and
+    soft-capped by `softcap`. Where the scores would be large (a long prompt's chunk over a long context) it runs
+    over blocks of keys, keeping each query's running maximum, sum and output (the online softmax), so that its
+    memory is bounded by a block, not by the context."""
     batch, length, heads, dim = q.shape
     width, groups = k.shape[1], heads // k.shape[2]
+    scale = dim ** -0.5 if scale is None else scale
+    if length * width <= SCORES and softcap is None:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
     if length * width <= SCORES:
-        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
+        return attn.grouped(q, k, v, mask[:, None, None], "float32", scale, softcap)
     blocks = -(-width // KEY_BLOCK)
     pad = blocks * KEY_BLOCK - width
     k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (k, v))
     mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
     split = lambda x: jnp.moveaxis(x.reshape(batch, blocks, KEY_BLOCK, *x.shape[2:]), 1, 0)
-    qg = q.reshape(batch, length, k.shape[2], groups, dim).astype(jnp.float32) / jnp.sqrt(dim).astype(jnp.float32)
+    qg = q.reshape(batch, length, k.shape[2], groups, dim).astype(jnp.float32) * jnp.float32(scale)
 
     def fold(carry, block):
         best, total, out = carry
         kb, vb, mb = block
-        scores = jnp.einsum("blkgd,bwkd->bkglw", qg, kb.astype(jnp.float32))
+        scores = attn.capped(jnp.einsum("blkgd,bwkd->bkglw", qg, kb.astype(jnp.float32)), softcap)
         scores = jnp.where(mb[:, None, None], scores, -jnp.inf)
         new_best = jnp.maximum(best, scores.max(axis=-1))
         seen = jnp.isfinite(new_best)  # a query that has seen no key yet keeps nothing
