@@ -107,6 +107,7 @@ SIDES = {  # column -> (framework, attention, more overrides)
     "ours-xla": ("ours", "xla", []),
     "ours-xla-bf16": ("ours", "xla", ["train.attention_precision=bfloat16"]),  # as MaxText's dot_product
     "ours-splash": ("ours", "splash", []),
+    "ours-cudnn": ("ours", "cudnn", []),  # GPU targets
     "maxtext-dot": ("maxtext", "dot_product", []),
     "maxtext-splash": ("maxtext", "flash", []),
 }
@@ -198,6 +199,14 @@ def worker(spec_path: str) -> None:
 
     if not spec:
         return
+    if spec.get("gpu"):
+        # MaxText's GPU path compiles for jax.devices() (a real GPU, mocked as several processes); here there is
+        # none, so it gets the same compile-only GPUs as ours: the CUDA plugin's, for our target's device facts.
+        from jax.experimental import topologies
+
+        devices = topologies.get_topology_desc(platform="cuda", topology=spec["gpu"]["topology"],
+                                               target_config=spec["gpu"]["target_config"]).devices
+        train_compile.jax.devices = lambda *args, **kwargs: devices
     compiled = []
     jit_and_compile = train_compile.jit_and_compile
 
@@ -224,7 +233,8 @@ def worker(spec_path: str) -> None:
                                                 "alias_size_in_bytes", "temp_size_in_bytes",
                                                 "generated_code_size_in_bytes")},
         "versions": {"jax": jax.__version__, "maxtext": importlib.metadata.version("maxtext"),
-                     "libtpu": importlib.metadata.version("libtpu")},
+                     "libtpu" if not spec.get("gpu") else "jax-cuda12-plugin":
+                         importlib.metadata.version("libtpu" if not spec.get("gpu") else "jax-cuda12-plugin")},
     }))
 
 
@@ -282,14 +292,22 @@ def maxtext_cell(args, spec: dict, layers: str, flags: dict, attention: str, wor
     name = f"maxtext-{attention}-{layers}-{tag}"
     out = work / f"{name}.json"
     out.unlink(missing_ok=True)
-    argv = [*spec["maxtext"], f"compile_topology={args.target}", "compile_topology_num_slices=1",
+    tgt = target_lib.parse(args.target)
+    gpu = None
+    if tgt.family == "gpu":  # MaxText names one GPU machine: a3, eight H100s
+        if args.target != "h100x8":
+            raise SystemExit(f"MaxText's GPU topologies here: a3 (run.target=h100x8), not {args.target}")
+        gpu = {"topology": tgt.topology, "target_config": target_lib.gpu_target_config(tgt.facts)}
+    argv = [*spec["maxtext"], f"compile_topology={'a3' if gpu else args.target}", "compile_topology_num_slices=1",
             f"attention={attention}", f"scan_layers={'true' if layers == 'scanned' else 'false'}",
             f"run_name={name}", f"base_output_directory={work / 'maxtext-out'}"]
-    if flags:
-        argv.append("compile_xla_flags=" + " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}"
-                                                   for k, v in flags.items()))
+    written = " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in flags.items())
+    if flags and gpu:  # on GPUs MaxText takes XLA's flags from XLA_FLAGS (its compile_xla_flags are libtpu's)
+        env = {**env, "XLA_FLAGS": (env.get("XLA_FLAGS", "") + " " + written).strip()}
+    elif flags:
+        argv.append("compile_xla_flags=" + written)
     spec_file = work / f"{name}.spec.json"
-    spec_file.write_text(json.dumps({"argv": argv, "out": str(out)}))
+    spec_file.write_text(json.dumps({"argv": argv, "out": str(out), "gpu": gpu}))
     venv_python = str(args.venv / "bin" / "python")
     cmd = [venv_python, str(Path(__file__).resolve()), "--worker", str(spec_file)]
     log = work / f"{name}.log"
@@ -302,7 +320,6 @@ def maxtext_cell(args, spec: dict, layers: str, flags: dict, attention: str, wor
     got = json.loads(out.read_text())
     text = (work / f"{name}.hlo.txt").read_text()
     # the same reading as shard.plan.compiler_figures
-    tgt = target_lib.parse(args.target)
     n = tgt.chips_in_all()
     peak = target_lib.per_device(tgt, n)["tflops"] * 1e12
     dims = spec["dims"]
