@@ -10,10 +10,13 @@ Two routings (`routing`):
 - "dropless": every token computed by each of its top_k experts, as Mixtral and Qwen3-MoE are
   (what a Hugging Face checkpoint needs to give its own numbers): the (token, choice) pairs of the
   whole batch sorted by expert and each expert's run multiplied by its weights in one grouped
-  product (`jax.lax.ragged_dot`). XLA's partitioner does not split that product by its groups: with
-  the experts split over devices it gathers the expert weights whole on each device (and the
-  sorted tokens), as FSDP gathers a layer, so it costs the memory of one layer's experts per
-  device and no all-to-all; the capacity routing is the one whose tokens travel to the experts.
+  product (`jax.lax.ragged_dot`). What XLA compiles of it (jax 0.10, read in the compiled program
+  of a tiny model under mesh=ep): the expert weights stay split, but the partitioner splits the
+  ragged product by its groups only: every device is handed all the (token, choice) pairs, computes
+  them against its own experts, and the hidden and output activations, (tokens x top_k, d_ff) and
+  (tokens x top_k, d_model) per layer, are summed over the expert devices by all-reduces: more
+  traffic than the capacity routing's all-to-all, which sends each token to its experts alone.
+  XLA's CPU backend computes a ragged product as a dense one per expert (n_experts times its FLOPs).
 
 The router's softmax is over all experts, then the top_k are taken; `norm_topk` renormalises the
 chosen weights to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob), else they stay the probabilities.
@@ -24,9 +27,10 @@ the load is uniform. Each layer records its f and p (means over the batch); the 
 into one `AuxLoss` (weighted by aux_loss_weight, added to the training loss by the framework)
 after its stack has run: `balancing="per_layer"` sums each layer's term; "pooled" is transformers'
 load_balancing_loss_func (Mixtral, Qwen3-MoE): f and p averaged over the layers first, each of the
-top_k choices counted, n_experts x sum_e (top_k x mean f_e) x mean p_e (top_k when uniform). Recording the means rather than the product keeps the loss
-that of the whole batch wherever the batch is cut (a pipeline's microbatches average each layer's
-recorded variables). The model also records `min_expert_share`: the least-loaded expert's share of
+top_k choices counted, n_experts x sum_e (top_k x mean f_e) x mean p_e (top_k when uniform).
+Recording the means rather than the product keeps the loss that of the whole batch wherever the
+batch is cut (a pipeline's microbatches average each layer's recorded variables). The model also
+records `min_expert_share`: the least-loaded expert's share of
 tokens relative to a fair share (1 = perfectly balanced), over all layers.
 """
 

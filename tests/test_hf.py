@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 import shard  # noqa: E402
 from shard import config, partition  # noqa: E402
 from shard.errors import UserError  # noqa: E402
-from shard.hf import tables, write  # noqa: E402
+from shard.hf import arch, tables, write  # noqa: E402
 from shard.run import trainer  # noqa: E402
 from shard.use import export, generate, load  # noqa: E402
 
@@ -29,13 +29,27 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
               max_position_embeddings=64)
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # short: the scaling shows at 16 tokens
+NO_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)  # the defaults are past VOCAB
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0]}
 KINDS = {
     "llama": lambda T: T.LlamaForCausalLM(T.LlamaConfig(**COMMON, num_key_value_heads=2, rope_parameters=LLAMA3)),
     "mistral": lambda T: T.MistralForCausalLM(T.MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=32)),
     "qwen2": lambda T: T.Qwen2ForCausalLM(T.Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=True)),
     "gemma": lambda T: T.GemmaForCausalLM(T.GemmaConfig(**COMMON, num_key_value_heads=2, head_dim=24)),
     "gpt2": lambda T: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64)),
+    # issue 47's families: Qwen3-4B's and SmolLM3-3B's shapes (explicit head_dim, tied; every other layer without
+    # rotary positions), OLMo 2's and Phi-3's defaults; Phi-3 with Phi-4-mini's partial rotary factor and LongRoPE
+    # whose original context (8) the 16 tokens pass (its long factors, and generate's switch from short to long)
+    "qwen3": lambda T: T.Qwen3ForCausalLM(T.Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=32,
+                                                       tie_word_embeddings=True, rope_theta=1e6)),
+    "smollm3": lambda T: T.SmolLM3ForCausalLM(T.SmolLM3Config(**COMMON, num_key_value_heads=2, no_rope_layer_interval=2,
+                                                             **NO_IDS)),
+    "olmo2": lambda T: T.Olmo2ForCausalLM(T.Olmo2Config(**COMMON, num_key_value_heads=2, **NO_IDS)),
+    "phi3": lambda T: T.Phi3ForCausalLM(T.Phi3Config(**COMMON, num_key_value_heads=2, rope_parameters=LONGROPE,
+                                                     original_max_position_embeddings=8, **NO_IDS)),
 }
+NEW = ("qwen3", "smollm3", "olmo2", "phi3")  # held to 1e-5 (the older families to the 1e-4 they were written with)
 MESHES = {"one": None, "fsdp": ["mesh=fsdp", "run.cpu_devices=4"], "tp": ["mesh=tp", "run.cpu_devices=2"],
           "fsdp_tp": ["mesh=fsdp_tp", "run.cpu_devices=4"]}
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
@@ -45,13 +59,21 @@ def relative(got, want) -> float:
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
+def tolerance(kind: str) -> float:
+    return 1e-5 if kind in NEW else 1e-4
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
+    return saved_folders(KINDS, tmp_path_factory)
+
+
+def saved_folders(kinds: dict, tmp_path_factory) -> dict:
     """kind -> (folder, the transformers model), each built once: random weights, then every parameter
     (norms and biases too) moved off its initial value so that a mix-up shows."""
     torch.manual_seed(0)
     out = {}
-    for kind, make in KINDS.items():
+    for kind, make in kinds.items():
         model = make(transformers).float().eval()
         with torch.no_grad():
             for p in model.parameters():
@@ -82,7 +104,7 @@ def test_logits_equal_transformers(folders, kind, mesh):
     if mesh != "one":  # read into the mesh's shardings, not whole on each device
         assert any(not s.is_fully_replicated for s in jax.tree.leaves(
             jax.tree.map(lambda a: a.sharding, nnx.state(loaded.model, nnx.Param))))
-    assert relative(jax_logits(loaded), torch_logits(model, TOKENS)) < 1e-4
+    assert relative(jax_logits(loaded), torch_logits(model, TOKENS)) < tolerance(kind)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -117,7 +139,7 @@ def test_fine_tune_first_loss_and_export_round_trip(folders, kind, tmp_path, mon
     batch = first_batch(cfg)
     logits = torch.tensor(torch_logits(model, np.asarray(batch["inputs"])))
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), torch.tensor(np.asarray(batch["targets"])).reshape(-1).long())
-    assert abs(result.history[0]["loss"] - float(want)) < 1e-4 * float(want)
+    assert abs(result.history[0]["loss"] - float(want)) < tolerance(kind) * float(want)
 
     out = tmp_path / "hf"
     if kind in ("gpt2", "gemma"):
@@ -129,7 +151,7 @@ def test_fine_tune_first_loss_and_export_round_trip(folders, kind, tmp_path, mon
     assert json.loads((out / "config.json").read_text())["model_type"] == ("llama" if kind == "mistral" else kind)
     assert (out / "generation_config.json").read_bytes() == (Path(path) / "generation_config.json").read_bytes()
     ours = load.load(str(tmp_path / "run"), [], whole_mesh=False)
-    assert relative(torch_logits(again, TOKENS), jax_logits(ours)) < 1e-4
+    assert relative(torch_logits(again, TOKENS), jax_logits(ours)) < tolerance(kind)
 
 
 @pytest.mark.parametrize("mesh", ["dp", "tp", "fsdp_tp", "zero1", "zero2", "pp", "cp", "ep", "hybrid"])
@@ -203,7 +225,7 @@ def test_bad_folders_are_refused_in_one_line(folders, tmp_path):
     (other / "config.json").write_text(json.dumps({**json.loads((other / "config.json").read_text()), "model_type": "bert"}))
     done = run_cli(f"train.init_from={other}", "run.dir=off", "train.steps=1")
     assert done.returncode == 2
-    assert "model_type 'bert' is not supported; supported: llama, mistral, qwen2, gemma, gpt2" in done.stderr
+    assert f"model_type 'bert' is not supported; supported: {', '.join(arch.SUPPORTED)}" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
 
 
@@ -247,7 +269,7 @@ def test_a_documents_run_takes_the_folders_tokenizer_and_exports_it(folders, tmp
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_any_block_reads_as_that_block_of_the_whole(folders, kind):
     """The slice arithmetic for blocks no mesh rule asks for too (head_dim cut, K/V pairs cut, odd bounds)."""
-    from shard.hf import arch, read
+    from shard.hf import read
 
     folder = read.Folder(folders[kind][0])
     size = tables.sizes(arch._with_defaults(folder.gpt_kwargs()), kind)

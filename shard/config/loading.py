@@ -53,10 +53,11 @@ def _hf_layer(layers: list[dict]) -> dict | None:
     init_from = next((v for layer in reversed(layers) if (v := (layer.get("train") or {}).get("init_from"))), None)
     if not hf.is_folder(init_from):
         return None
+    from shard.hf.arch import model_name
     from shard.hf.read import Folder
 
     folder = Folder(init_from)
-    layer = {"model": {"name": "gpt", **folder.gpt_kwargs()}}
+    layer = {"model": {"name": model_name(folder.kind), **folder.gpt_kwargs()}}
     data = [given.get("data") or {} for given in layers]
     documents = next((d["name"] for d in reversed(data) if d.get("name")), _schema().data.name) == "documents"
     if documents and not any(d.get("tokenizer") for d in data):

@@ -8,11 +8,17 @@ capping max_len at it: within the window the attention is the full causal one. D
 settings of transformers' own loop, not of the model, and are not read.
 """
 
-from shard.errors import UserError
+import math
 
-SUPPORTED = ("llama", "mistral", "qwen2", "gemma", "gpt2")
+from shard.errors import UserError
+from shard.hf import experts
+
+SUPPORTED = ("llama", "mistral", "qwen2", "gemma", "gpt2", "qwen3", "smollm3", "olmo2", "phi3") + \
+    tuple(experts.RELATIVE)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "gemma": "GemmaForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                 "gemma": "GemmaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM",
+                 "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 **experts.ARCHITECTURES}
 SILU = ("silu", "swish")  # transformers' two names of one function
 TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_python_tanh")  # one function: 0.5 x (1 + tanh(...))
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -33,6 +39,19 @@ DEFAULTS = {
                   num_attention_heads=16, num_key_value_heads=16, head_dim=256, hidden_act="gelu_pytorch_tanh",
                   max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False,
                   use_bidirectional_attention=None),
+    "qwen3": dict(_ROPE, vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=32768,
+                  attention_bias=False, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
+                  layer_types=None),
+    "smollm3": dict(_ROPE, vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=32768,
+                    use_sliding_window=False, sliding_window=None, no_rope_layers=None, no_rope_layer_interval=4,
+                    layer_types=None, attention_bias=False, mlp_bias=False, tie_word_embeddings=True),
+    "olmo2": dict(_ROPE, vocab_size=50304, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=2048, attention_bias=False, rms_norm_eps=1e-5),
+    "phi3": dict(_ROPE, vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                 num_attention_heads=32, max_position_embeddings=4096, original_max_position_embeddings=4096,
+                 rms_norm_eps=1e-5, sliding_window=None),
     "gpt2": dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
                  activation_function="gelu_new", layer_norm_epsilon=1e-5, scale_attn_weights=True,
                  scale_attn_by_inverse_layer_idx=False, add_cross_attention=False, tie_word_embeddings=True),
@@ -43,7 +62,8 @@ _TEXTS = {"hidden_act", "activation_function"}
 _BOOLS = {"tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "scale_attn_weights",
           "scale_attn_by_inverse_layer_idx", "add_cross_attention", "use_bidirectional_attention"}
 _OPTIONAL = {"num_key_value_heads", "head_dim", "sliding_window", "n_inner", "layer_types",
-             "use_bidirectional_attention"}
+             "use_bidirectional_attention", "no_rope_layers"}
+_LISTS = {"layer_types", "no_rope_layers"}
 GPT2_NAMES = {"hidden_size": "n_embd", "max_position_embeddings": "n_positions", "num_attention_heads": "n_head",
               "num_hidden_layers": "n_layer"}  # GPT2Config's attribute_map: both spellings are read
 
@@ -55,9 +75,16 @@ def model_type(config: dict, where: str) -> str:
     return kind
 
 
+def model_name(kind: str) -> str:
+    """The library model an architecture is read into: the MoE for the mixture-of-experts families, else the GPT."""
+    return "moe" if kind in experts.RELATIVE else "gpt"
+
+
 def to_gpt(config: dict, where: str) -> dict:
-    """The GPT arguments (model.* keys) of a Hugging Face config.json."""
+    """The arguments (model.* keys) of model_name's model for a Hugging Face config.json."""
     kind = model_type(config, where)
+    if kind in experts.RELATIVE:
+        return experts.to_moe(kind, config, where)
     if kind == "gpt2":
         config = {GPT2_NAMES.get(k, k): v for k, v in config.items()}
     get = _fields(kind, config, where)
@@ -71,7 +98,7 @@ def _fields(kind: str, c: dict, where: str):
         if value is None and name in _OPTIONAL:
             return None
         want = float if name in _FLOATS else str if name in _TEXTS else bool if name in _BOOLS else \
-            list if name == "layer_types" else int
+            list if name in _LISTS else int
         if not isinstance(value, want) or (want is int and (isinstance(value, bool) or value < 0)):
             raise UserError(f"{where}: config.json has {name}={value!r}; transformers reads {name} as "
                             f"{'a non-negative int' if want is int else 'a ' + want.__name__}")
@@ -103,12 +130,37 @@ def _rope_model(kind: str, get, c: dict, where: str) -> dict:
     if kind == "gemma" and get("use_bidirectional_attention"):
         raise UserError(f"{where}: config.json has use_bidirectional_attention=true; only causal attention is "
                         "supported")
-    theta, scaling = _rope(c, where, get("max_position_embeddings"))
+    theta, scaling, rotary_dim = _rope(kind, c, where, get, head_dim)
     return dict(vocab_size=get("vocab_size"), d_model=d, n_layers=get("num_hidden_layers"), n_heads=heads,
                 n_kv_heads=kv_heads, d_ff=get("intermediate_size"), head_dim=head_dim,
                 max_len=_max_len(kind, get), position="rope", norm="rmsnorm+1" if kind == "gemma" else "rmsnorm",
                 mlp=mlp, norm_eps=get("rms_norm_eps"), rope_theta=theta, rope_scaling=scaling,
-                tie_embeddings=get("tie_word_embeddings"), embed_scale=kind == "gemma", **_biases(kind, get, where))
+                tie_embeddings=get("tie_word_embeddings"), embed_scale=kind == "gemma", **_biases(kind, get, where),
+                **({"rotary_dim": rotary_dim} if rotary_dim != head_dim else {}), **_options(kind, get, where))
+
+
+# The GPT's options each family sets beyond Llama's (its per-layer and norm settings; RoPE is _rope's).
+FAMILY_OPTIONS = {"qwen3": dict(qk_norm="head"), "olmo2": dict(qk_norm="projection", norms="post")}
+
+
+def _options(kind: str, get, where: str) -> dict:
+    """FAMILY_OPTIONS, SmolLM3's rope-less layers, and a refusal of the windows not supported yet."""
+    options = dict(FAMILY_OPTIONS.get(kind, {}))
+    if kind in ("qwen3", "smollm3") and get("use_sliding_window") and get("sliding_window") is not None:
+        raise UserError(f"{where}: config.json has use_sliding_window=true; sliding windows are not supported for "
+                        f"{kind} yet (only use_sliding_window=false)")
+    if kind == "smollm3":
+        n, every = get("num_hidden_layers"), get("no_rope_layer_interval")
+        rotate = get("no_rope_layers")
+        if rotate is None and not every:
+            raise UserError(f"{where}: config.json has no_rope_layer_interval=0; it must be at least 1")
+        rotate = [int((i + 1) % every != 0) for i in range(n)] if rotate is None else rotate
+        if len(rotate) != n or any(r not in (0, 1) or isinstance(r, bool) for r in rotate):
+            raise UserError(f"{where}: config.json has no_rope_layers={rotate!r}; transformers reads one 1 (rotary "
+                            f"positions) or 0 (none) per layer, {n} in all")
+        if 0 in rotate:
+            options["rope_layers"] = rotate
+    return options
 
 
 def _biases(kind: str, get, where: str) -> dict:
@@ -117,8 +169,8 @@ def _biases(kind: str, get, where: str) -> dict:
     Mistral's none (the fields are not read there)."""
     if kind == "qwen2":
         return dict(qkv_bias=True)
-    attention = get("attention_bias") if kind in ("llama", "gemma") else False
-    mlp = get("mlp_bias") if kind == "llama" else False
+    attention = get("attention_bias") if kind in ("llama", "gemma", "qwen3", "smollm3", "olmo2") else False
+    mlp = get("mlp_bias") if kind in ("llama", "smollm3") else False
     if attention and not mlp:
         raise UserError(f"{where}: config.json has attention_bias=true, and {kind}'s MLP then has no biases: biases on "
                         "the attention alone are not supported (the GPT's bias option puts them on the MLP too)")
@@ -130,7 +182,7 @@ def _max_len(kind: str, get) -> int:
     sliding_window is set; Qwen2: with use_sliding_window, the layers layer_types says, by default those from
     max_window_layers on)."""
     max_len = get("max_position_embeddings")
-    window = get("sliding_window") if kind == "mistral" else None
+    window = get("sliding_window") if kind in ("mistral", "phi3") else None
     if kind == "qwen2" and get("use_sliding_window") and get("sliding_window") is not None:
         n, first = get("num_hidden_layers"), get("max_window_layers")
         types = get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
@@ -138,35 +190,75 @@ def _max_len(kind: str, get) -> int:
     return min(max_len, window) if window else max_len
 
 
-def _rope(c: dict, where: str, max_len: int) -> tuple[float, dict | None]:
-    """(theta, Llama 3 scaling or None), read as transformers 5 does: rope_scaling (the older name) over
-    rope_parameters, the theta inside over rope_theta beside it."""
+def _rope(kind: str, c: dict, where: str, get, head_dim: int) -> tuple[float, dict | None, int]:
+    """(theta, the GPT's rope_scaling or None, rotated channels per head), read as transformers 5 does:
+    rope_scaling (the older name) over rope_parameters, the theta inside over rope_theta beside it. Phi-3 reads
+    its partial rotary factor and LongRoPE (su and yarn its old names); the others default or Llama 3's."""
     params = c.get("rope_scaling") or c.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise UserError(f"{where}: config.json has rope_parameters={params!r}; transformers reads a mapping")
     params = dict(params)
     theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
+    rope_type = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
         raise UserError(f"{where}: config.json has rope_theta={theta!r}; it must be a positive number")
-    if partial != 1.0:
-        raise UserError(f"{where}: config.json has partial_rotary_factor={partial!r}; only 1.0 is supported")
-    if kind == "default":
-        return float(theta), None
-    if kind != "llama3":
-        raise UserError(f"{where}: config.json has rope_type={kind!r}, which is not supported (supported: default, "
-                        "llama3)")
+    rotary_dim = head_dim
+    if kind == "phi3":
+        rope_type = "longrope" if rope_type in ("su", "yarn") else rope_type
+        if not _number(partial) or not 0 < partial <= 1 or int(head_dim * partial) % 2:
+            raise UserError(f"{where}: config.json has partial_rotary_factor={partial!r}; it must be in (0, 1] and "
+                            f"rotate an even number of head_dim={head_dim}'s channels")
+        rotary_dim = int(head_dim * partial)
+    elif partial != 1.0:
+        raise UserError(f"{where}: config.json has partial_rotary_factor={partial!r}; only 1.0 is supported for {kind}")
+    allowed = ("default", "longrope") if kind == "phi3" else ("default", "llama3")
+    if rope_type not in allowed:
+        raise UserError(f"{where}: config.json has rope_type={rope_type!r}, which is not supported for {kind} "
+                        f"(supported: {', '.join(allowed)})")
+    if rope_type == "default":
+        return float(theta), None, rotary_dim
+    if rope_type == "longrope":
+        return float(theta), _longrope(params, where, get, rotary_dim), rotary_dim
     # transformers takes original_max_position_embeddings from beside the parameters first, else max_len
-    params["original_max_position_embeddings"] = c.get("original_max_position_embeddings",
-                                                       params.get("original_max_position_embeddings", max_len))
+    params["original_max_position_embeddings"] = c.get("original_max_position_embeddings", params.get(
+        "original_max_position_embeddings", get("max_position_embeddings")))
     missing = [k for k in LLAMA3_KEYS if k not in params]
     if missing:
         raise UserError(f"{where}: config.json's llama3 rope_scaling lacks {', '.join(missing)}")
-    bad = [k for k in LLAMA3_KEYS if not isinstance(params[k], (int, float)) or isinstance(params[k], bool)]
+    bad = [k for k in LLAMA3_KEYS if not _number(params[k])]
     if bad:
         raise UserError(f"{where}: config.json has rope_scaling {bad[0]}={params[bad[0]]!r}; it must be a number")
-    return float(theta), {k: float(params[k]) if k != LLAMA3_KEYS[-1] else int(params[k]) for k in LLAMA3_KEYS}
+    return float(theta), {k: float(params[k]) if k != LLAMA3_KEYS[-1] else int(params[k]) for k in LLAMA3_KEYS}, \
+        rotary_dim
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _longrope(params: dict, where: str, get, rotary_dim: int) -> dict:
+    """Phi-3's LongRoPE as the GPT's rope_scaling: a factor per frequency for short and for long calls, the
+    original context (config.json's top-level field first: transformers gives it priority for Phi-3), and the
+    attention factor transformers derives from the context's growth where none is given."""
+    for name in ("short_factor", "long_factor"):
+        f = params.get(name)
+        if not isinstance(f, list) or len(f) != rotary_dim // 2 or not all(_number(x) for x in f):
+            raise UserError(f"{where}: config.json has rope_scaling {name}={f!r}; transformers reads a list of "
+                            f"{rotary_dim // 2} numbers (half the rotated channels)")
+    original = get("original_max_position_embeddings")
+    factor, attention = params.get("factor"), params.get("attention_factor")
+    for name, value in (("factor", factor), ("attention_factor", attention)):
+        if value is not None and not _number(value):
+            raise UserError(f"{where}: config.json has rope_scaling {name}={value!r}; it must be a number")
+    if not original:
+        raise UserError(f"{where}: config.json has original_max_position_embeddings=0; it must be at least 1")
+    factor = get("max_position_embeddings") / original if factor is None else factor
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return dict(rope_type="longrope", short_factor=[float(x) for x in params["short_factor"]],
+                long_factor=[float(x) for x in params["long_factor"]], original_max_position_embeddings=original,
+                attention_factor=float(attention))
 
 
 def _gpt2(get, where: str) -> dict:
@@ -191,27 +283,44 @@ def _gpt2(get, where: str) -> dict:
 
 def from_gpt(kwargs: dict, model_name: str) -> dict:
     """The config.json of a run's model (its model.name and arguments); UserError where it is none of SUPPORTED."""
+    if model_name == "moe":
+        return experts.from_moe(kwargs)
     g = _with_defaults(kwargs)
     kind = _kind(g) if model_name == "gpt" else None
     if kind is None:
         raise UserError(f"--format hf: model {model_name!r} with these options is none of the architectures a "
                         f"Hugging Face folder can hold ({', '.join(SUPPORTED)}): GPT-2 needs position=learned, "
                         "norm=layernorm, mlp=gelu, bias=true; the others position=rope, mlp=swiglu or geglu, with "
-                        "rmsnorm (Llama, Qwen2 with qkv_bias) or rmsnorm+1 and embed_scale (Gemma)")
+                        "rmsnorm (Llama, Qwen2 with qkv_bias; Qwen3 with qk_norm=head, OLMo 2 with qk_norm=projection "
+                        "and norms=post, SmolLM3 with rope_layers, Phi-3 with rotary_dim or longrope, each unbiased "
+                        "but SmolLM3) or rmsnorm+1 and embed_scale (Gemma)")
     common = dict(model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=g["vocab_size"],
                   tie_word_embeddings=g["tie_embeddings"], torch_dtype="float32")
     if kind == "gpt2":
         return dict(common, n_embd=g["d_model"], n_layer=g["n_layers"], n_head=g["n_heads"], n_inner=g["d_ff"],
                     n_positions=g["max_len"], layer_norm_epsilon=g["norm_eps"], activation_function="gelu_new")
-    rope = {"rope_type": "default", "rope_theta": g["rope_theta"]}
-    if g["rope_scaling"]:
-        rope = dict(g["rope_scaling"], rope_type="llama3", rope_theta=g["rope_theta"])
+    scaling = dict(g["rope_scaling"] or {})
+    rope = {"rope_type": scaling.pop("rope_type", "llama3") if scaling else "default", **scaling,
+            "rope_theta": g["rope_theta"]}
+    extra = {}
+    if kind == "phi3":
+        rotary = g["rotary_dim"] or g["head_dim"]
+        partial = rotary / g["head_dim"]
+        while int(g["head_dim"] * partial) < rotary:  # a quotient rounded down would lose a channel
+            partial = math.nextafter(partial, 2.0)
+        rope["partial_rotary_factor"] = partial
+        # Phi-3 reads its original context from beside the parameters first (4096 where absent)
+        extra["original_max_position_embeddings"] = scaling.get("original_max_position_embeddings", g["max_len"])
+    if kind == "smollm3":
+        extra.update(no_rope_layers=list(g["rope_layers"]), use_sliding_window=False)
+    biases = dict(attention_bias=g["bias"], mlp_bias=g["bias"] or g["mlp_bias"])
+    biases = {k: v for k, v in biases.items() if k in DEFAULTS[kind] or kind in ("llama", "qwen2")}  # its fields
     return dict(common, hidden_size=g["d_model"], num_hidden_layers=g["n_layers"], num_attention_heads=g["n_heads"],
                 num_key_value_heads=g["n_kv_heads"], intermediate_size=g["d_ff"], head_dim=g["head_dim"],
                 max_position_embeddings=g["max_len"], rms_norm_eps=g["norm_eps"], rope_theta=g["rope_theta"],
-                rope_parameters=rope, rope_scaling=rope if g["rope_scaling"] else None,
+                rope_parameters=rope, rope_scaling=rope if scaling else None,
                 hidden_act="silu" if g["mlp"] == "swiglu" else "gelu_pytorch_tanh",
-                attention_bias=g["bias"], mlp_bias=g["bias"] or g["mlp_bias"])
+                **biases, **extra)
 
 
 def _with_defaults(kwargs: dict) -> dict:
@@ -229,15 +338,28 @@ def _with_defaults(kwargs: dict) -> dict:
 
 
 def _kind(g: dict) -> str | None:
+    scaling = (g["rope_scaling"] or {}).get("rope_type", "llama3") if g["rope_scaling"] else None
+    partial = g["rotary_dim"] not in (0, g["head_dim"])
+    # (qk_norm, norms, rope_layers given, Phi-3's RoPE) beyond Llama's options
+    shape = (g["qk_norm"], g["norms"], g["rope_layers"] is not None, scaling == "longrope" or partial)
+    plain = shape == ("none", "pre", False, False) and scaling in (None, "llama3")
     if (g["position"], g["norm"], g["mlp"]) == ("learned", "layernorm", "gelu"):
         return "gpt2" if g["bias"] and not g["embed_scale"] and g["n_kv_heads"] == g["n_heads"] \
-            and g["head_dim"] * g["n_heads"] == g["d_model"] else None
+            and g["head_dim"] * g["n_heads"] == g["d_model"] and plain and not g["rope_scaling"] else None
     if g["position"] != "rope" or g["mlp"] == "gelu" or g["embed_scale"] != (g["norm"] == "rmsnorm+1"):
         return None
+    unbiased = not (g["qkv_bias"] or g["bias"] or g["mlp_bias"])
     if g["norm"] == "rmsnorm+1":
-        return "gemma" if not (g["qkv_bias"] or g["bias"] or g["mlp_bias"]) else None
-    if g["norm"] == "rmsnorm":
-        if g["qkv_bias"] and not g["bias"]:  # q, k and v alone: Qwen2's
-            return "qwen2" if not g["mlp_bias"] else None
-        return "llama"
-    return None
+        return "gemma" if unbiased and plain else None
+    if g["norm"] != "rmsnorm":
+        return None
+    if g["qkv_bias"] and not g["bias"]:  # q, k and v alone: Qwen2's
+        return "qwen2" if not g["mlp_bias"] and plain else None
+    family = {("none", "pre", False, False): "llama", ("head", "pre", False, False): "qwen3",
+              ("projection", "post", False, False): "olmo2", ("none", "pre", True, False): "smollm3",
+              ("none", "pre", False, True): "phi3"}.get(shape)
+    if family == "phi3":
+        return family if unbiased and scaling in (None, "longrope") else None
+    if family in ("qwen3", "olmo2") and not unbiased or scaling not in (None, "llama3"):
+        return None
+    return family

@@ -7,11 +7,16 @@ s the stacked parts of a fused tensor (our K/V pair, GPT-2's q/k/v). A parenthes
 Hugging Face axis holding several of ours flattened, row-major: "(h d) e" is a (heads x head_dim, embed)
 matrix. Our stacked block parameters have a leading layers axis that the tensor's `{i}` stands for.
 Offsets: for a letter in both, Hugging Face index = ours + offset; only in theirs, the one index taken;
-only in ours, the one index of ours this tensor fills (K is part 0 of our K/V pair, V part 1).
+only in ours, the one index of ours this tensor fills (K is part 0 of our K/V pair, V part 1). An offset may be
+a sum of letters' sizes ("h+k": after the query heads and the keys'), resolved by `rows` for a model's sizes.
+Wide: a letter in both whose Hugging Face axis is longer than ours, named by the letter giving its size (j: the
+query, key and value heads of Phi-3's fused qkv_proj, where the keys start at offset h).
+Experts: x is a mixture of experts' experts axis; a tensor named with `{x}` is one expert's (Mixtral's
+experts.{x}.w1), standing for one row per expert, each filling that index of our experts axis.
 """
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,7 @@ class Row:
     their_axes: str           # e.g. "(h d) e"
     our_axes: str             # e.g. "e h d" (without the layers axis)
     at: dict = field(default_factory=dict)
+    wide: dict = field(default_factory=dict)  # letter -> the letter whose size its axis has in their tensor
 
     @property
     def layered(self) -> bool:
@@ -33,30 +39,53 @@ class Row:
     def letters(self) -> tuple[str, ...]:
         return tuple(self.our_axes.split())
 
+    def their_sizes(self, group: tuple[str, ...], size: dict) -> list[int]:
+        return [size[self.wide.get(l, l)] for l in group]
 
-def _llama_like() -> tuple[Row, ...]:
+
+LLAMA_NORMS = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
+OLMO2_NORMS = {"ln1_post": "post_attention_layernorm", "ln2_post": "post_feedforward_layernorm"}
+GEMMA2_NORMS = {"ln1": "input_layernorm", "ln1_post": "post_attention_layernorm",
+                "ln2": "pre_feedforward_layernorm", "ln2_post": "post_feedforward_layernorm"}
+
+
+def _llama_like(norms: dict = LLAMA_NORMS, qk_norm: str | None = None, fused: bool = False) -> tuple[Row, ...]:
+    """Llama's names, with the block's norms named `norms` (ours -> theirs), the query/key norms over each head
+    ("head") or the whole projection ("projection"), and Phi-3's fused qkv_proj and gate_up_proj (`fused`)."""
     L = "model.layers.{i}."
-    rows = [
-        Row("tok", "model.embed_tokens.weight", "v e", "v e"),
-        Row("blocks.attn.q", L + "self_attn.q_proj.weight", "(h d) e", "e h d"),
-        Row("blocks.attn.kv", L + "self_attn.k_proj.weight", "(k d) e", "e s k d", {"s": 0}),
-        Row("blocks.attn.kv", L + "self_attn.v_proj.weight", "(k d) e", "e s k d", {"s": 1}),
-        Row("blocks.attn.out", L + "self_attn.o_proj.weight", "e (h d)", "h d e"),
-        Row("blocks.attn.q_bias", L + "self_attn.q_proj.bias", "(h d)", "h d"),
-        Row("blocks.attn.kv_bias", L + "self_attn.k_proj.bias", "(k d)", "s k d", {"s": 0}),
-        Row("blocks.attn.kv_bias", L + "self_attn.v_proj.bias", "(k d)", "s k d", {"s": 1}),
-        Row("blocks.attn.out_bias", L + "self_attn.o_proj.bias", "e", "e"),
-        Row("blocks.ffn.w_gate", L + "mlp.gate_proj.weight", "f e", "e f"),
+    A = L + "self_attn."
+    rows = [Row("tok", "model.embed_tokens.weight", "v e", "v e")]
+    if fused:  # qkv_proj: queries, then keys, then values along its rows; gate_up_proj: gate, then up
+        rows += [Row("blocks.attn.q", A + "qkv_proj.weight", "(h d) e", "e h d", wide={"h": "j"}),
+                 Row("blocks.attn.kv", A + "qkv_proj.weight", "(k d) e", "e s k d", {"s": 0, "k": "h"}, {"k": "j"}),
+                 Row("blocks.attn.kv", A + "qkv_proj.weight", "(k d) e", "e s k d", {"s": 1, "k": "h+k"}, {"k": "j"}),
+                 Row("blocks.ffn.w_gate", L + "mlp.gate_up_proj.weight", "(s f) e", "e f", {"s": 0}),
+                 Row("blocks.ffn.w_in", L + "mlp.gate_up_proj.weight", "(s f) e", "e f", {"s": 1})]
+    else:
+        rows += [Row("blocks.attn.q", A + "q_proj.weight", "(h d) e", "e h d"),
+                 Row("blocks.attn.kv", A + "k_proj.weight", "(k d) e", "e s k d", {"s": 0}),
+                 Row("blocks.attn.kv", A + "v_proj.weight", "(k d) e", "e s k d", {"s": 1}),
+                 Row("blocks.ffn.w_gate", L + "mlp.gate_proj.weight", "f e", "e f"),
+                 Row("blocks.ffn.w_in", L + "mlp.up_proj.weight", "f e", "e f")]
+    rows += [
+        Row("blocks.attn.out", A + "o_proj.weight", "e (h d)", "h d e"),
+        Row("blocks.attn.q_bias", A + "q_proj.bias", "(h d)", "h d"),
+        Row("blocks.attn.kv_bias", A + "k_proj.bias", "(k d)", "s k d", {"s": 0}),
+        Row("blocks.attn.kv_bias", A + "v_proj.bias", "(k d)", "s k d", {"s": 1}),
+        Row("blocks.attn.out_bias", A + "o_proj.bias", "e", "e"),
         Row("blocks.ffn.b_gate", L + "mlp.gate_proj.bias", "f", "f"),
-        Row("blocks.ffn.w_in", L + "mlp.up_proj.weight", "f e", "e f"),
         Row("blocks.ffn.w_out", L + "mlp.down_proj.weight", "e f", "f e"),
         Row("blocks.ffn.b_in", L + "mlp.up_proj.bias", "f", "f"),
         Row("blocks.ffn.b_out", L + "mlp.down_proj.bias", "e", "e"),
-        Row("blocks.ln1.scale", L + "input_layernorm.weight", "e", "e"),
-        Row("blocks.ln2.scale", L + "post_attention_layernorm.weight", "e", "e"),
-        Row("ln_f.scale", "model.norm.weight", "e", "e"),
-        Row("head", "lm_head.weight", "v e", "e v"),
     ]
+    if qk_norm == "head":
+        rows += [Row("blocks.attn.q_norm.scale", A + "q_norm.weight", "d", "d"),
+                 Row("blocks.attn.k_norm.scale", A + "k_norm.weight", "d", "d")]
+    if qk_norm == "projection":
+        rows += [Row("blocks.attn.q_norm.scale", A + "q_norm.weight", "(h d)", "h d"),
+                 Row("blocks.attn.k_norm.scale", A + "k_norm.weight", "(k d)", "k d")]
+    rows += [Row(f"blocks.{ours}.scale", f"{L}{theirs}.weight", "e", "e") for ours, theirs in norms.items()]
+    rows += [Row("ln_f.scale", "model.norm.weight", "e", "e"), Row("head", "lm_head.weight", "v e", "e v")]
     return tuple(rows)
 
 
@@ -86,20 +115,45 @@ def _gpt2() -> tuple[Row, ...]:
     )
 
 
-_LLAMA = _llama_like()  # Mistral, Qwen2 and Gemma name their tensors as Llama does
-TABLES = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gemma": _LLAMA, "gpt2": _gpt2()}
+_LLAMA = _llama_like()  # Mistral, Qwen2, Gemma and SmolLM3 name their tensors as Llama does
+TABLES = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gemma": _LLAMA, "gpt2": _gpt2(),
+          "qwen3": _llama_like(qk_norm="head"), "smollm3": _LLAMA,
+          "olmo2": _llama_like(OLMO2_NORMS, qk_norm="projection"), "phi3": _llama_like(fused=True)}
+
+
+def _experts(qk_norm: str | None, block: str, gate: str, up: str, down: str) -> tuple[Row, ...]:
+    """A mixture of experts' table: Llama's names for the rest, and for each block's router (`block`.gate) and
+    experts (`block`.experts.{x}.`gate`, `up`, `down`)."""
+    L, E = f"model.layers.{{i}}.{block}.", f"model.layers.{{i}}.{block}.experts.{{x}}."
+    rest = [r for r in _llama_like(qk_norm=qk_norm) if not r.ours.startswith("blocks.ffn.")]
+    return tuple(rest + [Row("blocks.ffn.router", L + "gate.weight", "x e", "e x"),
+                         Row("blocks.ffn.w_gate", E + gate + ".weight", "f e", "x e f"),
+                         Row("blocks.ffn.w_in", E + up + ".weight", "f e", "x e f"),
+                         Row("blocks.ffn.w_out", E + down + ".weight", "e f", "x f e")])
+
+
+TABLES["mixtral"] = _experts(None, "block_sparse_moe", "w1", "w3", "w2")
+TABLES["qwen3_moe"] = _experts("head", "mlp", "gate_proj", "up_proj", "down_proj")
 # The base model's prefix: a folder saved from the base model alone (GPT2Model, LlamaModel: the Hub's gpt2)
 # names its tensors without it, and transformers adds it when it reads them into the causal LM.
-PREFIX = {"llama": "model.", "mistral": "model.", "qwen2": "model.", "gemma": "model.", "gpt2": "transformer."}
+PREFIX = {kind: "model." for kind in TABLES}
+PREFIX["gpt2"] = "transformer."
 # Tensors older checkpoints hold that are no weights: rotary frequencies, derived from config.json (transformers
 # drops them too), and GPT-2's causal mask and its fill value, which the attention builds itself.
-DERIVED = {kind: r"\.rotary_emb\.inv_freq$" for kind in ("llama", "mistral", "qwen2", "gemma")}
+DERIVED = {kind: r"\.rotary_emb\.inv_freq$" for kind in TABLES}
 DERIVED["gpt2"] = r"\.attn\.(masked_)?bias$"
 
 
-def rows(kind: str, params: set[str]) -> list[Row]:
-    """The rows of `kind`'s table whose parameter the model has (`params`: its parameters' paths)."""
-    return [r for r in TABLES[kind] if r.ours in params]
+def rows(kind: str, params: set[str], size: dict | None = None) -> list[Row]:
+    """The rows of `kind`'s table whose parameter the model has (`params`: its parameters' paths), their offsets
+    resolved for the letters' sizes `size` where given, an expert's row made one per expert."""
+    found = [r for r in TABLES[kind] if r.ours in params]
+    if size is None:
+        return found
+    found = [replace(r, theirs=r.theirs.replace("{x}", str(x)), at={**r.at, "x": x}) if "{x}" in r.theirs else r
+             for r in found for x in (range(size["x"]) if "{x}" in r.theirs else [0])]
+    at = lambda v: v if isinstance(v, int) else sum(size[l] for l in v.split("+"))  # noqa: E731
+    return [replace(r, at={l: at(v) for l, v in r.at.items()}) for r in found]
 
 
 def hf_names(kind: str) -> dict[str, list[str]]:
@@ -115,14 +169,15 @@ def hf_names(kind: str) -> dict[str, list[str]]:
 def sizes(g: dict, kind: str) -> dict[str, int]:
     """Each letter's size in the Hugging Face tensors, from the GPT's arguments (arch._with_defaults)."""
     return dict(e=g["d_model"], h=g["n_heads"], k=g["n_kv_heads"], d=g["head_dim"], f=g["d_ff"], v=g["vocab_size"],
-                p=g["max_len"], s=3 if kind == "gpt2" else 2)
+                p=g["max_len"], s=3 if kind == "gpt2" else 2, j=g["n_heads"] + 2 * g["n_kv_heads"],
+                x=g.get("n_experts", 0))
 
 
 def their_shape(row: Row, size: dict) -> tuple[int, ...]:
     out = []
     for group in row.groups():
         n = 1
-        for letter in group:
-            n *= size[letter]
+        for length in row.their_sizes(group, size):
+            n *= length
         out.append(n)
     return tuple(out)

@@ -1,0 +1,115 @@
+"""Mixture-of-experts families (Mixtral, Qwen3-MoE): config.json <-> the library MoE's arguments.
+
+Their attention, norms and RoPE are their dense relatives' (Mistral's, Qwen3's), read and written by arch.py;
+this module reads and writes the experts. Each family routes as transformers does: a softmax over all experts
+in float32, the top num_experts_per_tok taken, their weights renormalised (Mixtral always; Qwen3-MoE with
+norm_topk_prob), every token computed by each of its experts (routing=dropless: no capacity, no token dropped).
+
+The load-balancing loss: transformers adds router_aux_loss_coef x its load_balancing_loss_func to the training
+loss only where output_router_logits is true, so the import sets aux_loss_weight to the coefficient then (with
+balancing=pooled, that function's form) and to 0 otherwise. Mixtral's router_jitter_noise multiplies the
+router's input by noise in transformers' training mode only: a regulariser like dropout, not read.
+"""
+
+from shard.errors import UserError
+
+# Each family's dense relative: the architecture whose attention and norms it has (arch.py reads them), and the
+# one arch.py exports a model with those to.
+RELATIVE = {"mixtral": "mistral", "qwen3_moe": "qwen3"}
+EXPORTED = {"llama": "mixtral", "qwen3": "qwen3_moe"}
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# transformers 5's defaults (configuration_<model_type>.py) for every field read, where config.json leaves one out
+DEFAULTS = {
+    "mixtral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=None, hidden_act="silu",
+                    max_position_embeddings=4096 * 32, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                    sliding_window=None, rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2,
+                    output_router_logits=False, router_aux_loss_coef=0.001),
+    "qwen3_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                      num_attention_heads=32, num_key_value_heads=4, head_dim=None, hidden_act="silu",
+                      max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      attention_bias=False, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
+                      layer_types=None, rope_theta=10000.0, decoder_sparse_step=1, moe_intermediate_size=768,
+                      num_local_experts=128, num_experts_per_tok=8, norm_topk_prob=False, output_router_logits=False,
+                      router_aux_loss_coef=0.001, mlp_only_layers=None),
+}
+MOE_ARGS = ("n_experts", "top_k", "capacity_factor", "aux_loss_weight", "routing", "norm_topk", "balancing")
+
+
+def to_moe(kind: str, config: dict, where: str) -> dict:
+    """The MoE's arguments (model.* keys) of a Mixtral or Qwen3-MoE config.json."""
+    from shard.hf import arch
+
+    relative = RELATIVE[kind]
+    # num_experts is both families' other name of num_local_experts (their configs' attribute_map)
+    c = {**DEFAULTS[kind], **({"num_local_experts": config["num_experts"]} if "num_experts" in config else {}),
+         **config}
+    kwargs = arch._rope_model(relative, arch._fields(relative, c, where), c, where)
+
+    def field(name: str, want: type):
+        value = c[name]
+        if not isinstance(value, want) or (want is int and (isinstance(value, bool) or value < 1)):
+            raise UserError(f"{where}: config.json has {name}={value!r}; transformers reads {name} as "
+                            f"{'a positive int' if want is int else 'a ' + want.__name__}")
+        return value
+
+    n, k = field("num_local_experts", int), field("num_experts_per_tok", int)
+    if k > n:
+        raise UserError(f"{where}: config.json has num_experts_per_tok={k}, more than num_local_experts={n}")
+    if kind == "qwen3_moe":
+        _check_all_sparse(c, kwargs["n_layers"], field, where)
+        kwargs["d_ff"] = field("moe_intermediate_size", int)
+    coef = field("router_aux_loss_coef", float)
+    return dict(kwargs, n_experts=n, top_k=k, routing="dropless", balancing="pooled",
+                norm_topk=kind == "mixtral" or field("norm_topk_prob", bool),
+                aux_loss_weight=coef if field("output_router_logits", bool) else 0.0)
+
+
+def _check_all_sparse(c: dict, n_layers: int, field, where: str) -> None:
+    """Qwen3-MoE's layers are dense MLPs where mlp_only_layers names them or decoder_sparse_step skips them: one
+    line for any (the model's blocks are all mixtures of experts)."""
+    step, only = field("decoder_sparse_step", int), c["mlp_only_layers"] or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise UserError(f"{where}: config.json has mlp_only_layers={only!r}; transformers reads a list of layer "
+                        "indices")
+    dense = [i for i in range(n_layers) if i in only or (i + 1) % step]
+    if dense:
+        name, value = ("mlp_only_layers", only) if only else ("decoder_sparse_step", step)
+        raise UserError(f"{where}: config.json has {name}={value!r}, making layer{'s' * (len(dense) > 1)} "
+                        f"{', '.join(map(str, dense[:4]))}{', ...' * (len(dense) > 4)} a dense MLP among the experts' "
+                        "layers; only models whose every layer is a mixture of experts are supported")
+
+
+def from_moe(kwargs: dict) -> dict:
+    """The config.json of an MoE model's arguments; UserError where no family holds it."""
+    from shard.hf import arch
+
+    dense = {k: v for k, v in kwargs.items() if k not in MOE_ARGS}
+    g = {**_moe_defaults(), **kwargs, **arch._with_defaults(dense)}
+    kind = EXPORTED.get(arch._kind(g))
+    if kind == "mixtral" and not g["norm_topk"]:
+        kind = None  # Mixtral always renormalises
+    if kind is None or g["routing"] != "dropless":
+        raise UserError(f"--format hf: model 'moe' with these options is none of the mixture-of-experts "
+                        f"architectures a Hugging Face folder can hold ({', '.join(RELATIVE)}): they need "
+                        "routing=dropless (transformers drops no token), position=rope, norm=rmsnorm, mlp=swiglu, "
+                        "no biases; Mixtral norm_topk=true, Qwen3-MoE qk_norm=head")
+    config = arch.from_gpt(dense, "gpt")
+    config.update(model_type=kind, architectures=[ARCHITECTURES[kind]], num_local_experts=g["n_experts"],
+                  num_experts_per_tok=g["top_k"], router_aux_loss_coef=float(g["aux_loss_weight"]),
+                  output_router_logits=g["balancing"] == "pooled" and g["aux_loss_weight"] > 0)
+    if kind == "mixtral":
+        for name in ("attention_bias", "mlp_bias"):  # not Mixtral's fields (both false here)
+            config.pop(name, None)
+    else:
+        config.update(moe_intermediate_size=g["d_ff"], norm_topk_prob=g["norm_topk"], decoder_sparse_step=1,
+                      mlp_only_layers=[])
+    return config
+
+
+def _moe_defaults() -> dict:
+    import inspect
+
+    from shard.models.moe import MoE
+
+    return {k: p.default for k, p in inspect.signature(MoE.__init__).parameters.items() if k in MOE_ARGS}

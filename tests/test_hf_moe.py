@@ -1,0 +1,113 @@
+"""Mixture-of-experts Hugging Face folders (Mixtral, Qwen3-MoE): tiny random models built offline with
+transformers, every parameter perturbed, read into the library's MoE with dropless routing: the same logits
+on one device and under fsdp, tp, fsdp_tp and ep (experts split), the same greedy tokens, the same first
+training loss and load-balancing loss, and an export transformers reads back with the same logits. Bad
+config values are refused in one line."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from shard import config  # noqa: E402
+from shard.errors import UserError  # noqa: E402
+from shard.hf import read  # noqa: E402
+from shard.run import trainer  # noqa: E402
+from shard.use import export, load  # noqa: E402
+
+from conftest import overrides  # noqa: E402
+from test_hf import (FINE_TUNE, TOKENS, VOCAB, first_batch, jax_logits, relative, saved_folders,  # noqa: E402
+                     torch_logits)
+from test_hf import test_greedy_generate_equals_transformers as greedy_generate_equals_transformers  # noqa: E402
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, num_experts_per_tok=2)
+KINDS = {  # Mixtral adds its load-balancing loss to the training loss (output_router_logits); Qwen3-MoE not
+    "mixtral": lambda T: T.MixtralForCausalLM(T.MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=4,
+                                                              output_router_logits=True, router_aux_loss_coef=0.02)),
+    "qwen3_moe": lambda T: T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**COMMON, intermediate_size=64,
+                                                                  moe_intermediate_size=24, num_experts=4)),
+}
+MESHES = {"one": None, "fsdp": ["mesh=fsdp", "run.cpu_devices=2"], "tp": ["mesh=tp", "run.cpu_devices=2"],
+          "fsdp_tp": ["mesh=fsdp_tp", "run.cpu_devices=4"], "ep": ["mesh=ep", "run.cpu_devices=4"]}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return saved_folders(KINDS, tmp_path_factory)
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_logits_equal_transformers(folders, kind, mesh):
+    path, model = folders[kind]
+    loaded = load.load(path, MESHES[mesh] or [], whole_mesh=mesh != "one")
+    assert loaded.cfg.model.name == "moe" and loaded.cfg.model.kwargs["routing"] == "dropless"
+    if mesh == "ep":  # each device holds its experts only
+        w_in = loaded.model.blocks.ffn.w_in[...]
+        assert w_in.addressable_shards[0].data.shape[1] == 4 // 4
+    assert relative(jax_logits(loaded), torch_logits(model, TOKENS)) < 1e-5
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_greedy_generate_equals_transformers(folders, kind):
+    greedy_generate_equals_transformers(folders, kind)  # test_hf's check, on these folders
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_fine_tune_first_loss_and_export_round_trip(folders, kind, tmp_path):
+    """One step under ep: the loss is transformers' cross-entropy and the aux loss its router_aux_loss_coef x
+    load-balancing loss (Mixtral's output_router_logits; none for Qwen3-MoE); the export reads back in
+    transformers with the run's logits."""
+    path, model = folders[kind]
+    cfg = config.load(None, overrides(tmp_path / "run", f"train.init_from={path}", "mesh=ep", "run.cpu_devices=2",
+                                      "checkpoint.enabled=true", *FINE_TUNE))
+    assert cfg.model.name == "moe"
+    result = trainer.run(cfg)
+    batch = first_batch(cfg)
+    with torch.no_grad():
+        out = model(torch.tensor(np.asarray(batch["inputs"])), output_router_logits=True)
+    targets = torch.tensor(np.asarray(batch["targets"])).reshape(-1).long()
+    want = torch.nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), targets)
+    assert abs(result.history[0]["loss"] - float(want)) < 1e-5 * float(want)
+    aux = model.config.router_aux_loss_coef * float(out.aux_loss) if model.config.output_router_logits else 0.0
+    assert result.history[0]["aux_loss"] == pytest.approx(aux, rel=1e-5, abs=1e-9)
+
+    hf = tmp_path / "hf"
+    assert export.main([str(tmp_path / "run"), "--format", "hf", "--out", str(hf)]) == 0
+    written = json.loads((hf / "config.json").read_text())
+    assert written["model_type"] == kind and written["output_router_logits"] == model.config.output_router_logits
+    again = transformers.AutoModelForCausalLM.from_pretrained(hf).float().eval()
+    ours = load.load(str(tmp_path / "run"), [], whole_mesh=False)
+    assert relative(torch_logits(again, TOKENS), jax_logits(ours)) < 1e-5
+
+
+def test_bad_config_values_are_one_line(folders, tmp_path):
+    source = folders["qwen3_moe"][0]
+    for name, (change, expected) in {
+        "sparse_step": ({"decoder_sparse_step": 2}, "decoder_sparse_step=2, making layer 0 a dense MLP"),
+        "dense_layers": ({"mlp_only_layers": [1]}, "mlp_only_layers=[1], making layer 1 a dense MLP"),
+        "top_k": ({"num_experts_per_tok": 5}, "num_experts_per_tok=5, more than num_local_experts=4"),
+        "coef": ({"router_aux_loss_coef": "high"}, "router_aux_loss_coef='high'; transformers reads"),
+    }.items():
+        folder = tmp_path / name
+        shutil.copytree(source, folder)
+        given = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**given, **change}))
+        with pytest.raises(UserError) as e:
+            read.Folder(str(folder)).gpt_kwargs()
+        assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+def test_export_refuses_capacity_routing_in_one_line(folders, tmp_path):
+    from shard.hf import arch
+
+    kwargs = read.Folder(folders["mixtral"][0]).gpt_kwargs()
+    with pytest.raises(UserError, match="need routing=dropless") as e:
+        arch.from_gpt({**kwargs, "routing": "capacity"}, "moe")
+    assert "\n" not in str(e.value)
+    assert arch.from_gpt(kwargs, "moe")["model_type"] == "mixtral"
