@@ -16,7 +16,7 @@ from shard.partition import constrain
 
 from .layers import norm as make_norm
 from .layers import Attention, Block, MLPBlock, check_choice, param, stacked
-from .rope import Rope
+from . import rope as rope_lib
 
 
 class GPT(nnx.Module):
@@ -29,7 +29,15 @@ class GPT(nnx.Module):
     n_heads). qkv_bias: biases on queries, keys and values (Qwen2); bias: on every linear layer but a gated MLP's
     gate (GPT-2); mlp_bias: on every MLP layer, the gate's included (Llama's mlp_bias).
     norm_eps: the norms' epsilon. embed_scale: multiply the embeddings by sqrt(d_model) (Gemma).
-    rope_scaling: Llama 3's {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}.
+    rope_scaling: Llama 3's {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}, or with
+    rope_type linear ({factor}) or longrope (models/rope.py's make). rotary_dim: the channels of each head that rotate,
+    its first ones (0 = all; Phi's partial rotary factor). rope_layers: one 1 (rotates) or 0 (no positions at all)
+    per layer (SmolLM3's); None = every layer rotates.
+    qk_norm: none, head (a norm on each query and key head before rotation: Qwen3) or projection (over all heads
+    together: OLMo 2). norms: each block's norms before its attention and MLP (pre), after them before the residual
+    sum (post: OLMo 2), or both (Gemma 2).
+    windows: one sliding window per layer, a query seeing that many latest keys, itself included (0 = the layer
+    attends globally; Mistral's, Qwen2's and Gemma 2's local layers); None = every layer global.
     """
 
     def __init__(self, vocab_size: int = 256, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
@@ -37,7 +45,8 @@ class GPT(nnx.Module):
                  norm: str = "layernorm", mlp: str = "gelu", tie_embeddings: bool = False,
                  rope_theta: float = 10000.0, head_dim: int = 0, qkv_bias: bool = False, bias: bool = False,
                  norm_eps: float = 1e-6, embed_scale: bool = False, rope_scaling: dict | None = None,
-                 mlp_bias: bool = False, *, rngs: nnx.Rngs):
+                 mlp_bias: bool = False, qk_norm: str = "none", norms: str = "pre", rotary_dim: int = 0,
+                 rope_layers: list | None = None, windows: list | None = None, *, rngs: nnx.Rngs):
         n_kv_heads = n_kv_heads or n_heads
         check_choice("position", position, ("learned", "rope"))
         check_choice("norm", norm, ("layernorm", "rmsnorm", "rmsnorm+1"))
@@ -47,23 +56,40 @@ class GPT(nnx.Module):
         head_dim = head_dim or d_model // n_heads
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
-        if position == "rope" and head_dim % 2:
-            raise ValueError(f"rotary embeddings need an even head size, got {head_dim}")
+        if position == "rope" and (rotary_dim or head_dim) % 2 or rotary_dim > head_dim:
+            raise ValueError(f"rotary embeddings need an even number of channels up to head_dim={head_dim}, got "
+                             f"{rotary_dim or head_dim}")
+        if rope_layers is not None and (position != "rope" or len(rope_layers) != n_layers
+                                        or not set(rope_layers) <= {0, 1}):
+            raise ValueError(f"rope_layers={rope_layers}: give one 1 (rotate) or 0 (not) per layer, {n_layers} in all, "
+                             "with position=rope")
+        if windows is not None and (len(windows) != n_layers or any(
+                not isinstance(w, int) or isinstance(w, bool) or w < 0 for w in windows)):
+            raise ValueError(f"windows={windows}: give one window per layer, {n_layers} in all, each a number of keys "
+                             ">= 1 or 0 for a global layer")
         d_ff = d_ff or (4 * d_model if mlp == "gelu" else 8 * d_model // 3)
         out_std = 0.02 / math.sqrt(2 * n_layers)  # GPT-2: keep the residual stream's variance flat in depth
         self.max_len, self.embed_scale = max_len, math.sqrt(d_model) if embed_scale else None
         self.mlp_bias = mlp_bias  # read by feed_forward, whose signature subclasses share
         self.tok = param(rngs, (vocab_size, d_model), ("vocab", "embed"), 0.02)
         self.pos = param(rngs, (max_len, d_model), (None, "embed"), 0.01) if position == "learned" else None
-        rope = Rope(rope_theta, rope_scaling_tuple(rope_scaling)) if position == "rope" else None
+        rope = rope_lib.make(rope_theta, rope_scaling, rotary_dim) if position == "rope" else None
+        settings = {} if rope_layers is None else dict(rotate=rope_layers)
+        windows = tuple(windows) if windows and any(windows) else None
+        if windows is not None:
+            settings["window"] = windows
+        # LongRoPE picks its factors by how far a call reaches: a cache made before it passes the original context
+        # is made again after (shard/use/generate.py)
+        self.refill_at = rope.longrope[2] if rope is not None and rope.longrope else None
 
-        def make_block(rngs):
+        def make_block(rngs, rotate=None, window=None):
             attn = Attention(d_model, n_heads, n_kv_heads, rope, out_std, causal=True, rngs=rngs, head_dim=head_dim,
-                             qkv_bias=qkv_bias or bias, out_bias=bias)
+                             qkv_bias=qkv_bias or bias, out_bias=bias, qk_norm=qk_norm, norm_kind=norm, eps=norm_eps,
+                             rotate=rotate, window=window, windows=windows)
             ffn = self.feed_forward(d_model, d_ff, mlp, out_std, rngs, bias)
-            return Block(d_model, norm, attn, ffn, rngs, norm_eps)
+            return Block(d_model, norm, attn, ffn, rngs, norm_eps, norms)
 
-        self.blocks = stacked(n_layers, make_block, rngs)
+        self.blocks = stacked(n_layers, make_block, rngs, **settings)
         self.ln_f = make_norm(norm, d_model, rngs, norm_eps)
         self.head = None if tie_embeddings else param(rngs, (d_model, vocab_size), ("embed", "vocab"), 0.02)
 
@@ -89,15 +115,3 @@ class GPT(nnx.Module):
         logits = x @ self.tok[...].T if self.head is None else x @ self.head[...]
         return constrain(logits, ("batch", "length", "vocab"))
 
-
-ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def rope_scaling_tuple(scaling: dict | None) -> tuple | None:
-    """Llama 3's rope scaling settings in Rope's order; None or {} for none."""
-    if not scaling:
-        return None
-    missing = [k for k in ROPE_SCALING_KEYS if k not in scaling]
-    if missing or set(scaling) - set(ROPE_SCALING_KEYS):
-        raise ValueError(f"rope_scaling={dict(scaling)}: give exactly {', '.join(ROPE_SCALING_KEYS)} (Llama 3's)")
-    return tuple(float(scaling[k]) for k in ROPE_SCALING_KEYS)

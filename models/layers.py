@@ -26,24 +26,27 @@ def zeros(shape: tuple, names: tuple) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape), out_sharding=names)
 
 
-class OffsetRMSNorm(nnx.Module):
-    """RMSNorm whose weight is stored as an offset from 1 (x_normed * (1 + scale), as Gemma's), normalised
-    in float32."""
+class AxesRMSNorm(nnx.Module):
+    """RMSNorm over the last axes of its input that its weight spans (the model width; a query head's channels;
+    all of a projection's heads and channels), normalised in float32. offset: the weight stored as an offset
+    from 1 (x_normed * (1 + scale), as Gemma's)."""
 
-    def __init__(self, dim: int, eps: float):
-        self.eps = eps
-        self.scale = zeros((dim,), ("embed",))
+    def __init__(self, shape: tuple, names: tuple, eps: float, offset: bool = False):
+        self.eps, self.offset = eps, offset
+        self.scale = zeros(shape, names) if offset else nnx.Param(jnp.ones(shape), out_sharding=names)
 
     def __call__(self, x):
         h = x.astype(jnp.float32)
-        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
-        return (h * (1 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+        axes = tuple(range(-self.scale.ndim, 0))
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=axes, keepdims=True) + self.eps)
+        w = self.scale[...].astype(jnp.float32)
+        return (h * (1 + w if self.offset else w)).astype(x.dtype)
 
 
 def norm(kind: str, dim: int, rngs: nnx.Rngs, eps: float = 1e-6) -> nnx.Module:
     """layernorm (with bias), rmsnorm, or rmsnorm+1 (the weight an offset from 1)."""
     if kind == "rmsnorm+1":
-        return OffsetRMSNorm(dim, eps)
+        return AxesRMSNorm((dim,), ("embed",), eps, offset=True)
     scale = nnx.with_partitioning(nnx.initializers.ones, ("embed",))
     if kind == "rmsnorm":
         return nnx.RMSNorm(dim, epsilon=eps, rngs=rngs, scale_init=scale)
@@ -56,13 +59,25 @@ def check_choice(name: str, value: str, allowed: tuple) -> None:
         raise ValueError(f"{name}={value!r}; choose one of {', '.join(allowed)}")
 
 
+QK_NORMS = ("none", "head", "projection")
+
+
 class Attention(nnx.Module):
     """Self-attention, causal or not; with n_kv_heads < n_heads, groups of query heads share key/value heads.
-    qkv_bias: biases on the query, key and value projections (Qwen2); out_bias: on the output one (GPT-2)."""
+    qkv_bias: biases on the query, key and value projections (Qwen2); out_bias: on the output one (GPT-2).
+    qk_norm: RMSNorm (of kind `norm_kind`) on queries and keys before rotation, over each head's channels
+    ("head": Qwen3, Gemma 3) or over the whole projection, all heads together ("projection": OLMo 2). rotate:
+    this layer's traced flag (stacked's setting) whether it rotates positions at all (SmolLM3's rope-less
+    layers); None: it does where the model has a rope. window: this layer's traced sliding window (stacked's
+    setting; 0 = global) and windows every layer's, static (shard.hooks.attention's (value, windows)); None:
+    global."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, rope: "Rope | float | None", out_std: float,
-                 causal: bool, rngs: nnx.Rngs, head_dim: int = 0, qkv_bias: bool = False, out_bias: bool = False):
+                 causal: bool, rngs: nnx.Rngs, head_dim: int = 0, qkv_bias: bool = False, out_bias: bool = False,
+                 qk_norm: str = "none", norm_kind: str = "rmsnorm", eps: float = 1e-6, rotate=None, window=None,
+                 windows: tuple | None = None):
         head_dim = head_dim or d_model // n_heads
+        check_choice("qk_norm", qk_norm, QK_NORMS)
         self.rope = Rope(rope) if isinstance(rope, (int, float)) and rope else rope
         self.causal = causal
         self.q = param(rngs, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"), 0.02)
@@ -71,6 +86,10 @@ class Attention(nnx.Module):
         self.q_bias = zeros((n_heads, head_dim), ("heads", "head_dim")) if qkv_bias else None
         self.kv_bias = zeros((2, n_kv_heads, head_dim), (None, "kv_heads", "head_dim")) if qkv_bias else None
         self.out_bias = zeros((d_model,), ("embed",)) if out_bias else None
+        self.q_norm, self.k_norm = (self.qk_norm(qk_norm, heads, axis, head_dim, norm_kind, eps)
+                                    for heads, axis in ((n_heads, "heads"), (n_kv_heads, "kv_heads")))
+        self.rotate = None if rotate is None else per_layer(rotate)
+        self.window, self.windows = (None, None) if window is None else (per_layer(window), tuple(windows))
 
     def __call__(self, x):
         q = jnp.einsum("bte,ehd->bthd", x, self.q[...])
@@ -79,11 +98,27 @@ class Attention(nnx.Module):
             q, kv = q + self.q_bias[...], kv + self.kv_bias[...][:, None, None]
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
         k, v = (constrain(t, ("batch", "length", "kv_heads", "head_dim")) for t in kv)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
-            q, k = rotary(q, self.rope), rotary(k, self.rope)
-        y = attention(q, k, v, is_causal=self.causal)  # handles grouped K/V heads itself
+            q, k = self.rotated(q), self.rotated(k)
+        window = None if self.window is None else (self.window[...], self.windows)
+        y = attention(q, k, v, is_causal=self.causal, window=window)  # handles grouped K/V heads itself
         y = jnp.einsum("bthd,hde->bte", y, self.out[...])
         return y if self.out_bias is None else y + self.out_bias[...]
+
+    @staticmethod
+    def qk_norm(kind: str, heads: int, axis: str, head_dim: int, norm_kind: str, eps: float):
+        if kind == "none":
+            return None
+        if kind == "projection":  # the weight spans the heads too: the mean is over all of them
+            return AxesRMSNorm((heads, head_dim), (axis, "head_dim"), eps, norm_kind == "rmsnorm+1")
+        return AxesRMSNorm((head_dim,), ("head_dim",), eps, norm_kind == "rmsnorm+1")
+
+    def rotated(self, x):
+        if self.rotate is None:
+            return rotary(x, self.rope)
+        return jnp.where(self.rotate[...] != 0, rotary(x, self.rope), x)
 
 
 class MLPBlock(nnx.Module):
@@ -118,21 +153,35 @@ class MLPBlock(nnx.Module):
         return y if self.b_out is None else y + self.b_out[...]
 
 
+NORM_PLACES = ("pre", "post", "both")
+
+
 class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + ffn(norm(x)); `ffn` is any module
-    from (batch, length, embed) to the same (an MLPBlock, or a mixture of experts)."""
+    """Transformer block: x + attn(norm(x)), then x + ffn(norm(x)); `ffn` is any module from (batch, length,
+    embed) to the same (an MLPBlock, or a mixture of experts). norms: where each sublayer's norms stand: "pre"
+    (on its input: ln1, ln2), "post" (on its output, before the residual sum: ln1_post, ln2_post; OLMo 2) or
+    "both" (Gemma 2 and 3)."""
 
     def __init__(self, d_model: int, norm_kind: str, attn: Attention, ffn: nnx.Module, rngs: nnx.Rngs,
-                 eps: float = 1e-6):
-        self.ln1 = norm(norm_kind, d_model, rngs, eps)
+                 eps: float = 1e-6, norms: str = "pre"):
+        check_choice("norms", norms, NORM_PLACES)
+        pre, post = norms != "post", norms != "pre"
+        self.ln1 = norm(norm_kind, d_model, rngs, eps) if pre else None
+        self.ln1_post = norm(norm_kind, d_model, rngs, eps) if post else None
         self.attn = attn
-        self.ln2 = norm(norm_kind, d_model, rngs, eps)
+        self.ln2 = norm(norm_kind, d_model, rngs, eps) if pre else None
+        self.ln2_post = norm(norm_kind, d_model, rngs, eps) if post else None
         self.ffn = ffn
 
     def __call__(self, x):
-        x = x + self.attn(self.ln1(x))
-        x = x + self.ffn(self.ln2(x))
+        x = x + _around(self.attn, self.ln1, self.ln1_post, x)
+        x = x + _around(self.ffn, self.ln2, self.ln2_post, x)
         return constrain(x, ("batch", "length", "embed"))
+
+
+def _around(sublayer, before, after, x):
+    x = sublayer(x if before is None else before(x))
+    return x if after is None else after(x)
 
 
 class PerLayer(nnx.Variable):

@@ -34,8 +34,12 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_fact
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0]}
 KINDS = {
     "llama": lambda T: T.LlamaForCausalLM(T.LlamaConfig(**COMMON, num_key_value_heads=2, rope_parameters=LLAMA3)),
-    "mistral": lambda T: T.MistralForCausalLM(T.MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=32)),
-    "qwen2": lambda T: T.Qwen2ForCausalLM(T.Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=True)),
+    # sliding windows shorter than the 16 tokens (and the 15 generated) the tests run: every layer's (Mistral's), a
+    # local layer beside a global one (Qwen2's layer_types)
+    "mistral": lambda T: T.MistralForCausalLM(T.MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=8)),
+    "qwen2": lambda T: T.Qwen2ForCausalLM(T.Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=True,
+                                                        use_sliding_window=True, sliding_window=6,
+                                                        layer_types=["sliding_attention", "full_attention"])),
     "gemma": lambda T: T.GemmaForCausalLM(T.GemmaConfig(**COMMON, num_key_value_heads=2, head_dim=24)),
     "gpt2": lambda T: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64)),
     # issue 47's families: Qwen3-4B's and SmolLM3-3B's shapes (explicit head_dim, tied; every other layer without
@@ -148,7 +152,7 @@ def test_fine_tune_first_loss_and_export_round_trip(folders, kind, tmp_path, mon
                         "run.cpu_devices=4"]) == 0
     assert (out / "model.safetensors.index.json").is_file() == (kind in ("gpt2", "gemma"))
     again = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
-    assert json.loads((out / "config.json").read_text())["model_type"] == ("llama" if kind == "mistral" else kind)
+    assert json.loads((out / "config.json").read_text())["model_type"] == kind
     assert (out / "generation_config.json").read_bytes() == (Path(path) / "generation_config.json").read_bytes()
     ours = load.load(str(tmp_path / "run"), [], whole_mesh=False)
     assert relative(torch_logits(again, TOKENS), jax_logits(ours)) < tolerance(kind)

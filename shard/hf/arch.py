@@ -3,8 +3,8 @@
 Reading gives each field the meaning transformers 5 gives it: its defaults where a field is left out, its types
 (a value transformers refuses is refused here, in one line naming the field), its legacy spellings. What the
 GPT cannot do exactly (another activation, RoPE scaling other than Llama 3's, biases on attention alone) is
-refused in one line rather than loaded approximately. Mistral's and Qwen2's sliding window is honoured by
-capping max_len at it: within the window the attention is the full causal one. Dropout rates are training
+refused in one line rather than loaded approximately. Sliding windows are the GPT's per-layer `windows` (0 for a
+global layer), as each family's config reads them (`_windows`). Dropout rates are training
 settings of transformers' own loop, not of the model, and are not read.
 """
 
@@ -132,8 +132,8 @@ def _rope_model(kind: str, get, c: dict, where: str) -> dict:
                         "supported")
     theta, scaling, rotary_dim = _rope(kind, c, where, get, head_dim)
     return dict(vocab_size=get("vocab_size"), d_model=d, n_layers=get("num_hidden_layers"), n_heads=heads,
-                n_kv_heads=kv_heads, d_ff=get("intermediate_size"), head_dim=head_dim,
-                max_len=_max_len(kind, get), position="rope", norm="rmsnorm+1" if kind == "gemma" else "rmsnorm",
+                n_kv_heads=kv_heads, d_ff=get("intermediate_size"), head_dim=head_dim, max_len=get("max_position_embeddings"),
+                position="rope", norm="rmsnorm+1" if kind == "gemma" else "rmsnorm",
                 mlp=mlp, norm_eps=get("rms_norm_eps"), rope_theta=theta, rope_scaling=scaling,
                 tie_embeddings=get("tie_word_embeddings"), embed_scale=kind == "gemma", **_biases(kind, get, where),
                 **({"rotary_dim": rotary_dim} if rotary_dim != head_dim else {}), **_options(kind, get, where))
@@ -144,11 +144,8 @@ FAMILY_OPTIONS = {"qwen3": dict(qk_norm="head"), "olmo2": dict(qk_norm="projecti
 
 
 def _options(kind: str, get, where: str) -> dict:
-    """FAMILY_OPTIONS, SmolLM3's rope-less layers, and a refusal of the windows not supported yet."""
+    """FAMILY_OPTIONS, SmolLM3's rope-less layers, and the sliding windows (`_windows`)."""
     options = dict(FAMILY_OPTIONS.get(kind, {}))
-    if kind in ("qwen3", "smollm3") and get("use_sliding_window") and get("sliding_window") is not None:
-        raise UserError(f"{where}: config.json has use_sliding_window=true; sliding windows are not supported for "
-                        f"{kind} yet (only use_sliding_window=false)")
     if kind == "smollm3":
         n, every = get("num_hidden_layers"), get("no_rope_layer_interval")
         rotate = get("no_rope_layers")
@@ -160,7 +157,7 @@ def _options(kind: str, get, where: str) -> dict:
                             f"positions) or 0 (none) per layer, {n} in all")
         if 0 in rotate:
             options["rope_layers"] = rotate
-    return options
+    return dict(options, **_windows(kind, get, where, options.get("rope_layers")))
 
 
 def _biases(kind: str, get, where: str) -> dict:
@@ -177,17 +174,35 @@ def _biases(kind: str, get, where: str) -> dict:
     return dict(bias=attention, mlp_bias=mlp)
 
 
-def _max_len(kind: str, get) -> int:
-    """max_position_embeddings, capped at the sliding window where a layer slides (Mistral: every layer where
-    sliding_window is set; Qwen2: with use_sliding_window, the layers layer_types says, by default those from
-    max_window_layers on)."""
-    max_len = get("max_position_embeddings")
-    window = get("sliding_window") if kind in ("mistral", "phi3") else None
-    if kind == "qwen2" and get("use_sliding_window") and get("sliding_window") is not None:
-        n, first = get("num_hidden_layers"), get("max_window_layers")
-        types = get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-        window = get("sliding_window") if "sliding_attention" in types else None
-    return min(max_len, window) if window else max_len
+WINDOWED = ("mistral", "phi3")  # every layer slides where sliding_window is set
+LAYER_TYPED = ("qwen2", "qwen3", "smollm3")  # with use_sliding_window, the layers layer_types names slide
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _windows(kind: str, get, where: str, rotate: list | None = None) -> dict:
+    """The GPT's `windows` (one per layer, 0 = global) as transformers 5 reads them, or {} where no layer slides.
+    Mistral and Phi-3: every layer, where sliding_window is set. Qwen2 and Qwen3: with use_sliding_window, the
+    layers layer_types marks sliding_attention, by default those from max_window_layers on; SmolLM3 the same, by
+    default its rope-less layers (`rotate`, one 0 or 1 per layer)."""
+    if kind not in WINDOWED + LAYER_TYPED or get("sliding_window") is None:
+        return {}
+    if kind in LAYER_TYPED and not get("use_sliding_window"):  # transformers drops the window then
+        return {}
+    window, n = get("sliding_window"), get("num_hidden_layers")
+    if window < 1:
+        raise UserError(f"{where}: config.json has sliding_window={window}; a window holds at least one token")
+    if kind in WINDOWED:
+        return dict(windows=[window] * n)
+    types = get("layer_types")
+    if types is None:
+        slides = [i >= get("max_window_layers") for i in range(n)] if kind != "smollm3" else \
+            [not r for r in (rotate or [1] * n)]
+        types = [LAYER_TYPES[s] for s in slides]
+    if len(types) != n or any(t not in LAYER_TYPES for t in types):
+        raise UserError(f"{where}: config.json has layer_types={types!r}; {kind} reads one of "
+                        f"{', '.join(LAYER_TYPES)} per layer, {n} in all")
+    windows = [window if t == "sliding_attention" else 0 for t in types]
+    return dict(windows=windows) if any(windows) else {}
 
 
 def _rope(kind: str, c: dict, where: str, get, head_dim: int) -> tuple[float, dict | None, int]:
@@ -294,6 +309,7 @@ def from_gpt(kwargs: dict, model_name: str) -> dict:
                         "rmsnorm (Llama, Qwen2 with qkv_bias; Qwen3 with qk_norm=head, OLMo 2 with qk_norm=projection "
                         "and norms=post, SmolLM3 with rope_layers, Phi-3 with rotary_dim or longrope, each unbiased "
                         "but SmolLM3) or rmsnorm+1 and embed_scale (Gemma)")
+    kind, windows = _window_fields(kind, g)
     common = dict(model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=g["vocab_size"],
                   tie_word_embeddings=g["tie_embeddings"], torch_dtype="float32")
     if kind == "gpt2":
@@ -313,6 +329,7 @@ def from_gpt(kwargs: dict, model_name: str) -> dict:
         extra["original_max_position_embeddings"] = scaling.get("original_max_position_embeddings", g["max_len"])
     if kind == "smollm3":
         extra.update(no_rope_layers=list(g["rope_layers"]), use_sliding_window=False)
+    extra.update(windows)
     biases = dict(attention_bias=g["bias"], mlp_bias=g["bias"] or g["mlp_bias"])
     biases = {k: v for k, v in biases.items() if k in DEFAULTS[kind] or kind in ("llama", "qwen2")}  # its fields
     return dict(common, hidden_size=g["d_model"], num_hidden_layers=g["n_layers"], num_attention_heads=g["n_heads"],
@@ -321,6 +338,24 @@ def from_gpt(kwargs: dict, model_name: str) -> dict:
                 rope_parameters=rope, rope_scaling=rope if scaling else None,
                 hidden_act="silu" if g["mlp"] == "swiglu" else "gelu_pytorch_tanh",
                 **biases, **extra)
+
+
+def _window_fields(kind: str, g: dict) -> tuple[str, dict]:
+    """The family and the config.json fields that hold the GPT's `windows`: an unbiased Llama whose layers all
+    slide alike is a Mistral; Qwen2, Qwen3 and SmolLM3 name each layer's kind, with one window size."""
+    windows = list(g.get("windows") or [])
+    sizes = sorted({w for w in windows if w})
+    if not sizes:
+        return kind, {}
+    if kind == "llama" and all(windows) and len(sizes) == 1 and not (g["bias"] or g["mlp_bias"]):
+        kind = "mistral"
+    if kind in WINDOWED and all(windows) and len(sizes) == 1:
+        return kind, dict(sliding_window=sizes[0])
+    if kind in LAYER_TYPED and len(sizes) == 1:
+        return kind, dict(use_sliding_window=True, sliding_window=sizes[0], max_window_layers=len(windows),
+                          layer_types=[LAYER_TYPES[bool(w)] for w in windows])
+    raise UserError(f"--format hf: windows={windows} fits no {kind} config.json: Mistral's and Phi-3's hold one window "
+                    "for every layer, Qwen2's, Qwen3's and SmolLM3's one window on the layers they name")
 
 
 def _with_defaults(kwargs: dict) -> dict:
