@@ -1,5 +1,7 @@
-"""Rotary position embeddings (RoPE) in the half-split layout (channel i pairs with i + head_dim/2, as
-Llama's Hugging Face weights expect), with Llama 3's frequency scaling for long contexts."""
+"""Rotary position embeddings (RoPE) in the half-split layout (channel i pairs with i + rotated/2, as
+Llama's Hugging Face weights expect), over all of a head's channels or its first few, with the frequency
+scalings of Llama 3 (smooth stretching of long wavelengths), linear (every position divided by a factor) and
+LongRoPE (per-frequency factors, short or long by how far the call reaches, and cos/sin scaled)."""
 
 import math
 from dataclasses import dataclass
@@ -13,12 +15,21 @@ from shard.hooks import positions
 class Rope:
     """theta: the base of the frequencies. scaling: Llama 3's (factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings) or None: wavelengths longer than the original context are stretched
-    by `factor`, short ones kept, and those between blended smoothly."""
+    by `factor`, short ones kept, and those between blended smoothly. dims: the channels of each head that
+    rotate, the first `dims` (0: all; Phi's partial rotary factor). linear: every frequency divided by it.
+    longrope: (short factors, long factors, original context, attention factor): each frequency divided by its
+    factor, the long ones for a call whose last position is past the original context (as transformers
+    decides per call), and cos and sin multiplied by the attention factor."""
     theta: float = 10000.0
     scaling: tuple | None = None
+    dims: int = 0
+    linear: float = 1.0
+    longrope: tuple | None = None
 
     def frequencies(self, half: int):
         freqs = self.theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+        if self.linear != 1.0:
+            freqs = freqs / self.linear
         if self.scaling is None:
             return freqs
         factor, low, high, original = self.scaling
@@ -29,13 +40,45 @@ class Rope:
                          jnp.where(wavelength < original / high, freqs, blended))
 
 
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+LONGROPE_KEYS = ("short_factor", "long_factor", "original_max_position_embeddings", "attention_factor")
+
+
+def make(theta: float, scaling: dict | None = None, dims: int = 0) -> Rope:
+    """A Rope from a GPT's settings. scaling: None or {} for none; Llama 3's four keys (rope_type "llama3" or
+    none given); {"rope_type": "linear", "factor"}; or {"rope_type": "longrope", short_factor, long_factor,
+    original_max_position_embeddings, attention_factor}."""
+    if not scaling:
+        return Rope(theta, dims=dims)
+    scaling = dict(scaling)
+    kind = scaling.pop("rope_type", "llama3")
+    keys = {"llama3": LLAMA3_KEYS, "linear": ("factor",), "longrope": LONGROPE_KEYS}.get(kind)
+    if keys is None or set(scaling) != set(keys):
+        raise ValueError(f"rope_scaling={scaling | {'rope_type': kind}}: give rope_type llama3 with "
+                         f"{', '.join(LLAMA3_KEYS)}; linear with factor; or longrope with {', '.join(LONGROPE_KEYS)}")
+    if kind == "llama3":
+        return Rope(theta, tuple(float(scaling[k]) for k in LLAMA3_KEYS), dims)
+    if kind == "linear":
+        return Rope(theta, dims=dims, linear=float(scaling["factor"]))
+    short, long = (tuple(float(f) for f in scaling[k]) for k in LONGROPE_KEYS[:2])
+    return Rope(theta, dims=dims, longrope=(short, long, int(scaling["original_max_position_embeddings"]),
+                                            float(scaling["attention_factor"])))
+
+
 def rotary(x, rope: "Rope | float"):
     """Rotary position embedding on (batch, length, heads, head_dim): rotate pairs of channels by an
     angle that grows with the position, so q.k depends on relative position. `rope`: a Rope, or its theta."""
     rope = rope if isinstance(rope, Rope) else Rope(rope)
-    half = x.shape[-1] // 2
+    dims = rope.dims or x.shape[-1]
+    half = dims // 2
     freqs = rope.frequencies(half)
-    angles = positions(x.shape[1]).astype(jnp.float32)[..., None] * freqs  # (length, half); packed: (batch, length, half)
-    cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]  # a heads axis to broadcast over
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    at = positions(x.shape[1]).astype(jnp.float32)  # (length,); packed or decoding: (batch, length)
+    scale = 1.0
+    if rope.longrope is not None:
+        short, long, original, scale = rope.longrope
+        freqs = freqs / jnp.where(jnp.max(at) + 1 > original, jnp.asarray(long), jnp.asarray(short))
+    angles = at[..., None] * freqs  # (length, half); packed: (batch, length, half)
+    cos, sin = (f(angles)[..., None, :] * scale for f in (jnp.cos, jnp.sin))  # a heads axis to broadcast over
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:dims].astype(jnp.float32)
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., dims:].astype(jnp.float32)]
+    return jnp.concatenate(parts, axis=-1).astype(x.dtype)

@@ -301,3 +301,28 @@ def test_bfloat16_weights_read_into_float32(folders, tmp_path):
     # frequencies rounded to bfloat16)
     want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
     assert relative(jax_logits(loaded), torch_logits(want, TOKENS)) < 1e-4
+
+
+@pytest.mark.parametrize("kind, field, value, said", [
+    ("qwen3", "hidden_act", "relu", "hidden_act='relu', which is not supported for qwen3"),
+    ("qwen3", "attention_bias", True, "attention_bias=true, and qwen3's MLP then has no biases"),
+    ("smollm3", "no_rope_layers", [1, 2], "no_rope_layers=[1, 2]; transformers reads one 1 (rotary positions) or 0"),
+    ("olmo2", "rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_type='dynamic', which is not supported "
+     "for olmo2 (supported: default, llama3)"),
+    ("phi3", "rope_scaling", {"rope_type": "llama3", "factor": 2.0}, "rope_type='llama3', which is not supported for "
+     "phi3 (supported: default, longrope)"),
+    ("phi3", "rope_scaling", dict(LONGROPE, short_factor=[1.0]), "rope_scaling short_factor=[1.0]; transformers reads "
+     "a list of 6 numbers"),
+    ("phi3", "partial_rotary_factor", 0.3125, "partial_rotary_factor=0.3125; it must be in (0, 1] and rotate an even "
+     "number of head_dim=16's channels"),
+])
+def test_a_new_familys_value_not_implemented_is_one_line_naming_it(folders, kind, field, value, said, tmp_path):
+    path = tmp_path / kind
+    shutil.copytree(folders[kind][0], path)
+    c = json.loads((path / "config.json").read_text())
+    if field == "partial_rotary_factor":
+        c["rope_parameters"] = dict(c["rope_parameters"], partial_rotary_factor=value)
+    (path / "config.json").write_text(json.dumps({**c, field: value}))
+    with pytest.raises(UserError) as e:
+        shard.load_model(str(path))
+    assert "\n" not in str(e.value) and f"config.json has {said}" in str(e.value)

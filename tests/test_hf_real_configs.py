@@ -56,8 +56,8 @@ def tiny(real: dict) -> dict:
     if c.get("head_dim"):
         c["head_dim"] = HEAD_DIM
     for key in ("layer_types", "no_rope_layers"):
-        if key in c:
-            c[key] = c[key][:2]
+        if key in c:  # the last two: where a repeating pattern ends (SmolLM3's rope-less 4th layer)
+            c[key] = c[key][-2:]
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if c.get(key) is not None:
             c[key] = [i % VOCAB for i in c[key]] if isinstance(c[key], list) else c[key] % VOCAB
@@ -252,11 +252,12 @@ def test_a_config_value_outside_what_is_read_is_one_line_naming_it_and_the_calle
 
 
 def test_the_command_line_names_its_own_argument_and_exits_2(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(tiny(REAL["qwen3-4b"])))
+    (tmp_path / "config.json").write_text(json.dumps(dict(tiny(REAL["qwen3-4b"]), model_type="qwen3_next")))
     done = subprocess.run([sys.executable, "-m", "shard.generate", str(tmp_path)], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        f"error: RUN={str(tmp_path)!r}: model_type 'qwen3' is not supported; supported: {', '.join(arch.SUPPORTED)}"]
+        f"error: RUN={str(tmp_path)!r}: model_type 'qwen3_next' is not supported; supported: "
+        f"{', '.join(arch.SUPPORTED)}"]
 
 
 def test_an_export_is_the_sources_dtype_and_generation_config_into_new_parents(tmp_path):

@@ -21,9 +21,16 @@ def logits_of(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
-def test_peft_runs_the_adapters_as_our_merged_model(train, tmp_path, capsys):
-    train(*LLAMA, subdir="base")
-    train(*LLAMA, "train.lora.rank=4", "train.lora.alpha=6", "train.lora.targets=[q,k,v,o,mlp]",
+# and OLMo 2 (issue 47), whose blocks differ most from Llama's around the adapted weights: q/k norms over the whole
+# projection, norms after each sublayer (the other new families' adapted Linears are Llama's too)
+FAMILIES = {"llama": [], "olmo2": ["model.qk_norm=projection", "model.norms=post"]}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_peft_runs_the_adapters_as_our_merged_model(train, tmp_path, capsys, family):
+    base = [*LLAMA, *FAMILIES[family]]
+    train(*base, subdir="base")
+    train(*base, "train.lora.rank=4", "train.lora.alpha=6", "train.lora.targets=[q,k,v,o,mlp]",
           f"train.init_from={tmp_path / 'base'}", subdir="tuned")
     export.main([str(tmp_path / "base"), "--format", "hf", "--out", str(tmp_path / "hf_base")])
     export.main([str(tmp_path / "tuned"), "--adapters-only", "--out", str(tmp_path / "adapters")])
@@ -33,6 +40,7 @@ def test_peft_runs_the_adapters_as_our_merged_model(train, tmp_path, capsys):
     tokens = np.random.default_rng(0).integers(0, 256, (2, 16))
     ours = np.asarray(shard.load_model(str(tmp_path / "tuned"))(tokens))
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_base").eval()
+    assert base.config.model_type == family
     untouched = logits_of(base, tokens)
     tuned = peft.PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
     config = tuned.peft_config["default"]
@@ -50,3 +58,22 @@ def test_adapters_only_refuses_a_run_without_adapters(train, tmp_path):
     train(*LLAMA, "train.steps=1", subdir="base")
     with pytest.raises(UserError, match="trained no adapters"):
         export.main([str(tmp_path / "base"), "--adapters-only", "--out", str(tmp_path / "out")])
+
+
+
+def test_adapters_only_refuses_phi3s_fused_projections_in_one_line():
+    """Phi-3's q, k and v (and gate and up) are one fused Linear each: PEFT's one adapter pair there is not our
+    separate ones. Its output projection is a Linear of its own."""
+    from types import SimpleNamespace
+
+    from shard.errors import UserError
+    from shard.hf import peft as hf_peft
+
+    def site(path, pick=None):
+        return SimpleNamespace(path=tuple(path.split(".")), weight=SimpleNamespace(pick=pick), target=path)
+
+    for path, pick in (("blocks.attn.q", None), ("blocks.attn.kv", 1), ("blocks.ffn.w_gate", None)):
+        with pytest.raises(UserError, match="part of phi3's fused model.layers.N.") as e:
+            hf_peft.row_for("phi3", site(path, pick))
+        assert "\n" not in str(e.value)
+    assert hf_peft.row_for("phi3", site("blocks.attn.out")).theirs == "model.layers.{i}.self_attn.o_proj.weight"

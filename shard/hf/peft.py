@@ -5,8 +5,9 @@ target_modules, base_model_name_or_path) and adapter_model.safetensors, with for
 `PeftModel.from_pretrained(base, FOLDER)` runs the base model plus (lora_alpha / r) B A: our merged weights.
 
 Which Hugging Face module each adapted weight is comes from the architecture's tensor table (tables.py): a
-Llama-style GPT (llama, mistral, qwen2, gemma). GPT-2's fused Conv1D c_attn has no per-projection module for
-PEFT's q/k/v adapters, so it is refused.
+Llama-style GPT (llama, mistral, qwen2, gemma, qwen3, smollm3, olmo2, phi3). GPT-2's fused Conv1D c_attn has no
+per-projection module for PEFT's q/k/v adapters, so it is refused; so are adapters on Phi-3's fused qkv_proj and
+gate_up_proj (one low-rank pair there is not our separate ones).
 """
 
 import json
@@ -28,6 +29,10 @@ def row_for(kind: str, site) -> tables.Row:
     for r in tables.TABLES[kind]:
         picked = [v for l, v in r.at.items() if l not in {x for g in r.groups() for x in g}]
         if r.ours == ours and picked == ([] if site.weight.pick is None else [site.weight.pick]):
+            if sum(x.theirs == r.theirs for x in tables.TABLES[kind]) > 1:
+                raise UserError(f"--adapters-only: the adapted weight {ours} ({site.target}) is part of {kind}'s fused "
+                                f"{r.theirs.format(i='N')}, whose one PEFT adapter cannot hold ours exactly; export "
+                                "the merged model with --format hf, or adapt other weights")
             if len(r.groups()) == 2 and r.theirs.endswith(".weight"):
                 return r
     raise UserError(f"--adapters-only: the adapted weight {ours} ({site.target}) is no single Linear of a {kind} "

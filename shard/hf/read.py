@@ -117,7 +117,7 @@ def plan(folder: Folder, params, kwargs: dict) -> list[tables.Row]:
     ours = flat_paths(params)
     g = arch._with_defaults(kwargs)
     size, n_layers = tables.sizes(g, folder.kind), g["n_layers"]
-    rows = tables.rows(folder.kind, set(ours))
+    rows = tables.rows(folder.kind, set(ours), size)
     embed, head = tied_pair(folder.kind)
     if "head" not in ours and embed not in folder.files and head in folder.files:
         # tied, and the checkpoint holds the pair under the output layer's name: transformers ties to that one
@@ -195,7 +195,7 @@ def their_slices(r: tables.Row, our: dict[str, range], size: dict) -> list | Non
             axes.append((ranges[0].start, ranges[0].stop, None, lengths))
             continue
         grids = np.meshgrid(*[np.arange(x.start, x.stop) for x in ranges], indexing="ij")  # a few heads x head_dim
-        flat = np.ravel_multi_index(grids, [size[l] for l in group]).ravel()
+        flat = np.ravel_multi_index(grids, r.their_sizes(group, size)).ravel()
         lo, hi = int(flat.min()), int(flat.max()) + 1
         axes.append((lo, hi, None if hi - lo == len(flat) else flat - lo, lengths))
     return axes

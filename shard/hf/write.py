@@ -49,7 +49,7 @@ def their_tensors(rows: list[tables.Row], values: dict[str, np.ndarray], size: d
             v = v.transpose([mine.index(l) for l in theirs if l in mine])
             where = tuple(slice(r.at.get(l, 0), r.at.get(l, 0) + v.shape[[m for m in theirs if m in mine].index(l)])
                           if l in mine else r.at[l] for l in theirs)
-            full.reshape([size[l] for l in theirs])[where] = v
+            full.reshape(r.their_sizes(theirs, size))[where] = v
     return out
 
 
@@ -96,8 +96,8 @@ def write_folder(params, model_name: str, kwargs: dict, out: Path, tokenizer_dir
     cast = ml_dtypes.bfloat16 if config["dtype"] == "bfloat16" else np.dtype(config["dtype"])
     kind, g = config["model_type"], arch._with_defaults(kwargs)
     ours = flat_paths(params)
-    rows = tables.rows(kind, set(ours))
     size, main = tables.sizes(g, kind), jax.process_index() == 0
+    rows = tables.rows(kind, set(ours), size)
     scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.")) if main else None
     files, pending, total, weight_map = [], {}, 0, {}
 
@@ -152,7 +152,7 @@ def _finish(scratch: Path, out: Path, files: list, total: int, config: dict, tok
             shutil.copyfile(f, scratch / f.name)
         config.update(_special_ids(scratch))
     for k in SPECIAL_IDS if source is not None else ():  # the source model's ids where the tokenizer gave none
-        if source.config.get(k) is not None:
+        if k in source.config:  # null too: a family's default id may be past this model's vocabulary
             config.setdefault(k, source.config[k])
     (scratch / "config.json").write_text(json.dumps(config, indent=2))
     given = source.path / GENERATION if source is not None else None

@@ -51,6 +51,10 @@ class Generator:
         self.graphdef, self.state = nnx.split(model)
         self.context = getattr(model, "max_len", None)  # a fixed context (learned positions), else unbounded
         self.window = window  # for a model that keeps nothing through the hooks: how many tokens it sees (seq_len)
+        # a model whose positions read differently once a call reaches past this many tokens (LongRoPE's long
+        # factors): its cache is computed again, the whole sequence at once, when the sequence first passes it, as
+        # transformers' generate does for Phi-3
+        self.refill_at = getattr(model, "refill_at", None)
         self.mesh, self.rules, self.dtype = mesh, rules, jnp.dtype(dtype)
         self._prefill = jax.jit(self.forward, static_argnames="capacity")
         # The cache is donated: each chunk writes its tokens into the buffers it was given, not into a copy.
@@ -166,8 +170,9 @@ class Generator:
                 return self._uncached(prompt, new_tokens, sampling, key, rules)
             while sum(m.shape[1] for m in made) < new_tokens and not ended(made, eos):
                 key, sub = jax.random.split(key)
-                if cache is None or index == capacity:  # the start, or a full cache: prefill (the last half)
-                    window = seq if cache is None else seq[:, -(capacity // 2):]
+                refill = cache is not None and index == self.refill_at
+                if cache is None or index == capacity or refill:  # the start, or a full cache: prefill (the last half)
+                    window = seq if cache is None or refill else seq[:, -(capacity // 2):]
                     start = np.maximum(pads - (seq.shape[1] - window.shape[1]), 0).astype(np.int32)
                     logits, cache = distributed.finished(self._prefill(
                         self.state, self.place(window, rules), np.zeros(batch, np.int32), start, None,
@@ -176,6 +181,8 @@ class Generator:
                     chunk = np.asarray(token)[:, None]
                 else:
                     steps = min(new_tokens - sum(m.shape[1] for m in made), capacity - index)
+                    if self.refill_at is not None and index < self.refill_at:
+                        steps = min(steps, self.refill_at - index)
                     tokens, cache = distributed.finished(self._decode(
                         self.state, cache, token, np.full(batch, index, np.int32), start, sub, capacity=capacity,
                         steps=steps, sampling=sampling))
