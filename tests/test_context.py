@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY_GPT, TINY_MODELS, one_device_runs, overrides
-from shard import config, partition, plan
+from shard import attention, config, partition, plan
 from shard.strategies import context
 from shard.core import flops
 from shard.plan import hlo
@@ -18,7 +18,9 @@ from shard.core import mesh as mesh_lib
 SEQ = ["data.seq_len=256", "model.max_len=256", "data.batch_size=4"]
 GPT = [a for a in TINY_GPT if not a.startswith(("data.seq_len", "model.max_len", "data.batch_size"))] + SEQ
 STEPS = ["train.steps=8", "run.log_every=1", "optimizer.warmup_steps=2", "run.cpu_devices=8"]
-REFERENCES = {"gpt": GPT, "gpt_rope": [*GPT, "model.position=rope"], "moe": TINY_MODELS["moe"]}
+# Mistral's shape with a local layer (a window of 40 of the 256 tokens) beside a global one (window 0)
+WINDOWED = [*GPT, "model.position=rope", "model.norm=rmsnorm", "model.mlp=swiglu", "model.windows=[40,0]"]
+REFERENCES = {"gpt": GPT, "gpt_rope": [*GPT, "model.position=rope"], "moe": TINY_MODELS["moe"], "gpt_window": WINDOWED}
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +34,10 @@ def losses(result):
 
 CASES = {"ring": [("gpt", ["mesh.context=8"]), ("gpt", ["mesh.context=4", "mesh.fsdp=2"]),
                   ("gpt_rope", ["mesh.context=2", "mesh.tensor=2", "mesh.data=2"]),
-                  ("moe", ["mesh.context=2", "mesh.expert=4"])],
+                  ("moe", ["mesh.context=2", "mesh.expert=4"]), ("gpt_window", ["mesh.context=2", "mesh.fsdp=4"])],
          # all_gather is the partitioner's own attention on gathered keys: two meshes cover its layouts
-         "all_gather": [("gpt", ["mesh.context=8"]), ("gpt_rope", ["mesh.context=2", "mesh.tensor=2", "mesh.data=2"])]}
+         "all_gather": [("gpt", ["mesh.context=8"]), ("gpt_rope", ["mesh.context=2", "mesh.tensor=2", "mesh.data=2"]),
+                        ("gpt_window", ["mesh.context=4", "mesh.data=2"])]}
 
 
 @pytest.mark.parametrize("strategy", list(CASES))
@@ -45,6 +48,42 @@ def test_split_sequences_give_the_one_device_curve(train, one_device, strategy):
         run = train(*REFERENCES[name], *STEPS, "mesh=cp", *mesh, f"train.context_strategy={strategy}",
                     subdir=f"{strategy}-{name}-{'-'.join(mesh)}")
         np.testing.assert_allclose(losses(run), reference, rtol=1e-5, err_msg=f"{strategy} {name} {mesh}")
+
+
+def test_sliding_windows_give_the_one_device_curve_under_fsdp_and_grad_accum(train, one_device):
+    run = train(*WINDOWED, *STEPS, "mesh=fsdp", "run.cpu_devices=2", "train.grad_accum=2", subdir="window-fsdp-accum")
+    np.testing.assert_allclose(losses(run), losses(one_device("gpt_window")), rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_split_attention_keeps_windows_documents_softcap_and_scale(strategy):
+    """A layer's traced window, packed documents, a logit soft-cap and a query scale through each strategy over
+    4 context devices: the outputs and gradients of the unsplit XLA kernel (tests/test_attention_kernels.py
+    checks that one against NumPy)."""
+    n, (b, t, h, kv, d) = 4, (2, 64, 4, 2, 8)
+    mesh = jax.make_mesh(tuple(n if a == "context" else 1 for a in mesh_lib.AXES), mesh_lib.AXES,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_lib.AXES))
+    q, k, v, weights = (jax.random.normal(key, (b, t, heads, d)) for key, heads in zip(
+        jax.random.split(jax.random.key(0), 4), (h, kv, kv, h)))
+    segments = jnp.asarray(np.repeat([[1, 2], [1, 1]], t // 2, axis=1), jnp.int32)
+    order = np.asarray(context.balanced_order(t, n))
+    split, options = context.Split(n, strategy, tuple(order)), dict(softcap=2.0, scale=0.3)
+
+    def split_run(q, k, v, w):
+        with partition.activate(mesh, partition.RULES):
+            laid_out = (partition.constrain(x[:, order], ("batch", "length", "heads", "head_dim")) for x in (q, k, v))
+            out = context.attention(*laid_out, True, split, segments[:, order], window=(w, (12, 0)), **options)
+            return out[:, np.argsort(order)]
+
+    whole = lambda q, k, v, w: attention.xla_cpu(q, k, v, True, segments, w, **options)  # noqa: E731
+    def outputs_and_gradients(fn):  # of a weighted sum; compiled once, the window a traced argument
+        grads = jax.grad(lambda *a: jnp.sum(fn(*a) * weights), argnums=(0, 1, 2))
+        return jax.jit(lambda *a: (fn(*a), *grads(*a)))
+
+    ours, want = outputs_and_gradients(split_run), outputs_and_gradients(whole)
+    for window in (12, 0):  # the local layer, then the global one
+        for got, expected in zip(ours(q, k, v, jnp.int32(window)), want(q, k, v, jnp.int32(window))):
+            assert float(jnp.max(jnp.abs(got - expected)) / jnp.max(jnp.abs(expected))) < 1e-5, (strategy, window)
 
 
 @pytest.mark.parametrize("causal", [True, False])
