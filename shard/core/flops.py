@@ -12,6 +12,9 @@ cuDNN's or splash's fused kernel, which has no dot_general to count) is counted 
 value shapes: forward 2 x (query, key) pairs x (head_dim + value dim) per head, backward twice that.
 Causal attention counts the pairs on or below the diagonal, about half the square: the work actually
 needed (the convention of MaxText's and PaLM's MFU), not the masked square XLA's kernel computes.
+A sliding window counts the pairs inside it; a stack whose layers have different windows (the call's
+name lists them with their layer counts) counts each call at the mean over its layers, so the scan's
+trip count makes it the sum of every layer's own.
 With activation checkpointing the recomputed forward is counted too (it is work the device does);
 MFU and the plan count a trace without it (shard/run/job.py).
 """
