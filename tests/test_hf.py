@@ -4,6 +4,7 @@ tokens, the same first training loss, and export back to a folder transformers r
 Bad folders are refused in one line."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -160,7 +161,7 @@ def test_fine_tune_first_loss_and_export_round_trip(folders, kind, tmp_path, mon
 
 @pytest.mark.parametrize("mesh", ["dp", "tp", "fsdp_tp", "zero1", "zero2", "pp", "cp", "ep", "hybrid"])
 def test_fine_tuning_works_under_every_preset(folders, mesh, tmp_path):
-    path, model = folders["llama"]
+    path, model = folders["mistral"]  # its sliding window (8 of the 16 tokens) through every layout
     devices = {"pp": 2, "hybrid": 4, "fsdp_tp": 4}.get(mesh, 2)
     extra = ["mesh.replica=2"] if mesh == "hybrid" else []
     cfg = config.load(None, overrides(tmp_path, f"train.init_from={path}", f"mesh={mesh}",
@@ -185,6 +186,24 @@ def test_the_command_line_wins_over_config_json_and_the_tokenizer_comes_along(fo
     assert cfg.data.tokenizer == str(path)  # the folder: its tokenizer.json and tokenizer_config.json
     assert config.load(None, [f"train.init_from={path}", "data.name=documents", "data.tokenizer=bytes"]).data.tokenizer == "bytes"
     assert load.load_tokenizer(str(path)).encode("w7 w3") == [7, 3]
+
+
+def test_windows_read_and_written_as_each_family_holds_them():
+    from shard.hf import arch
+
+    qwen2 = dict(COMMON, model_type="qwen2", num_key_value_heads=2, use_sliding_window=True, sliding_window=6,
+                 max_window_layers=1)
+    assert arch.to_gpt(qwen2, "q")["windows"] == [0, 6]  # from max_window_layers on
+    assert "windows" not in arch.to_gpt(dict(qwen2, use_sliding_window=False), "q")  # transformers drops the window
+    assert arch.to_gpt(dict(COMMON, model_type="mistral", num_key_value_heads=2), "m")["windows"] == [4096] * 2
+    with pytest.raises(UserError, match="layer_types=\\['full_attention', 'local'\\]; qwen2 reads one of"):
+        arch.to_gpt(dict(qwen2, layer_types=["full_attention", "local"]), "q")
+    llama = dict(d_model=64, n_layers=2, n_heads=4, position="rope", norm="rmsnorm", mlp="swiglu")
+    assert arch.from_gpt(dict(llama, windows=[8, 8]), "gpt")["sliding_window"] == 8
+    for windows, kind in (([8, 0], "llama"), ([8, 4], "llama")):
+        with pytest.raises(UserError, match=re.escape(f"windows={windows} fits no {kind} config.json")) as e:
+            arch.from_gpt(dict(llama, windows=windows), "gpt")
+        assert "\n" not in str(e.value)
 
 
 def test_hf_names_per_architecture():
