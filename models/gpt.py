@@ -32,12 +32,16 @@ class GPT(nnx.Module):
     rope_scaling: Llama 3's {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}, or with
     rope_type linear ({factor}) or longrope (models/rope.py's make). rotary_dim: the channels of each head that rotate,
     its first ones (0 = all; Phi's partial rotary factor). rope_layers: one 1 (rotates) or 0 (no positions at all)
-    per layer (SmolLM3's); None = every layer rotates.
+    per layer (SmolLM3's), or 2 (rotates by local_rope_theta, unscaled: Gemma 3's local layers); None = every layer
+    rotates.
     qk_norm: none, head (a norm on each query and key head before rotation: Qwen3) or projection (over all heads
     together: OLMo 2). norms: each block's norms before its attention and MLP (pre), after them before the residual
     sum (post: OLMo 2), or both (Gemma 2).
     windows: one sliding window per layer, a query seeing that many latest keys, itself included (0 = the layer
     attends globally; Mistral's, Qwen2's and Gemma 2's local layers); None = every layer global.
+    attn_softcap: attention logits soft-capped, cap * tanh(logits / cap) (0 = none; Gemma 2); attn_scale: the factor
+    on q.k (0 = 1/sqrt(head_dim); Gemma's query_pre_attn_scalar ** -0.5); logit_softcap: the output logits
+    soft-capped so (0 = none; Gemma 2's final_logit_softcapping).
     """
 
     def __init__(self, vocab_size: int = 256, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
@@ -46,7 +50,8 @@ class GPT(nnx.Module):
                  rope_theta: float = 10000.0, head_dim: int = 0, qkv_bias: bool = False, bias: bool = False,
                  norm_eps: float = 1e-6, embed_scale: bool = False, rope_scaling: dict | None = None,
                  mlp_bias: bool = False, qk_norm: str = "none", norms: str = "pre", rotary_dim: int = 0,
-                 rope_layers: list | None = None, windows: list | None = None, *, rngs: nnx.Rngs):
+                 rope_layers: list | None = None, windows: list | None = None, local_rope_theta: float = 0.0,
+                 attn_softcap: float = 0.0, attn_scale: float = 0.0, logit_softcap: float = 0.0, *, rngs: nnx.Rngs):
         n_kv_heads = n_kv_heads or n_heads
         check_choice("position", position, ("learned", "rope"))
         check_choice("norm", norm, ("layernorm", "rmsnorm", "rmsnorm+1"))
@@ -60,9 +65,9 @@ class GPT(nnx.Module):
             raise ValueError(f"rotary embeddings need an even number of channels up to head_dim={head_dim}, got "
                              f"{rotary_dim or head_dim}")
         if rope_layers is not None and (position != "rope" or len(rope_layers) != n_layers
-                                        or not set(rope_layers) <= {0, 1}):
-            raise ValueError(f"rope_layers={rope_layers}: give one 1 (rotate) or 0 (not) per layer, {n_layers} in all, "
-                             "with position=rope")
+                                        or not set(rope_layers) <= ({0, 1, 2} if local_rope_theta else {0, 1})):
+            raise ValueError(f"rope_layers={rope_layers}: give one 1 (rotate), 0 (not) or with local_rope_theta 2 "
+                             f"(rotate by it) per layer, {n_layers} in all, with position=rope")
         if windows is not None and (len(windows) != n_layers or any(
                 not isinstance(w, int) or isinstance(w, bool) or w < 0 for w in windows)):
             raise ValueError(f"windows={windows}: give one window per layer, {n_layers} in all, each a number of keys "
@@ -70,10 +75,12 @@ class GPT(nnx.Module):
         d_ff = d_ff or (4 * d_model if mlp == "gelu" else 8 * d_model // 3)
         out_std = 0.02 / math.sqrt(2 * n_layers)  # GPT-2: keep the residual stream's variance flat in depth
         self.max_len, self.embed_scale = max_len, math.sqrt(d_model) if embed_scale else None
+        self.logit_softcap = logit_softcap or None
         self.mlp_bias = mlp_bias  # read by feed_forward, whose signature subclasses share
         self.tok = param(rngs, (vocab_size, d_model), ("vocab", "embed"), 0.02)
         self.pos = param(rngs, (max_len, d_model), (None, "embed"), 0.01) if position == "learned" else None
         rope = rope_lib.make(rope_theta, rope_scaling, rotary_dim) if position == "rope" else None
+        local_rope = rope_lib.Rope(local_rope_theta, dims=rotary_dim) if local_rope_theta and rope else None
         settings = {} if rope_layers is None else dict(rotate=rope_layers)
         windows = tuple(windows) if windows and any(windows) else None
         if windows is not None:
@@ -85,7 +92,8 @@ class GPT(nnx.Module):
         def make_block(rngs, rotate=None, window=None):
             attn = Attention(d_model, n_heads, n_kv_heads, rope, out_std, causal=True, rngs=rngs, head_dim=head_dim,
                              qkv_bias=qkv_bias or bias, out_bias=bias, qk_norm=qk_norm, norm_kind=norm, eps=norm_eps,
-                             rotate=rotate, window=window, windows=windows)
+                             rotate=rotate, window=window, windows=windows, local_rope=local_rope,
+                             softcap=attn_softcap, scale=attn_scale)
             ffn = self.feed_forward(d_model, d_ff, mlp, out_std, rngs, bias)
             return Block(d_model, norm, attn, ffn, rngs, norm_eps, norms)
 
@@ -113,5 +121,7 @@ class GPT(nnx.Module):
         x = constrain(x, ("batch", "length", "embed"))
         x = self.ln_f(stack(self.blocks, x))
         logits = x @ self.tok[...].T if self.head is None else x @ self.head[...]
+        if self.logit_softcap is not None:
+            logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
         return constrain(logits, ("batch", "length", "vocab"))
 

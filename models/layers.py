@@ -70,12 +70,14 @@ class Attention(nnx.Module):
     this layer's traced flag (stacked's setting) whether it rotates positions at all (SmolLM3's rope-less
     layers); None: it does where the model has a rope. window: this layer's traced sliding window (stacked's
     setting; 0 = global) and windows every layer's, static (shard.hooks.attention's (value, windows)); None:
-    global."""
+    global. local_rope: the rotation of layers whose `rotate` is 2 (Gemma 3's local layers' own base). softcap:
+    attention-logit soft-capping (0: none); scale: the factor on q.k (0: 1/sqrt(head_dim))."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, rope: "Rope | float | None", out_std: float,
                  causal: bool, rngs: nnx.Rngs, head_dim: int = 0, qkv_bias: bool = False, out_bias: bool = False,
                  qk_norm: str = "none", norm_kind: str = "rmsnorm", eps: float = 1e-6, rotate=None, window=None,
-                 windows: tuple | None = None):
+                 windows: tuple | None = None, local_rope: "Rope | None" = None, softcap: float = 0.0,
+                 scale: float = 0.0):
         head_dim = head_dim or d_model // n_heads
         check_choice("qk_norm", qk_norm, QK_NORMS)
         self.rope = Rope(rope) if isinstance(rope, (int, float)) and rope else rope
@@ -90,6 +92,7 @@ class Attention(nnx.Module):
                                     for heads, axis in ((n_heads, "heads"), (n_kv_heads, "kv_heads")))
         self.rotate = None if rotate is None else per_layer(rotate)
         self.window, self.windows = (None, None) if window is None else (per_layer(window), tuple(windows))
+        self.local_rope, self.softcap, self.scale = local_rope, softcap or None, scale or None
 
     def __call__(self, x):
         q = jnp.einsum("bte,ehd->bthd", x, self.q[...])
@@ -103,7 +106,8 @@ class Attention(nnx.Module):
         if self.rope:
             q, k = self.rotated(q), self.rotated(k)
         window = None if self.window is None else (self.window[...], self.windows)
-        y = attention(q, k, v, is_causal=self.causal, window=window)  # handles grouped K/V heads itself
+        y = attention(q, k, v, is_causal=self.causal, window=window, softcap=self.softcap,
+                      scale=self.scale)  # handles grouped K/V heads itself
         y = jnp.einsum("bthd,hde->bte", y, self.out[...])
         return y if self.out_bias is None else y + self.out_bias[...]
 
@@ -118,7 +122,8 @@ class Attention(nnx.Module):
     def rotated(self, x):
         if self.rotate is None:
             return rotary(x, self.rope)
-        return jnp.where(self.rotate[...] != 0, rotary(x, self.rope), x)
+        y = jnp.where(self.rotate[...] != 0, rotary(x, self.rope), x)
+        return y if self.local_rope is None else jnp.where(self.rotate[...] == 2, rotary(x, self.local_rope), y)
 
 
 class MLPBlock(nnx.Module):

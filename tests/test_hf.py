@@ -33,6 +33,8 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq
 NO_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)  # the defaults are past VOCAB
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0]}
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
 KINDS = {
     "llama": lambda T: T.LlamaForCausalLM(T.LlamaConfig(**COMMON, num_key_value_heads=2, rope_parameters=LLAMA3)),
     # sliding windows shorter than the 16 tokens (and the 15 generated) the tests run: every layer's (Mistral's), a
@@ -53,8 +55,17 @@ KINDS = {
     "olmo2": lambda T: T.Olmo2ForCausalLM(T.Olmo2Config(**COMMON, num_key_value_heads=2, **NO_IDS)),
     "phi3": lambda T: T.Phi3ForCausalLM(T.Phi3Config(**COMMON, num_key_value_heads=2, rope_parameters=LONGROPE,
                                                      original_max_position_embeddings=8, **NO_IDS)),
+    # Gemma 2 and 3 with a local layer (window 6, shorter than the 16 tokens) before a global one, an attention scale
+    # other than head_dim's; Gemma 2's soft-caps low enough to bend these logits; Gemma 3's local RoPE base and
+    # linear scaling on its global layer (gemma-3-1b-it's real config: test_hf_real_configs.py)
+    "gemma2": lambda T: T.Gemma2ForCausalLM(T.Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=16,
+                                                           query_pre_attn_scalar=24, sliding_window=6,
+                                                           attn_logit_softcapping=0.05, final_logit_softcapping=1.0)),
+    "gemma3": lambda T: T.Gemma3ForCausalLM(T.Gemma3TextConfig(**COMMON, num_key_value_heads=2, head_dim=16,
+                                                               query_pre_attn_scalar=24, sliding_window=6,
+                                                               sliding_window_pattern=2, rope_parameters=GEMMA3_ROPE)),
 }
-NEW = ("qwen3", "smollm3", "olmo2", "phi3")  # held to 1e-5 (the older families to the 1e-4 they were written with)
+NEW = ("qwen3", "smollm3", "olmo2", "phi3", "gemma2", "gemma3")  # held to 1e-5 (the older families to the 1e-4 they were written with)
 MESHES = {"one": None, "fsdp": ["mesh=fsdp", "run.cpu_devices=4"], "tp": ["mesh=tp", "run.cpu_devices=2"],
           "fsdp_tp": ["mesh=fsdp_tp", "run.cpu_devices=4"]}
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
@@ -153,7 +164,7 @@ def test_fine_tune_first_loss_and_export_round_trip(folders, kind, tmp_path, mon
                         "run.cpu_devices=4"]) == 0
     assert (out / "model.safetensors.index.json").is_file() == (kind in ("gpt2", "gemma"))
     again = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
-    assert json.loads((out / "config.json").read_text())["model_type"] == kind
+    assert json.loads((out / "config.json").read_text())["model_type"] == {"gemma3": "gemma3_text"}.get(kind, kind)
     assert (out / "generation_config.json").read_bytes() == (Path(path) / "generation_config.json").read_bytes()
     ours = load.load(str(tmp_path / "run"), [], whole_mesh=False)
     assert relative(torch_logits(again, TOKENS), jax_logits(ours)) < tolerance(kind)
@@ -332,6 +343,10 @@ def test_bfloat16_weights_read_into_float32(folders, tmp_path):
      "phi3 (supported: default, longrope)"),
     ("phi3", "rope_scaling", dict(LONGROPE, short_factor=[1.0]), "rope_scaling short_factor=[1.0]; transformers reads "
      "a list of 6 numbers"),
+    ("gemma2", "hidden_activation", "gelu", "hidden_activation='gelu', which is not supported for gemma2"),
+    ("gemma3", "rope_parameters", dict(GEMMA3_ROPE, full_attention={"rope_type": "yarn", "factor": 2.0}),
+     "full_attention rope_type='yarn', which is not supported for gemma3_text (supported: default, linear)"),
+    ("gemma3", "use_bidirectional_attention", True, "use_bidirectional_attention=true; only causal attention"),
     ("phi3", "partial_rotary_factor", 0.3125, "partial_rotary_factor=0.3125; it must be in (0, 1] and rotate an even "
      "number of head_dim=16's channels"),
 ])

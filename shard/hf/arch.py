@@ -13,11 +13,13 @@ import math
 from shard.errors import UserError
 from shard.hf import experts
 
-SUPPORTED = ("llama", "mistral", "qwen2", "gemma", "gpt2", "qwen3", "smollm3", "olmo2", "phi3") + \
+SUPPORTED = ("llama", "mistral", "qwen2", "gemma", "gpt2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2",
+             "gemma3_text") + \
     tuple(experts.RELATIVE)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "gemma": "GemmaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM",
                  "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                  **experts.ARCHITECTURES}
 SILU = ("silu", "swish")  # transformers' two names of one function
 TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_python_tanh")  # one function: 0.5 x (1 + tanh(...))
@@ -52,17 +54,28 @@ DEFAULTS = {
     "phi3": dict(_ROPE, vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
                  num_attention_heads=32, max_position_embeddings=4096, original_max_position_embeddings=4096,
                  rms_norm_eps=1e-5, sliding_window=None),
+    "gemma2": dict(_ROPE, vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                   max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False,
+                   query_pre_attn_scalar=256, sliding_window=4096, layer_types=None, final_logit_softcapping=30.0,
+                   attn_logit_softcapping=50.0, use_bidirectional_attention=None),
+    "gemma3_text": dict(_ROPE, vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+                        tie_word_embeddings=True, attention_bias=False, query_pre_attn_scalar=256,
+                        sliding_window=4096, layer_types=None, final_logit_softcapping=None,
+                        attn_logit_softcapping=None, use_bidirectional_attention=False, sliding_window_pattern=6),
     "gpt2": dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
                  activation_function="gelu_new", layer_norm_epsilon=1e-5, scale_attn_weights=True,
                  scale_attn_by_inverse_layer_idx=False, add_cross_attention=False, tie_word_embeddings=True),
 }
 # The type each field must have (transformers checks them strictly: no int for a float, no 1 for true).
-_FLOATS = {"rms_norm_eps", "layer_norm_epsilon"}
-_TEXTS = {"hidden_act", "activation_function"}
+_FLOATS = {"rms_norm_eps", "layer_norm_epsilon", "final_logit_softcapping", "attn_logit_softcapping"}
+_TEXTS = {"hidden_act", "activation_function", "hidden_activation"}
 _BOOLS = {"tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "scale_attn_weights",
           "scale_attn_by_inverse_layer_idx", "add_cross_attention", "use_bidirectional_attention"}
 _OPTIONAL = {"num_key_value_heads", "head_dim", "sliding_window", "n_inner", "layer_types",
-             "use_bidirectional_attention", "no_rope_layers"}
+             "use_bidirectional_attention", "no_rope_layers", "final_logit_softcapping", "attn_logit_softcapping"}
 _LISTS = {"layer_types", "no_rope_layers"}
 GPT2_NAMES = {"hidden_size": "n_embd", "max_position_embeddings": "n_positions", "num_attention_heads": "n_head",
               "num_hidden_layers": "n_layer"}  # GPT2Config's attribute_map: both spellings are read
@@ -118,29 +131,86 @@ def _rope_model(kind: str, get, c: dict, where: str) -> dict:
     if heads % kv_heads:
         raise UserError(f"{where}: config.json has num_attention_heads={heads}, not a multiple of "
                         f"num_key_value_heads={kv_heads}")
-    act = get("hidden_act")
+    act = get("hidden_activation") if kind in GEMMAS[1:] else get("hidden_act")
     if kind == "gemma" and act == "gelu":
         # transformers reads Gemma's legacy "gelu" as the tanh approximation it was trained with (and reads
         # hidden_act alone: hidden_activation was transformers 4's field, for Gemma 2 onwards now)
         act = "gelu_pytorch_tanh"
     mlp = "swiglu" if act in SILU else "geglu" if act in TANH_GELU else None
     if mlp is None:
-        raise UserError(f"{where}: config.json has hidden_act={act!r}, which is not supported for {kind} (supported: "
-                        f"{', '.join(SILU + TANH_GELU)})")
-    if kind == "gemma" and get("use_bidirectional_attention"):
+        raise UserError(f"{where}: config.json has {'hidden_activation' if kind in GEMMAS[1:] else 'hidden_act'}="
+                        f"{act!r}, which is not supported for {kind} (supported: {', '.join(SILU + TANH_GELU)})")
+    if kind in GEMMAS and get("use_bidirectional_attention"):
         raise UserError(f"{where}: config.json has use_bidirectional_attention=true; only causal attention is "
                         "supported")
-    theta, scaling, rotary_dim = _rope(kind, c, where, get, head_dim)
-    return dict(vocab_size=get("vocab_size"), d_model=d, n_layers=get("num_hidden_layers"), n_heads=heads,
+    if kind == "gemma3_text":
+        theta, scaling, local_theta = _gemma3_rope(c, where)
+        rotary_dim, extra = head_dim, _gemma(kind, get, where, local_theta)
+    else:
+        theta, scaling, rotary_dim = _rope(kind, c, where, get, head_dim)
+        extra = _gemma(kind, get, where) if kind == "gemma2" else {}
+    return dict(**extra, vocab_size=get("vocab_size"), d_model=d, n_layers=get("num_hidden_layers"), n_heads=heads,
                 n_kv_heads=kv_heads, d_ff=get("intermediate_size"), head_dim=head_dim, max_len=get("max_position_embeddings"),
-                position="rope", norm="rmsnorm+1" if kind == "gemma" else "rmsnorm",
+                position="rope", norm="rmsnorm+1" if kind in GEMMAS else "rmsnorm",
                 mlp=mlp, norm_eps=get("rms_norm_eps"), rope_theta=theta, rope_scaling=scaling,
-                tie_embeddings=get("tie_word_embeddings"), embed_scale=kind == "gemma", **_biases(kind, get, where),
+                tie_embeddings=get("tie_word_embeddings"), embed_scale=kind in GEMMAS, **_biases(kind, get, where),
                 **({"rotary_dim": rotary_dim} if rotary_dim != head_dim else {}), **_options(kind, get, where))
 
 
 # The GPT's options each family sets beyond Llama's (its per-layer and norm settings; RoPE is _rope's).
-FAMILY_OPTIONS = {"qwen3": dict(qk_norm="head"), "olmo2": dict(qk_norm="projection", norms="post")}
+FAMILY_OPTIONS = {"qwen3": dict(qk_norm="head"), "olmo2": dict(qk_norm="projection", norms="post"),
+                  "gemma2": dict(norms="both"), "gemma3_text": dict(norms="both", qk_norm="head")}
+GEMMAS = ("gemma", "gemma2", "gemma3_text")
+
+
+def _gemma(kind: str, get, where: str, local_theta: float | None = None) -> dict:
+    """Gemma 2's and 3's attention scale (query_pre_attn_scalar ** -0.5) and soft-caps; Gemma 3's local layers'
+    own RoPE base (layer_types' sliding_attention layers rotate by it)."""
+    scalar = get("query_pre_attn_scalar")
+    if not scalar:
+        raise UserError(f"{where}: config.json has query_pre_attn_scalar=0; it must be positive")
+    out = dict(attn_scale=scalar ** -0.5)
+    for name, option in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "logit_softcap")):
+        cap = get(name)
+        if cap is not None and cap <= 0:
+            raise UserError(f"{where}: config.json has {name}={cap!r}; it must be positive (or null for none)")
+        if cap:
+            out[option] = cap
+    if local_theta is not None:
+        out.update(local_rope_theta=local_theta,
+                   rope_layers=[2 if t == "sliding_attention" else 1 for t in _layer_types(kind, get, where)])
+    return out
+
+
+def _gemma3_rope(c: dict, where: str) -> tuple[float, dict | None, float]:
+    """(global theta, its scaling or None, the local layers' theta) as transformers 5 reads Gemma 3: rope_parameters
+    by layer type, or the older rope_theta, rope_scaling (global layers) and rope_local_base_freq."""
+    params = c.get("rope_parameters")
+    if params is not None and not (isinstance(params, dict) and set(params) <= set(LAYER_TYPES)):
+        raise UserError(f"{where}: config.json has rope_parameters={params!r}; gemma3_text reads one mapping per layer "
+                        f"type ({', '.join(LAYER_TYPES)})")
+    params = params or {}
+    full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    full.update(c.get("rope_scaling") or {})  # the older name, for the global layers: over rope_parameters
+    full.setdefault("rope_theta", c.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", c.get("rope_local_base_freq", 10_000.0))
+    for name, p, allowed in (("full_attention", full, ("default", "linear")), ("sliding_attention", local, ("default",))):
+        rope_type, theta = p.get("rope_type", p.get("type", "default")), p["rope_theta"]
+        if rope_type not in allowed:
+            raise UserError(f"{where}: config.json has {name} rope_type={rope_type!r}, which is not supported for "
+                            f"gemma3_text (supported: {', '.join(allowed)})")
+        if not _number(theta) or theta <= 0:
+            raise UserError(f"{where}: config.json has {name} rope_theta={theta!r}; it must be a positive number")
+        if p.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UserError(f"{where}: config.json has partial_rotary_factor={p['partial_rotary_factor']!r}; only 1.0 "
+                            "is supported for gemma3_text")
+    scaling = None
+    if full.get("rope_type", full.get("type", "default")) == "linear":
+        if not _number(full.get("factor")) or full["factor"] <= 0:
+            raise UserError(f"{where}: config.json has rope_scaling factor={full.get('factor')!r}; it must be a "
+                            "positive number")
+        scaling = dict(rope_type="linear", factor=float(full["factor"]))
+    return float(full["rope_theta"]), scaling, float(local["rope_theta"])
 
 
 def _options(kind: str, get, where: str) -> dict:
@@ -176,15 +246,15 @@ def _biases(kind: str, get, where: str) -> dict:
 
 WINDOWED = ("mistral", "phi3")  # every layer slides where sliding_window is set
 LAYER_TYPED = ("qwen2", "qwen3", "smollm3")  # with use_sliding_window, the layers layer_types names slide
+PATTERNED = ("gemma2", "gemma3_text")  # the layers layer_types names slide, by default all but every n-th
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _windows(kind: str, get, where: str, rotate: list | None = None) -> dict:
     """The GPT's `windows` (one per layer, 0 = global) as transformers 5 reads them, or {} where no layer slides.
     Mistral and Phi-3: every layer, where sliding_window is set. Qwen2 and Qwen3: with use_sliding_window, the
-    layers layer_types marks sliding_attention, by default those from max_window_layers on; SmolLM3 the same, by
-    default its rope-less layers (`rotate`, one 0 or 1 per layer)."""
-    if kind not in WINDOWED + LAYER_TYPED or get("sliding_window") is None:
+    layers layer_types marks sliding_attention (`_layer_types`); SmolLM3 the same; Gemma 2 and 3 those layers."""
+    if kind not in WINDOWED + LAYER_TYPED + PATTERNED or get("sliding_window") is None:
         return {}
     if kind in LAYER_TYPED and not get("use_sliding_window"):  # transformers drops the window then
         return {}
@@ -193,7 +263,20 @@ def _windows(kind: str, get, where: str, rotate: list | None = None) -> dict:
         raise UserError(f"{where}: config.json has sliding_window={window}; a window holds at least one token")
     if kind in WINDOWED:
         return dict(windows=[window] * n)
-    types = get("layer_types")
+    windows = [window if t == "sliding_attention" else 0 for t in _layer_types(kind, get, where, rotate)]
+    return dict(windows=windows) if any(windows) else {}
+
+
+def _layer_types(kind: str, get, where: str, rotate: list | None = None) -> list[str]:
+    """Each layer's kind: layer_types, or by default Qwen2's and Qwen3's sliding from max_window_layers on,
+    SmolLM3's its rope-less layers (`rotate`, one 0 or 1 per layer), Gemma 2's every other layer and Gemma 3's all
+    but every sliding_window_pattern-th."""
+    n, types = get("num_hidden_layers"), get("layer_types")
+    if types is None and kind in PATTERNED:
+        every = 2 if kind == "gemma2" else get("sliding_window_pattern")
+        if not every:
+            raise UserError(f"{where}: config.json has sliding_window_pattern=0; it must be at least 1")
+        types = [LAYER_TYPES[(i + 1) % every != 0] for i in range(n)]
     if types is None:
         slides = [i >= get("max_window_layers") for i in range(n)] if kind != "smollm3" else \
             [not r for r in (rotate or [1] * n)]
@@ -201,8 +284,7 @@ def _windows(kind: str, get, where: str, rotate: list | None = None) -> dict:
     if len(types) != n or any(t not in LAYER_TYPES for t in types):
         raise UserError(f"{where}: config.json has layer_types={types!r}; {kind} reads one of "
                         f"{', '.join(LAYER_TYPES)} per layer, {n} in all")
-    windows = [window if t == "sliding_attention" else 0 for t in types]
-    return dict(windows=windows) if any(windows) else {}
+    return types
 
 
 def _rope(kind: str, c: dict, where: str, get, head_dim: int) -> tuple[float, dict | None, int]:
@@ -332,17 +414,21 @@ def from_gpt(kwargs: dict, model_name: str) -> dict:
     extra.update(windows)
     biases = dict(attention_bias=g["bias"], mlp_bias=g["bias"] or g["mlp_bias"])
     biases = {k: v for k, v in biases.items() if k in DEFAULTS[kind] or kind in ("llama", "qwen2")}  # its fields
-    return dict(common, hidden_size=g["d_model"], num_hidden_layers=g["n_layers"], num_attention_heads=g["n_heads"],
-                num_key_value_heads=g["n_kv_heads"], intermediate_size=g["d_ff"], head_dim=g["head_dim"],
-                max_position_embeddings=g["max_len"], rms_norm_eps=g["norm_eps"], rope_theta=g["rope_theta"],
-                rope_parameters=rope, rope_scaling=rope if scaling else None,
-                hidden_act="silu" if g["mlp"] == "swiglu" else "gelu_pytorch_tanh",
-                **biases, **extra)
+    out = dict(common, hidden_size=g["d_model"], num_hidden_layers=g["n_layers"], num_attention_heads=g["n_heads"],
+               num_key_value_heads=g["n_kv_heads"], intermediate_size=g["d_ff"], head_dim=g["head_dim"],
+               max_position_embeddings=g["max_len"], rms_norm_eps=g["norm_eps"], rope_theta=g["rope_theta"],
+               rope_parameters=rope, rope_scaling=rope if scaling else None,
+               hidden_act="silu" if g["mlp"] == "swiglu" else "gelu_pytorch_tanh", **biases)
+    if kind in PATTERNED:  # Gemma 2 and 3 name their activation hidden_activation
+        out["hidden_activation"] = out.pop("hidden_act")
+    return dict(out, **extra)
 
 
 def _window_fields(kind: str, g: dict) -> tuple[str, dict]:
     """The family and the config.json fields that hold the GPT's `windows`: an unbiased Llama whose layers all
     slide alike is a Mistral; Qwen2, Qwen3 and SmolLM3 name each layer's kind, with one window size."""
+    if kind in PATTERNED:
+        return kind, _gemma_fields(kind, g)
     windows = list(g.get("windows") or [])
     sizes = sorted({w for w in windows if w})
     if not sizes:
@@ -356,6 +442,31 @@ def _window_fields(kind: str, g: dict) -> tuple[str, dict]:
                           layer_types=[LAYER_TYPES[bool(w)] for w in windows])
     raise UserError(f"--format hf: windows={windows} fits no {kind} config.json: Mistral's and Phi-3's hold one window "
                     "for every layer, Qwen2's, Qwen3's and SmolLM3's one window on the layers they name")
+
+
+def _gemma_fields(kind: str, g: dict) -> dict:
+    """Gemma 2's and 3's fields: each layer's kind (sliding where it has a window, or for Gemma 3 where it rotates by
+    the local base), one window, the attention scale and soft-caps, Gemma 3's RoPE per layer kind."""
+    n = g["n_layers"]
+    windows, rotations = list(g["windows"] or [0] * n), list(g["rope_layers"] or [1] * n)
+    sliding = [r == 2 for r in rotations] if 2 in rotations else [bool(w) for w in windows]
+    sizes = sorted({w for w in windows if w})
+    if len(sizes) > 1 or (sizes and sliding != [bool(w) for w in windows]):
+        raise UserError(f"--format hf: windows={windows} with rope_layers={g['rope_layers']} fits no {kind} "
+                        "config.json: one window, on the layers that rotate by the local base where any does")
+    scalar = round(g["attn_scale"] ** -2) if g["attn_scale"] else g["head_dim"]
+    if g["attn_scale"] and abs(scalar ** -0.5 - g["attn_scale"]) > 1e-12 * g["attn_scale"]:
+        raise UserError(f"--format hf: attn_scale={g['attn_scale']} is no query_pre_attn_scalar ** -0.5 of a whole "
+                        f"number, which {kind}'s config.json holds")
+    out = dict(layer_types=[LAYER_TYPES[s] for s in sliding], sliding_window=sizes[0] if sizes else None,
+               query_pre_attn_scalar=scalar, attn_logit_softcapping=g["attn_softcap"] or None,
+               final_logit_softcapping=g["logit_softcap"] or None)
+    if kind == "gemma3_text":
+        full = dict(g["rope_scaling"] or {"rope_type": "default"}, rope_theta=g["rope_theta"])
+        local = dict(rope_type="default", rope_theta=g["local_rope_theta"] or g["rope_theta"])
+        out.update(rope_parameters={"full_attention": full, "sliding_attention": local}, rope_scaling=None,
+                   rope_local_base_freq=local["rope_theta"])
+    return out
 
 
 def _with_defaults(kwargs: dict) -> dict:
@@ -384,8 +495,11 @@ def _kind(g: dict) -> str | None:
     if g["position"] != "rope" or g["mlp"] == "gelu" or g["embed_scale"] != (g["norm"] == "rmsnorm+1"):
         return None
     unbiased = not (g["qkv_bias"] or g["bias"] or g["mlp_bias"])
+    gemma_only = bool(g["attn_softcap"] or g["logit_softcap"] or g["attn_scale"] or g["local_rope_theta"])
     if g["norm"] == "rmsnorm+1":
-        return "gemma" if unbiased and plain else None
+        return _gemma_kind(g, unbiased, plain, scaling)
+    if gemma_only:
+        return None
     if g["norm"] != "rmsnorm":
         return None
     if g["qkv_bias"] and not g["bias"]:  # q, k and v alone: Qwen2's
@@ -398,3 +512,20 @@ def _kind(g: dict) -> str | None:
     if family in ("qwen3", "olmo2") and not unbiased or scaling not in (None, "llama3"):
         return None
     return family
+
+
+def _gemma_kind(g: dict, unbiased: bool, plain: bool, scaling: str | None) -> str | None:
+    """Gemma (pre-norms alone, no soft-caps), Gemma 2 (norms both sides) or Gemma 3 (and per-head q/k norms, its local
+    layers' own RoPE base, linear scaling on the others), each unbiased."""
+    if not unbiased or g["rotary_dim"] not in (0, g["head_dim"]):
+        return None
+    if plain and not (g["attn_softcap"] or g["logit_softcap"] or g["attn_scale"] or g["local_rope_theta"]):
+        return "gemma"
+    if g["norms"] != "both":
+        return None
+    if g["qk_norm"] == "none" and g["rope_layers"] is None and not g["local_rope_theta"] and scaling is None:
+        return "gemma2"
+    rotations = set(g["rope_layers"] or [1])
+    if g["qk_norm"] == "head" and rotations <= {1, 2} and scaling in (None, "linear"):
+        return "gemma3_text"
+    return None
