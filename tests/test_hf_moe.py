@@ -111,3 +111,52 @@ def test_export_refuses_capacity_routing_in_one_line(folders, tmp_path):
         arch.from_gpt({**kwargs, "routing": "capacity"}, "moe")
     assert "\n" not in str(e.value)
     assert arch.from_gpt(kwargs, "moe")["model_type"] == "mixtral"
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_lora_adapters_load_in_peft(folders, kind, tmp_path, capsys):
+    """LoRA on attention, the experts and the router (a step from the folder, under ep); --adapters-only is
+    PEFT's folder (the experts' and router's on transformers' stacked parameters: target_parameters) and peft runs
+    it over the folder's model with the logits of our merged one."""
+    peft = pytest.importorskip("peft")
+    import shard
+
+    path, _ = folders[kind]
+    mesh = ["mesh=ep", "run.cpu_devices=2"] if kind == "mixtral" else []
+    cfg = config.load(None, overrides(tmp_path / "run", f"train.init_from={path}", *mesh,
+                                      "checkpoint.enabled=true", "train.lora.rank=2", "train.lora.alpha=3",
+                                      "train.lora.targets=[q,v,o,mlp,router]", "optimizer.lr=3e-2",
+                                      *FINE_TUNE))
+    trainer.run(cfg)
+    assert export.main([str(tmp_path / "run"), "--adapters-only", "--out", str(tmp_path / "peft")]) == 0
+    assert "7 adapted weights" in capsys.readouterr().out
+    written = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert written["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj", "mlp.gate.weight"]
+    assert written["rank_pattern"] == {"mlp.experts.gate_up_proj": 4}  # gate's and up's pairs side by side
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+    untouched = torch_logits(base, TOKENS)
+    tuned = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    assert tuned.base_model.model.model.layers[0].mlp.experts.base_layer.r["default"] == 4  # peft warns it unused
+    ours = np.asarray(shard.load_model(str(tmp_path / "run"))(TOKENS))
+    assert relative(torch_logits(tuned, TOKENS), ours) < 1e-5
+    assert relative(untouched, ours) > 1e-3  # the adapters matter
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_stacked_experts_read_as_the_per_expert_tensors(folders, kind, tmp_path):
+    """transformers 5's own layout (save_pretrained(save_original_format=False)): each layer's experts one 3-D
+    tensor per matrix, gate and up side by side in gate_up_proj, under mlp: read bitwise as the per-expert
+    folder, each device's experts sliced out (ep)."""
+    from flax import nnx
+
+    from shard.hf import tables
+
+    path, model = folders[kind]
+    model.save_pretrained(tmp_path, save_original_format=False)
+    assert read.Folder(str(tmp_path)).table == tables.FUSED[kind]
+    want = read.flat_paths(nnx.state(load.load(path, [], whole_mesh=False).model, nnx.Param))
+    got = read.flat_paths(nnx.state(load.load(str(tmp_path), MESHES["ep"]).model, nnx.Param))
+    assert want.keys() == got.keys()
+    for name, value in want.items():
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(value), err_msg=name)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from shard.errors import UserError
-from shard.hf import arch, tables
+from shard.hf import arch, peft_params, tables
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -74,11 +74,18 @@ def write(out: Path, kind: str, site_list, values: dict, n_layers: int, rank: in
     """The folder: adapter_config.json and adapter_model.safetensors. Returns the bytes written."""
     from safetensors.numpy import save_file
 
-    named, modules = tensors(kind, site_list, values, n_layers)
+    table = tables.FUSED.get(kind, kind)  # the names of transformers' modules: a mixture's experts stacked
+    bare = [s for s in site_list if peft_params.row(table, s)]
+    named, modules = tensors(table, [s for s in site_list if s not in bare], values, n_layers)
+    more, params, parts = peft_params.tensors(table, bare, values, n_layers)
+    named.update(more)
     out.mkdir(parents=True, exist_ok=True)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
               "target_modules": modules, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
               "inference_mode": True, "base_model_name_or_path": base}
+    if params:
+        config.update(target_parameters=params, rank_pattern={k: n * rank for k, n in parts.items()},
+                      alpha_pattern={k: n * alpha for k, n in parts.items()})
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.astype(np.float32) for k, v in named.items()}, str(out / WEIGHTS))
     return sum(math.prod(v.shape) * 4 for v in named.values())

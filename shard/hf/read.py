@@ -37,6 +37,7 @@ class Folder:
         add = not any(name.startswith(prefix) for name in stored)
         self.names = {(prefix + n if add and not n.startswith("lm_head.") else n): n for n in stored}
         self.files = {name: stored[n] for name, n in self.names.items()}  # our name -> its file
+        self.table = tables.layout(self.kind, self.files)  # its experts one tensor each, or stacked
 
     def _files(self) -> dict[str, Path]:
         """tensor name -> its file (the index's map, or each .safetensors file's own list)."""
@@ -117,7 +118,7 @@ def plan(folder: Folder, params, kwargs: dict) -> list[tables.Row]:
     ours = flat_paths(params)
     g = arch._with_defaults(kwargs)
     size, n_layers = tables.sizes(g, folder.kind), g["n_layers"]
-    rows = tables.rows(folder.kind, set(ours), size)
+    rows = tables.rows(folder.table, set(ours), size)
     embed, head = tied_pair(folder.kind)
     if "head" not in ours and embed not in folder.files and head in folder.files:
         # tied, and the checkpoint holds the pair under the output layer's name: transformers ties to that one

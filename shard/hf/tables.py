@@ -133,8 +133,25 @@ def _experts(qk_norm: str | None, block: str, gate: str, up: str, down: str) -> 
                          Row("blocks.ffn.w_out", E + down + ".weight", "e f", "x f e")])
 
 
+def _fused_experts(qk_norm: str | None) -> tuple[Row, ...]:
+    """transformers 5's own modules of both families: every expert in one 3-D parameter per matrix (gate and up
+    side by side in gate_up_proj), under mlp (Mixtral's block_sparse_moe renamed). Its save_pretrained writes the
+    per-expert tensors back by default; with save_original_format=False it writes these."""
+    L = "model.layers.{i}.mlp."
+    rest = [r for r in _llama_like(qk_norm=qk_norm) if not r.ours.startswith("blocks.ffn.")]
+    return tuple(rest + [Row("blocks.ffn.router", L + "gate.weight", "x e", "e x"),
+                         Row("blocks.ffn.w_gate", L + "experts.gate_up_proj", "x (s f) e", "x e f", {"s": 0}),
+                         Row("blocks.ffn.w_in", L + "experts.gate_up_proj", "x (s f) e", "x e f", {"s": 1}),
+                         Row("blocks.ffn.w_out", L + "experts.down_proj", "x e f", "x f e")])
+
+
 TABLES["mixtral"] = _experts(None, "block_sparse_moe", "w1", "w3", "w2")
 TABLES["qwen3_moe"] = _experts("head", "mlp", "gate_proj", "up_proj", "down_proj")
+# The fused layout of a family (a table of its own, chosen by what a folder holds: `layout`). Its bare parameters
+# (the router's weight, the experts' stacks) are no Linear's weight: PEFT adapts them as target_parameters.
+FUSED = {kind: f"{kind}:fused" for kind in ("mixtral", "qwen3_moe")}
+TABLES.update({FUSED["mixtral"]: _fused_experts(None), FUSED["qwen3_moe"]: _fused_experts("head")})
+BARE = r"\.mlp\.(gate\.weight|experts\.(gate_up|down)_proj)$"
 # The base model's prefix: a folder saved from the base model alone (GPT2Model, LlamaModel: the Hub's gpt2)
 # names its tensors without it, and transformers adds it when it reads them into the causal LM.
 PREFIX = {kind: "model." for kind in TABLES}
@@ -143,6 +160,13 @@ PREFIX["gpt2"] = "transformer."
 # drops them too), and GPT-2's causal mask and its fill value, which the attention builds itself.
 DERIVED = {kind: r"\.rotary_emb\.inv_freq$" for kind in TABLES}
 DERIVED["gpt2"] = r"\.attn\.(masked_)?bias$"
+
+
+def layout(kind: str, names) -> str:
+    """The table of a folder of `kind` holding tensors `names`: its fused layout where it has one and the folder
+    holds a fused tensor."""
+    fused = FUSED.get(kind)
+    return fused if fused and any(n.endswith(".experts.down_proj") for n in names) else kind
 
 
 def rows(kind: str, params: set[str], size: dict | None = None) -> list[Row]:
