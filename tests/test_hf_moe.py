@@ -160,3 +160,16 @@ def test_stacked_experts_read_as_the_per_expert_tensors(folders, kind, tmp_path)
     assert want.keys() == got.keys()
     for name, value in want.items():
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(value), err_msg=name)
+
+
+def test_fsdp_with_grad_accum_gives_the_one_device_curve(folders, train):
+    """Four fine-tuning steps of the Mixtral folder (dropless routing) under fsdp with two accumulated microbatches:
+    the one-device curve. Without the load-balancing loss (the Hub's Mixtral configs leave output_router_logits
+    off): a microbatch's is its own batch's, as in transformers' Trainer (docs/meshes.md)."""
+    base = [f"train.init_from={folders['mixtral'][0]}", *FINE_TUNE, "train.steps=4", "run.log_every=1",
+            "optimizer.lr=1e-2", "model.aux_loss_weight=0"]
+    one = [r["loss"] for r in train(*base, "run.cpu_devices=1", subdir="one").history]
+    many = [r["loss"] for r in train(*base, "mesh=fsdp", "run.cpu_devices=2", "train.grad_accum=2",
+                                     subdir="many").history]
+    np.testing.assert_allclose(many, one, rtol=1e-5)
+    assert one[-1] < one[0]
