@@ -21,9 +21,12 @@ def logits_of(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
-# and OLMo 2 (issue 47), whose blocks differ most from Llama's around the adapted weights: q/k norms over the whole
-# projection, norms after each sublayer (the other new families' adapted Linears are Llama's too)
-FAMILIES = {"llama": [], "olmo2": ["model.qk_norm=projection", "model.norms=post"]}
+# and Phi-3 (issue 47): a GPT rotating half of each head's channels is one, whose q, k and v are one fused qkv_proj
+# and gate and up one gate_up_proj: our pairs side by side at ranks 3r and 2r there (the other new families' adapted
+# Linears are Llama's)
+FAMILIES = {"llama": [], "phi3": ["model.rotary_dim=2"]}
+MODULES = {"llama": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],
+           "phi3": ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -45,7 +48,7 @@ def test_peft_runs_the_adapters_as_our_merged_model(train, tmp_path, capsys, fam
     tuned = peft.PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
     config = tuned.peft_config["default"]
     assert (config.r, config.lora_alpha) == (4, 6)
-    assert sorted(config.target_modules) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert sorted(config.target_modules) == MODULES[family]
     np.testing.assert_allclose(logits_of(tuned, tokens), ours, atol=2e-4, rtol=1e-4)
     assert np.abs(untouched - ours).max() > 1e-2  # the adapters matter
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_merged").eval()
@@ -60,20 +63,3 @@ def test_adapters_only_refuses_a_run_without_adapters(train, tmp_path):
         export.main([str(tmp_path / "base"), "--adapters-only", "--out", str(tmp_path / "out")])
 
 
-
-def test_adapters_only_refuses_phi3s_fused_projections_in_one_line():
-    """Phi-3's q, k and v (and gate and up) are one fused Linear each: PEFT's one adapter pair there is not our
-    separate ones. Its output projection is a Linear of its own."""
-    from types import SimpleNamespace
-
-    from shard.errors import UserError
-    from shard.hf import peft as hf_peft
-
-    def site(path, pick=None):
-        return SimpleNamespace(path=tuple(path.split(".")), weight=SimpleNamespace(pick=pick), target=path)
-
-    for path, pick in (("blocks.attn.q", None), ("blocks.attn.kv", 1), ("blocks.ffn.w_gate", None)):
-        with pytest.raises(UserError, match="part of phi3's fused model.layers.N.") as e:
-            hf_peft.row_for("phi3", site(path, pick))
-        assert "\n" not in str(e.value)
-    assert hf_peft.row_for("phi3", site("blocks.attn.out")).theirs == "model.layers.{i}.self_attn.o_proj.weight"

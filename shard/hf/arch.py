@@ -393,7 +393,8 @@ def from_gpt(kwargs: dict, model_name: str) -> dict:
                         "but SmolLM3) or rmsnorm+1 and embed_scale (Gemma)")
     kind, windows = _window_fields(kind, g)
     common = dict(model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=g["vocab_size"],
-                  tie_word_embeddings=g["tie_embeddings"], torch_dtype="float32")
+                  tie_word_embeddings=g["tie_embeddings"], torch_dtype="float32",
+                  **{k: None for k, v in ID_DEFAULTS.get(kind, {}).items() if v >= g["vocab_size"]})
     if kind == "gpt2":
         return dict(common, n_embd=g["d_model"], n_layer=g["n_layers"], n_head=g["n_heads"], n_inner=g["d_ff"],
                     n_positions=g["max_len"], layer_norm_epsilon=g["norm_eps"], activation_function="gelu_new")
@@ -442,6 +443,15 @@ def _window_fields(kind: str, g: dict) -> tuple[str, dict]:
                           layer_types=[LAYER_TYPES[bool(w)] for w in windows])
     raise UserError(f"--format hf: windows={windows} fits no {kind} config.json: Mistral's and Phi-3's hold one window "
                     "for every layer, Qwen2's, Qwen3's and SmolLM3's one window on the layers they name")
+
+
+# transformers' default special token ids of the families that have them: written as null where past a model's
+# vocabulary (transformers would index its embedding with them), unless the tokenizer or source folder gives them
+ID_DEFAULTS = {"phi3": dict(bos_token_id=1, eos_token_id=32000, pad_token_id=32000),
+               "olmo2": dict(pad_token_id=1, eos_token_id=50279),
+               "smollm3": dict(pad_token_id=128004, bos_token_id=128000, eos_token_id=128001),
+               "gemma2": dict(pad_token_id=0, eos_token_id=1, bos_token_id=2),
+               "gemma3_text": dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)}
 
 
 def _gemma_fields(kind: str, g: dict) -> dict:

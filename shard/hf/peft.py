@@ -6,8 +6,10 @@ target_modules, base_model_name_or_path) and adapter_model.safetensors, with for
 
 Which Hugging Face module each adapted weight is comes from the architecture's tensor table (tables.py): a
 Llama-style GPT (llama, mistral, qwen2, gemma, qwen3, smollm3, olmo2, phi3). GPT-2's fused Conv1D c_attn has no
-per-projection module for PEFT's q/k/v adapters, so it is refused; so are adapters on Phi-3's fused qkv_proj and
-gate_up_proj (one low-rank pair there is not our separate ones).
+per-projection module for PEFT's q/k/v adapters, so it is refused. Phi-3's fused qkv_proj and gate_up_proj hold
+several of our weights: their pairs go side by side along the rank, each B at its part's rows of the fused output,
+the module's rank parts x r (`rank_pattern`) and its scale alpha / r kept (`alpha_pattern`): B A is exactly the sum
+of our deltas.
 """
 
 import json
@@ -29,10 +31,6 @@ def row_for(kind: str, site) -> tables.Row:
     for r in tables.TABLES[kind]:
         picked = [v for l, v in r.at.items() if l not in {x for g in r.groups() for x in g}]
         if r.ours == ours and picked == ([] if site.weight.pick is None else [site.weight.pick]):
-            if sum(x.theirs == r.theirs for x in tables.TABLES[kind]) > 1:
-                raise UserError(f"--adapters-only: the adapted weight {ours} ({site.target}) is part of {kind}'s fused "
-                                f"{r.theirs.format(i='N')}, whose one PEFT adapter cannot hold ours exactly; export "
-                                "the merged model with --format hf, or adapt other weights")
             if len(r.groups()) == 2 and r.theirs.endswith(".weight"):
                 return r
     raise UserError(f"--adapters-only: the adapted weight {ours} ({site.target}) is no single Linear of a {kind} "
@@ -46,6 +44,7 @@ def linear_pair(row: tables.Row, site, a: np.ndarray, b: np.ndarray) -> tuple[np
     _, n_in, _ = site.split
     ins, outs = letters[:n_in], letters[n_in:]
     their_out, their_in = row.groups()
+    their_out = tuple(l for l in their_out if l in outs or l not in row.at)  # less a fused part's index (placed)
     if sorted(their_in) != sorted(ins) or sorted(their_out) != sorted(outs):
         raise UserError(f"--adapters-only: {row.theirs} is not laid out (out, in) over {site.target}'s dimensions")
     a = a.transpose([ins.index(l) for l in their_in] + [len(ins)]).reshape(-1, a.shape[-1])
@@ -53,38 +52,61 @@ def linear_pair(row: tables.Row, site, a: np.ndarray, b: np.ndarray) -> tuple[np
     return np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)
 
 
-def tensors(kind: str, site_list, values: dict, n_layers: int) -> tuple[dict, list[str]]:
-    """{PEFT tensor name: array} for every adapted weight and layer, and the target module names."""
-    out, modules = {}, []
+def tensors(kind: str, site_list, values: dict, n_layers: int, size: dict | None = None) -> tuple[dict, list[str],
+                                                                                                dict[str, int]]:
+    """{PEFT tensor name: array} for every adapted weight and layer, the target module names, and {module: parts}
+    for the fused Linears several of our weights fill (`size`: the letters' sizes, to place each part)."""
+    out, modules, fused, groups = {}, [], {}, {}
     for s in site_list:
         row = row_for(kind, s)
-        pair = values[s.key]
-        module = row.theirs.removesuffix(".weight")
+        groups.setdefault(row.theirs, []).append((row, s))
+    for theirs, parts in groups.items():
+        module = theirs.removesuffix(".weight")
         modules.append(module.rsplit(".", 1)[-1])
-        for i in (range(n_layers) if row.layered else [None]):
-            a, b = (pair[k] if i is None else pair[k][i] for k in ("lora_a", "lora_b"))
-            lora_a, lora_b = linear_pair(row, s, a, b)
-            name = "base_model.model." + (module.format(i=i) if row.layered else module)
-            out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = lora_a, lora_b
-    return out, sorted(set(modules))
+        shared = sum(x.theirs == theirs for x in tables.TABLES[kind]) > 1
+        if shared:
+            fused[modules[-1]] = len(parts)
+        for i in (range(n_layers) if parts[0][0].layered else [None]):
+            pairs = []
+            for row, s in parts:
+                a, b = (values[s.key][k] if i is None else values[s.key][k][i] for k in ("lora_a", "lora_b"))
+                lora_a, lora_b = linear_pair(row, s, a, b)
+                pairs.append((lora_a, placed(tables.resolved(row, size), lora_b, size) if shared else lora_b))
+            name = "base_model.model." + (module.format(i=i) if i is not None else module)
+            out[f"{name}.lora_A.weight"] = np.concatenate([a for a, _ in pairs])
+            out[f"{name}.lora_B.weight"] = np.ascontiguousarray(np.concatenate([b for _, b in pairs], axis=1))
+    return out, sorted(set(modules)), fused
+
+
+def placed(row: tables.Row, b: np.ndarray, size: dict) -> np.ndarray:
+    """A fused part's lora_B (its out, r) at its rows of the whole fused output (zeros elsewhere)."""
+    from shard.hf.read import their_slices
+
+    lo, hi, picks, _ = their_slices(row, {l: range(size[l]) for l in row.letters()}, size)[0]
+    whole = np.zeros((tables.their_shape(row, size)[0], b.shape[1]), b.dtype)
+    whole[lo + (np.arange(hi - lo) if picks is None else picks)] = b
+    return whole
 
 
 def write(out: Path, kind: str, site_list, values: dict, n_layers: int, rank: int, alpha: float,
-          base: str | None) -> int:
+          base: str | None, size: dict | None = None) -> int:
     """The folder: adapter_config.json and adapter_model.safetensors. Returns the bytes written."""
     from safetensors.numpy import save_file
 
     table = tables.FUSED.get(kind, kind)  # the names of transformers' modules: a mixture's experts stacked
     bare = [s for s in site_list if peft_params.row(table, s)]
-    named, modules = tensors(table, [s for s in site_list if s not in bare], values, n_layers)
+    named, modules, fused = tensors(table, [s for s in site_list if s not in bare], values, n_layers, size)
     more, params, parts = peft_params.tensors(table, bare, values, n_layers)
+    parts = {**fused, **parts}
     named.update(more)
     out.mkdir(parents=True, exist_ok=True)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
               "target_modules": modules, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
               "inference_mode": True, "base_model_name_or_path": base}
     if params:
-        config.update(target_parameters=params, rank_pattern={k: n * rank for k, n in parts.items()},
+        config.update(target_parameters=params)
+    if parts:
+        config.update(rank_pattern={k: n * rank for k, n in parts.items()},
                       alpha_pattern={k: n * alpha for k, n in parts.items()})
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.astype(np.float32) for k, v in named.items()}, str(out / WEIGHTS))
@@ -124,6 +146,7 @@ def export(run: str, overrides: list[str], step: int | None, out_arg: str | None
     read = ckpt_lib.read_parts(folder, at, {"optimizer": {"extra": {lora.KEY: held}}})["optimizer"]["extra"][lora.KEY]
     values = {s.key: {k: np.asarray(v[...]) for k, v in adapters.pair(read, s).items()} for s in site_list}
     base = cfg.train.init_from
-    size = write(out, kind, site_list, values, arch._with_defaults(cfg.model.kwargs)["n_layers"], rank, alpha, base)
+    g = arch._with_defaults(cfg.model.kwargs)
+    size = write(out, kind, site_list, values, g["n_layers"], rank, alpha, base, tables.sizes(g, kind))
     return (f"wrote {out} ({len(site_list)} adapted weights, rank {rank}, alpha {alpha:g}, {size / 1e6:.2f} MB, "
             f"step {at} of {run}); load it with peft.PeftModel.from_pretrained(<the base model>, {str(out)!r})")

@@ -177,8 +177,13 @@ def rows(kind: str, params: set[str], size: dict | None = None) -> list[Row]:
         return found
     found = [replace(r, theirs=r.theirs.replace("{x}", str(x)), at={**r.at, "x": x}) if "{x}" in r.theirs else r
              for r in found for x in (range(size["x"]) if "{x}" in r.theirs else [0])]
+    return [resolved(r, size) for r in found]
+
+
+def resolved(r: Row, size: dict) -> Row:
+    """`r` with its offsets that are sums of letters' sizes ("h+k") as numbers."""
     at = lambda v: v if isinstance(v, int) else sum(size[l] for l in v.split("+"))  # noqa: E731
-    return [replace(r, at={l: at(v) for l, v in r.at.items()}) for r in found]
+    return replace(r, at={l: at(v) for l, v in r.at.items()})
 
 
 def hf_names(kind: str) -> dict[str, list[str]]:

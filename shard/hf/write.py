@@ -152,8 +152,8 @@ def _finish(scratch: Path, out: Path, files: list, total: int, config: dict, tok
             shutil.copyfile(f, scratch / f.name)
         config.update(_special_ids(scratch))
     for k in SPECIAL_IDS if source is not None else ():  # the source model's ids where the tokenizer gave none
-        if k in source.config:  # null too: a family's default id may be past this model's vocabulary
-            config.setdefault(k, source.config[k])
+        if config.get(k) is None and k in source.config:  # null too: a family's default may be past the vocabulary
+            config[k] = source.config[k]
     (scratch / "config.json").write_text(json.dumps(config, indent=2))
     given = source.path / GENERATION if source is not None else None
     if given is not None and given.is_file():
