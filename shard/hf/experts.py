@@ -1,23 +1,25 @@
-"""Mixture-of-experts families (Mixtral, Qwen3-MoE): config.json <-> the library MoE's arguments.
+"""Mixture-of-experts families (Mixtral, Qwen3-MoE, OLMoE): config.json <-> the library MoE's arguments.
 
-Their attention, norms and RoPE are their dense relatives' (Mistral's, Qwen3's), read and written by arch.py;
-this module reads and writes the experts. Each family routes as transformers does: a softmax over all experts
+Their attention, norms and RoPE are their dense relatives' (Mistral's, Qwen3's; OLMoE's a Llama's with q/k norms
+over the whole projection, qk_norm=projection), read and written by arch.py; this module reads and writes the
+experts. Each family routes as transformers does: a softmax over all experts
 in float32, the top num_experts_per_tok taken, their weights renormalised (Mixtral always; Qwen3-MoE with
 norm_topk_prob), every token computed by each of its experts (routing=dropless: no capacity, no token dropped).
 
 The load-balancing loss: transformers adds router_aux_loss_coef x its load_balancing_loss_func to the training
 loss only where output_router_logits is true, so the import sets aux_loss_weight to the coefficient then (with
 balancing=pooled, that function's form) and to 0 otherwise. Mixtral's router_jitter_noise multiplies the
-router's input by noise in transformers' training mode only: a regulariser like dropout, not read.
+router's input by noise in transformers' training mode only: a regulariser like dropout, not read. OLMoE's
+clip_qkv (clamping queries, keys and values) is refused in one line where set.
 """
 
 from shard.errors import UserError
 
 # Each family's dense relative: the architecture whose attention and norms it has (arch.py reads them), and the
 # one arch.py exports a model with those to.
-RELATIVE = {"mixtral": "mistral", "qwen3_moe": "qwen3"}
+RELATIVE = {"mixtral": "mistral", "qwen3_moe": "qwen3", "olmoe": "llama"}
 EXPORTED = {"llama": "mixtral", "qwen3": "qwen3_moe"}
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 # transformers 5's defaults (configuration_<model_type>.py) for every field read, where config.json leaves one out
 DEFAULTS = {
     "mixtral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -32,7 +34,15 @@ DEFAULTS = {
                       layer_types=None, rope_theta=10000.0, decoder_sparse_step=1, moe_intermediate_size=768,
                       num_local_experts=128, num_experts_per_tok=8, norm_topk_prob=False, output_router_logits=False,
                       router_aux_loss_coef=0.001, mlp_only_layers=None),
+    "olmoe": dict(vocab_size=50304, hidden_size=2048, intermediate_size=2048, num_hidden_layers=16,
+                  num_attention_heads=16, num_key_value_heads=None, head_dim=None, hidden_act="silu",
+                  max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
+                  rope_theta=10000.0, clip_qkv=None, num_local_experts=64, num_experts_per_tok=8,
+                  output_router_logits=False, router_aux_loss_coef=0.01, norm_topk_prob=False),
 }
+# Fields the dense relative reads that the family has not: their value in its modeling file
+NOT_READ = {"olmoe": dict(mlp_bias=False)}
+OLMOE_IDS = dict(pad_token_id=1, eos_token_id=50279)  # OlmoeConfig's defaults: none where past the vocabulary
 MOE_ARGS = ("n_experts", "top_k", "capacity_factor", "aux_loss_weight", "routing", "norm_topk", "balancing")
 
 
@@ -43,7 +53,9 @@ def to_moe(kind: str, config: dict, where: str) -> dict:
     relative = RELATIVE[kind]
     # num_experts is both families' other name of num_local_experts (their configs' attribute_map)
     c = {**DEFAULTS[kind], **({"num_local_experts": config["num_experts"]} if "num_experts" in config else {}),
-         **config}
+         **config, **NOT_READ.get(kind, {})}
+    if kind == "olmoe":
+        _check_olmoe(c, where)
     kwargs = arch._rope_model(relative, arch._fields(relative, c, where), c, where)
 
     def field(name: str, want: type):
@@ -59,6 +71,11 @@ def to_moe(kind: str, config: dict, where: str) -> dict:
     if kind == "qwen3_moe":
         _check_all_sparse(c, kwargs["n_layers"], field, where)
         kwargs["d_ff"] = field("moe_intermediate_size", int)
+    if kind == "olmoe":
+        if kwargs["n_heads"] * kwargs["head_dim"] != kwargs["d_model"]:
+            raise UserError(f"{where}: config.json has head_dim={kwargs['head_dim']} x num_attention_heads="
+                            f"{kwargs['n_heads']} != hidden_size={kwargs['d_model']}, the width of OLMoE's query norm")
+        kwargs["qk_norm"] = "projection"
     coef = field("router_aux_loss_coef", float)
     return dict(kwargs, n_experts=n, top_k=k, routing="dropless", balancing="pooled",
                 norm_topk=kind == "mixtral" or field("norm_topk_prob", bool),
@@ -80,28 +97,47 @@ def _check_all_sparse(c: dict, n_layers: int, field, where: str) -> None:
                         "layers; only models whose every layer is a mixture of experts are supported")
 
 
+def _check_olmoe(c: dict, where: str) -> None:
+    """What OLMoE's attention may have that the MoE has not: clamping, biases (its experts have none)."""
+    if c["clip_qkv"] is not None:
+        raise UserError(f"{where}: config.json has clip_qkv={c['clip_qkv']!r}; clamping the queries, keys and values "
+                        "is not supported (only clip_qkv=null)")
+    if c["attention_bias"] is True:
+        raise UserError(f"{where}: config.json has attention_bias=true; biases on OLMoE's attention are not supported "
+                        "(its experts have none, and the MoE's bias option would put them there too)")
+
+
 def from_moe(kwargs: dict) -> dict:
     """The config.json of an MoE model's arguments; UserError where no family holds it."""
     from shard.hf import arch
 
     dense = {k: v for k, v in kwargs.items() if k not in MOE_ARGS}
     g = {**_moe_defaults(), **kwargs, **arch._with_defaults(dense)}
-    kind = EXPORTED.get(arch._kind(g))
+    olmoe = g["qk_norm"] == "projection" and g["norms"] == "pre"  # a Llama's attention, q/k normed over all heads
+    if olmoe:
+        dense = {**dense, "qk_norm": "none"}
+    kind = EXPORTED.get(arch._kind({**g, **dense}))
+    if olmoe:
+        kind = "olmoe" if kind == "mixtral" and g["n_heads"] * g["head_dim"] == g["d_model"] else None
     if kind == "mixtral" and not g["norm_topk"]:
         kind = None  # Mixtral always renormalises
     if kind is None or g["routing"] != "dropless":
         raise UserError(f"--format hf: model 'moe' with these options is none of the mixture-of-experts "
                         f"architectures a Hugging Face folder can hold ({', '.join(RELATIVE)}): they need "
                         "routing=dropless (transformers drops no token), position=rope, norm=rmsnorm, mlp=swiglu, "
-                        "no biases; Mixtral norm_topk=true, Qwen3-MoE qk_norm=head")
+                        "no biases; Mixtral norm_topk=true, Qwen3-MoE qk_norm=head, OLMoE qk_norm=projection "
+                        "with n_heads x head_dim = d_model")
     config = arch.from_gpt(dense, "gpt")
     config.update(model_type=kind, architectures=[ARCHITECTURES[kind]], num_local_experts=g["n_experts"],
                   num_experts_per_tok=g["top_k"], router_aux_loss_coef=float(g["aux_loss_weight"]),
                   output_router_logits=g["balancing"] == "pooled" and g["aux_loss_weight"] > 0)
-    if kind == "mixtral":
-        for name in ("attention_bias", "mlp_bias"):  # not Mixtral's fields (both false here)
+    if kind != "qwen3_moe":
+        for name in ("attention_bias", "mlp_bias"):  # not Mixtral's fields, nor OLMoE's MLP's (all false here)
             config.pop(name, None)
-    else:
+    if kind == "olmoe":
+        config.update(norm_topk_prob=g["norm_topk"], clip_qkv=None,
+                      **{k: None for k, v in OLMOE_IDS.items() if v >= g["vocab_size"]})
+    if kind == "qwen3_moe":
         config.update(moe_intermediate_size=g["d_ff"], norm_topk_prob=g["norm_topk"], decoder_sparse_step=1,
                       mlp_only_layers=[])
     return config

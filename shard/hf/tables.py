@@ -147,10 +147,12 @@ def _fused_experts(qk_norm: str | None) -> tuple[Row, ...]:
 
 TABLES["mixtral"] = _experts(None, "block_sparse_moe", "w1", "w3", "w2")
 TABLES["qwen3_moe"] = _experts("head", "mlp", "gate_proj", "up_proj", "down_proj")
+TABLES["olmoe"] = _experts("projection", "mlp", "gate_proj", "up_proj", "down_proj")
 # The fused layout of a family (a table of its own, chosen by what a folder holds: `layout`). Its bare parameters
 # (the router's weight, the experts' stacks) are no Linear's weight: PEFT adapts them as target_parameters.
-FUSED = {kind: f"{kind}:fused" for kind in ("mixtral", "qwen3_moe")}
-TABLES.update({FUSED["mixtral"]: _fused_experts(None), FUSED["qwen3_moe"]: _fused_experts("head")})
+QK_NORMS = {"mixtral": None, "qwen3_moe": "head", "olmoe": "projection"}
+FUSED = {kind: f"{kind}:fused" for kind in QK_NORMS}
+TABLES.update({FUSED[kind]: _fused_experts(qk_norm) for kind, qk_norm in QK_NORMS.items()})
 BARE = r"\.mlp\.(gate\.weight|experts\.(gate_up|down)_proj)$"
 # The base model's prefix: a folder saved from the base model alone (GPT2Model, LlamaModel: the Hub's gpt2)
 # names its tensors without it, and transformers adds it when it reads them into the causal LM.
