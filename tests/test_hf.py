@@ -133,6 +133,17 @@ def test_greedy_generate_equals_transformers(folders, kind):
     np.testing.assert_array_equal(got, want)
 
 
+def test_the_server_refuses_a_context_past_phi3s_original_one_in_one_line(folders):
+    """LongRoPE's long factors past the original context (8) come with a recomputed cache in transformers' generate
+    (as in ours, above); the server's slots keep theirs, so it serves at most that context."""
+    from shard.serve import cli
+
+    generator = generate.Generator(shard.load_model(folders["phi3"][0]))
+    cli.check_refill(generator, 8)
+    with pytest.raises(UserError, match="--context 9: this model's LongRoPE .* serve with --context at most 8"):
+        cli.check_refill(generator, 9)
+
+
 def first_batch(cfg):
     from shard import data as data_lib
 

@@ -117,7 +117,8 @@ def folders(tmp_path_factory):
 
 
 def test_the_fixtures_hold_the_configs_this_file_is_about():
-    assert {"llama-2-7b-hf", "llama-3.2-3b-instruct", "gemma-2b-it", "deepseek-r1-distill-qwen-32b"} <= set(SUPPORTED)
+    assert {"llama-2-7b-hf", "llama-3.2-3b-instruct", "gemma-2b-it", "deepseek-r1-distill-qwen-32b", "qwen3-4b",
+            "smollm3-3b", "gemma-3-1b-it"} <= set(SUPPORTED)
     assert REAL["gemma-2b-it"]["hidden_act"] == "gelu"  # the legacy value transformers reads as tanh GELU
     assert REAL["llama-3.2-3b-instruct"]["rope_scaling"]["rope_type"] == "llama3"
 

@@ -87,6 +87,7 @@ def serve(args, overrides, whole_mesh) -> int:
     build = functools.cache(lambda context: engine.Engine(generator, args.slots, context, tok.vocab_size,
                                                           seed=args.seed, chunk=args.prefill_chunk, burst=args.burst))
     context = sized_context(args, generator, build, loaded.cfg.run, log)
+    check_refill(generator, context)
     slots = build(context)
     log.info("cache: %s per device (%d slots x %d positions), allocated", _size(slots.allocate()), args.slots, context)
     log.info("warming up: %d programs (prefill chunks of up to %d tokens in buckets %s; steps of up to %d tokens "
@@ -108,6 +109,16 @@ def serve(args, overrides, whole_mesh) -> int:
     server.run()
     log.info("stopped: %d requests served, %d recompiles after warm-up", queue.served, slots.recompiles)
     return 0
+
+
+def check_refill(generator, context: int) -> None:
+    """One line where a slot could pass the positions after which the model's cache is to be computed again (LongRoPE's
+    long factors): python -m shard.generate does that, as transformers does; the server's slots keep theirs."""
+    if generator.refill_at is not None and context > generator.refill_at:
+        raise UserError(f"--context {context}: this model's LongRoPE (Phi-3's) turns to its long factors once a sequence "
+                        f"passes {generator.refill_at} positions, and transformers then recomputes that sequence's cache, "
+                        "which the server's slots do not; serve with --context at most "
+                        f"{generator.refill_at} (python -m shard.generate recomputes as transformers does)")
 
 
 def sized_context(args, generator, build, run_cfg, log) -> int:
