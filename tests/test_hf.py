@@ -371,3 +371,27 @@ def test_a_new_familys_value_not_implemented_is_one_line_naming_it(folders, kind
     with pytest.raises(UserError) as e:
         shard.load_model(str(path))
     assert "\n" not in str(e.value) and f"config.json has {said}" in str(e.value)
+
+
+def test_gemma_options_export_as_their_family_and_back_or_are_refused_in_one_line():
+    """Which Gemma a GPT is (norms, q/k norm, local RoPE base), its config.json read back to the same options, and
+    what no Gemma config.json holds refused in one line (no model built)."""
+    base = dict(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, d_ff=96, position="rope", norm="rmsnorm+1",
+                mlp="geglu", embed_scale=True)
+    gemma2 = dict(base, norms="both", attn_softcap=50.0, logit_softcap=30.0, attn_scale=224 ** -0.5, windows=[4, 0])
+    gemma3 = dict(base, norms="both", qk_norm="head", windows=[4, 0], rope_layers=[2, 1], local_rope_theta=100.0,
+                  rope_scaling={"rope_type": "linear", "factor": 4.0}, attn_scale=16 ** -0.5)
+    assert arch.from_gpt(base, "gpt")["model_type"] == "gemma"
+    for kind, kwargs in (("gemma2", gemma2), ("gemma3_text", gemma3)):
+        config = arch.from_gpt(kwargs, "gpt")
+        assert config["model_type"] == kind and config["layer_types"] == ["sliding_attention", "full_attention"]
+        back = arch.to_gpt(config, "x")
+        assert {k: back.get(k) for k in kwargs if k != "attn_scale"} == {k: v for k, v in kwargs.items() if k != "attn_scale"}
+        assert back["attn_scale"] == pytest.approx(kwargs["attn_scale"], rel=1e-15)
+    for kwargs, said in ((dict(gemma2, attn_scale=0.3), "attn_scale=0.3 is no query_pre_attn_scalar ** -0.5"),
+                         (dict(gemma3, rope_layers=[1, 2]), "fits no gemma3_text config.json"),
+                         (dict(gemma3, rope_layers=None), "Gemma 3's local layers rotate by rope_local_base_freq"),
+                         (dict(gemma2, norm="rmsnorm", embed_scale=False), "none of the architectures")):
+        with pytest.raises(UserError, match=re.escape(said)) as e:
+            arch.from_gpt(kwargs, "gpt")
+        assert "\n" not in str(e.value)

@@ -474,6 +474,9 @@ def _gemma_fields(kind: str, g: dict) -> dict:
     if kind == "gemma3_text":
         full = dict(g["rope_scaling"] or {"rope_type": "default"}, rope_theta=g["rope_theta"])
         local = dict(rope_type="default", rope_theta=g["local_rope_theta"] or g["rope_theta"])
+        if any(sliding) and 2 not in rotations and (g["rope_scaling"] or local["rope_theta"] != g["rope_theta"]):
+            raise UserError(f"--format hf: Gemma 3's local layers rotate by rope_local_base_freq, unscaled: give them "
+                            f"rope_layers value 2 (here {g['rope_layers']}) or the global RoPE unscaled")
         out.update(rope_parameters={"full_attention": full, "sliding_attention": local}, rope_scaling=None,
                    rope_local_base_freq=local["rope_theta"])
     return out
