@@ -50,10 +50,10 @@ def tensors(table: str, site_list, values: dict, n_layers: int) -> tuple[dict, l
     for s in site_list:
         r = row(table, s)
         parts.setdefault(r.theirs, []).append((r, s))
-    names = list(parts)
+    names = [n for n in dict.fromkeys(r.theirs for r in tables.TABLES[table]) if n in parts]  # the modules' order
     out = {}
     for theirs, pairs in parts.items():
-        module, param = theirs.rsplit(".", 1)
+        module = theirs.rsplit(".", 1)[0]
         around = [n for n in names if n.rsplit(".", 1)[0] == module]
         nested = "base_layer." * (len(around) - 1 - around.index(theirs))
         for i in range(n_layers):
