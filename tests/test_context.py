@@ -32,12 +32,14 @@ def losses(result):
     return np.array([r["loss"] for r in result.history])
 
 
-CASES = {"ring": [("gpt", ["mesh.context=8"]), ("gpt", ["mesh.context=4", "mesh.fsdp=2"]),
+# The sliding-window model runs where a plain one would: its windows over split sequences, with fsdp and
+# microbatches (grad_accum) on the ring, with tensor parallelism on all_gather.
+CASES = {"ring": [("gpt", ["mesh.context=8"]), ("gpt_window", ["mesh.context=4", "mesh.fsdp=2", "train.grad_accum=2"]),
                   ("gpt_rope", ["mesh.context=2", "mesh.tensor=2", "mesh.data=2"]),
-                  ("moe", ["mesh.context=2", "mesh.expert=4"]), ("gpt_window", ["mesh.context=2", "mesh.fsdp=4"])],
+                  ("moe", ["mesh.context=2", "mesh.expert=4"])],
          # all_gather is the partitioner's own attention on gathered keys: two meshes cover its layouts
-         "all_gather": [("gpt", ["mesh.context=8"]), ("gpt_rope", ["mesh.context=2", "mesh.tensor=2", "mesh.data=2"]),
-                        ("gpt_window", ["mesh.context=4", "mesh.data=2"])]}
+         "all_gather": [("gpt", ["mesh.context=8"]),
+                        ("gpt_window", ["mesh.context=2", "mesh.tensor=2", "mesh.data=2"])]}
 
 
 @pytest.mark.parametrize("strategy", list(CASES))
@@ -48,11 +50,6 @@ def test_split_sequences_give_the_one_device_curve(train, one_device, strategy):
         run = train(*REFERENCES[name], *STEPS, "mesh=cp", *mesh, f"train.context_strategy={strategy}",
                     subdir=f"{strategy}-{name}-{'-'.join(mesh)}")
         np.testing.assert_allclose(losses(run), reference, rtol=1e-5, err_msg=f"{strategy} {name} {mesh}")
-
-
-def test_sliding_windows_give_the_one_device_curve_under_fsdp_and_grad_accum(train, one_device):
-    run = train(*WINDOWED, *STEPS, "mesh=fsdp", "run.cpu_devices=2", "train.grad_accum=2", subdir="window-fsdp-accum")
-    np.testing.assert_allclose(losses(run), losses(one_device("gpt_window")), rtol=1e-5)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
