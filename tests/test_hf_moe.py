@@ -120,6 +120,7 @@ def test_export_refuses_capacity_routing_in_one_line(folders, tmp_path):
 
 # Qwen3-MoE's and OLMoE's experts and router are the same modules as Mixtral's in transformers 5 (its names after
 # Mixtral's block_sparse_moe -> mlp), their attention Qwen3's and OLMo 2's (tests/test_lora_peft.py)
+@pytest.mark.slow  # a LoRA run under ep, then our merged model and peft's: 26 s on a loaded 2-core CPU
 @pytest.mark.parametrize("kind", ["mixtral"])
 def test_lora_adapters_load_in_peft(folders, kind, tmp_path, capsys):
     """LoRA on attention, the experts and the router (a step from the folder, under ep); --adapters-only is
@@ -180,6 +181,7 @@ def test_stacked_experts_read_and_write_back_per_expert(folders, kind, tmp_path)
     np.testing.assert_array_equal(torch_logits(again, TOKENS), torch_logits(model, TOKENS))
 
 
+@pytest.mark.slow  # two runs: 28 s on a loaded 2-core CPU
 def test_fsdp_with_grad_accum_gives_the_one_device_curve(folders, train):
     """Four fine-tuning steps of the Mixtral folder (dropless routing) under fsdp with two accumulated microbatches:
     the one-device curve. Without the load-balancing loss (the Hub's Mixtral configs leave output_router_logits
