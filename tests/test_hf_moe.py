@@ -108,14 +108,17 @@ def test_bad_config_values_are_one_line(folders, tmp_path):
         assert expected in str(e.value) and "\n" not in str(e.value)
 
 
-def test_export_refuses_capacity_routing_in_one_line(folders, tmp_path):
+def test_export_refuses_what_no_family_holds_in_one_line(folders, tmp_path):
+    """Capacity routing (transformers drops no token), an OLMoE with sliding windows (its attention is global)."""
     from shard.hf import arch
 
-    kwargs = read.Folder(folders["mixtral"][0]).gpt_kwargs()
-    with pytest.raises(UserError, match="need routing=dropless") as e:
-        arch.from_gpt({**kwargs, "routing": "capacity"}, "moe")
-    assert "\n" not in str(e.value)
-    assert arch.from_gpt(kwargs, "moe")["model_type"] == "mixtral"
+    mixtral, olmoe = (read.Folder(folders[kind][0]).gpt_kwargs() for kind in ("mixtral", "olmoe"))
+    for kwargs in ({**mixtral, "routing": "capacity"}, {**olmoe, "windows": [8, 0]}):
+        with pytest.raises(UserError, match="need routing=dropless") as e:
+            arch.from_gpt(kwargs, "moe")
+        assert "\n" not in str(e.value)
+    assert arch.from_gpt(mixtral, "moe")["model_type"] == "mixtral"
+    assert arch.from_gpt(olmoe, "moe")["model_type"] == "olmoe"
 
 
 # Qwen3-MoE's and OLMoE's experts and router are the same modules as Mixtral's in transformers 5 (its names after

@@ -118,7 +118,8 @@ def from_moe(kwargs: dict) -> dict:
         dense = {**dense, "qk_norm": "none"}
     kind = EXPORTED.get(arch._kind({**g, **dense}))
     if olmoe:
-        kind = "olmoe" if kind == "mixtral" and g["n_heads"] * g["head_dim"] == g["d_model"] else None
+        kind = "olmoe" if kind == "mixtral" and g["n_heads"] * g["head_dim"] == g["d_model"] \
+            and not any(g["windows"] or []) else None  # OLMoE's attention is global
     if kind == "mixtral" and not g["norm_topk"]:
         kind = None  # Mixtral always renormalises
     if kind is None or g["routing"] != "dropless":
@@ -126,7 +127,7 @@ def from_moe(kwargs: dict) -> dict:
                         f"architectures a Hugging Face folder can hold ({', '.join(RELATIVE)}): they need "
                         "routing=dropless (transformers drops no token), position=rope, norm=rmsnorm, mlp=swiglu, "
                         "no biases; Mixtral norm_topk=true, Qwen3-MoE qk_norm=head, OLMoE qk_norm=projection "
-                        "with n_heads x head_dim = d_model")
+                        "with n_heads x head_dim = d_model and no windows")
     config = arch.from_gpt(dense, "gpt")
     config.update(model_type=kind, architectures=[ARCHITECTURES[kind]], num_local_experts=g["n_experts"],
                   num_experts_per_tok=g["top_k"], router_aux_loss_coef=float(g["aux_loss_weight"]),
