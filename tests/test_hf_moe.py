@@ -154,6 +154,38 @@ def test_lora_adapters_load_in_peft(folders, kind, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
+def test_any_adapters_are_peft_weights_of_our_merged_model(folders, kind, tmp_path):
+    """Random adapters on parts of each family (up alone in gate_up_proj; gate with down, router and attention):
+    peft's merged weights are those of our merged model written as a folder, whatever the parts."""
+    peft = pytest.importorskip("peft")
+    from flax import nnx
+
+    from shard.hf import peft as hf_peft
+    from shard.hf import write
+    from shard.strategies import adapters
+
+    path, _ = folders[kind]
+    loaded = load.load(path, [], whole_mesh=False)
+    params = nnx.state(loaded.model, nnx.Param)
+    rng = np.random.default_rng(0)
+    for n, targets in enumerate([["w_in"], ["w_gate", "w_out", "router", "q", "o"]]):
+        sites = adapters.sites(type(loaded.model), params, targets, "moe")
+        tree = adapters.create(sites, 3, 0)
+        for s in sites:
+            for var in adapters.pair(tree, s).values():
+                var.set_value(0.1 * rng.normal(size=var.shape).astype(np.float32))
+        values = {s.key: {k: np.asarray(v[...]) for k, v in adapters.pair(tree, s).items()} for s in sites}
+        hf_peft.write(tmp_path / f"peft{n}", kind, sites, values, 2, 3, 6.0, None)
+        write.write_folder(adapters.merged(params, tree, sites, 2.0), "moe", loaded.cfg.model.kwargs,
+                           tmp_path / f"merged{n}", None)
+        base = transformers.AutoModelForCausalLM.from_pretrained(path)
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / f"peft{n}").merge_and_unload().state_dict()
+        ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"merged{n}").state_dict()
+        for name, value in ours.items():
+            np.testing.assert_allclose(theirs[name].numpy(), value.numpy(), atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_stacked_experts_read_and_write_back_per_expert(folders, kind, tmp_path):
     """transformers 5's own layout (save_pretrained(save_original_format=False)): each layer's experts one 3-D
     tensor per matrix, gate and up side by side in gate_up_proj, under mlp: read bitwise as the per-expert
