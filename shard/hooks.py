@@ -24,7 +24,6 @@ from shard import attention as attn
 from shard.strategies import context
 from shard.use import decoding
 from shard.errors import UserError
-from shard.core import precision
 
 _REMAT: contextvars.ContextVar = contextvars.ContextVar("shard_remat", default="none")
 _ATTENTION: contextvars.ContextVar = contextvars.ContextVar("shard_attention", default="xla")
@@ -34,7 +33,6 @@ _CONTEXT: contextvars.ContextVar = contextvars.ContextVar("shard_context_split",
 _DECODE: contextvars.ContextVar = contextvars.ContextVar("shard_decode_calls", default=None)
 _UNROLL: contextvars.ContextVar = contextvars.ContextVar("shard_unroll_layers", default=False)
 _PACKED: contextvars.ContextVar = contextvars.ContextVar("shard_packed_rows", default=None)
-_CAST: contextvars.ContextVar = contextvars.ContextVar("shard_cast_layers", default=None)
 
 
 # train.remat -> what a layer keeps for the backward pass; the rest is recomputed from the layer's input.
@@ -220,36 +218,11 @@ def layer(fn):
     """Wrap the function that applies one layer with the active activation-checkpointing policy (`train.remat`):
     none keeps every activation, full recomputes the layer in the backward pass, dots keeps only matrix-product
     outputs, qkv attention's query, key and value, attention those and its output, offload the matrix-product
-    outputs in host memory (REMAT_POLICIES). A model calls this instead of choosing a policy.
-    Under `cast_layers(dtype)` (the train step's mixed precision) the layer's parameters are cast to dtype
-    inside it, so that the compute-dtype copy lives while the layer does (shard/core/precision.py)."""
+    outputs in host memory (REMAT_POLICIES). A model calls this instead of choosing a policy."""
     policy = REMAT_POLICIES.get(_REMAT.get())
-    if (dtype := _CAST.get()) is not None:
-        fn = _casting(fn, dtype)
     if policy is None:
         return fn
     return nnx.remat(fn, policy=policy)
-
-
-@contextlib.contextmanager
-def cast_layers(dtype):
-    """While the train step traces: `layer` casts the modules it is given to `dtype` (float32: nothing to do)."""
-    token = _CAST.set(None if jnp.dtype(dtype) == jnp.float32 else dtype)
-    try:
-        yield
-    finally:
-        _CAST.reset(token)
-
-
-def _casting(fn, dtype):
-    def cast_then(*args):
-        copies = [precision.cast_module(a, dtype) if isinstance(a, nnx.Module) else a for a in args]
-        out = fn(*copies)
-        for a, c in zip(args, copies):
-            if c is not a:
-                precision.write_back(a, c)
-        return out
-    return cast_then
 
 
 # ----------------------------------------------------------------------------- attention

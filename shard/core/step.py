@@ -45,11 +45,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
     def objective(params, rest, batch, weights=None):
         batch = context.reorder(batch, order)
         batch = arrange(batch) if arrange is not None else batch
-        # the stacked layers' parameters are cast one layer at a time, inside its checkpoint (shard/core/precision.py)
-        model = nnx.merge(graphdef, cast_floats(params if weights is None else weights(params), dtype,
-                                                keep_stacked=True), rest, copy=True)
-        with hooks.cast_layers(dtype):
-            outputs = run_model(model, batch, dtype).astype(jnp.float32)
+        model = nnx.merge(graphdef, cast_floats(params if weights is None else weights(params), dtype), rest,
+                          copy=True)
+        outputs = run_model(model, batch, dtype).astype(jnp.float32)
         if "loss_mask" in batch:  # packed rows: the real targets' mean (weights from token_weights)
             loss = losses.weighted(loss_fn, outputs, batch["targets"], batch["loss_mask"])
         else:
