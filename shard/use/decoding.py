@@ -5,7 +5,8 @@ time. The model itself does not change for it: its attention, positions, layer s
 through `shard.hooks`, which under `hooks.use(decode=Calls(...))` keep their state here:
 
 - attention writes the new tokens' keys and values into its cache at the current position and attends
-  over every position written so far (`attend`);
+  over every position written so far (`attend`), or within its sliding window (a stack whose layers all
+  slide alike keeps only the window: a ring of `window` slots per layer);
 - positions count on from the current position;
 - a recurrence (the LSTM's scan over time) starts from the carry its previous call ended with;
 - the stack of layers scans over its layers' caches with its layers (one slice each).
@@ -81,25 +82,28 @@ class Calls:
                                  self._given(), entry)
         self.made.append(entry)
 
-    def write(self, new: dict) -> dict:
+    def write(self, new: dict, ring: int | None = None) -> dict:
         """Attention's entry: `new` (name -> (batch, length, heads, head_dim)) written at each row's slots of
         this call's cache (an empty one at the prefill), and this layer's cache up to `seen`. In a stack the
         tokens go straight into the stacked cache, so that a step updates it in place rather than copying it,
-        and only the slots attended over are read out of it."""
+        and only the slots attended over are read out of it. `ring`: the cache holds that many slots, slot s at
+        s mod ring (a sliding window's keys), and only the call's last `ring` tokens are written."""
         stacked = self._given()
         batch, length = next(iter(new.values())).shape[:2]
         rows, slots = jnp.arange(batch)[:, None], self.slots(length)
+        if ring is not None:  # earlier tokens of a long call would land on the later ones' places: dropped
+            slots = jnp.where(slots >= self.index[:, None] + length - ring, slots % ring, ring)
         if stacked is None:
-            stacked = {n: jnp.zeros((batch, self.capacity, *x.shape[2:]), x.dtype) for n, x in new.items()}
+            stacked = {n: jnp.zeros((batch, ring or self.capacity, *x.shape[2:]), x.dtype) for n, x in new.items()}
         if self.layer is None:
-            entry = {n: constrain(stacked[n].at[rows, slots].set(x.astype(stacked[n].dtype)), CACHE_NAMES)
-                     for n, x in new.items()}
+            entry = {n: constrain(stacked[n].at[rows, slots].set(x.astype(stacked[n].dtype), mode="drop"),
+                                  CACHE_NAMES) for n, x in new.items()}
             self.made.append(entry)
             return entry
-        entry = {n: constrain(stacked[n].at[self.layer, rows, slots].set(x.astype(stacked[n].dtype)),
+        entry = {n: constrain(stacked[n].at[self.layer, rows, slots].set(x.astype(stacked[n].dtype), mode="drop"),
                               (None, *CACHE_NAMES)) for n, x in new.items()}
         self.made.append(entry)
-        width = self.seen or self.capacity
+        width = ring or self.seen or self.capacity
         return {n: jax.lax.dynamic_slice(a, (self.layer, *(0,) * (a.ndim - 1)), (1, a.shape[1], width, *a.shape[3:]))[0]
                 for n, a in entry.items()}
 
@@ -117,17 +121,40 @@ def attend(q, k, v, is_causal: bool, calls: Calls, window=None, softcap: float |
     from its row's `start` up to its own (all written ones without `is_causal`), within its sliding `window`
     (shard.hooks.attention's; slots lie as far apart as positions); a padding query, only itself."""
     real = calls.real(q.shape[1])[:, :, None, None]
-    cache = calls.write({"k": jnp.where(real, k, 0), "v": jnp.where(real, v, 0)})
+    k, v = jnp.where(real, k, 0), jnp.where(real, v, 0)
+    value, sizes = attn.windows(window)
+    ring = attn.fixed(sizes) if value is None else None
+    if ring is not None and is_causal and calls.seen is None and ring < calls.capacity:
+        return _attend_ring(q, k, v, calls, ring, softcap, scale)
+    cache = calls.write({"k": k, "v": v})
     width = calls.seen or calls.capacity  # a server attends over the slots in use, not the whole context
     new = calls.slots(q.shape[1])[:, :, None]            # (batch, new, 1): the queries' slots
     seen = jnp.arange(width)[None, None, :]               # the cache's slots attended over
     mask = (seen >= calls.start[:, None, None]) & (seen <= (new if is_causal else new[:, -1:]))
-    value, sizes = attn.windows(window)
-    near = attn.visible(new[..., 0], seen[0, 0], False, attn.fixed(sizes) if value is None else value)
+    near = attn.visible(new[..., 0], seen[0, 0], False, ring if value is None else value)
     mask = mask if near is None else mask & near
     mask = mask | (seen == new)
     return _attention(q, cache["k"][:, :width].astype(q.dtype), cache["v"][:, :width].astype(q.dtype), mask,
                       softcap, scale)
+
+
+def _attend_ring(q, k, v, calls: Calls, window: int, softcap, scale):
+    """`attend` for a causal layer whose every query sees the `window` latest keys (every layer of the stack
+    alike: one static window): its cache holds `window` slots, slot s at s mod window, so that a long generation
+    keeps a window of keys per layer rather than every position. The new queries attend over the keys held
+    before this call and their own; then the call's keys go into the ring."""
+    length = q.shape[1]
+    held = calls.take()
+    if held is None:
+        held = {n: jnp.zeros((x.shape[0], window, *x.shape[2:]), x.dtype) for n, x in (("k", k), ("v", v))}
+    last = calls.index[:, None] - 1  # the slot each ring place holds: the latest before this call (< 0: none yet)
+    keys = jnp.concatenate([last - (last - jnp.arange(window)) % window, calls.slots(length)], axis=1)
+    new, seen = calls.slots(length)[:, :, None], keys[:, None, :]
+    mask = (seen >= calls.start[:, None, None]) & (seen >= 0) & (seen <= new) & (new - seen < window)
+    mask = mask | (seen == new)
+    both = {n: jnp.concatenate([held[n].astype(q.dtype), x.astype(q.dtype)], axis=1) for n, x in (("k", k), ("v", v))}
+    calls.write({"k": k, "v": v}, ring=window)
+    return _attention(q, both["k"], both["v"], mask, softcap, scale)
 
 
 SCORES = 1 << 22  # queries x keys past which attention runs over blocks of keys
