@@ -110,6 +110,7 @@ SIDES = {  # column -> (framework, attention, more overrides)
     "ours-cudnn": ("ours", "cudnn", []),  # GPU targets
     "maxtext-dot": ("maxtext", "dot_product", []),
     "maxtext-splash": ("maxtext", "flash", []),
+    "maxtext-cudnn": ("maxtext", "cudnn_flash_jax", []),  # GPU: cuDNN through jax.nn.dot_product_attention
 }
 LAYERS = ("scanned", "unrolled")
 FLAG_SETS = ("recommended", "none")
