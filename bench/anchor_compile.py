@@ -44,6 +44,12 @@ cost_analysis(), memory_analysis() and HLO text can be read; config overrides be
 the model's shape given as base_* keys, or model_name=llama3-8b). MaxText's main adds
 --xla_tpu_spmd_rng_bit_generator_unsafe=true to LIBTPU_INIT_ARGS; ours is given the same environment.
 
+GPU targets (h100x8 only: MaxText's `compile_topology=a3`): run this script with a Python that has the CUDA plugin
+(`pip install -e ".[cuda]"`), and give the venv the same plugin and NVIDIA wheels, e.g.
+`.venv-maxtext/bin/pip install --no-deps jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2 nvidia-cudnn-cu12 ...`
+(the versions `pip list | grep nvidia` shows here). MaxText's GPU path compiles for jax.devices(); the worker
+hands it the CUDA plugin's compile-only H100s, and the flags go through XLA_FLAGS.
+
 Our side is `python train.py CONFIG run.target=TARGET --dry-run ...` in a subprocess; its plan file
 (<run.dir>/plan-TARGET.json, "compiler" section) has the figures.
 
