@@ -144,6 +144,42 @@ def test_the_server_refuses_a_context_past_phi3s_original_one_in_one_line(folder
         cli.check_refill(generator, 9)
 
 
+def adapters_merge_as_peft_merges(path, model_name: str, target_sets: list, tmp_path):
+    """For each set of LoRA targets: random adapters on the folder's model, written by --adapters-only's writer;
+    peft's merged weights equal those of our merged model written as a folder (also test_hf_moe.py's)."""
+    peft = pytest.importorskip("peft")
+    from shard.hf import peft as hf_peft
+    from shard.strategies import adapters
+
+    loaded = load.load(path, [], whole_mesh=False)
+    params = nnx.state(loaded.model, nnx.Param)
+    kind = json.loads((Path(path) / "config.json").read_text())["model_type"]
+    size = tables.sizes(arch._with_defaults(loaded.cfg.model.kwargs), kind) if model_name == "gpt" else None
+    rng = np.random.default_rng(0)
+    for n, targets in enumerate(target_sets):
+        sites = adapters.sites(type(loaded.model), params, targets, model_name)
+        tree = adapters.create(sites, 3, 0)
+        for s in sites:
+            for var in adapters.pair(tree, s).values():
+                var.set_value(0.1 * rng.normal(size=var.shape).astype(np.float32))
+        values = {s.key: {k: np.asarray(v[...]) for k, v in adapters.pair(tree, s).items()} for s in sites}
+        hf_peft.write(tmp_path / f"peft{n}", kind, sites, values, 2, 3, 6.0, None, size)
+        write.write_folder(adapters.merged(params, tree, sites, 2.0), model_name, loaded.cfg.model.kwargs,
+                           tmp_path / f"merged{n}", None)
+        base = transformers.AutoModelForCausalLM.from_pretrained(path)
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / f"peft{n}").merge_and_unload().state_dict()
+        ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"merged{n}").state_dict()
+        for name, value in ours.items():
+            np.testing.assert_allclose(theirs[name].numpy(), value.numpy(), atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "gpt2"])
+def test_lora_adapters_of_every_family_are_peft_weights_of_our_merged_model(folders, kind, tmp_path):
+    """Issue 47: LoRA on each family loads in peft as our merged model (attention alone; its output and the
+    MLP), without training: random adapters. Training LoRA and peft's logits: tests/test_lora_peft.py."""
+    adapters_merge_as_peft_merges(folders[kind][0], "gpt", [["q", "v"], ["k", "o", "mlp"]], tmp_path)
+
+
 def first_batch(cfg):
     from shard import data as data_lib
 

@@ -20,8 +20,8 @@ from shard.run import trainer  # noqa: E402
 from shard.use import export, load  # noqa: E402
 
 from conftest import overrides  # noqa: E402
-from test_hf import (FINE_TUNE, NO_IDS, TOKENS, VOCAB, first_batch, jax_logits, relative, saved_folders,  # noqa: E402
-                     torch_logits)
+from test_hf import (FINE_TUNE, NO_IDS, TOKENS, VOCAB, adapters_merge_as_peft_merges, first_batch, jax_logits,  # noqa: E402
+                     relative, saved_folders, torch_logits)
 from test_hf import test_greedy_generate_equals_transformers as greedy_generate_equals_transformers  # noqa: E402
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -157,32 +157,7 @@ def test_lora_adapters_load_in_peft(folders, kind, tmp_path, capsys):
 def test_any_adapters_are_peft_weights_of_our_merged_model(folders, kind, tmp_path):
     """Random adapters on parts of each family (up alone in gate_up_proj; gate with down, router and attention):
     peft's merged weights are those of our merged model written as a folder, whatever the parts."""
-    peft = pytest.importorskip("peft")
-    from flax import nnx
-
-    from shard.hf import peft as hf_peft
-    from shard.hf import write
-    from shard.strategies import adapters
-
-    path, _ = folders[kind]
-    loaded = load.load(path, [], whole_mesh=False)
-    params = nnx.state(loaded.model, nnx.Param)
-    rng = np.random.default_rng(0)
-    for n, targets in enumerate([["w_in"], ["w_gate", "w_out", "router", "q", "o"]]):
-        sites = adapters.sites(type(loaded.model), params, targets, "moe")
-        tree = adapters.create(sites, 3, 0)
-        for s in sites:
-            for var in adapters.pair(tree, s).values():
-                var.set_value(0.1 * rng.normal(size=var.shape).astype(np.float32))
-        values = {s.key: {k: np.asarray(v[...]) for k, v in adapters.pair(tree, s).items()} for s in sites}
-        hf_peft.write(tmp_path / f"peft{n}", kind, sites, values, 2, 3, 6.0, None)
-        write.write_folder(adapters.merged(params, tree, sites, 2.0), "moe", loaded.cfg.model.kwargs,
-                           tmp_path / f"merged{n}", None)
-        base = transformers.AutoModelForCausalLM.from_pretrained(path)
-        theirs = peft.PeftModel.from_pretrained(base, tmp_path / f"peft{n}").merge_and_unload().state_dict()
-        ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"merged{n}").state_dict()
-        for name, value in ours.items():
-            np.testing.assert_allclose(theirs[name].numpy(), value.numpy(), atol=1e-6, err_msg=name)
+    adapters_merge_as_peft_merges(folders[kind][0], "moe", [["w_in"], ["w_gate", "w_out", "router", "q", "o"]], tmp_path)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -65,7 +65,7 @@ def test_attention_kernel_is_the_configured_one(monkeypatch):
     monkeypatch.setattr(jax.nn, "dot_product_attention",
                         lambda *a, implementation=None, **kw: seen.append(implementation) or real(*a, **kw))
     cpu = attention.xla_cpu  # train.attention=xla on a CPU: the same attention, written for XLA:CPU
-    monkeypatch.setattr(attention, "xla_cpu", lambda *a: seen.append("xla") or cpu(*a))
+    monkeypatch.setattr(attention, "xla_cpu", lambda *a, **kw: seen.append("xla") or cpu(*a, **kw))
     axes = ("data", "expert", "fsdp", "tensor")
     mesh = jax.make_mesh((1,) * 4, axes, axis_types=(jax.sharding.AxisType.Auto,) * 4, devices=jax.devices()[:1])
     with nnx.use_eager_sharding(False):
