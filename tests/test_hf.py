@@ -154,7 +154,7 @@ def adapters_merge_as_peft_merges(path, model_name: str, target_sets: list, tmp_
     loaded = load.load(path, [], whole_mesh=False)
     params = nnx.state(loaded.model, nnx.Param)
     kind = json.loads((Path(path) / "config.json").read_text())["model_type"]
-    size = tables.sizes(arch._with_defaults(loaded.cfg.model.kwargs), kind) if model_name == "gpt" else None
+    size = tables.sizes(arch.with_defaults(loaded.cfg.model.kwargs), kind) if model_name == "gpt" else None
     rng = np.random.default_rng(0)
     for n, targets in enumerate(target_sets):
         sites = adapters.sites(type(loaded.model), params, targets, model_name)
@@ -353,7 +353,7 @@ def test_any_block_reads_as_that_block_of_the_whole(folders, kind):
     from shard.hf import read
 
     folder = read.Folder(folders[kind][0])
-    size = tables.sizes(arch._with_defaults(folder.gpt_kwargs()), kind)
+    size = tables.sizes(arch.with_defaults(folder.gpt_kwargs()), kind)
     rng = np.random.default_rng(1)
     loaded = load.load(folders[kind][0], [], whole_mesh=False)
     for name, value in read.flat_paths(nnx.state(loaded.model, nnx.Param)).items():

@@ -1,11 +1,15 @@
 """Hugging Face causal-LM folders as another checkpoint format: read into the library's GPT (train.init_from,
 shard.load_model) and written from a run (python -m shard.export RUN --format hf).
 
-    arch.py    config.json <-> the GPT's arguments, per architecture (model_type)
+    arch.py        config.json <-> the library model's name and arguments, per architecture (model_type)
+    config_in.py   a dense family's config.json -> the GPT's arguments (each field as transformers reads it)
+    config_out.py  the GPT's arguments -> the dense family they make, as a config.json
+    experts.py     the mixture-of-experts families (Mixtral, Qwen3-MoE, OLMoE) <-> the library's moe
     tables.py  per architecture, which Hugging Face tensor fills which part of which parameter (one table,
                read in both directions)
     read.py    the folder: its checks, and each process reading only its devices' slices (safetensors)
     write.py   a run's model as a folder, one parameter on the host at a time
+    peft.py, peft_params.py  a LoRA run's adapters as PEFT's folder
 """
 
 from pathlib import Path

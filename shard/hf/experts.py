@@ -1,7 +1,7 @@
 """Mixture-of-experts families (Mixtral, Qwen3-MoE, OLMoE): config.json <-> the library MoE's arguments.
 
 Their attention, norms and RoPE are their dense relatives' (Mistral's, Qwen3's; OLMoE's a Llama's with q/k norms
-over the whole projection, qk_norm=projection), read and written by arch.py; this module reads and writes the
+over the whole projection, qk_norm=projection), read and written by config_in.py and config_out.py; this module reads and writes the
 experts. Each family routes as transformers does: a softmax over all experts
 in float32, the top num_experts_per_tok taken, their weights renormalised (Mixtral always; Qwen3-MoE with
 norm_topk_prob), every token computed by each of its experts (routing=dropless: no capacity, no token dropped).
@@ -14,9 +14,10 @@ clip_qkv (clamping queries, keys and values) is refused in one line where set.
 """
 
 from shard.errors import UserError
+from shard.hf import config_in, config_out
 
-# Each family's dense relative: the architecture whose attention and norms it has (arch.py reads them), and the
-# one arch.py exports a model with those to.
+# Each family's dense relative: the architecture whose attention and norms it has (config_in.py reads them), and the
+# one config_out.py exports a model with those to.
 RELATIVE = {"mixtral": "mistral", "qwen3_moe": "qwen3", "olmoe": "llama"}
 EXPORTED = {"llama": "mixtral", "qwen3": "qwen3_moe"}
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
@@ -48,15 +49,13 @@ MOE_ARGS = ("n_experts", "top_k", "capacity_factor", "aux_loss_weight", "routing
 
 def to_moe(kind: str, config: dict, where: str) -> dict:
     """The MoE's arguments (model.* keys) of a Mixtral or Qwen3-MoE config.json."""
-    from shard.hf import arch
-
     relative = RELATIVE[kind]
     # num_experts is both families' other name of num_local_experts (their configs' attribute_map)
     c = {**DEFAULTS[kind], **({"num_local_experts": config["num_experts"]} if "num_experts" in config else {}),
          **config, **NOT_READ.get(kind, {})}
     if kind == "olmoe":
         _check_olmoe(c, where)
-    kwargs = arch._rope_model(relative, arch._fields(relative, c, where), c, where)
+    kwargs = config_in._rope_model(relative, config_in._fields(relative, c, where), c, where)
 
     def field(name: str, want: type):
         value = c[name]
@@ -109,14 +108,12 @@ def _check_olmoe(c: dict, where: str) -> None:
 
 def from_moe(kwargs: dict) -> dict:
     """The config.json of an MoE model's arguments; UserError where no family holds it."""
-    from shard.hf import arch
-
     dense = {k: v for k, v in kwargs.items() if k not in MOE_ARGS}
-    g = {**_moe_defaults(), **kwargs, **arch._with_defaults(dense)}
+    g = {**_moe_defaults(), **kwargs, **config_out.with_defaults(dense)}
     olmoe = g["qk_norm"] == "projection" and g["norms"] == "pre"  # a Llama's attention, q/k normed over all heads
     if olmoe:
         dense = {**dense, "qk_norm": "none"}
-    kind = EXPORTED.get(arch._kind({**g, **dense}))
+    kind = EXPORTED.get(config_out._kind({**g, **dense}))
     if olmoe:
         kind = "olmoe" if kind == "mixtral" and g["n_heads"] * g["head_dim"] == g["d_model"] \
             and not any(g["windows"] or []) else None  # OLMoE's attention is global
@@ -128,7 +125,7 @@ def from_moe(kwargs: dict) -> dict:
                         "routing=dropless (transformers drops no token), position=rope, norm=rmsnorm, mlp=swiglu, "
                         "no biases; Mixtral norm_topk=true, Qwen3-MoE qk_norm=head, OLMoE qk_norm=projection "
                         "with n_heads x head_dim = d_model and no windows")
-    config = arch.from_gpt(dense, "gpt")
+    config = config_out.dense_from_gpt(dense, "gpt")
     config.update(model_type=kind, architectures=[ARCHITECTURES[kind]], num_local_experts=g["n_experts"],
                   num_experts_per_tok=g["top_k"], router_aux_loss_coef=float(g["aux_loss_weight"]),
                   output_router_logits=g["balancing"] == "pooled" and g["aux_loss_weight"] > 0)

@@ -146,7 +146,7 @@ def export(run: str, overrides: list[str], step: int | None, out_arg: str | None
     read = ckpt_lib.read_parts(folder, at, {"optimizer": {"extra": {lora.KEY: held}}})["optimizer"]["extra"][lora.KEY]
     values = {s.key: {k: np.asarray(v[...]) for k, v in adapters.pair(read, s).items()} for s in site_list}
     base = cfg.train.init_from
-    g = arch._with_defaults(cfg.model.kwargs)
+    g = arch.with_defaults(cfg.model.kwargs)
     size = write(out, kind, site_list, values, g["n_layers"], rank, alpha, base, tables.sizes(g, kind))
     return (f"wrote {out} ({len(site_list)} adapted weights, rank {rank}, alpha {alpha:g}, {size / 1e6:.2f} MB, "
             f"step {at} of {run}); load it with peft.PeftModel.from_pretrained(<the base model>, {str(out)!r})")

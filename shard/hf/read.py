@@ -116,7 +116,7 @@ def plan(folder: Folder, params, kwargs: dict) -> list[tables.Row]:
     """The rows that fill `params`, each tensor checked present with its shape, and every tensor of the folder
     read by one of them; one line for the first that is not so."""
     ours = flat_paths(params)
-    g = arch._with_defaults(kwargs)
+    g = arch.with_defaults(kwargs)
     size, n_layers = tables.sizes(g, folder.kind), g["n_layers"]
     rows = tables.rows(folder.table, set(ours), size)
     embed, head = tied_pair(folder.kind)
@@ -163,7 +163,7 @@ def check(path: str, params, kwargs: dict) -> None:
     """Before the run folder is touched: every tensor present with its shape, and the tokenizer fits."""
     folder = Folder(path)
     plan(folder, params, kwargs)
-    check_tokenizer(folder, arch._with_defaults(kwargs)["vocab_size"])
+    check_tokenizer(folder, arch.with_defaults(kwargs)["vocab_size"])
 
 
 def check_tokenizer(folder: Folder, vocab_size: int) -> None:
@@ -262,7 +262,7 @@ def load_params(folder: Folder, target_params, kwargs: dict):
     """`target_params` (abstract arrays with shardings) read from the folder: every array built from the slices
     this process's devices hold, each read on its own (nothing whole on the host unless a device holds it)."""
     rows = plan(folder, target_params, kwargs)
-    g = arch._with_defaults(kwargs)
+    g = arch.with_defaults(kwargs)
     size = tables.sizes(g, folder.kind)
 
     def build(path, leaf):

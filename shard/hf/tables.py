@@ -199,7 +199,7 @@ def hf_names(kind: str) -> dict[str, list[str]]:
 
 
 def sizes(g: dict, kind: str) -> dict[str, int]:
-    """Each letter's size in the Hugging Face tensors, from the GPT's arguments (arch._with_defaults)."""
+    """Each letter's size in the Hugging Face tensors, from the GPT's arguments (arch.with_defaults)."""
     return dict(e=g["d_model"], h=g["n_heads"], k=g["n_kv_heads"], d=g["head_dim"], f=g["d_ff"], v=g["vocab_size"],
                 p=g["max_len"], s=3 if kind == "gpt2" else 2, j=g["n_heads"] + 2 * g["n_kv_heads"],
                 x=g.get("n_experts", 0))

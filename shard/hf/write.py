@@ -94,7 +94,7 @@ def write_folder(params, model_name: str, kwargs: dict, out: Path, tokenizer_dir
     config, shard_bytes = arch.from_gpt(kwargs, model_name), shard_bytes or SHARD_BYTES
     config["torch_dtype"] = config["dtype"] = dtype_of(params, source)  # each transformers version's name
     cast = ml_dtypes.bfloat16 if config["dtype"] == "bfloat16" else np.dtype(config["dtype"])
-    kind, g = config["model_type"], arch._with_defaults(kwargs)
+    kind, g = config["model_type"], arch.with_defaults(kwargs)
     ours = flat_paths(params)
     size, main = tables.sizes(g, kind), jax.process_index() == 0
     rows = tables.rows(kind, set(ours), size)
