@@ -27,6 +27,7 @@ TPU targets with libtpu (this repository's own venv).
   /work/.venv-cuda/bin/python bench/family_plans.py --target h100x8              # every family
   /work/.venv-cuda/bin/python bench/family_plans.py --target h100x8 --only qwen3-8b,mixtral-8x7b
   python bench/family_plans.py --target v5p-8 --only qwen3-8b
+  python bench/family_plans.py --target v5p-8 --only qwen3-8b --more run.recommended_flags=false
   python bench/family_plans.py --target h100x8 --table                          # the table so far
 
 Each row is appended to --out (default runs/family_plans/TARGET.jsonl) as it finishes; a row already there is
@@ -191,8 +192,8 @@ def plan_row(name: str, target: str, more: list[str], work: Path, timeout_s: flo
            "wall_s": round(time.time() - start, 1)}
     plans = sorted(run_dir.glob("plan-*.json"))
     said = tail(log, 1)
-    if rc == 2 and "does not fit" in said:  # the TPU compiler refuses it: the verdict, in train.py's one line
-        return {**row, "fits": False, "refused": said}
+    if rc == 2:  # train.py's one line: the TPU compiler's refusal of the chip's HBM (the verdict), or another
+        return {**row, "fits": False, "refused": said} if "does not fit" in said else {**row, "error": said}
     if rc or not plans:
         return {**row, "error": f"exit {rc}: {raised(log) or tail(log, 12)}"}
     plan = json.loads(plans[0].read_text())
@@ -256,7 +257,7 @@ def measure(args) -> None:
         except FileNotFoundError as e:
             print(f"skipping {name}: {e}")
             continue
-        r = one(name, args.target, [])
+        r = one(name, args.target, ["mesh=fsdp", *args.more] if args.more else [])
         for target, more in MORE.get(args.target, {}).get(name, []) if not r.get("fits") else []:
             one(name, target, more)
 
@@ -300,6 +301,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default="h100x8")
     p.add_argument("--only", default=",".join(ORDER), help="comma-separated families (default: all)")
+    p.add_argument("--more", nargs="*", default=[], help="more overrides for each family's row (KEY=VALUE ...)")
     p.add_argument("--out", type=Path)
     p.add_argument("--redo", action="store_true", help="compile rows already in --out again")
     p.add_argument("--table", action="store_true", help="only print the table from --out")

@@ -43,6 +43,17 @@ def test_the_gpu_description_carries_the_chip_facts():
     assert "major: 9 minor: 0" in text and "core_count: 132" in text and 'NVIDIA H100 80GB HBM3' in text
 
 
+def test_the_tpu_compilers_refusals_say_which_memory():
+    # HBM: the shortfall; a fusion over a core's VMEM (seen compiling Qwen3-8B for v5p-8) is not a verdict on HBM
+    hbm = target.out_of_memory("RESOURCE_EXHAUSTED: ...\nTotal hbm usage required for program (120.50G) exceeds "
+                               "available HBM (95.74G)", "v5p-8")
+    assert hbm.startswith("the step does not fit v5p-8: the compiler needs 120.50 GiB") and "short by 24.76" in hbm
+    vmem = target.out_of_memory("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+                                "space vmem. Used 77.50M of 63.94M vmem. Exceeded vmem capacity by 13.56M.", "v5p-8")
+    assert vmem.startswith("the step does not compile for v5p-8") and "HBM use is unknown" in vmem
+    assert "\n" not in hbm + vmem
+
+
 @pytest.mark.parametrize("args,says", [
     (["run.target=v9-8", "--dry-run"], "unknown run.target 'v9-8'; known: v4-N"),
     (["run.target=v5p-8"], "add --dry-run or --compare"),

@@ -54,8 +54,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program larger than the chip's memory
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        raise UserError(f"the step does not fit {cfg.run.target or 'the device'}: "
-                        f"{target_lib.out_of_memory(str(e))}") from None
+        raise UserError(target_lib.out_of_memory(str(e), cfg.run.target or "the device")) from None
     work = prepared.work
     step = prepared.train_step
     n = len(devices)

@@ -207,14 +207,21 @@ def check_mesh(mesh_cfg, target: Target, n_devices: int) -> None:
         raise UserError(f"run.target={target.name} has {n_devices} devices ({target.describe()}): {e}") from None
 
 
-def out_of_memory(message: str) -> str:
-    """The TPU compiler's refusal of a program that does not fit, as one line with the shortfall."""
+def out_of_memory(message: str, where: str) -> str:
+    """The TPU compiler's refusal of a program, as one line: the shortfall where the step does not fit the chip's
+    HBM; where one fusion or kernel overflows a core's on-chip vector memory (VMEM), that, which says nothing of
+    whether the step fits (the compile stopped there)."""
+    first = message.strip().splitlines()[0]
+    if "memory space vmem" in message:
+        return (f"the step does not compile for {where}: one of its fusions or kernels needs more of a core's vector "
+                f"memory (VMEM, on-chip scratch) than there is; its HBM use is unknown ({first})")
     need = re.search(r"required for ([^(]*)\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", message)
     if not need:
-        return message.strip().splitlines()[0]
+        return f"the step does not fit {where}: {first}"
     what, needed, have = need.group(1).strip(), float(need.group(2)), float(need.group(3))
-    return (f"the compiler needs {needed:.2f} GiB for {what} but a chip has {have:.2f} GiB: short by "
-            f"{needed - have:.2f} GiB (try train.remat=full, train.grad_accum, a mesh that splits more, or mesh=auto)")
+    return (f"the step does not fit {where}: the compiler needs {needed:.2f} GiB for {what} but a chip has "
+            f"{have:.2f} GiB: short by {needed - have:.2f} GiB (try train.remat=full, train.grad_accum, a mesh that "
+            "splits more, or mesh=auto)")
 
 
 def per_device(target: Target, n_devices: int) -> dict:
