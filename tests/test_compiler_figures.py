@@ -115,7 +115,7 @@ def test_an_unknown_compiler_flag_is_one_line_and_exit_2(tmp_path):
 
 
 # Wide enough that the step is compute-bound on a v5p chip (the cost model's per-loop overheads are small).
-WIDE_GPT = ["model.name=gpt", "model.vocab_size=512", "model.d_model=1024", "model.n_layers=4", "model.n_heads=8",
+WIDE_GPT = ["model.name=gpt", "model.vocab_size=512", "model.d_model=1024", "model.n_layers=3", "model.n_heads=8",
             "model.d_ff=4096", "model.max_len=512", "data.name=text", "data.seq_len=512", "data.batch_size=16",
             "train.dtype=bfloat16", "mesh=fsdp", "train.remat=full"]
 

@@ -88,8 +88,9 @@ def _analyse(tmp_path, name, *extra):
 
 
 # What each mesh must make the compiler emit (the plan's own reading of the strategies).
-EXPECTED = {"dp": "all-reduce", "fsdp": "all-gather", "tp": "all-reduce", "fsdp_tp": "all-gather",
-            "pp": "collective-permute", "cp": "all-gather"}
+# fsdp alone is fsdp_tp's all-gathered parameters without its tensor split (left out: CI's time)
+EXPECTED = {"dp": "all-reduce", "tp": "all-reduce", "fsdp_tp": "all-gather", "pp": "collective-permute",
+            "cp": "all-gather"}
 
 
 @needs_libtpu
