@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from shard.errors import UserError
-from shard.hf import arch, peft_params, tables
+from shard.hf import arch, peft_params, read, tables
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -80,9 +80,7 @@ def tensors(kind: str, site_list, values: dict, n_layers: int, size: dict | None
 
 def placed(row: tables.Row, b: np.ndarray, size: dict) -> np.ndarray:
     """A fused part's lora_B (its out, r) at its rows of the whole fused output (zeros elsewhere)."""
-    from shard.hf.read import their_slices
-
-    lo, hi, picks, _ = their_slices(row, {l: range(size[l]) for l in row.letters()}, size)[0]
+    lo, hi, picks, _ = read.their_slices(row, {l: range(size[l]) for l in row.letters()}, size)[0]
     whole = np.zeros((tables.their_shape(row, size)[0], b.shape[1]), b.dtype)
     whole[lo + (np.arange(hi - lo) if picks is None else picks)] = b
     return whole
@@ -143,8 +141,8 @@ def export(run: str, overrides: list[str], step: int | None, out_arg: str | None
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(mesh_lib.AXES)), mesh_lib.AXES)
     site_list, _, held = lora.LoRA.adapters_target(cfg, model_cls, params, mesh)
     folder, at = ckpt_lib.open_named(run, "RUN", step)
-    read = ckpt_lib.read_parts(folder, at, {"optimizer": {"extra": {lora.KEY: held}}})["optimizer"]["extra"][lora.KEY]
-    values = {s.key: {k: np.asarray(v[...]) for k, v in adapters.pair(read, s).items()} for s in site_list}
+    saved = ckpt_lib.read_parts(folder, at, {"optimizer": {"extra": {lora.KEY: held}}})["optimizer"]["extra"][lora.KEY]
+    values = {s.key: {k: np.asarray(v[...]) for k, v in adapters.pair(saved, s).items()} for s in site_list}
     base = cfg.train.init_from
     g = arch.with_defaults(cfg.model.kwargs)
     size = write(out, kind, site_list, values, g["n_layers"], rank, alpha, base, tables.sizes(g, kind))
