@@ -11,6 +11,7 @@ Run: `python bench/overhead.py [CONFIG.yaml] [key=value ...]` (default: configs/
 """
 
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -104,10 +105,19 @@ def startup(cfg_path, args) -> dict:
     return {"compile_s": first["compile_s"], "startup_s": first["startup_s"]}
 
 
+def one_cpu_device(args: list[str]) -> list[str]:
+    """`args` with run.cpu_devices=1 unless given, on a machine without an accelerator only: on a GPU or TPU
+    machine that setting would move the run to the host's CPU. Asked without JAX, which must not start before
+    the trainer sets its device count."""
+    accelerator = shutil.which("nvidia-smi") or Path("/dev/accel0").exists() or Path("/dev/vfio").exists()
+    given = any(a.startswith("run.cpu_devices=") for a in args)
+    return args if given or accelerator else [*args, "run.cpu_devices=1"]
+
+
 def main(argv: list[str]) -> int:
     cfg_path = Path(argv[0]) if argv and "=" not in argv[0] else ROOT / "configs" / "default.yaml"
     args = [a for a in argv if "=" in a]
-    args = args if any(a.startswith("run.cpu_devices=") for a in args) else [*args, "run.cpu_devices=1"]
+    args = one_cpu_device(args)
     start = startup(cfg_path, args)
 
     from shard import config

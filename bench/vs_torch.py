@@ -38,7 +38,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with PyTorch
 
-from overhead import LOG_EVERY, QUIET, ROUNDS, STEPS, framework_round  # noqa: E402
+from overhead import LOG_EVERY, QUIET, ROUNDS, STEPS, framework_round, one_cpu_device  # noqa: E402
 
 
 def torch_gpt(cfg):
@@ -137,13 +137,12 @@ PROCESSES = 3  # PyTorch processes of each kind on a CPU
 
 
 def parse(argv: list[str]):
-    """(config path, key=value args with run.cpu_devices=1 unless given, --compile)."""
+    """(config path, key=value args with run.cpu_devices=1 unless given or on an accelerator, --compile)."""
     compile_ = "--compile" in argv
     argv = [a for a in argv if a not in ("--compile", "--worker", "--allocator")]
     cfg_path = Path(argv[0]) if argv and "=" not in argv[0] else ROOT / "configs" / "default.yaml"
     args = [a for a in argv if "=" in a]
-    args = args if any(a.startswith("run.cpu_devices=") for a in args) else [*args, "run.cpu_devices=1"]
-    return cfg_path, args, compile_
+    return cfg_path, one_cpu_device(args), compile_
 
 
 def load_config(cfg_path, args):
