@@ -50,6 +50,11 @@ class DataConfig:
     prompt_field: Optional[str] = option(None, "documents: with data.completion_field, rows are prompt/completion pairs "
                                          "and only the completion (and its EOS) is trained; the prompt's column")
     completion_field: Optional[str] = option(None, "documents: the completion's column (with data.prompt_field)")
+    chosen_field: Optional[str] = option(None, "documents, train.objective=dpo: the preferred answer's column (text, or "
+                                         "a chat's messages continuing data.prompt_field's)")
+    rejected_field: Optional[str] = option(None, "documents, train.objective=dpo: the dispreferred answer's column")
+    answer_field: Optional[str] = option(None, "documents, train.objective=grpo: the reference answer's column, which "
+                                         "train.grpo.rewards score each completion against")
     tokenizer: str = option("bytes", "documents: bytes (one token per UTF-8 byte), a Hugging Face tokenizer.json (or a "
                             "folder holding one) or a SentencePiece .model; model.vocab_size follows it unless set")
     packing: str = option("concat", "text, documents: concat = documents joined (documents: with EOS), cut into "
@@ -91,6 +96,53 @@ class LoraConfig:
     alpha: Optional[float] = option(None, "adapters' scale is alpha / rank; default: 2 x rank (scale 2)", job=True)
     targets: list = option(["q", "k", "v", "o"], "weights adapted: q, k, v, o, mlp (the library's transformers), a "
                            "model's own adapter_targets, or any weight's name", job=True)
+    base: str = option("float32", "how the frozen weights under the adapters are stored: float32 (as without "
+                       "adapters), bfloat16, or quantized with qwix (QLoRA): nf4, int4, int8, in blocks of 64 "
+                       "with a float32 scale each, dequantized in the step", choices=("float32", "bfloat16", "int8",
+                                                                                "int4", "nf4"), job=True)
+
+
+@dataclass
+class DpoConfig:
+    """train.dpo.*: direct preference optimisation (shard/objectives/dpo.py), read with train.objective=dpo."""
+    beta: float = option(0.1, "the strength of the implicit KL penalty to the reference (DPO's beta)", min=0, job=True)
+    loss: str = option("sigmoid", "sigmoid (DPO's -log sigmoid(beta x margin)) or ipo ((margin - 1 / (2 beta))^2)",
+                       choices=("sigmoid", "ipo"), job=True)
+    reference: str = option("init", "init: the starting weights, frozen (under LoRA the weights without the "
+                            "adapters, no second copy); none: reference-free, each answer's log-likelihood averaged "
+                            "over its tokens (SimPO's length-normalised margin)", choices=("init", "none"), job=True)
+    precompute: bool = option(False, "reference=init without LoRA: the reference's log-likelihoods computed once "
+                              "before training and kept in the data cache, instead of a frozen copy of the weights "
+                              "in device memory", job=True)
+    margin: float = option(0.0, "reference=none: SimPO's target reward margin (gamma)", min=0, job=True)
+
+
+@dataclass
+class GrpoConfig:
+    """train.grpo.*: group relative policy optimisation on rewarded rollouts (shard/objectives/grpo.py), read with
+    train.objective=grpo."""
+    group: int = option(4, "completions sampled per prompt; rewards are normalised within each prompt's group", min=2,
+                        job=True)
+    max_new_tokens: int = option(32, "the most tokens a completion may have (it ends earlier at an end token)", min=1,
+                                 job=True)
+    temperature: float = option(1.0, "the rollouts' sampling temperature (0: greedy, which gives a group no "
+                                "variety)", min=0, job=True)
+    top_p: float = option(1.0, "the rollouts' nucleus: keep the likeliest tokens holding this much of the mass",
+                          min=0.01, max=1, job=True)
+    beta: float = option(0.04, "weight of the KL penalty to the reference (the starting weights; under LoRA the "
+                         "weights without the adapters); 0: no reference", min=0, job=True)
+    epsilon: float = option(0.2, "the policy ratio is clipped to [1 - epsilon, 1 + epsilon]", min=0, job=True)
+    updates: int = option(1, "optimisation steps on each batch of rollouts (after the first, importance ratios "
+                          "against the policy that sampled them)", min=1, job=True)
+    rewards: list = option(["exact"], "reward functions, summed: exact, number, regex, length (a penalty), or "
+                           "package.module:function(completions, answers) -> floats (needs train.grpo.trust_code)",
+                           job=True)
+    weights: list = option([], "one weight per reward (empty: all 1)", job=True)
+    pattern: Optional[str] = option(None, "the regex reward's pattern (a completion scores 1 where it matches)",
+                                    job=True)
+    tolerance: float = option(1e-6, "the number reward's absolute tolerance", min=0, job=True)
+    trust_code: bool = option(False, "import and run the package.module:function rewards train.grpo.rewards names "
+                              "(importing a module runs its code; a config naming one runs nothing without this)")
 
 
 @dataclass
@@ -100,6 +152,11 @@ class TrainConfig:
     dtype: str = option("float32", "compute dtype; parameters stay float32",
                         choices=("float32", "bfloat16"), job=True)
     loss: str = option("auto", "loss name (see shard/core/losses.py); auto = the task's default", job=True)
+    objective: str = option("lm", "what the step optimises (shard/objectives/): lm = train.loss on the data's targets; "
+                            "dpo = preference pairs (train.dpo.*); grpo = rewarded rollouts (train.grpo.*)",
+                            choices=("lm", "dpo", "grpo"), job=True)
+    dpo: DpoConfig = field(default_factory=DpoConfig, metadata={"group": DpoConfig, "job": True})
+    grpo: GrpoConfig = field(default_factory=GrpoConfig, metadata={"group": GrpoConfig, "job": True})
     remat: str = option("none", "activation checkpointing of each layer: none keeps every activation, full "
                         "recomputes the layer, dots keeps matmul outputs, qkv keeps the query/key/value projections, "
                         "attention keeps those and attention's output (recomputes the MLP), offload keeps matmul "

@@ -29,7 +29,8 @@ from shard.core.state import TrainState
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable, dtype,
                     skip_nonfinite: bool = False, reduction: gradients.Reduction = gradients.Reduction(),
                     device_shardings=None, order: tuple | None = None, schedule: Callable | None = None,
-                    trainable=None, arrange: Callable | None = None) -> Callable:
+                    trainable=None, arrange: Callable | None = None, goal=None,
+                    reference: Callable | None = None) -> Callable:
     """The train step: the loss (each microbatch's mean loss counting 1/K under accumulation, so the update is
     the whole batch's), gradients reduced as `reduction` says (shard/strategies/gradients.py), one optimizer update.
     `device_shardings` (host offload) is the state's layout in device memory: what lives on the host between
@@ -40,13 +41,19 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
     `trainable` (low-rank adapters): what the step trains instead of `state.params`, as an object with
     `get(state)` (the trained tree), `put(state, tree)` and `weights(state, tree)` (the model's parameters
     they stand for); the rest of the state is a constant of the differentiation, so it gets no gradient.
-    `arrange` (a pipeline): the order of the rows the model is run on, the loss being a mean over them."""
+    `arrange` (a pipeline): the order of the rows the model is run on, the loss being a mean over them.
+    `goal`: an objective other than lm (shard/objectives/), whose loss replaces `loss_fn` on the model's outputs;
+    `reference(state)`: the frozen weights it compares with (shard/strategies/reference.py), if it wants them."""
 
-    def objective(params, rest, batch, weights=None):
+    def objective(params, rest, batch, weights=None, frozen=None):
         batch = context.reorder(batch, order)
         batch = arrange(batch) if arrange is not None else batch
         model = nnx.merge(graphdef, cast_floats(params if weights is None else weights(params), dtype), rest,
                           copy=True)
+        if goal is not None:
+            base = None if frozen is None else nnx.merge(graphdef, cast_floats(frozen, dtype), rest, copy=True)
+            loss, stats = goal.loss(model, batch, base)
+            return loss, (kept_like(nnx.state(model, nnx.Not(nnx.Param)), rest), loss, stats)
         outputs = run_model(model, batch, dtype).astype(jnp.float32)
         if "loss_mask" in batch:  # packed rows: the real targets' mean (weights from token_weights)
             loss = losses.weighted(loss_fn, outputs, batch["targets"], batch["loss_mask"])
@@ -62,9 +69,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
 
     def train_step(state: TrainState, batch: dict):
         state = to_device(state, device_shardings)
+        frozen = None if reference is None else jax.lax.stop_gradient(reference(state))
         if trainable is not None:
             return step_parts(state, batch, trainable.get(state), trainable.put, gradients.build(jax.value_and_grad(
-                partial(objective, weights=partial(trainable.weights, state)), has_aux=True), reduction))
+                partial(objective, weights=partial(trainable.weights, state), frozen=frozen), has_aux=True), reduction))
+        if frozen is not None:
+            return step_parts(state, batch, state.params, lambda s, p: s.replace(params=p), gradients.build(
+                jax.value_and_grad(partial(objective, frozen=frozen), has_aux=True), reduction))
         return step_parts(state, batch, state.params, lambda s, p: s.replace(params=p), gradient)
 
     def step_parts(state: TrainState, batch: dict, params, put, gradient):
@@ -120,13 +131,17 @@ def to_device(state, device_shardings):
 
 
 def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable, task: str, dtype, device_shardings=None,
-                   order: tuple | None = None) -> Callable:
-    """Sums over the real (mask 1) examples of a batch; the caller divides by the totals."""
+                   order: tuple | None = None, goal=None, reference: Callable | None = None) -> Callable:
+    """Sums over the real (mask 1) examples of a batch; the caller divides by the totals. `goal` and
+    `reference`: as for the train step (the objective's own sums)."""
 
     def eval_step(state: TrainState, batch: dict):
         state, batch = to_device(state, device_shardings), context.reorder(batch, order)
         model = nnx.merge(graphdef, cast_floats(state.params, dtype), state.rest)
         model.eval()  # e.g. normalisation layers use their running statistics
+        if goal is not None:
+            base = None if reference is None else nnx.merge(graphdef, cast_floats(reference(state), dtype), state.rest)
+            return goal.eval_sums(model, batch, base)
         outputs = run_model(model, batch, dtype).astype(jnp.float32)
         targets, mask = batch["targets"], batch["mask"]
         per_example = lambda fn: jax.vmap(lambda o, t: fn(o[None], t[None]))(outputs, targets)

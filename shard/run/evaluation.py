@@ -58,9 +58,11 @@ def eval_metrics(totals: dict, task: str) -> dict:
     if "sse" in totals:
         variance = totals["y2"] - totals["y"] ** 2 / totals["values"]
         metrics["eval_r2"] = 1.0 - totals["sse"] / max(variance, 1e-12)
+    # an objective's own metrics (shard/objectives/: dpo/margin, ...), each a mean over the rows
+    metrics.update({f"eval_{k}": v / count for k, v in totals.items() if "/" in k})
     if "bytes" in totals:  # tokens of any tokenizer: the loss over the UTF-8 bytes they stand for
         metrics["eval_bits_per_byte"] = totals["nats"] / math.log(2) / max(totals["bytes"], 1.0)
-    elif task == "lm":  # byte-level tokens: one byte each
+    elif task == "lm" and not any("/" in k for k in totals):  # byte-level tokens, one byte each (objective lm)
         metrics["eval_bits_per_byte"] = metrics["eval_loss"] / math.log(2)
     return metrics
 

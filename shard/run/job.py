@@ -24,7 +24,7 @@ from shard.strategies import registry as strategies
 from shard.strategies.base import Strategy
 from shard.run import distributed
 from shard import attention as attn
-from shard import hf, hooks, partition, paths
+from shard import hf, hooks, objectives, partition, paths
 from shard.hf import read as hf_read
 from shard.core import blame, losses, optim, registry
 from shard.core import flops as flops_lib
@@ -53,6 +53,7 @@ class Workload:
     flops_per_step: float  # model FLOPs of one train step, all devices together (shard/core/flops.py)
     stacks: tuple = ()     # the layer count of each stack the model runs through shard.hooks.stack
     attention_flops: float = 0.0  # of those, attention's forward (a fused kernel's work: the plan counts it apart)
+    objective: object = None  # train.objective's when it is not lm (shard/objectives/), else None
 
 
 @dataclass
@@ -142,7 +143,9 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
     model_cls, kwargs = registry.load(cfg.model)
     kwargs = with_vocabulary(cfg, model_cls, kwargs)
     resolved = config_lib.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, kwargs))
-    data = data_lib.build(cfg.data, cfg.train.seed, cache_dir=token_cache_dir(cfg))
+    goal = objectives.build(cfg)
+    data = (goal.data(cfg, cfg.train.seed, token_cache_dir(cfg)) if goal else
+            data_lib.build(cfg.data, cfg.train.seed, cache_dir=token_cache_dir(cfg)))
     loss_fn = losses.resolve(cfg.train.loss, data.task)
     tx, schedule = optim.build(cfg.optimizer, cfg.train.steps)
     dtype = jnp.dtype(cfg.train.dtype)
@@ -154,15 +157,18 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
         with hooks.watch_stacks() as stacks:  # one forward: each stack the model runs, once
             forward = step_lib.model_forward(graphdef, abstract, batch, dtype, cfg.model.name, data.num_classes)
         try:  # the loss alone on the model's outputs: blamed only for what fails there
-            losses.trace(loss_fn, forward.outputs, batch)
+            if goal is None:
+                losses.trace(loss_fn, forward.outputs, batch)
         except Exception as e:
             raise UserError(f"{_loss_context(cfg, loss_fn, data, forward, batch)}: {blame.describe(e)}") from None
-        train_fn = step_lib.make_train_step(graphdef, tx, loss_fn, dtype, badsteps.policy(cfg.train) == "skip")
+        train_fn = step_lib.make_train_step(graphdef, tx, loss_fn, dtype, badsteps.policy(cfg.train) == "skip",
+                                            goal=goal)
+        train_fn = goal.around(train_fn, graphdef, dtype) if goal else train_fn
         with blame.blamed(f"model {cfg.model.name!r} fails in the train step"):  # e.g. its gradient, its state
             train_jaxpr = jax.make_jaxpr(train_fn)(abstract, batch)
     flops = flops_lib.train_step_flops(train_jaxpr.jaxpr, forward.jaxpr)
     return Workload(model_cls, kwargs, resolved, data, loss_fn, tx, schedule, dtype, graphdef, abstract, init,
-                    batch, eval_batch, flops, tuple(stacks), flops_lib.attention_flops(forward.jaxpr))
+                    batch, eval_batch, flops, tuple(stacks), flops_lib.attention_flops(forward.jaxpr), goal)
 
 
 def with_vocabulary(cfg, model_cls, kwargs: dict) -> dict:
@@ -208,6 +214,8 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         distributed.check_same_config(cfg, registry.with_defaults(work.model_cls, work.kwargs))
     mesh = mesh_lib.build_mesh(cfg.mesh, devices)
     rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
+    if work.objective is not None:
+        work.objective.check(cfg, dict(mesh.shape))
     active = strategies.build(cfg, dict(mesh.shape), rules, work)
     traced = {k: v for s in active for k, v in s.hooks().items()}
     with partition.activate(mesh, rules), hooks.use(cfg.train.remat, cfg.train.attention,
@@ -243,8 +251,12 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         moved, order = options.get("device_shardings"), options.get("order")
         train_fn = step_lib.make_train_step(work.graphdef, work.tx, work.loss_fn, work.dtype,
                                             badsteps.policy(cfg.train) == "skip", reduction, moved, order, work.schedule,
-                                            options.get("trainable"), options.get("arrange"))
-        eval_fn = step_lib.make_eval_step(work.graphdef, work.loss_fn, work.data.task, work.dtype, moved, order)
+                                            options.get("trainable"), options.get("arrange"), work.objective,
+                                            options.get("reference"))
+        if work.objective is not None:  # e.g. GRPO's rollouts before its updates
+            train_fn = work.objective.around(train_fn, work.graphdef, work.dtype, options.get("trainable"))
+        eval_fn = step_lib.make_eval_step(work.graphdef, work.loss_fn, work.data.task, work.dtype, moved, order,
+                                          work.objective, options.get("eval_reference"))
         for s in active:
             train_fn, eval_fn = s.wrap_train(train_fn), s.wrap_eval(eval_fn)
         compile_start = time.perf_counter()

@@ -152,6 +152,23 @@ class Strategy:
         return []
 
 
+def params_copy(key: str, abstract, init, shardings):
+    """(abstract, init, shardings) of the train state with a copy of the parameters in `extra[key]`, laid out
+    like them and set from them at init (an average of the weights, a frozen reference)."""
+
+    def build():
+        state = init()
+        return with_params_copy(key, state)
+
+    return (abstract.replace(extra={**(abstract.extra or {}), key: abstract.params}), build,
+            shardings.replace(extra={**(shardings.extra or {}), key: shardings.params}))
+
+
+def with_params_copy(key: str, state):
+    """`state` with its parameters copied into `extra[key]`."""
+    return state.replace(extra={**(state.extra or {}), key: state.params})
+
+
 def mb(n) -> str:
     """Bytes as the plan prints them."""
     return f"{n / 2**20:.2f} MiB" if n is not None else "?"

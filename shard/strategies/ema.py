@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from shard.core import state as state_lib
 from shard.run import checkpoint as ckpt_lib
-from shard.strategies.base import Strategy, mb
+from shard.strategies.base import Strategy, mb, params_copy, with_params_copy
 
 KEY = "ema"
 
@@ -41,16 +41,10 @@ class EMA(Strategy):
 
     def add_state(self, abstract, init, shardings, place):
         self.device = state_lib.device_memory(shardings.params)
-
-        def build():
-            state = init()
-            return state.replace(extra={**(state.extra or {}), KEY: state.params})
-
-        return (abstract.replace(extra={**(abstract.extra or {}), KEY: abstract.params}), build,
-                shardings.replace(extra={**(shardings.extra or {}), KEY: shardings.params}))
+        return params_copy(KEY, abstract, init, shardings)
 
     def fill(self, state):
-        return state.replace(extra={**(state.extra or {}), KEY: state.params})
+        return with_params_copy(KEY, state)
 
     def lacks(self, state) -> bool:
         return (state.extra or {}).get(KEY) is None

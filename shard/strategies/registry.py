@@ -13,13 +13,15 @@ from shard.strategies.lora import LoRA
 from shard.strategies.low_comm import LowCommunication
 from shard.strategies.offload import Offload
 from shard.strategies.pipeline import Pipeline
+from shard.strategies.reference import Reference
 from shard.strategies.reduction import Reduction
 from shard.strategies.zero import Zero
 
 # Their state is added and their steps wrapped in this order (the last wraps outermost): the replicas' vmap
 # wraps the ordinary step, the weights' average wraps what the replicas would make of it. The adapters' step
-# options come after the reduction's: their gradients are what it reduces.
-ALL = (Accumulation, Pipeline, Context, Zero, Offload, Reduction, LoRA, LowCommunication, EMA)
+# options come after the reduction's: their gradients are what it reduces. A DPO reference comes after the adapters: its eval
+# view takes the weights before theirs merges the adapters in.
+ALL = (Accumulation, Pipeline, Context, Zero, Offload, Reduction, LoRA, Reference, LowCommunication, EMA)
 
 
 def build(cfg, mesh_shape: dict, rules: dict, work) -> tuple:
