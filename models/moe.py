@@ -8,15 +8,12 @@ Two routings (`routing`):
   combine an all-to-all back. A token over its expert's capacity is dropped from that expert (its
   residual connection still carries it).
 - "dropless": every token computed by each of its top_k experts, as Mixtral and Qwen3-MoE are
-  (what a Hugging Face checkpoint needs to give its own numbers): the (token, choice) pairs of the
-  whole batch sorted by expert and each expert's run multiplied by its weights in one grouped
-  product (`jax.lax.ragged_dot`). What XLA compiles of it (jax 0.10, read in the compiled program
-  of a tiny model under mesh=ep): the expert weights stay split, but the partitioner splits the
-  ragged product by its groups only: every device is handed all the (token, choice) pairs, computes
-  them against its own experts, and the hidden and output activations, (tokens x top_k, d_ff) and
-  (tokens x top_k, d_model) per layer, are summed over the expert devices by all-reduces: more
-  traffic than the capacity routing's all-to-all, which sends each token to its experts alone.
-  XLA's CPU backend computes a ragged product as a dense one per expert (n_experts times its FLOPs).
+  (what a Hugging Face checkpoint needs to give its own numbers): the (token, choice) pairs sorted by
+  expert and each expert's run multiplied by its weights in one grouped product (`jax.lax.ragged_dot`),
+  through shard.hooks.experts: under a mesh each device sorts its own tokens, and where the experts
+  are split (`experts`) the tokens of a group of devices are gathered to each and its experts' results
+  reduce-scattered back (shard/dropless.py). XLA's CPU backend computes a ragged product as a dense
+  one per expert (n_experts times its FLOPs).
 
 The router's softmax is over all experts, then the top_k are taken; `norm_topk` renormalises the
 chosen weights to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob), else they stay the probabilities.
@@ -41,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.hooks import layout
+from shard.hooks import experts, layout
 from shard.partition import constrain
 from shard.recorded import AuxLoss, Stat
 
@@ -95,18 +92,16 @@ class MoELayer(nnx.Module):
         return constrain(y, ("batch", "length", "embed"))
 
     def dropless(self, x, top_p, top_e):
-        """Each (token, choice) pair through its expert: the pairs sorted by expert (stable: in token order
-        within an expert), one ragged product per matrix over the experts' runs, then back in token order."""
-        b, t, d = x.shape
-        flat_e = top_e.reshape(-1)                                 # (b t k): token-major
-        order = jnp.argsort(flat_e, stable=True)
-        sizes = jnp.bincount(flat_e, length=self.n_experts).astype(jnp.int32)
-        xs = x.reshape(b * t, d)[order // self.top_k]              # each pair's token, in expert order
-        grouped = lambda a, w: jax.lax.ragged_dot(a, w[...], sizes)
-        h = grouped(xs, self.w_in)
-        h = jax.nn.silu(grouped(xs, self.w_gate)) * h if self.w_gate is not None else jax.nn.gelu(h)
-        ys = grouped(h, self.w_out)[jnp.argsort(order)].reshape(b, t, self.top_k, d)
-        return jnp.einsum("btkd,btk->btd", ys.astype(jnp.float32), top_p).astype(x.dtype)
+        """Each (token, choice) pair through its expert (shard.hooks.experts: each device sorts its own tokens by
+        expert), one ragged product per matrix over the experts' runs."""
+        def mlp(xs, sizes, weights):
+            grouped = lambda a, w: jax.lax.ragged_dot(a, w, sizes)
+            h = grouped(xs, weights[0])
+            h = jax.nn.silu(grouped(xs, weights[2])) * h if len(weights) == 3 else jax.nn.gelu(h)
+            return grouped(h, weights[1])
+
+        weights = (self.w_in[...], self.w_out[...]) + ((self.w_gate[...],) if self.w_gate is not None else ())
+        return experts(mlp, x, top_e, top_p, weights)
 
     def by_capacity(self, x, top_p, chosen):
         b, t, _ = x.shape

@@ -4,12 +4,14 @@ a sequence sits (context parallelism), and what it keeps between calls while gen
 
 A model runs its stacked layers with `stack(layers, x)`, applies a single layer through `layer(fn)`,
 computes attention with `attention(q, k, v, is_causal=...)`, takes its tokens' positions from
-`positions(length)`, multiplies token activations by a weight matrix with `dense(x, w)` and runs a
+`positions(length)`, multiplies token activations by a weight matrix with `dense(x, w)`, runs a mixture of
+experts' tokens through their experts with `experts(mlp, x, top_e, top_p, weights)` and runs a
 recurrence over time with `recurrence(step, carry, xs)`; what those do
 is set by the run (`mesh.stage` and `pipeline.*`, `train.remat`, `train.attention`, `mesh.context` and
-`train.context_strategy`; generation's caches, shard/use/decoding.py; export's unrolled layers) while its
-step is traced, under `use(...)`. Outside the framework they are plain JAX (a scan, no remat, XLA's
-attention, positions in order), so a model stays an ordinary Flax module.
+`train.context_strategy`; the mesh, for the experts; generation's caches, shard/use/decoding.py; export's
+unrolled layers) while its step is traced, under `use(...)`. Outside the framework they are plain JAX (a scan,
+no remat, XLA's attention, positions in order, the experts on one device), so a model stays an ordinary Flax
+module.
 """
 
 import contextlib
@@ -21,6 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from shard import attention as attn
+from shard import dropless, partition
 from shard.strategies import context
 from shard.use import decoding
 from shard.errors import UserError
@@ -278,3 +281,18 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     if x.ndim <= 2 or (split is not None and split.size > 1):
         return x @ w
     return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
+
+
+# ----------------------------------------------------------------------------- experts
+
+def experts(mlp, x: jax.Array, top_e: jax.Array, top_p: jax.Array, weights: tuple) -> jax.Array:
+    """Dropless mixture-of-experts routing: each token of (batch, length, d) x through each of its experts, top_e
+    and top_p (batch, length, k) its choices and their weights; returns their weighted sum, x's shape. weights:
+    the experts' arrays, each with the experts first (logical name `experts`); mlp(xs, sizes, weights) -> ys runs
+    each expert on its run of xs's rows (sorted by expert, sizes[i] rows for expert i: jax.lax.ragged_dot's
+    groups; rows past the runs must come out zero, as ragged_dot writes them). Under a mesh each device sorts
+    its own tokens, its experts' tokens sent to it (shard/dropless.py); outside the framework, and inside a
+    pipeline's stages, all on one device."""
+    if (active := partition.active()) is None or _PIPELINE.get() is not None:
+        return dropless.local(mlp, x, top_e, top_p, weights)
+    return dropless.split(mlp, x, top_e, top_p, weights, *active)

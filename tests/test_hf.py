@@ -106,10 +106,10 @@ def torch_logits(model, tokens) -> np.ndarray:
         return model(torch.tensor(tokens)).logits.numpy()
 
 
-def jax_logits(loaded) -> np.ndarray:
+def jax_logits(loaded, tokens=TOKENS) -> np.ndarray:
     graphdef, state = nnx.split(loaded.model)
     with partition.activate(loaded.mesh, loaded.rules):
-        return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, TOKENS))
+        return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens))
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
