@@ -15,7 +15,7 @@ from shard.hooks import positions, stack
 from shard.partition import constrain
 
 from .layers import norm as make_norm
-from .layers import Attention, Block, MLPBlock, check_choice, param, stacked
+from .layers import Attention, Block, MLPBlock, check_choice, lookup, param, stacked
 from . import rope as rope_lib
 
 
@@ -113,7 +113,7 @@ class GPT(nnx.Module):
             raise ValueError(f"sequence length {length} exceeds max_len={self.max_len}")
         # Gather rows from a table whole along `embed`: a lookup into a table split on its columns
         # forces XLA to rematerialise it at every use.
-        x = constrain(self.tok[...], ("vocab", None))[tokens]
+        x = lookup(constrain(self.tok[...], ("vocab", None)), tokens)
         if self.embed_scale is not None:
             x = x * jnp.asarray(self.embed_scale, x.dtype)  # rounded to the compute dtype first, as Gemma's
         if self.pos is not None:

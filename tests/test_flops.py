@@ -28,7 +28,8 @@ def test_model_flops_are_the_textbook_count_and_xla_agrees_for_one_layer(tmp_pat
     assert job.work.flops_per_step == expected
     xla = xla_flops(job.train_step)
     if layers == 1:
-        assert expected <= xla <= 1.25 * expected
+        lookup_grad = 2 * tokens * vocab * d  # the embedding's gradient, a one-hot product: XLA counts it, MFU not
+        assert expected + lookup_grad <= xla <= 1.25 * (expected + lookup_grad)
     else:
         assert xla < expected  # one layer's worth of the loop
 

@@ -23,6 +23,10 @@ import math
 
 from shard import attention
 
+# Products a model runs that are not model FLOPs (the gradient of a lookup as a one-hot product,
+# models/layers.py): a jitted function of this name counts 0.
+NOT_MODEL_FLOPS = "not_model_flops"
+
 
 try:  # the jaxpr types moved between JAX versions
     from jax.extend.core import ClosedJaxpr, Jaxpr
@@ -51,7 +55,8 @@ def train_step_flops(train_jaxpr: Jaxpr, forward_jaxpr: Jaxpr) -> float:
 def jaxpr_flops(jaxpr: Jaxpr) -> float:
     """Matrix products and convolutions; attention calls (and the pieces autodiff made of them) count 0."""
     def eqn_flops(eqn) -> float:
-        if _attention_call(eqn) is not None:
+        if _attention_call(eqn) is not None or (eqn.primitive.name in ("pjit", "jit")
+                                                and eqn.params.get("name") == NOT_MODEL_FLOPS):
             return 0.0
         if eqn.primitive.name == "dot_general":
             (lhs_contract, _), _ = eqn.params["dimension_numbers"]
