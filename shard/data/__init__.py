@@ -83,7 +83,18 @@ def build(cfg, seed: int, cache_dir=None) -> Data:
     task = own_task if cfg.task == "auto" else cfg.task
     if (task == "lm") != (own_task == "lm"):
         raise UserError(f"data.task={task}: the {cfg.name} source's task is {own_task}; lm goes with text and documents only")
+    dtype = TARGET_DTYPES[task]
+    # a packed batch's segment_ids, positions and loss_mask (shard/data/packing.py) pass through
+    cast = lambda batch: {**batch, "targets": np.asarray(batch["targets"], dtype)}
+    tokens = cfg.seq_len if task == "lm" else 0
+    classes = {"lm": vocab_size(cfg), "classification": _num_classes(cfg, train_src, task)}.get(task, 0)
+    return of_sources(cfg, seed, train_src, eval_src, task, cast, tokens, classes)
 
+
+def of_sources(cfg, seed: int, train_src, eval_src, task: str, cast, tokens: int, classes: int) -> Data:
+    """Batches of two random-access sources (`read_batch(indices)`): the train split's shuffled, endless, each
+    process reading its rows; the eval split's whole, padded and masked. `cast`: each batch, as read, to what
+    the step takes."""
     n_proc, proc = jax.process_count(), jax.process_index()
     rows = Rows(proc * (cfg.batch_size // n_proc), cfg.batch_size // n_proc)  # until the mesh says otherwise
     if cfg.batch_size % n_proc:
@@ -91,9 +102,6 @@ def build(cfg, seed: int, cache_dir=None) -> Data:
     if len(train_src) < cfg.batch_size:
         raise UserError(f"data.batch_size={cfg.batch_size} is larger than the train split "
                         f"({len(train_src)} examples of data.name={cfg.name})")
-    dtype = TARGET_DTYPES[task]
-    # a packed batch's segment_ids, positions and loss_mask (shard/data/packing.py) pass through
-    cast = lambda batch: {**batch, "targets": np.asarray(batch["targets"], dtype)}
     # Grain's index shuffle costs 10-60 us an index, most of what reading an in-memory example used to cost:
     # those sources are ordered by a numpy permutation of each epoch instead. Records on disk keep Grain's
     # shuffle (and their order): there may be more of them than a permutation array should hold, and
@@ -101,8 +109,6 @@ def build(cfg, seed: int, cache_dir=None) -> Data:
     order = (GrainOrder if cfg.name == "array_record" else EpochOrder)(len(train_src), seed)
     train = grain.MapDataset.source(TrainBatches(train_src, order, cfg.batch_size, rows)).map(cast)
     eval_batches = EvalBatches(eval_src, cast, cfg.batch_size, rows)
-    tokens = cfg.seq_len if task == "lm" else 0
-    classes = {"lm": vocab_size(cfg), "classification": _num_classes(cfg, train_src, task)}.get(task, 0)
     return Data(task=task, train=train, eval=eval_batches, batch_size=cfg.batch_size, tokens_per_example=tokens,
                 num_classes=classes, rows=rows)
 

@@ -1,0 +1,103 @@
+"""Direct preference optimisation (`train.objective=dpo`; Rafailov et al. 2023), on preference rows
+(shard/data/preferences.py).
+
+For each pair, the log-likelihood of each answer (the sum over its trained tokens of log p(token | before)),
+under the model trained (pi) and the frozen reference (ref, `train.dpo.reference=init`: the starting weights,
+shard/strategies/reference.py). The implicit rewards are r = beta * (log pi - log ref) of each answer;
+the margin is r_chosen - r_rejected, and the loss (`train.dpo.loss`):
+
+    sigmoid  -log sigmoid(margin)                               (DPO)
+    ipo      (h - 1 / (2 beta))^2, h = the margin / beta, each answer's log-likelihoods averaged over its
+             tokens (IPO, Azar et al. 2023, as TRL computes it)
+
+`train.dpo.reference=none` needs no reference: each answer's log-likelihood is averaged over its tokens and
+r = beta * that average, the loss -log sigmoid(margin - gamma) with gamma = `train.dpo.margin` (SimPO, Meng
+et al. 2024; beta there is larger, about 2). Logged: `dpo/margin`, `dpo/chosen_reward`, `dpo/rejected_reward`,
+`dpo/accuracy` (the share of pairs whose margin is positive) and each answer's mean log-likelihood under the
+model, `dpo/chosen_logp` and `dpo/rejected_logp`.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from shard import data as data_lib
+from shard.data import preferences
+from shard.errors import UserError
+from shard.objectives import Objective
+
+
+def build(cfg):
+    dpo = cfg.train.dpo
+    if dpo.precompute:
+        raise UserError("train.dpo.precompute=true is not available yet: the reference's log-likelihoods are "
+                        "computed in the step; use train.dpo.precompute=false (the reference a frozen copy, or "
+                        "the weights under LoRA's adapters)")
+    if dpo.reference == "init" and dpo.margin:
+        raise UserError(f"train.dpo.margin={dpo.margin:g} is SimPO's, read with train.dpo.reference=none")
+    return DPO(dpo.beta, dpo.loss, dpo.reference, dpo.margin)
+
+
+def log_likelihoods(model, inputs, targets, mask):
+    """Per row: the sum of log p(target) over the masked targets, and their number."""
+    logits = model(inputs).astype(jnp.float32)
+    picked = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(picked * mask, axis=-1), jnp.sum(mask, axis=-1)
+
+
+class DPO(Objective):
+    name = "dpo"
+
+    def __init__(self, beta: float, loss: str, reference: str, margin: float = 0.0):
+        self.beta, self.kind, self.margin = beta, loss, margin
+        self.reference = reference if reference == "init" else None
+        self.averaged = loss == "ipo" or reference == "none"  # log-likelihoods per token, not per answer
+
+    def check(self, cfg, mesh_shape: dict) -> None:
+        for axis, why in (("stage", "the pipeline's schedule runs one sequence per row"),
+                          ("context", "the sequence split orders one sequence per row")):
+            if mesh_shape.get(axis, 1) > 1:
+                raise UserError(f"train.objective=dpo with mesh.{axis}={mesh_shape[axis]}: {why}, and a preference "
+                                f"row holds two; use mesh.{axis}=1")
+
+    def columns(self, data_cfg) -> tuple[str, ...]:
+        return preferences.columns(data_cfg)
+
+    def data(self, cfg, seed: int, cache_dir):
+        train, held = preferences.splits(cfg.data)
+        return data_lib.of_sources(cfg.data, seed, train, held, "lm", lambda b: b, 2 * cfg.data.seq_len,
+                                   data_lib.vocab_size(cfg.data))
+
+    def rewards(self, model, batch: dict, reference):
+        """Per pair: (chosen reward, rejected reward, chosen log-likelihood, rejected log-likelihood)."""
+        sides = ((batch["inputs"], batch["targets"], batch["chosen_mask"]),
+                 (batch["rejected_inputs"], batch["rejected_targets"], batch["rejected_mask"]))
+        logps, counts = zip(*(log_likelihoods(model, *side) for side in sides))
+        if reference is not None:
+            ref = [jax.lax.stop_gradient(log_likelihoods(reference, *side)[0]) for side in sides]
+        else:
+            ref = [jnp.zeros_like(logps[0])] * 2
+        if self.averaged:
+            logps = [lp / jnp.maximum(n, 1.0) for lp, n in zip(logps, counts)]
+            ref = [r / jnp.maximum(n, 1.0) for r, n in zip(ref, counts)]
+        chosen, rejected = (self.beta * (lp - r) for lp, r in zip(logps, ref))
+        return chosen, rejected, *logps
+
+    def per_pair(self, model, batch: dict, reference) -> dict:
+        chosen, rejected, chosen_logp, rejected_logp = self.rewards(model, batch, reference)
+        margin = chosen - rejected
+        if self.kind == "ipo":
+            losses = (margin / self.beta - 1.0 / (2.0 * self.beta)) ** 2
+        else:
+            losses = -jax.nn.log_sigmoid(margin - self.margin)
+        return {"loss": losses, "dpo/margin": margin, "dpo/chosen_reward": chosen, "dpo/rejected_reward": rejected,
+                "dpo/accuracy": (margin > 0).astype(jnp.float32), "dpo/chosen_logp": chosen_logp,
+                "dpo/rejected_logp": rejected_logp}
+
+    def loss(self, model, batch: dict, reference):
+        means = {k: jnp.mean(v) for k, v in self.per_pair(model, batch, reference).items()}
+        return means.pop("loss"), means
+
+    def eval_sums(self, model, batch: dict, reference) -> dict:
+        mask = batch["mask"]
+        sums = {k: jnp.sum(mask * v) for k, v in self.per_pair(model, batch, reference).items()}
+        return {"count": jnp.sum(mask), **sums}
