@@ -23,7 +23,7 @@ import time
 
 from shard import paths
 from shard.errors import UserError
-from shard.observe.metrics import MetricsLog, seconds_since_process_start
+from shard.observe.metrics import MetricsLog, seconds_of_startup
 
 FILE = "goodput.jsonl"
 KINDS = ("startup", "compile", "restore", "steps", "retrained", "data_wait", "checkpoint", "eval", "lost", "other")
@@ -49,7 +49,7 @@ class Recorder:
         self.high = max((r["step"] for r in earlier if r.get("kind") in ("steps", "retrained")), default=0)
         self.log = MetricsLog(run_dir, name=FILE)
         self.log.enabled = self.log.enabled and enabled
-        since = seconds_since_process_start()
+        since = seconds_of_startup()
         self.process_start = time.time() - (since or 0.0)
         self.spent, self.looping = 0.0, False  # seconds of spans so far: before the loop, startup is the rest
         self.log.write({"event": "start", "attempt": self.attempt, "t": time.time(),

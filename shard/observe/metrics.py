@@ -53,6 +53,22 @@ def seconds_since_process_start() -> float | None:
         return None
 
 
+_RUNS_BEGAN: list[float] = []  # time.time() as each trainer run in this process began (run_began)
+
+
+def run_began() -> None:
+    _RUNS_BEGAN.append(time.time())
+
+
+def seconds_of_startup() -> float | None:
+    """Wall seconds since this run's start-up began: the process's start for the first run in a process (imports
+    included), the run's own start for a later one (a library user's second trainer.run, bench/vs_torch.py's
+    rounds), which would otherwise count the runs before it as its start-up."""
+    if len(_RUNS_BEGAN) > 1:
+        return time.time() - _RUNS_BEGAN[-1]
+    return seconds_since_process_start()
+
+
 class MetricsLog:
     """Appends records to metrics.jsonl, and hands each to the TensorBoard writer when there is one;
     only process 0 writes. Object stores (gs://, s3://) cannot append, so there the file is rewritten

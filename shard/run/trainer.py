@@ -32,7 +32,7 @@ from shard.observe.board import Board
 from shard.errors import NonFiniteLoss, UserError, warn
 from shard.run.job import Job, prepare
 from shard.run.evaluation import evaluate, prefetch_depth
-from shard.observe.metrics import MetricsLog, peak_memory_gb, seconds_since_process_start
+from shard.observe.metrics import MetricsLog, peak_memory_gb, run_began, seconds_of_startup
 
 
 @dataclass
@@ -52,6 +52,7 @@ class Result:
 
 def run(cfg: config_lib.Config) -> Result:
     """The whole run. SIGTERM/SIGINT are honoured in every phase (shard/run/stopping.py)."""
+    run_began()
     with stopping.StopRequest() as stop:
         return _run(cfg, stop)
 
@@ -220,7 +221,10 @@ def start_state(cfg, checkpoints, job: Job, say) -> state_lib.TrainState:
         return job.filled(state)
     if hf.is_folder(cfg.train.init_from):  # a Hugging Face folder: each process reads its slices
         state = state_lib.init_state(job.init, job.shardings)
-        params = hf_read.load_params(hf_read.Folder(cfg.train.init_from), job.target.params, cfg.model.kwargs)
+        # read in the model's own dtypes: a strategy that stores them otherwise (QLoRA's base) does so in `filled`
+        weights = jax.tree.map(lambda t, a: t if t.dtype == a.dtype else jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=t.sharding), job.target.params, job.work.abstract.params)
+        params = hf_read.load_params(hf_read.Folder(cfg.train.init_from), weights, cfg.model.kwargs)
         say(f"parameters from the Hugging Face folder {cfg.train.init_from}")
         return job.filled(state.replace(params=params), always=True)
     if cfg.train.init_from and (taken := job.take(*ckpt_lib.open_named(cfg.train.init_from, "train.init_from"), False)):
@@ -368,7 +372,7 @@ def _train_span(cfg, state, job: Job, checkpoints, log, result, devices, main, s
                 if (memory := peak_memory_gb()) is not None:
                     record["peak_memory_gb"] = memory
                 if done == start + 1:  # start-up costs, once: process start to the end of the first step
-                    record |= {"compile_s": job.compile_s, "startup_s": seconds_since_process_start()}
+                    record |= {"compile_s": job.compile_s, "startup_s": seconds_of_startup()}
                 records[done] = record
             if not (save_now or eval_now or stopping or done == cfg.train.steps):
                 if log_now:  # the finished steps only (no wait for the one just dispatched), but step 1's

@@ -10,23 +10,32 @@ weights enter the objective as constants, so they get no gradient, no optimizer 
 stay bitwise as loaded. Eval, the sample, `load_model`, generation and export see the merged weights
 (`model_view`, `read_model`); `python -m shard.export RUN --adapters-only` writes the adapters alone in PEFT's
 layout (shard/use/peft.py).
+
+`train.lora.base=nf4|int4|int8` (QLoRA) stores the frozen weights quantized (shard/quant/base.py): `params` holds
+each matrix's codes in the weight's shape and logical names, `extra["lora_base"]` their scales, both checkpointed
+once; the step and `model_view` dequantize them before merging the adapters. `bfloat16` stores them in bfloat16.
+A fresh init, `train.init_from` (a checkpoint, or a Hugging Face folder through `fill`) are quantized on loading.
 """
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
 from shard import partition
 from shard.core import registry
 from shard.core import state as state_lib
 from shard.errors import UserError
+from shard.quant import base as quant
 from shard.run import checkpoint as ckpt_lib
 from shard.strategies import adapters
 from shard.strategies.base import Strategy, mb
 
 KEY = "lora"
+BASE = "lora_base"  # the quantized base's scales
 
 
 def _without(extra: dict | None) -> dict | None:
-    rest = {k: v for k, v in (extra or {}).items() if k != KEY}
+    rest = {k: v for k, v in (extra or {}).items() if k not in (KEY, BASE)}
     return rest or None
 
 
@@ -47,11 +56,21 @@ def settings(cfg) -> tuple[int, float, tuple] | None:
     return lora.rank, alpha, targets
 
 
+def base_kind(cfg) -> str:
+    """How the frozen base is stored: float32 (as a run without adapters), bfloat16, or quantized (quant.KINDS)."""
+    return cfg.train.lora.base
+
+
 class LoRA(Strategy):
     name = "lora"
-    keys = ("train.lora.rank", "train.lora.alpha", "train.lora.targets")
-    switches = {"lora": "`train.lora.rank` > 0"}
+    keys = ("train.lora.rank", "train.lora.alpha", "train.lora.targets", "train.lora.base")
+    switches = {"lora": "`train.lora.rank` > 0", "qlora": "`train.lora.base` nf4, int4 or int8"}
     refuses = {
+        ("qlora", "offload"): "the quantized base is dequantized in the step from device memory; use train.offload=none",
+        ("qlora", "sync"): "the replicas would average the quantized codes, not weights; use train.sync=allreduce",
+        ("qlora", "pipeline"): "the stages' layout of the weights is not kept for the base's scales; use mesh.stage=1",
+        ("qlora", "reference"): "the DPO reference reads the weights as stored, not the dequantized base; use "
+                                "train.lora.base=float32 or bfloat16",
         ("lora", "zero"): "ZeRO splits optimizer state the size of the weights; the adapters' is small: use mesh.zero=0",
         ("lora", "offload"): "the adapters' optimizer state is small, keep it on the device: use train.offload=none",
         ("lora", "ema"): "train.ema averages the frozen weights, not the adapters; use train.ema=0",
@@ -59,10 +78,12 @@ class LoRA(Strategy):
         ("lora", "replicas"): "the replicas keep a copy of the weights each, not of the adapters; use mesh.replica=1",
     }
 
-    def __init__(self, rank: int, alpha: float, targets: tuple, site_list: tuple, seed: int):
+    def __init__(self, rank: int, alpha: float, targets: tuple, site_list: tuple, seed: int, base: str = "float32"):
         self.rank, self.alpha, self.targets, self.sites, self.seed = rank, alpha, targets, site_list, seed
         self.scale = alpha / rank
+        self.base = base
         self.device = None  # the adapters' shardings (the reduction's layout for their gradients)
+        self.mesh_shape, self.rules = {}, {}  # where the base's scales are laid out
 
     @classmethod
     def build(cls, cfg, mesh_shape, rules, work):
@@ -73,11 +94,19 @@ class LoRA(Strategy):
             raise UserError(f"train.lora.rank={got[0]} with pipeline.repeats={cfg.pipeline.repeats}: the circular "
                             "schedule's layer order is not kept for the adapters; use pipeline.repeats=1 (GPipe)")
         site_list = adapters.sites(work.model_cls, work.abstract.params, got[2], cfg.model.name)
-        return cls(*got, site_list, cfg.train.seed)
+        return cls(*got, site_list, cfg.train.seed, base_kind(cfg))
 
     @property
     def label(self) -> str:
-        return f"train.lora.rank={self.rank}"
+        return f"train.lora.rank={self.rank}" + (f" with train.lora.base={self.base}" if self.quantized else "")
+
+    @property
+    def tags(self) -> tuple:
+        return ("qlora", "lora") if self.quantized else ("lora",)
+
+    @property
+    def quantized(self) -> bool:
+        return self.base in quant.KINDS
 
     # ---- the state
     def fresh(self) -> dict:
@@ -85,19 +114,45 @@ class LoRA(Strategy):
 
     def add_state(self, abstract, init, shardings, place):
         tx = place.work.tx
+        self.mesh_shape, self.rules = dict(place.mesh.shape), place.rules
 
         def build():
             state, ad = init(), self.fresh()
-            return state.replace(opt_state=tx.init(ad), extra={**(state.extra or {}), KEY: ad})
+            return self.stored(state.replace(opt_state=tx.init(ad), extra={**(state.extra or {}), KEY: ad}))
 
         new = jax.eval_shape(build)
         laid = state_lib.state_shardings(new.replace(params=None, rest=None), place.mesh, place.rules, place.auto_min)
         self.device = laid.extra[KEY]
-        return new, build, shardings.replace(opt_state=laid.opt_state, extra={**(shardings.extra or {}), KEY: self.device})
+        extra = {**(shardings.extra or {}), KEY: self.device}
+        if self.quantized:
+            extra[BASE] = laid.extra[BASE]
+        return new, build, shardings.replace(opt_state=laid.opt_state, extra=extra)
+
+    def stored(self, state):
+        """A state with the model's float32 weights, its base stored as train.lora.base says."""
+        if self.base == "float32":
+            return state
+        codes, scales = quant.quantize(state.params, self.base, self.mesh_shape, self.rules)
+        extra = {**(state.extra or {}), **({BASE: scales} if self.quantized else {})}
+        return state.replace(params=codes, extra=extra)
+
+    def fill(self, state):
+        """Weights loaded in float32 (train.init_from) stored as the base is."""
+        raw = any(v.get_value().dtype == jnp.float32 and quant.quantizes(v) for v in jax.tree.leaves(
+            state.params, is_leaf=lambda x: isinstance(x, nnx.Variable)) if isinstance(v, nnx.Variable))
+        return self.stored(state) if raw and self.base != "float32" else state
+
+    def base_weights(self, state):
+        """The frozen weights the base stands for (float32)."""
+        if self.base == "float32":
+            return state.params
+        return quant.dequantize(state.params, (state.extra or {}).get(BASE, {}), self.base)
 
     def take(self, job, folder, step: int, resume: bool):
         """A whole-state restore needs the adapters and their optimizer state; a checkpoint of a run without
         them is refused in one line (its weights are what train.init_from reads)."""
+        if not resume and self.base != "float32":  # a model's float32 weights, stored as the base is
+            return self._init_from(job, folder, step)
         if resume:
             manager = ckpt_lib.tree_manager(folder)
             try:
@@ -110,6 +165,13 @@ class LoRA(Strategy):
                                 f"train.init_from={folder}, in a new run.dir")
         return None
 
+    def _init_from(self, job, folder, step: int):
+        weights = ckpt_lib.abstract_target(job.work.abstract.params, job.shardings.params)
+        got = ckpt_lib.read_parts(folder, step, {"model": {"params": weights, "rest": job.target.rest}})
+        fresh = state_lib.init_state(job.init, job.shardings)
+        return job.filled(fresh.replace(params=got["model"]["params"], rest=got["model"]["rest"]), always=True), \
+            dict(got["meta"])
+
     # ---- what the step trains (shard/core/step.py's `trainable`)
     def get(self, state):
         return state.extra[KEY]
@@ -118,7 +180,7 @@ class LoRA(Strategy):
         return state.replace(extra={**state.extra, KEY: trained})
 
     def weights(self, state, trained):
-        return adapters.merged(jax.lax.stop_gradient(state.params), trained, self.sites, self.scale)
+        return adapters.merged(jax.lax.stop_gradient(self.base_weights(state)), trained, self.sites, self.scale)
 
     def trained(self, abstract):
         return abstract.extra[KEY]
@@ -155,19 +217,36 @@ class LoRA(Strategy):
         model_cls = registry.resolve(cfg.model.name)  # load_model resolved it first, with its trust check
         mesh = jax.tree.leaves(target.params)[0].sharding.mesh
         site_list, scale, held = cls.adapters_target(cfg, model_cls, target.params, mesh)
-        got = ckpt_lib.read_parts(folder, step, {"model": {"params": target.params, "rest": target.rest},
-                                                 "optimizer": {"extra": {KEY: held}}})
-        params = jax.jit(adapters.merged, static_argnums=(2, 3))(got["model"]["params"], got["optimizer"]["extra"][KEY],
-                                                                 site_list, scale)
+        kind = base_kind(cfg)
+        rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
+        codes, scales = jax.eval_shape(lambda p: quant.quantize(p, kind, dict(mesh.shape), rules), target.params)
+        auto = state_lib.auto_min_size(cfg.mesh)
+        stored = ckpt_lib.abstract_target(codes, state_lib.state_shardings(codes, mesh, rules, auto))
+        laid = state_lib.state_shardings(scales, mesh, rules, auto)
+        extra = {KEY: held, **({BASE: ckpt_lib.abstract_target(scales, laid)} if kind in quant.KINDS else {})}
+        got = ckpt_lib.read_parts(folder, step, {"model": {"params": stored, "rest": target.rest},
+                                                 "optimizer": {"extra": extra}})
+        saved = got["optimizer"]["extra"]
+
+        def merged(codes, scales, pairs):
+            return adapters.merged(quant.dequantize(codes, scales, kind), pairs, site_list, scale)
+
+        params = jax.jit(merged, out_shardings=jax.tree.map(lambda t: t.sharding, target.params))(
+            got["model"]["params"], saved.get(BASE, {}), saved[KEY])
         return target.replace(params=params, rest=got["model"]["rest"]), dict(got["meta"])
 
     # ---- the plan
     def plan(self, job, step_ops, n) -> dict:
         held = ckpt_lib.abstract_target(job.abstract.extra[KEY], self.device)
         frozen = state_lib.count_params(job.abstract.params)
+        base = ckpt_lib.abstract_target({"codes": job.abstract.params, "scales": (job.abstract.extra or {}).get(BASE)},
+                                        {"codes": job.shardings.params, "scales": (job.shardings.extra or {}).get(BASE)})
+        as_float32 = ckpt_lib.abstract_target(job.work.abstract.params, job.shardings.params)
         return {"lora": {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets),
                          "weights_adapted": len(self.sites), "trainable_params": adapters.count(held),
-                         "frozen_params": frozen, "adapter_bytes_per_device": state_lib.shard_bytes(held)}}
+                         "frozen_params": frozen, "adapter_bytes_per_device": state_lib.shard_bytes(held),
+                         "base": self.base, "base_bytes_per_device": quant.stored_bytes(base),
+                         "base_float32_bytes_per_device": quant.stored_bytes(as_float32)}}
 
     plan_keys = ("lora",)
 
@@ -179,4 +258,8 @@ class LoRA(Strategy):
         return [f"lora: rank {lora['rank']}, alpha {lora['alpha']:g} on {', '.join(lora['targets'])} "
                 f"({lora['weights_adapted']} weights): {lora['trainable_params']:,} trainable adapter parameters "
                 f"({share:.2%} of the {lora['frozen_params']:,} frozen ones), "
-                f"{mb(lora['adapter_bytes_per_device'])} per device; the optimizer state is the adapters' alone"]
+                f"{mb(lora['adapter_bytes_per_device'])} per device; the optimizer state is the adapters' alone"] + \
+            ([f"lora base: the frozen weights stored {lora['base']} (scales included), "
+              f"{mb(lora['base_bytes_per_device'])} per device against {mb(lora['base_float32_bytes_per_device'])} "
+              f"in float32 ({lora['base_bytes_per_device'] / max(lora['base_float32_bytes_per_device'], 1):.3f}x)"]
+             if lora.get("base", "float32") != "float32" else [])

@@ -1,0 +1,141 @@
+"""A frozen base stored quantized (QLoRA, `train.lora.base=nf4|int4|int8`), or in bfloat16.
+
+Every floating matrix of the model (two or more dimensions besides a stack's `layers`: embeddings, attention,
+the feed-forward block, experts, the output layer) is quantized once with qwix, in blocks of 64 along its last
+dimension (one scale per block and per index of every other dimension: per layer, per head, per row), absmax
+scaled; vectors (norm scales, biases) and weights marked `full_precision` (a router) stay as they are. int8
+codes keep the weight's shape; 4-bit ones (int4 as code + 8, nf4's 0..15) are packed two to a uint8 along the
+last dimension, which halves it. We pack them ourselves: XLA's own int4 arrays came out of the init with
+unpacked layouts that the compiled step refused (XLA:CPU), and Orbax does not store uint4. Codes and scales carry
+the weight's logical names, so they are split like the weight on every mesh (a name dropped where the mesh does
+not divide the packed or blocked dimension). The step dequantizes them (float32, scale x value) before the
+model, as it casts the weights to the compute dtype today (shard/core/precision.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import qwix
+from flax import nnx
+
+from shard.partition import logical_names, logical_to_spec
+
+KINDS = ("int8", "int4", "nf4")
+FLOATS = ("float32", "bfloat16")
+QTYPE = {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4"}
+BLOCK = 64
+SHIFT = {"int4": 8, "nf4": 0}  # a 4-bit code's offset to 0..15
+
+
+def _str_path(path) -> tuple:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def quantizes(var) -> bool:
+    """Whether a parameter is stored quantized: a floating matrix (besides `layers`), not kept full precision."""
+    value = var.get_value()
+    names = logical_names(var) or (None,) * value.ndim
+    return (jnp.issubdtype(value.dtype, jnp.floating) and sum(n != "layers" for n in names) >= 2
+            and not var.get_metadata().get("full_precision") and value.shape[-1] % 2 == 0)
+
+
+def block(shape) -> int:
+    """The block along the last dimension: 64 where it divides it, else the whole dimension."""
+    return BLOCK if shape[-1] % BLOCK == 0 else shape[-1]
+
+
+def _names(names, shape, mesh_shape: dict, rules: dict) -> tuple:
+    """The weight's names for its codes or scales, a dimension's name dropped where its mesh axes do not divide it."""
+    if not mesh_shape:  # no mesh: the names as they are
+        return tuple(names)
+    spec = logical_to_spec(names, rules, mesh_shape)
+    out = []
+    for name, size, entry in zip(names, shape, spec):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        ways = 1
+        for a in axes:
+            ways *= mesh_shape.get(a, 1)
+        out.append(name if size % ways == 0 else None)
+    return tuple(out)
+
+
+def _each(params, fn):
+    return jax.tree_util.tree_map_with_path(fn, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _put(tree: dict, keys: tuple, value) -> None:
+    for k in keys[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[keys[-1]] = value
+
+
+def _get(tree: dict, keys: tuple):
+    for k in keys:
+        tree = tree.get(k) if isinstance(tree, dict) else None
+    return tree
+
+
+def quantize(params, kind: str, mesh_shape: dict, rules: dict):
+    """(codes, scales): `params` with each quantized matrix's value replaced by its codes, and the scales as
+    a nested dict by the matrices' paths (nnx.Params, float32). bfloat16: the floats cast, no scales."""
+    if kind in FLOATS:
+        cast = lambda p, v: v.replace(v.get_value().astype(kind)) if isinstance(v, nnx.Variable) and \
+            jnp.issubdtype(v.get_value().dtype, jnp.floating) else v
+        return _each(params, cast), {}
+    scales: dict = {}
+
+    def one(path, var):
+        if not isinstance(var, nnx.Variable) or not quantizes(var):
+            return var
+        w = var.get_value().astype(jnp.float32)
+        q = qwix.quantize(w, QTYPE[kind], channelwise_axes=tuple(range(w.ndim - 1)),
+                          tiled_axes={w.ndim - 1: block(w.shape)})
+        codes = q.qvalue if kind == "int8" else pack(q.qvalue.astype(jnp.int8) + SHIFT[kind])
+        names = logical_names(var) or (None,) * w.ndim
+        with nnx.use_eager_sharding(False):  # logical names, mapped by the rules
+            _put(scales, _str_path(path), nnx.Param(q.scale, out_sharding=_names(names, q.scale.shape,
+                                                                                   mesh_shape, rules)))
+            return nnx.Param(codes, out_sharding=_names(names, codes.shape, mesh_shape, rules))
+
+    return _each(params, one), scales
+
+
+def pack(codes):
+    """4-bit codes (0..15, int8) two to a uint8 along the last dimension: even indices low, odd high."""
+    c = codes.astype(jnp.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack(packed):
+    """The codes (0..15, int8) `pack` stored."""
+    both = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+    return both.reshape(*packed.shape[:-1], packed.shape[-1] * 2).astype(jnp.int8)
+
+
+def dequantize(params, scales: dict, kind: str):
+    """The float32 weights the codes and scales stand for (the bfloat16 base: its values as float32)."""
+    def one(path, var):
+        if not isinstance(var, nnx.Variable) or not jnp.issubdtype(var.get_value().dtype, jnp.number):
+            return var
+        scale = _get(scales, _str_path(path))
+        value = var.get_value()
+        if scale is None:
+            return var.replace(value.astype(jnp.float32)) if jnp.issubdtype(value.dtype, jnp.floating) else var
+        if kind == "int8":
+            codes = value
+        else:
+            codes = (unpack(value) - SHIFT[kind]).astype(jnp.uint4 if kind == "nf4" else jnp.int4)
+        return var.replace(qwix.dequantize(qwix.QArray(codes, scale[...], None, QTYPE[kind])))
+
+    return _each(params, one)
+
+
+def stored_bytes(tree) -> int:
+    """Bytes of one device's shards of an abstract tree in its stored types."""
+    bits = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) else leaf.shape
+        n = 1
+        for d in shape:
+            n *= d
+        bits += n * jax.dtypes.itemsize_bits(leaf.dtype)
+    return bits // 8
