@@ -1,0 +1,132 @@
+"""DPO (train.objective=dpo, issue 49) on a synthetic preference set built here: preference rows train only
+their answers' tokens; on one device the margin, the accuracy and the chosen answers' likelihood against the
+rejected ones rise; the loss equals a direct computation from the two models' log-probabilities; fsdp gives
+one device's curve (fsdp x tensor); LoRA's reference is the weights under the adapters; what does not combine is one line."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import overrides
+from shard import config
+from shard.data import preferences, tokenizer as tokenizer_lib
+from shard.errors import UserError
+from shard.objectives import dpo
+from shard.run import trainer
+
+# Each prompt's preferred answer names its number; the rejected one says something else.
+ROWS = [{"prompt": f"n{i % 10}:", "chosen": f" {i % 10}{i % 10}", "rejected": " no"} for i in range(48)]
+BASE = ["model.name=gpt", "model.vocab_size=256", "model.d_model=32", "model.n_layers=2", "model.n_heads=8",
+        "model.d_ff=64", "model.max_len=16", "data.name=documents", "data.seq_len=8", "data.batch_size=16",
+        "data.prompt_field=prompt", "data.chosen_field=chosen", "data.rejected_field=rejected",
+        "train.objective=dpo", "train.dpo.beta=0.5", "optimizer.lr=1e-2", "run.log_every=1", "train.steps=12"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo")
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return root
+
+
+def run(corpus, folder, *extra):
+    return trainer.run(config.load(None, overrides(folder, *BASE, f"data.path={corpus / 'pairs.jsonl'}", *extra)))
+
+
+@pytest.fixture(scope="module")
+def one(corpus, tmp_path_factory):
+    return run(corpus, tmp_path_factory.mktemp("one"), "run.cpu_devices=1")
+
+
+def direct_loss(params, rest, graphdef, batch, beta, ref_params=None) -> float:
+    """DPO's sigmoid loss from each row's log-probabilities, the softmax in float64 numpy (reference
+    none: each answer's mean log-probability, SimPO's margin with gamma 0)."""
+    def logps(p, inputs, targets, mask):
+        logits = np.asarray(nnx.merge(graphdef, p, rest)(inputs), np.float64)
+        top = logits.max(-1, keepdims=True)
+        logz = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+        picked = np.take_along_axis(logits, targets[..., None], -1)[..., 0] - logz
+        return (picked * mask).sum(-1) / (1.0 if ref_params is not None else mask.sum(-1))
+
+    sides = [(batch["inputs"], batch["targets"], batch["chosen_mask"]),
+             (batch["rejected_inputs"], batch["rejected_targets"], batch["rejected_mask"])]
+    pol = [logps(params, *s) for s in sides]
+    ref = [logps(ref_params, *s) for s in sides] if ref_params is not None else [0.0, 0.0]
+    margin = beta * ((pol[0] - ref[0]) - (pol[1] - ref[1]))
+    return float(np.mean(np.log1p(np.exp(-margin))))
+
+
+def test_preference_rows_train_only_the_answers(corpus, capsys):
+    tok = tokenizer_lib.load("bytes")
+    chat = {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "yo"}],
+            "rejected": "no"}
+    (corpus / "chat.jsonl").write_text(json.dumps(chat) + "\n" + json.dumps({**ROWS[1], "chosen": ""}) + "\n")
+    pairs = preferences.read([corpus / "pairs.jsonl"], ("prompt", "chosen", "rejected"), tok, 8)
+    got = pairs.read_batch(np.array([3]))
+    trained = lambda side, mask: bytes(got[side][0][got[mask][0] > 0].astype(np.uint8)).decode()
+    assert trained("targets", "chosen_mask") == " 33\n" and trained("rejected_targets", "rejected_mask") == " no\n"
+    assert bytes(got["inputs"][0][:4].astype(np.uint8)) == b"n3: "
+    chats = preferences.read([corpus / "chat.jsonl"], ("prompt", "chosen", "rejected"), tok, 32)
+    assert "1 preference pair(s) dropped" in capsys.readouterr().err  # the empty chosen answer
+    got = chats.read_batch(np.array([0]))
+    # the plain template's turn ends in a newline, and the separator after it is trained (as fine-tuning's)
+    assert trained("targets", "chosen_mask") == "yo\n\n" and trained("rejected_targets", "rejected_mask") == "no\n\n"
+
+
+def test_margin_accuracy_and_chosen_likelihood_rise(one):
+    h = one.history
+    first, last = h[:3], h[-3:]
+    mean = lambda rows, k: np.mean([r[k] for r in rows])
+    assert h[0]["loss"] == pytest.approx(np.log(2.0), abs=1e-6)  # the model is its reference at step 1
+    assert mean(last, "dpo/margin") > mean(first, "dpo/margin") + 0.5
+    assert mean(last, "dpo/accuracy") > 0.9 > mean(first, "dpo/accuracy")
+    gap = lambda rows: mean(rows, "dpo/chosen_logp") - mean(rows, "dpo/rejected_logp")
+    assert gap(last) > gap(first) + 1.0
+    assert one.eval["eval_dpo/accuracy"] > 0.9
+
+
+def test_the_loss_is_dpo_of_the_two_models_log_probabilities(one, corpus):
+    """The trained model against its reference (the frozen copy kept in the state) on some pairs."""
+    state = jax.device_get(one.state)
+    cfg = config.load(None, overrides(corpus / "x", *BASE, f"data.path={corpus / 'pairs.jsonl'}"))
+    batch = preferences.splits(cfg.data)[0].read_batch(np.arange(4))
+    objective = dpo.build(cfg)
+    model = nnx.merge(one.graphdef, state.params, state.rest)
+    reference = nnx.merge(one.graphdef, state.extra["reference"], state.rest)
+    got, _ = objective.loss(model, batch, reference)
+    want = direct_loss(state.params, state.rest, one.graphdef, batch, 0.5, state.extra["reference"])
+    assert float(got) == pytest.approx(want, abs=1e-6) and 0 < want < np.log(2.0) - 0.1  # the two models differ
+
+
+@pytest.mark.slow
+def test_fsdp_and_tensor_parallelism_give_one_devices_curve(one, corpus, tmp_path):
+    many = run(corpus, tmp_path, "mesh=fsdp_tp", "mesh.fsdp=2", "mesh.tensor=2", "run.cpu_devices=4")
+    np.testing.assert_allclose([r["loss"] for r in many.history], [r["loss"] for r in one.history], rtol=2e-5)
+    np.testing.assert_allclose([r["dpo/margin"] for r in many.history], [r["dpo/margin"] for r in one.history],
+                               rtol=1e-4, atol=1e-6)
+
+
+def test_lora_without_a_reference(corpus, tmp_path):
+    """LoRA keeps no copy (the reference is the weights under the adapters); reference-free, the loss at step 1
+    is SimPO's from the starting model's log-probabilities (the adapters start at zero)."""
+    got = run(corpus, tmp_path, "run.cpu_devices=1", "train.lora.rank=4", "train.dpo.reference=none", "train.steps=1")
+    state = jax.device_get(got.state)
+    assert "reference" not in (state.extra or {})
+    cfg = config.load(None, overrides(tmp_path / "x", *BASE, f"data.path={corpus / 'pairs.jsonl'}"))
+    first = dpo.build(cfg).data(cfg, cfg.train.seed, None).train[0]
+    want = direct_loss(state.params, state.rest, got.graphdef, first, 0.5)
+    assert got.history[0]["loss"] == pytest.approx(want, abs=1e-6)
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["mesh.stage=2", "run.cpu_devices=2"], "train.objective=dpo with mesh.stage=2"),
+    (["data.rejected_field=null"], "set data.rejected_field"),
+    (["train.offload=optimizer"], "use train.offload=none"),
+    (["train.dpo.precompute=true"], "train.dpo.precompute=true is not available"),
+])
+def test_refusals_are_one_line(corpus, tmp_path, extra, says):
+    with pytest.raises(UserError, match=says):
+        run(corpus, tmp_path, *extra)
