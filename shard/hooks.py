@@ -146,8 +146,11 @@ def scan(layers: nnx.Module, x):
 def scan_decoding(layers: nnx.Module, x, calls: decoding.Calls):
     """The scan of `scan`, over the layers' decoding entries too: each layer's calls take and put theirs. After
     the prefill the stacked entries ride in the scan's carry, each layer writing its new tokens into them in
-    place (as the scan's input and output they would be copied whole at every step)."""
+    place (as the scan's input and output they would be copied whole at every step). A stack whose layers keep
+    caches of different kinds (decoding.Kinds: local and global layers) starts from its empty caches, carried."""
     given = calls.take()
+    if given is None:
+        given = stack_caches(layers, x, calls)
     if given is not None:
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def carried(carry, one):
@@ -175,6 +178,29 @@ def scan_decoding(layers: nnx.Module, x, calls: decoding.Calls):
     x, made = run(x, layers, given)
     calls.put(made)
     return x
+
+
+def stack_caches(layers: nnx.Module, x, calls: decoding.Calls) -> list | None:
+    """The empty entries of a stack whose layers keep caches of different kinds (None for any other stack): one
+    layer traced abstractly (nothing computed) shows each call's entry, a Kinds already the whole stack's, any
+    other one layer's, stacked here on the `layers` axis."""
+    graphdef, state = nnx.split(layers)
+
+    def first(state, x):
+        probe = calls.inner(None)
+        token = _DECODE.set(probe)
+        try:
+            nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))(x)
+        finally:
+            _DECODE.reset(token)
+        return probe.made
+
+    made = jax.eval_shape(first, state, x)
+    if not any(isinstance(e, decoding.Kinds) for e in made):
+        return None
+    n = jax.tree.leaves(state)[0].shape[0]
+    return [jax.tree.map(lambda a, whole=isinstance(e, decoding.Kinds): jnp.zeros(a.shape if whole else (n, *a.shape),
+                                                                                    a.dtype), e) for e in made]
 
 
 def unrolled(layers: nnx.Module, x):

@@ -297,14 +297,14 @@ def test_a_left_padded_batch_equals_transformers_generate_with_its_attention_mas
 
 
 def test_sliding_windows_decode_as_recomputing_with_a_window_sized_cache():
-    """A GPT whose layers all slide alike keeps `window` slots per layer, slot s at s mod window (one with a global
-    layer masks its full cache: test_hf.py's Qwen2). Left-padded prompts of different lengths generate past the
-    window, each row as recomputing its own sequence does."""
+    """A sliding layer keeps `window` slots, slot s at s mod window, a global one every position: a stack mixing
+    two windows and a global layer keeps one cache per kind (every layer alike: test_hf.py's Mistral). Left-padded
+    prompts of different lengths generate past the windows, each row as recomputing its own sequence does."""
     from shard.models.gpt import GPT
 
-    model = state_lib.build_model(GPT, dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+    model = state_lib.build_model(GPT, dict(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
                                             max_len=24, position="rope", norm="rmsnorm", mlp="swiglu",
-                                            windows=[6, 6]), 0)
+                                            windows=[6, 0, 4]), 0)
     prompts = [list(range(1, 11)), [11, 12, 13]]
     g = generate.Generator(model)
     got = g(prompts, 12, generate.Sampling(temperature=0))
@@ -312,4 +312,6 @@ def test_sliding_windows_decode_as_recomputing_with_a_window_sized_cache():
         np.testing.assert_array_equal(row, generate.recompute(model, np.array([prompt]), 12)[0])
     cache = jax.eval_shape(lambda: g.forward(g.state, jnp.zeros((1, 10), jnp.int32), jnp.zeros(1, jnp.int32),
                                              jnp.zeros(1, jnp.int32), None, 22)[1])
-    assert cache[0][0]["k"].shape[2] == 6  # (layers, batch, slots, heads, dim): the window, not the 22 positions
+    # (layers of the kind, batch, slots, heads, dim): the windows, and the 22 positions for the global layer
+    assert {kind: c["k"].shape for kind, c in cache[0][0].caches.items()} == {
+        0: (1, 1, 22, 2, 8), 4: (1, 1, 4, 2, 8), 6: (1, 1, 6, 2, 8)}

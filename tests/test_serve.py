@@ -277,17 +277,26 @@ def test_chat_messages_go_through_the_tokenizers_template_or_the_plain_one(tmp_p
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
 
 
-@pytest.mark.parametrize("name", ["gpt", "lstm"])
+# a local layer (window 6) beside a global one, its prompts prefilled in chunks of 8 (the first right-padded)
+WINDOWED = [*TINY_GPT, "model.position=rope", "model.windows=[6,0]"]
+
+
+@pytest.mark.parametrize("name", ["gpt", "lstm", "windowed"])
 def test_a_request_joining_mid_way_decodes_as_it_would_alone(name):
     """The scheduler driven by hand (no thread): one request runs three steps alone, a second joins; each
-    one's tokens are its prompt's alone. The LSTM's carry passes over its prompt's right padding unchanged."""
+    one's tokens are its prompt's alone. The LSTM's carry passes over its prompt's right padding unchanged; the
+    local layer's slots are a ring of its window, written past by the padding of a prompt's chunk."""
     from shard.core import registry
     from shard.core import state as state_lib
 
-    cfg = config.load(None, TINY_MODELS[name])
-    generator = generate.Generator(state_lib.build_model(*registry.load(cfg.model), seed=1))
-    slots = engine.Engine(generator, slots=2, context=32, vocab=generate.BYTES, burst=1)
+    cfg = config.load(None, WINDOWED if name == "windowed" else TINY_MODELS[name])
+    generator = generate.Generator(state_lib.build_model(*registry.load(cfg.model), seed=3 if name == "windowed" else 1))
+    slots = engine.Engine(generator, slots=2, context=32, vocab=generate.BYTES, burst=1,
+                          **dict(chunk=8) if name == "windowed" else {})
     slots.allocate()
+    if name == "windowed":  # (layers of a kind, slots, positions, heads, head_dim): the ring, and every position
+        assert {kind: c["k"].shape for kind, c in slots.cache[0][0].caches.items()} == {
+            0: (1, 2, 32, 8, 4), 6: (1, 2, 6, 8, 4)}
     queue = scheduler.Scheduler(slots, _Bytes(), 4)
     first, second = (scheduler.Request(generate.text_tokens(text), 10, temperature=0) for text in ("def f(x):", "ab"))
     queue.submit(first)

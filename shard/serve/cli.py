@@ -137,9 +137,11 @@ def sized_context(args, generator, build, run_cfg, log) -> int:
         raise UserError(f"--context {args.context}: the model's positions end at {limit}; give at most {limit}")
     wanted = args.context or limit or DEFAULT_CONTEXT
     probe = build(wanted)  # its chunk, vocabulary and row counts (its shapes are traced, nothing compiled)
-    small, large = probe.cache_bytes(SMALLEST_CONTEXT), probe.cache_bytes(2 * SMALLEST_CONTEXT)
-    per_position = (large - small) / SMALLEST_CONTEXT
-    fixed = small - per_position * SMALLEST_CONTEXT
+    # exact at the asked context; a layer's ring stops growing at its window, so the line through it and twice it
+    # overestimates every smaller context (a cap)
+    small, large = probe.cache_bytes(wanted), probe.cache_bytes(2 * wanted)
+    per_position = (large - small) / wanted
+    fixed = small - per_position * wanted
     need = lambda context: int(fixed + per_position * context)
     device = generator.mesh.devices.flat[0] if generator.mesh is not None else jax.devices()[0]
     memory = hardware.memory_bytes(device, run_cfg.device_memory_gb) or _ram(device)

@@ -12,7 +12,10 @@ logged and counted):
   compiled for 1, 4, 16, ... rows (up to a quarter of the slots) and all of them (a lone request does not
   pay for idle slots).
 Each attends over a view, the first `128 * 2^k` slots (or the context) holding every position written, so
-a short request on a long-context server does not pay for the whole context. Each slot keeps its own write
+a short request on a long-context server does not pay for the whole context. A layer with a sliding window
+shorter than the context keeps a ring of its window per slot instead (position s at s mod window; a stack that
+mixes such layers with global ones keeps one cache per kind: shard/use/decoding.py's Kinds): it has no position
+axis to view, and is taken whole. Each slot keeps its own write
 slot (shard/use/decoding.py), so sequences that began at different times share a step. The cache carries
 logical names and is split like generation's (heads over `tensor`, the slots over the batch axes where they
 divide them).
@@ -84,7 +87,8 @@ class Engine:
         moved = lambda other: jax.tree.map(lambda a, b: next((i for i, (x, y) in enumerate(zip(a.shape, b.shape))
                                                               if x != y), None), shapes, other)
         self.axes = moved(jax.eval_shape(lambda s: self._cache_of(s, slots + 1, context), generator.state))
-        self.position_axes = moved(jax.eval_shape(lambda s: self._cache_of(s, slots, context + 1), generator.state))
+        self.position_axes = moved(jax.eval_shape(lambda s: self._cache_of(s, slots, context + 1, context),
+                                                  generator.state))
         # each a program per view; at most a quarter of the slots below all of them, as their copy takes memory
         self.row_buckets = [r for r in (1, 4, 16, 64) if r <= slots // 4] + [slots]
         self.first = jax.jit(self._first, donate_argnums=1, out_shardings=(self._replicated(), self.layout))
@@ -155,9 +159,11 @@ class Engine:
             self.recompiles += 1
             log.warning("recompile after warm-up: %s %s (%d so far)", what, shape, self.recompiles)
 
-    def _cache_of(self, state, rows: int, positions: int):
+    def _cache_of(self, state, rows: int, positions: int, reach: int | None = None):
+        """The cache of `rows` slots holding `positions` each, its local layers' rings those of slots that span
+        `reach` (default: positions)."""
         tokens, zeros = jnp.zeros((rows, 1), jnp.int32), jnp.zeros(rows, jnp.int32)
-        return self.g.forward(state, tokens, zeros, zeros, None, positions, seen=1)[1]  # never seen as it is
+        return self.g.forward(state, tokens, zeros, zeros, None, positions, seen=1, reach=reach)[1]  # never seen
 
     def _empty(self, state):
         return self._cache_of(state, self.slots, self.context)
@@ -167,7 +173,8 @@ class Engine:
         (written over the start of its slot; what lies past it there is never attended)."""
         zero = jnp.zeros(1, jnp.int32)
         with partition.activate(self.g.mesh, self.one_rules):
-            return self.g.forward(state, tokens, zero, zero, None, tokens.shape[1], end=length, last=length - 1)
+            return self.g.forward(state, tokens, zero, zero, None, tokens.shape[1], end=length, last=length - 1,
+                                  reach=self.context)
 
     def _pick(self, logits, count, temperature, top_k, top_p, logprobs) -> Picked:
         """Each row's token, and its log-probabilities where `logprobs` (a flag: some request asks for them)."""
@@ -201,7 +208,7 @@ class Engine:
         last = jnp.clip(length - index - 1, 0, tokens.shape[1] - 1)
         with partition.activate(self.g.mesh, self.one_rules):
             logits, row = self.g.forward(state, tokens, index, jnp.zeros(1, jnp.int32), row, view,
-                                         end=length, last=last, seen=view)
+                                         end=length, last=last, seen=view, reach=self.context)
         return self._pick(logits, count * self.burst, temperature, top_k, top_p, True), self._write(cache, row, slot)
 
     def _step(self, state, cache, rows, tokens, index, count, temperature, top_k, top_p, steps, logprobs, view: int):
@@ -220,7 +227,7 @@ class Engine:
         def one(i, carry):
             part, token, out = carry
             logits, part = self.g.forward(state, token[:, None], index + i, start, part,
-                                          self.context if whole else view, seen=view)
+                                          self.context if whole else view, seen=view, reach=self.context)
             picked = self._pick(logits, count * self.burst + i, temperature, top_k, top_p, logprobs)
             out = Picked(*(jax.lax.dynamic_update_index_in_dim(o, p.astype(o.dtype), i, 0)
                            for o, p in zip(out, picked)))

@@ -5,8 +5,9 @@ time. The model itself does not change for it: its attention, positions, layer s
 through `shard.hooks`, which under `hooks.use(decode=Calls(...))` keep their state here:
 
 - attention writes the new tokens' keys and values into its cache at the current position and attends
-  over every position written so far (`attend`), or within its sliding window (a stack whose layers all
-  slide alike keeps only the window: a ring of `window` slots per layer);
+  over every position written so far (`attend`), or within its sliding window (a layer whose window is shorter
+  than the cache keeps only the window: a ring of `window` slots; a stack mixing such layers with global ones
+  keeps one stacked cache per kind of layer, `Kinds`);
 - positions count on from the current position;
 - a recurrence (the LSTM's scan over time) starts from the carry its previous call ended with;
 - the stack of layers scans over its layers' caches with its layers (one slice each).
@@ -47,6 +48,11 @@ class Calls:
     end: jax.Array | None = None  # (batch,) int: from this slot on, this call's tokens are padding (None: none)
     seen: int | None = None  # attend over the first `seen` slots only (None: all): no written slot lies past them
     layer: jax.Array | None = None  # inside a stack, this layer's index: `given` then holds every layer's entries
+    reach: int | None = None  # the positions a row's cache spans (None: capacity); a shorter window keeps a ring
+
+    @property
+    def spans(self) -> int:
+        return self.reach or self.capacity
 
     def slots(self, length: int) -> jax.Array:
         """(batch, length): the cache slots of this call's tokens."""
@@ -91,8 +97,8 @@ class Calls:
         stacked = self._given()
         batch, length = next(iter(new.values())).shape[:2]
         rows, slots = jnp.arange(batch)[:, None], self.slots(length)
-        if ring is not None:  # earlier tokens of a long call would land on the later ones' places: dropped
-            slots = jnp.where(slots >= self.index[:, None] + length - ring, slots % ring, ring)
+        if ring is not None:
+            slots = self.ring_slots(length, ring)
         if stacked is None:
             stacked = {n: jnp.zeros((batch, ring or self.capacity, *x.shape[2:]), x.dtype) for n, x in new.items()}
         if self.layer is None:
@@ -107,11 +113,19 @@ class Calls:
         return {n: jax.lax.dynamic_slice(a, (self.layer, *(0,) * (a.ndim - 1)), (1, a.shape[1], width, *a.shape[3:]))[0]
                 for n, a in entry.items()}
 
+    def ring_slots(self, length: int, ring: int) -> jax.Array:
+        """(batch, length): where this call's tokens go in a ring of `ring` slots (slot s at s mod ring), `ring`
+        (out of range: dropped) for all but each row's last `ring` real ones: earlier tokens of a long call, and
+        a padded chunk's padding after its `end`, would land on the places of real ones still in the window."""
+        slots = self.slots(length)
+        last = self.index[:, None] + length if self.end is None else jnp.minimum(self.index + length, self.end)[:, None]
+        return jnp.where((slots >= last - ring) & (slots < last), slots % ring, ring)
+
     def inner(self, given, layer: jax.Array | None = None) -> "Calls":
         """The calls of one layer inside a stack, at the same position: `given`, the layer's own entries, or
         with `layer`, every layer's."""
-        return Calls(self.index, self.start, self.capacity, None if self.given is None else given, end=self.end,
-                     seen=self.seen, layer=layer)
+        return Calls(self.index, self.start, self.capacity, given, end=self.end, seen=self.seen, layer=layer,
+                     reach=self.reach)
 
 
 def attend(q, k, v, is_causal: bool, calls: Calls, window=None, softcap: float | None = None,
@@ -124,14 +138,23 @@ def attend(q, k, v, is_causal: bool, calls: Calls, window=None, softcap: float |
     k, v = jnp.where(real, k, 0), jnp.where(real, v, 0)
     value, sizes = attn.windows(window)
     ring = attn.fixed(sizes) if value is None else None
-    if ring is not None and is_causal and calls.seen is None and ring < calls.capacity:
+    if ring is not None and is_causal and ring < calls.spans:
         return _attend_ring(q, k, v, calls, ring, softcap, scale)
+    if value is not None and is_causal and len(set(kinds := cache_kinds(window[1], calls.spans))) > 1:
+        return _attend_kinds(q, k, v, calls, kinds, value, softcap, scale)
     cache = calls.write({"k": k, "v": v})
-    width = calls.seen or calls.capacity  # a server attends over the slots in use, not the whole context
+    return _attend_written(q, cache, calls, is_causal, ring if value is None else value, softcap, scale)
+
+
+def _attend_written(q, cache, calls: Calls, is_causal: bool, window, softcap, scale):
+    """The queries over a cache that holds every position at its slot, this call's keys written: its first `seen`
+    slots (a server attends over the slots in use, not the whole context), `window` (an int, a traced one with 0
+    global, or None) masking by position."""
+    width = calls.seen or calls.capacity
     new = calls.slots(q.shape[1])[:, :, None]            # (batch, new, 1): the queries' slots
     seen = jnp.arange(width)[None, None, :]               # the cache's slots attended over
     mask = (seen >= calls.start[:, None, None]) & (seen <= (new if is_causal else new[:, -1:]))
-    near = attn.visible(new[..., 0], seen[0, 0], False, ring if value is None else value)
+    near = attn.visible(new[..., 0], seen[0, 0], False, window)
     mask = mask if near is None else mask & near
     mask = mask | (seen == new)
     return _attention(q, cache["k"][:, :width].astype(q.dtype), cache["v"][:, :width].astype(q.dtype), mask,
@@ -143,18 +166,88 @@ def _attend_ring(q, k, v, calls: Calls, window: int, softcap, scale):
     alike: one static window): its cache holds `window` slots, slot s at s mod window, so that a long generation
     keeps a window of keys per layer rather than every position. The new queries attend over the keys held
     before this call and their own; then the call's keys go into the ring."""
-    length = q.shape[1]
-    held = calls.take()
-    if held is None:
-        held = {n: jnp.zeros((x.shape[0], window, *x.shape[2:]), x.dtype) for n, x in (("k", k), ("v", v))}
-    last = calls.index[:, None] - 1  # the slot each ring place holds: the latest before this call (< 0: none yet)
-    keys = jnp.concatenate([last - (last - jnp.arange(window)) % window, calls.slots(length)], axis=1)
-    new, seen = calls.slots(length)[:, :, None], keys[:, None, :]
+    out = _over_ring(q, k, v, calls, calls.take(), window, softcap, scale)
+    calls.write({"k": k, "v": v}, ring=window)
+    return out
+
+
+def _over_ring(q, k, v, calls: Calls, held: dict | None, window: int, softcap, scale):
+    """The new queries over the keys a ring of `window` slots held before this call (None: a fresh row, nothing
+    held) and the call's own."""
+    own = calls.slots(q.shape[1])
+    keys, both = own, {"k": k, "v": v}
+    if held is not None:
+        last = calls.index[:, None] - 1  # the slot each ring place holds: the latest before this call (< 0: none yet)
+        keys = jnp.concatenate([last - (last - jnp.arange(window)) % window, own], axis=1)
+        both = {n: jnp.concatenate([held[n].astype(q.dtype), x.astype(q.dtype)], axis=1) for n, x in both.items()}
+    new, seen = own[:, :, None], keys[:, None, :]
     mask = (seen >= calls.start[:, None, None]) & (seen >= 0) & (seen <= new) & (new - seen < window)
     mask = mask | (seen == new)
-    both = {n: jnp.concatenate([held[n].astype(q.dtype), x.astype(q.dtype)], axis=1) for n, x in (("k", k), ("v", v))}
-    calls.write({"k": k, "v": v}, ring=window)
-    return _attention(q, both["k"], both["v"], mask, softcap, scale)
+    return _attention(q, both["k"].astype(q.dtype), both["v"].astype(q.dtype), mask, softcap, scale)
+
+
+# ----------------------------------------------------------------------------- stacks of local and global layers
+# One scanned stack holds one layer's program, but its layers' caches need not share a shape: a stack that mixes
+# sliding layers with global ones (Gemma 2's 1:1, Gemma 3's 5:1, Qwen2's layer_types) keeps one stacked cache per
+# kind of layer (`Kinds`): every position for the global layers (and windows as long as the cache), a ring of
+# `window` slots for each shorter window's layers. Each layer finds its own by its index in the stack (a static
+# table of each layer's rank among its kind's): it writes its keys into its kind's cache alone (a scatter at an
+# out-of-range layer elsewhere, dropped, so the carried caches stay updated in place) and attends over it in a
+# jax.lax.switch on its kind, so a local layer reads its ring, not a global layer's positions. Two caches carried
+# on the layers axis, each layer one slice of each, would hold every position for every layer again.
+
+def cache_kinds(windows: tuple, spans: int) -> tuple:
+    """Each layer's cache kind: its ring's size (a window shorter than the `spans` positions a cache holds), or 0
+    (every position: a global layer, or a window the cache never outgrows)."""
+    return tuple(w if 0 < w < spans else 0 for w in windows)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Kinds:
+    """A stack's cache whose layers keep different kinds: kind (0, or a ring's size) -> {"k", "v"}, each
+    (that kind's layers, batch, slots, kv_heads, head_dim), its layers in the stack's order."""
+    caches: dict
+
+
+def _attend_kinds(q, k, v, calls: Calls, kinds: tuple, value, softcap, scale):
+    """`attend` for a causal layer of a stack whose layers keep caches of different `kinds` (cache_kinds), this
+    layer's window the traced `value` (0: global)."""
+    names = sorted(set(kinds))
+    stacked = calls._given()
+    batch, length = k.shape[:2]
+    if calls.layer is None:  # stack_caches' abstract pass: the empty caches of the whole stack; nothing computed
+        calls.made.append(Kinds({kind: {n: jnp.zeros((kinds.count(kind), batch, kind or calls.capacity, *x.shape[2:]),
+                                                      x.dtype) for n, x in (("k", k), ("v", v))} for kind in names}))
+        return jnp.zeros_like(q)
+    i, rows = calls.layer, jnp.arange(batch)[:, None]
+    # each layer's rank among its kind's layers; count (out of range: the write is dropped) where not of that kind
+    rank = {kind: jnp.asarray([kinds[:j].count(kind) if w == kind else kinds.count(kind)
+                               for j, w in enumerate(kinds)], jnp.int32)[i] for kind in names}
+    caches = dict(stacked.caches)
+
+    def written(kind, slots):
+        return {n: constrain(a.at[rank[kind], rows, slots].set(x.astype(a.dtype), mode="drop"), (None, *CACHE_NAMES))
+                for (n, a), x in zip(caches[kind].items(), (k, v))}
+
+    def layer_of(kind, width):  # read inside its branch: a layer of another kind never reads this one
+        return {n: jax.lax.dynamic_slice(a, (rank[kind], *(0,) * (a.ndim - 1)), (1, batch, width, *a.shape[3:]))[0]
+                for n, a in caches[kind].items()}
+
+    def branch(kind):
+        if kind == 0:
+            return lambda q: _attend_written(q, layer_of(0, calls.seen or calls.capacity), calls, True, value,
+                                             softcap, scale)
+        return lambda q: _over_ring(q, k, v, calls, layer_of(kind, kind), kind, softcap, scale)
+
+    if 0 in caches:  # a global layer attends over its cache with its keys in it: written first
+        caches[0] = written(0, calls.slots(length))
+    out = jax.lax.switch(jnp.asarray([names.index(w) for w in kinds], jnp.int32)[i], [branch(w) for w in names], q)
+    for kind in names:  # a ring's keys go in after its layer read what it held
+        if kind:
+            caches[kind] = written(kind, calls.ring_slots(length, kind))
+    calls.made.append(Kinds(caches))
+    return out
 
 
 SCORES = 1 << 22  # queries x keys past which attention runs over blocks of keys

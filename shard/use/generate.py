@@ -62,20 +62,23 @@ class Generator:
                                donate_argnames="cache")
         self._whole = jax.jit(self._pick_at, static_argnames="sampling")
         self._caches = None  # whether the model's calls keep a cache (known at the first call)
+        self.weights = None  # `state` stored otherwise (quantized: shard/quant/serving.py) -> the model's state
 
     def _model(self, state) -> nnx.Module:
         """The model in the compute dtype, for inference (no dropout, running statistics)."""
+        state = state if self.weights is None else self.weights(state)
         model = nnx.merge(self.graphdef, cast_floats(state, self.dtype), copy=True)
         model.eval()
         return model
 
-    def forward(self, state, tokens, index, start, cache, capacity: int, end=None, last=None, seen: int | None = None):
+    def forward(self, state, tokens, index, start, cache, capacity: int, end=None, last=None, seen: int | None = None,
+                reach: int | None = None):
         """Logits of the last of `tokens` (float32; of each row's column `last` where given) and the cache with
         them written at each row's `index` (its padding before its `start` and from its `end`; attending over
-        its first `seen` slots: shard/use/decoding.py)."""
+        its first `seen` slots; a row spanning `reach` positions, default capacity: shard/use/decoding.py)."""
         model = self._model(state)
         calls = decoding.Calls(jnp.asarray(index, jnp.int32), jnp.asarray(start, jnp.int32), capacity, cache,
-                               end=None if end is None else jnp.asarray(end, jnp.int32), seen=seen)
+                               end=None if end is None else jnp.asarray(end, jnp.int32), seen=seen, reach=reach)
         with hooks.use(decode=calls):
             logits = model(tokens)
         logits = logits[:, -1] if last is None else jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
@@ -263,10 +266,11 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{message}; usage: python -m shard.generate RUN [--prompt TEXT ... | --prompt-file FILE | "
                         "--prompt-lines FILE] "
                         "[--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B] "
-                        "[--step N] [--trust-code] [key=value ...]")
+                        "[--step N] [--trust-code] [--quantize int8|int4] [key=value ...]")
 
 
 def main(argv: list[str]) -> int:
+    from shard.quant import serving
     from shard.use import load
 
     parser = _Parser(prog="python -m shard.generate", description=__doc__.split("\n\n")[0])
@@ -283,6 +287,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=1, help="continuations of the prompt, sampled together")
     load.add_loading_arguments(parser)
+    serving.add_argument(parser)
     args, overrides, whole_mesh = load.parse_loading(parser, argv)
     if args.max_new_tokens < 1 or args.batch < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} and --batch {args.batch} must be at least 1")
@@ -299,8 +304,9 @@ def main(argv: list[str]) -> int:
 
     loaded = load.load(args.run, overrides, step=args.step, whole_mesh=whole_mesh, key="RUN",
                        trust_code=args.trust_code)
-    generator = Generator(loaded.model, loaded.mesh if whole_mesh else None, loaded.rules, loaded.cfg.train.dtype,
-                          window=loaded.cfg.data.seq_len)
+    generator = serving.quantize_generator(Generator(loaded.model, loaded.mesh if whole_mesh else None, loaded.rules,
+                                                     loaded.cfg.train.dtype, window=loaded.cfg.data.seq_len),
+                                           args.quantize)
     tok = load.load_tokenizer(args.run, key="RUN")
     sampling = Sampling(args.temperature, args.top_k, args.top_p, vocab=tok.vocab_size).check()
     rows = [prompt for prompt in prompts for _ in range(args.batch)]
