@@ -16,10 +16,11 @@ and against XLA's own cost analysis.
 
 `--sweep` searches one knob at a time from the config's settings, keeping the best so far: the
 attention kernel (auto, xla; cudnn on an NVIDIA GPU in bf16), `train.remat`, the batch (halved and doubled
-while it helps and fits), and XLA_FLAGS. `--knobs a,b` limits it; `--budget-s` stops starting new
+while it helps and fits), `train.scan_layers` (a scan stacks every layer's saved activations into one buffer: on
+the H200 that stacking and its copies were ~28% of gpt_350m's step, bench/RESULTS.md), and XLA_FLAGS. `--knobs a,b` limits it; `--budget-s` stops starting new
 runs once spent (the best so far is still reported).
 
-Run: `python bench/mfu.py [CONFIG.yaml] [key=value ...] [--sweep] [--knobs attention,remat,batch,flags]
+Run: `python bench/mfu.py [CONFIG.yaml] [key=value ...] [--sweep] [--knobs attention,remat,batch,scan,flags]
 [--steps N] [--budget-s S] [--out FILE.jsonl]` (default: configs/gpt_350m.yaml). Exit status 1 if
 the best MFU is under the 55% target (or unknown).
 """
@@ -56,7 +57,7 @@ def run_setting(config: str, overrides: list[str], setting: dict, steps: int, ti
     """Train `steps` steps with this setting in a fresh process; its figures, or why it did not run."""
     args = [*overrides, *QUIET, f"train.steps={steps}", f"run.log_every={LOG_EVERY}",
             f"train.attention={setting['attention']}", f"train.remat={setting['remat']}",
-            f"data.batch_size={setting['batch']}"]
+            f"data.batch_size={setting['batch']}", f"train.scan_layers={str(setting['scan']).lower()}"]
     env = {**os.environ, "XLA_FLAGS": setting["flags"]}
     with tempfile.TemporaryDirectory() as run_dir:
         try:
@@ -89,7 +90,7 @@ def why_failed(stderr: str) -> str:
 
 
 def key(setting: dict) -> tuple:
-    return setting["attention"], setting["remat"], setting["batch"], setting["flags"]
+    return setting["attention"], setting["remat"], setting["batch"], setting["scan"], setting["flags"]
 
 
 def better(a: dict | None, b: dict) -> bool:
@@ -127,6 +128,9 @@ def sweep(config, overrides, start: dict, knobs: list[str], device: dict, bf16: 
         elif knob == "remat":
             for value in ("none", "dots", "full"):
                 trial({**base, "remat": value})
+        elif knob == "scan":
+            for value in (True, False):
+                trial({**base, "scan": value})
         elif knob == "flags":
             for value in GPU_FLAGS if device["platform"] == "gpu" else [""]:
                 trial({**base, "flags": value})
@@ -145,7 +149,8 @@ def sweep(config, overrides, start: dict, knobs: list[str], device: dict, bf16: 
 
 def row(r: dict) -> str:
     flags = r["flags"] or "-"
-    head = f"batch {r['batch']:>4} | remat {r['remat']:<4} | attention {r['attention']:<5} | XLA_FLAGS {flags}"
+    head = (f"batch {r['batch']:>4} | remat {r['remat']:<4} | attention {r['attention']:<5} | "
+            f"{'scanned' if r['scan'] else 'unrolled'} | XLA_FLAGS {flags}")
     if r["status"] != "ok":
         return f"{head} | {r['status']}"
     mfu = f"{r['mfu']:.1%}" if "mfu" in r else "unknown peak"
@@ -159,7 +164,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("config", nargs="?", default=str(ROOT / "configs" / "gpt_350m.yaml"))
     parser.add_argument("overrides", nargs="*", help="key=value, as for train.py")
     parser.add_argument("--sweep", action="store_true", help="search the settings one knob at a time")
-    parser.add_argument("--knobs", default="attention,remat,batch,flags", help="what --sweep varies, in order")
+    parser.add_argument("--knobs", default="attention,remat,batch,scan,flags", help="what --sweep varies, in order")
     parser.add_argument("--steps", type=int, default=30, help="steps per run (at least 4 x %d)" % LOG_EVERY)
     parser.add_argument("--budget-s", type=float, default=480, help="start no run after this many seconds")
     parser.add_argument("--out", help="append every run's figures to this JSON-lines file")
@@ -168,9 +173,9 @@ def main(argv: list[str]) -> int:
         args.overrides.insert(0, args.config)
         args.config = str(ROOT / "configs" / "gpt_350m.yaml")
     knobs = [k for k in args.knobs.split(",") if k]
-    unknown = set(knobs) - {"attention", "remat", "batch", "flags"}
+    unknown = set(knobs) - {"attention", "remat", "batch", "scan", "flags"}
     if unknown:
-        print(f"error: --knobs takes attention,remat,batch,flags, got {','.join(sorted(unknown))}", file=sys.stderr)
+        print(f"error: --knobs takes attention,remat,batch,scan,flags, got {','.join(sorted(unknown))}", file=sys.stderr)
         return 2
     if args.steps < 4 * LOG_EVERY:
         print(f"error: --steps must be at least {4 * LOG_EVERY}, got {args.steps}", file=sys.stderr)
@@ -186,7 +191,7 @@ def main(argv: list[str]) -> int:
         return 2
     device = device_info()
     start = {"attention": cfg.train.attention, "remat": cfg.train.remat, "batch": cfg.data.batch_size,
-             "flags": os.environ.get("XLA_FLAGS", "")}
+             "scan": cfg.train.scan_layers, "flags": os.environ.get("XLA_FLAGS", "")}
     print(f"device: {device['kind']} ({device['platform']}) | jax {device['jax']} | {Path(args.config).name} "
           f"{' '.join(args.overrides)} | {cfg.data.seq_len} tokens per sequence, {cfg.train.dtype} | "
           f"{args.steps} steps per run", flush=True)

@@ -54,6 +54,15 @@ def test_the_tpu_compilers_refusals_say_which_memory():
     assert "\n" not in hbm + vmem
 
 
+def test_the_gpu_compilers_own_failure_is_one_line_with_the_way_round():
+    # seen compiling Phi-3 for h100x8 (head size 96, as many key/value heads as heads): the Triton GEMM emitter
+    failed = target.compiler_failed("INTERNAL: Couldn't find output tile sizes that satisfy ...\n\tat fusion.12",
+                                    "h100x8")
+    assert failed.startswith("the step does not compile for h100x8: the compiler failed (INTERNAL: Couldn't find")
+    assert "xla_gpu_enable_triton_gemm: false" in failed and "\n" not in failed
+    assert "triton" not in target.compiler_failed("INTERNAL: something else", "v5p-8")
+
+
 @pytest.mark.parametrize("args,says", [
     (["run.target=v9-8", "--dry-run"], "unknown run.target 'v9-8'; known: v4-N"),
     (["run.target=v5p-8"], "add --dry-run or --compare"),

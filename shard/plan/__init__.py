@@ -52,9 +52,12 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
     try:
         prepared = job.prepare(cfg, devices, work, training=False, flags=target_lib.compiler_flags(cfg.run, devices[0]))
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program larger than the chip's memory
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        raise UserError(target_lib.out_of_memory(str(e), cfg.run.target or "the device")) from None
+        where = cfg.run.target or "the device"
+        if "RESOURCE_EXHAUSTED" in str(e):
+            raise UserError(target_lib.out_of_memory(str(e), where)) from None
+        if "INTERNAL" in str(e) or "UNIMPLEMENTED" in str(e):  # the compiler's own failure, not the program's
+            raise UserError(target_lib.compiler_failed(str(e), where)) from None
+        raise
     work = prepared.work
     step = prepared.train_step
     n = len(devices)

@@ -224,6 +224,18 @@ def out_of_memory(message: str, where: str) -> str:
             "splits more, or mesh=auto)")
 
 
+def compiler_failed(message: str, where: str) -> str:
+    """A compiler's own failure on a program (not the user's code), as one line with what may get round it."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    first = lines[0] if lines else "no message"
+    around = ""
+    if "output tile sizes" in message or "Triton" in message or "triton" in message:
+        # XLA's GPU compiler fails to tile some products with its Triton GEMM emitter (Phi-3's key/value
+        # gradient on h100x8, bench/RESULTS.md); cuBLAS takes them
+        around = "; run.compiler_flags={xla_gpu_enable_triton_gemm: false} hands matrix products to cuBLAS instead"
+    return f"the step does not compile for {where}: the compiler failed ({first[:300]}){around}"
+
+
 def per_device(target: Target, n_devices: int) -> dict:
     """The chip's figures per compile-only device: some topologies give a device per TensorCore (v4's two),
     each with half the chip's memory and FLOP/s."""
