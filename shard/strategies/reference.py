@@ -6,7 +6,8 @@ its adapters: `state.params`, no second copy. In full fine-tuning it is a copy o
 beside the trained ones in `extra["reference"]`, laid out by the same rules (so fsdp splits it as it splits
 the weights, in host memory where they are), checkpointed with the optimizer state (a resume reads it back
 bitwise) and set from the loaded weights after `train.init_from` (`fill`). The plan shows its bytes per
-device. (`train.dpo.precompute=true` needs neither: the reference's log-likelihoods ride in the batches.)
+device. (`train.dpo.precompute=true`, the reference's log-likelihoods computed once into the data cache, is
+not built yet: shard/objectives/dpo.py refuses it.)
 """
 
 from shard.core import state as state_lib
@@ -24,7 +25,7 @@ def _without(extra: dict | None) -> dict | None:
 
 class Reference(Strategy):
     name = "reference"
-    keys = ("train.dpo.reference", "train.dpo.precompute")
+    keys = ("train.dpo.reference",)
     switches = {"reference": "`train.objective=dpo` with `train.dpo.reference=init`",
                 "copy": "`train.dpo.reference=init` without LoRA (a copy of the weights)"}
     refuses = {
@@ -32,7 +33,7 @@ class Reference(Strategy):
                                "train.sync=allreduce",
         ("reference", "replicas"): "each replica would keep a reference of its own; use mesh.replica=1",
         ("copy", "offload"): "the reference's copy stays in device memory; use train.offload=none, LoRA "
-                             "(train.lora.rank, no copy) or train.dpo.precompute=true",
+                             "(train.lora.rank, no copy)",
     }
 
     def __init__(self, copy: bool):
