@@ -8,10 +8,13 @@ the local batch. (Sorting the flattened global batch, the partitioner handed eve
 
 The experts' weights enter as the mesh lays them out, less the manual axes: an axis that splits their
 `embed` (fsdp) is gathered, as ZeRO-3 gathers any weight before use; an axis that splits the experts
-themselves and the tokens too (`expert`) keeps each device's own experts. There the tokens go to them:
-each device gathers the tokens of its `expert` group, computes the pairs routed to its own experts (the
-others sorted past the groups, where the grouped product writes zeros), and a reduce-scatter sums each
-token's experts and returns it to its device. Axes the tokens are not split on (`tensor`) stay the
+themselves and the tokens too (`expert`) keeps each device's own experts. There the tokens go to them, round
+a ring: each device's block of tokens, with the sum of its experts' results so far, passes from device to
+device of its `expert` group (collective permutes), each computing the pairs routed to its own experts (the
+others sorted past the groups, where the grouped product writes zeros), until it is back home with every
+expert's. A device holds one block at a time, of the local batch's size (gathering the group's tokens at once
+would hold them all, the whole batch under mesh=ep); it sends each block once and its sum once per device of
+the group, as an all-gather and a reduce-scatter would. Axes the tokens are not split on (`tensor`) stay the
 partitioner's.
 
 `local` is the whole computation on one device: what a model gets outside the framework and, in the
@@ -64,9 +67,18 @@ def split(mlp, x, top_e, top_p, weights, mesh, rules):
     def body(x, top_e, top_p, *weights):
         if not owners:
             return local(mlp, x, top_e, top_p, weights)
-        x, top_e, top_p = (jax.lax.all_gather(a, owners, axis=0, tiled=True) for a in (x, top_e, top_p))
-        y = local(mlp, x, top_e, top_p, weights, first=jax.lax.axis_index(owners) * (n // group))
-        return jax.lax.psum_scatter(y, owners, scatter_dimension=0, tiled=True)
+        first = jax.lax.axis_index(owners) * (n // group)
+        ring = [(i, (i + 1) % group) for i in range(group)]
+        send = lambda *a: tuple(jax.lax.ppermute(b, owners, ring) for b in a)  # noqa: E731
+
+        @jax.checkpoint  # keep a visit's tokens only: its pairs are recomputed in the backward pass
+        def visit(carry, _):
+            x, top_e, top_p, y = carry
+            return send(x, top_e, top_p, y + local(mlp, x, top_e, top_p, weights, first)), None
+
+        # each device's tokens visit the group's devices in turn, each adding its experts' results, then go home
+        (x, top_e, top_p, y), _ = jax.lax.scan(visit, (x, top_e, top_p, jnp.zeros_like(x)), length=group - 1)
+        return send(y + local(mlp, x, top_e, top_p, weights, first))[0]
 
     return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, *[held] * len(weights)),
                          out_specs=tokens, axis_names=manual)(x, top_e, top_p, *weights)
