@@ -1,0 +1,163 @@
+"""GRPO (train.objective=grpo): its rewards, the rollouts' layout, and runs of a tiny model on single-digit
+addition (built here, offline): the reward rises, a mesh with accumulation gives one device's curve, a resume is
+bitwise, and what does not combine is refused in one line."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shard import config
+from shard.errors import UserError
+from shard.objectives import rewards, rollouts
+from tests.conftest import overrides
+
+MODEL = ["model.name=gpt", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_len=16"]
+
+
+def done(*texts, answer="7", tokens=2):
+    return [rewards.Completion(t, answer, tokens) for t in texts]
+
+
+def test_built_in_rewards():
+    np.testing.assert_array_equal(rewards.exact(done(" 7\n", "7 ", "77", "")), [1, 1, 0, 0])
+    np.testing.assert_array_equal(rewards.number(done("so 3, then 7", "7.0000001", "1,007", "x", answer="n = 7"), 1e-6),
+                                  [1, 1, 0, 0])
+    assert rewards.last_number("1,007 and -2.5e1") == -25.0
+    scored, means = rewards.Rewards(["exact", "regex", "length"], [1.0, 0.5, 2.0], pattern=r"^\d",
+                                    max_new_tokens=4).score(done("7", "x7", tokens=1) + done("8", tokens=4))
+    np.testing.assert_allclose(scored, [1 + 0.5 - 0.5, 0 + 0 - 0.5, 0 + 0.5 - 2.0])
+    assert means == pytest.approx({"grpo/reward_exact": 1 / 3, "grpo/reward_regex": 2 / 3,
+                                   "grpo/reward_length": -0.5})
+
+
+@pytest.mark.parametrize("names, weights, pattern, message", [
+    (["exact", "number"], [1.0], None, "train.grpo.weights has 1 entries for 2 rewards"),
+    (["close"], [], None, "unknown reward 'close'"),
+    (["regex"], [], None, "train.grpo.pattern is empty"),
+    (["regex"], [], "(", "is not a regular expression"),
+    ([], [], None, "train.grpo.rewards is empty"),
+])
+def test_bad_rewards_are_one_line(names, weights, pattern, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        rewards.Rewards(names, weights, pattern=pattern)
+
+
+def test_a_users_reward_runs_only_with_trust(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text("RAN = []\nRAN.append(1)\n"
+                                            "def longest(completions, answers):\n"
+                                            "    return [len(c) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserError, match="set train.grpo.trust_code=true"):
+        rewards.Rewards(["my_rewards:longest"], [])
+    import sys
+    assert "my_rewards" not in sys.modules  # refused before anything was imported
+    scored, _ = rewards.Rewards(["my_rewards:longest"], [], trusted=True).score(done("abc", "d"))
+    np.testing.assert_array_equal(scored, [3, 1])
+    with pytest.raises(UserError, match="has no function 'nothing'"):
+        rewards.Rewards(["my_rewards:nothing"], [], trusted=True)
+
+
+def test_advantages_are_normalised_within_each_group():
+    adv, spread = rewards.advantages(np.array([1, 0, 0, 1, 2, 2, 2, 2], np.float32), group=4)
+    np.testing.assert_allclose(adv[:4], np.array([1, -1, -1, 1]) * 0.5 / (0.5 + 1e-4), rtol=1e-6)
+    np.testing.assert_array_equal(adv[4:], 0)
+    np.testing.assert_array_equal(spread, [0.5, 0])
+
+
+def test_rollouts_are_laid_out_as_causal_rows():
+    prompts = jnp.array([[0, 0, 51, 43, 52, 61], [0, 51, 43, 52, 61, 50]], jnp.int32)  # left-padded
+    start = jnp.array([2, 1], jnp.int32)
+    tokens = jnp.array([[55, 10, 99], [10, 56, 57]], jnp.int32)
+    keep = rollouts.kept(tokens, np.array([10], np.int32))  # up to and including the first end token
+    np.testing.assert_array_equal(keep, [[True, True, False], [True, False, False]])
+    rows = rollouts.layout(prompts, start, tokens, keep)
+    np.testing.assert_array_equal(rows["inputs"], [[51, 43, 52, 61, 55, 10, 0, 0], [51, 43, 52, 61, 50, 10, 0, 0]])
+    np.testing.assert_array_equal(rows["targets"][:, :6], [[43, 52, 61, 55, 10, 0], [43, 52, 61, 50, 10, 0]])
+    np.testing.assert_array_equal(rows["completion"], [[0, 0, 0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 1, 0, 0, 0]])
+
+
+# ---- runs on single-digit addition
+@pytest.fixture(scope="module")
+def addition(tmp_path_factory):
+    """Rows 'a+b=' (a + b < 10) with their answers, and completions for fine-tuning."""
+    folder = tmp_path_factory.mktemp("addition")
+    with open(folder / "add.jsonl", "w") as f:
+        for a in range(10):
+            for b in range(10 - a):
+                f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b), "completion": f"{a + b}\n"}) + "\n")
+    return folder
+
+
+def grpo(addition, *extra):
+    return [*MODEL, "data.name=documents", f"data.path={addition}/add.jsonl", "data.prompt_field=prompt",
+            "data.answer_field=answer", "data.eval_fraction=0.2", "train.objective=grpo", "train.grpo.group=8",
+            "train.grpo.max_new_tokens=2", "optimizer.warmup_steps=0", *extra]
+
+
+# From a random model: the reward is a completion starting with a digit (a format reward, about 4% of a random
+# model's completions at first). A constant learning rate, so that the first steps of a longer run are a short run's.
+DIGIT_FIRST = ["train.grpo.rewards=[regex]", "train.grpo.pattern=^[0-9]", "data.batch_size=8", "optimizer.lr=1e-2",
+               "optimizer.min_lr_ratio=1", "train.grpo.updates=2", "run.log_every=1"]
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory, addition):
+    """24 steps on one device, checkpointed at 12 and 24."""
+    from shard.run import trainer
+
+    folder = tmp_path_factory.mktemp("learned")
+    args = overrides(folder, *grpo(addition, *DIGIT_FIRST), f"train.steps={STEPS}", "run.cpu_devices=1",
+                     "checkpoint.enabled=true", f"checkpoint.every={STEPS // 2}", "checkpoint.async=false")
+    return folder, args, trainer.run(config.load(None, args))
+
+
+@pytest.mark.slow
+def test_the_reward_rises(learned):
+    reward = [r["grpo/reward"] for r in learned[2].history]
+    assert len(reward) == STEPS
+    assert np.mean(reward[-6:]) > np.mean(reward[:6]) + 0.3, reward
+
+
+def test_fsdp_with_accumulation_is_one_devices_curve(train, addition, learned):
+    one = learned[2].history[:3]
+    many = train(*grpo(addition, *DIGIT_FIRST), "train.steps=3", "mesh=fsdp", "run.cpu_devices=4",
+                 "train.grad_accum=2").history
+    for key in ("grpo/reward", "grpo/completion_len", "grpo/zero_variance_groups"):  # the same rollouts
+        assert [r[key] for r in many] == [r[key] for r in one], key
+    for key in ("loss", "grpo/kl", "grad_norm"):  # (the loss sums terms that cancel: an absolute tolerance)
+        np.testing.assert_allclose([r[key] for r in many], [r[key] for r in one], rtol=1e-4, atol=2e-5)
+
+
+def test_resume_is_bitwise_with_the_rollouts(tmp_path, learned):
+    from shard.run import trainer
+
+    folder, args, whole = learned
+    shutil.copytree(folder, tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / str(STEPS))  # as if stopped after step 12
+    resumed = trainer.run(config.load(None, [*args, f"run.dir={tmp_path}/run"]))
+    assert resumed.start_step == STEPS // 2
+    drop = ("step_time_s", "data_wait_s", "tokens_per_s", "tflops_per_device", "compile_s", "startup_s",
+            "grpo/rollout_s", "grpo/update_s", "peak_memory_gb")
+    same = lambda h: [{k: v for k, v in r.items() if k not in drop} for r in h]
+    assert same(resumed.history) == same(whole.history)[STEPS // 2:]
+    for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(whole.state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["mesh=pp", "run.cpu_devices=2"], "train.objective=grpo with mesh.stage=2"),
+    (["data.answer_field=null"], "set data.name=documents, data.prompt_field and data.answer_field"),
+    (["train.grpo.rewards=[my_module:score]"], "set train.grpo.trust_code=true"),
+    (["train.grad_accum=3"], "train.grad_accum=3 must divide the rollouts' rows"),
+])
+def test_what_does_not_combine_is_one_line(tmp_path, addition, extra, message):
+    from shard import plan
+
+    cfg = config.load(None, overrides(tmp_path, *grpo(addition, "data.batch_size=8"), *extra))
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        plan.analyse(cfg, jax.devices()[:2])
