@@ -94,6 +94,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "flops_per_step": work.flops_per_step,
         "flops_per_device": flops_device,
         "executed_flops_per_device": hlo.dot_flops(text),
+        "matrix_products": hlo.dot_types(text),  # executions per step by operand type
         "memory_per_device": {
             "params": state_lib.shard_bytes(sharded.params) + state_lib.shard_bytes(sharded.rest),
             "optimizer": state_lib.shard_bytes(sharded.opt_state),
@@ -117,10 +118,33 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "compiler_flags": dict(prepared.flags.flags) if prepared.flags else {},
         "compiler_flags_dropped": list(prepared.flags.dropped) if prepared.flags else [],
         "strategies": [s.label for s in prepared.strategies],
+        **quantized(cfg, devices, work),
         # each strategy's own figures (pipeline, context, sync, ema, ...), with None for those not active
         **{key: None for cls in strategies.ALL for key in cls.plan_keys},
         **{k: v for s in prepared.strategies for k, v in s.plan(prepared, ops, n).items()},
     }
+
+
+def quantized(cfg, devices: list, work) -> dict:
+    """train.quantize's figures: the same step compiled without quantization, its matrix products and memory per
+    device beside the quantized step's (what the quantized products save)."""
+    if cfg.train.quantize == "none":
+        return {"quantize": None}
+    plain = analyse(replace(cfg, train=replace(cfg.train, quantize="none")), devices, work)
+    return {"quantize": {"kind": cfg.train.quantize, "unquantized": {
+        "matrix_products": plain["matrix_products"], "memory_per_device": plain["memory_per_device"]}}}
+
+
+def quantized_lines(plan: dict) -> list[str]:
+    q = plan.get("quantize")
+    if not q:
+        return []
+    kinds = lambda counts: ", ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    mem, plain = plan["memory_per_device"], q["unquantized"]["memory_per_device"]
+    return [f"  train.quantize={q['kind']}: matrix products per step by operand type {kinds(plan['matrix_products'])} "
+            f"(unquantized: {kinds(q['unquantized']['matrix_products'])})",
+            f"  memory per device {mb(mem['total'])} against {mb(plain['total'])} unquantized (temp {mb(mem['temp'])} "
+            f"against {mb(plain['temp'])})"]
 
 
 def compiler_figures(step, text: str, work, flops_device: float, peak: float | None, n: int, remat: str) -> dict:
@@ -195,7 +219,7 @@ def report(plan: dict) -> str:
                      f"({plan['peak_tflops']:.0f} TFLOP/s, {plan['link_gbps']:.0f} GB/s links)")
     else:
         lines.append("  estimated step: unknown device; set run.peak_tflops and run.link_gbps")
-    lines += compiler_lines(plan)
+    lines += quantized_lines(plan) + compiler_lines(plan)
     return "\n".join(lines)
 
 

@@ -262,6 +262,19 @@ def dot_flops(text: str, loops: bool = True, convolutions: bool = False) -> floa
     body once (`loops=False` counts that way too). `convolutions`: count them too, by kernel features x
     window (an upper bound where the window runs over padding: the TPU compiler writes its matrix
     products as such convolutions)."""
+    shapes, products = _products(text, loops, lambda op, rest: op == "dot" or convolutions and op == "convolution")
+    total = 0.0
+    for op, shape, rest, times in products:
+        out = _ARRAY.search(shape)
+        k = _contracted(rest, shapes) if op == "dot" else _convolved(rest, shapes)
+        if out and k:
+            total += 2.0 * math.prod(int(d) for d in out.group(2).split(",") if d) * k * times
+    return total
+
+
+def _products(text: str, loops: bool, wanted) -> tuple[dict, list]:
+    """(every instruction's result type by name, [(op, result type, operands text, executions per call)] of the
+    instructions `wanted(op, rest)` picks in computations that run)."""
     comps, entry = computations(text)
     runs = executions(comps, entry, loops)
     shapes, products = {}, []
@@ -272,15 +285,9 @@ def dot_flops(text: str, loops: bool = True, convolutions: bool = False) -> floa
                 continue
             result, shape, op, rest = ins.groups()
             shapes[result] = shape
-            if (op == "dot" or convolutions and op == "convolution") and runs.get(name):
+            if runs.get(name) and wanted(op, rest):
                 products.append((op, shape, rest, runs[name]))
-    total = 0.0
-    for op, shape, rest, times in products:
-        out = _ARRAY.search(shape)
-        k = _contracted(rest, shapes) if op == "dot" else _convolved(rest, shapes)
-        if out and k:
-            total += 2.0 * math.prod(int(d) for d in out.group(2).split(",") if d) * k * times
-    return total
+    return shapes, products
 
 
 def _operand_dims(rest: str, shapes: dict, which: int) -> list[int] | None:
@@ -371,3 +378,21 @@ def kernel_calls(text: str) -> int:
     comps, entry = computations(text)
     runs = executions(comps, entry)
     return sum(runs.get(name, 0) for name, lines in comps.items() for line in lines if _KERNEL.search(line))
+
+
+_GEMM = re.compile(r'custom_call_target="__cublas\$(?:lt\$)?(?:gemm|matmul)[^"]*"')
+
+
+def dot_types(text: str) -> dict[str, int]:
+    """Matrix products the program executes per call by their operands' element types ("s8", "f8e4m3fn x
+    f8e5m2", "bf16"), loop trip counts multiplied through: dots, convolutions (the TPU compiler's products) and
+    cuBLAS's GEMM calls. Shows whether quantized products (train.quantize) survive compilation as such."""
+    shapes, products = _products(text, True, lambda op, rest: op in ("dot", "convolution")
+                                 or op == "custom-call" and bool(_GEMM.search(rest)))
+    counts: dict[str, int] = {}
+    for _, _, rest, times in products:
+        found = re.findall(r"(?:([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[[\d,]*\]\S*\s+)?%([\w.\-]+)", rest.split(")", 1)[0])
+        types = [inline or (_ARRAY.search(shapes.get(operand, "")) or [None, "?"])[1] for inline, operand in found[:2]]
+        key = " x ".join(dict.fromkeys(types)) or "?"
+        counts[key] = counts.get(key, 0) + times
+    return counts

@@ -32,6 +32,7 @@ from shard.core import mesh as mesh_lib
 from shard.core import state as state_lib
 from shard.core import step as step_lib
 from shard.errors import UserError
+from shard.quant import training as quant_training
 
 
 @dataclass
@@ -249,13 +250,14 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         options = {k: v for s in active for k, v in s.step_options(place).items()}
         reduction = gradients.Reduction(**{k: v for k, v in options.items() if k in REDUCTION_FIELDS})
         moved, order = options.get("device_shardings"), options.get("order")
-        train_fn = step_lib.make_train_step(work.graphdef, work.tx, work.loss_fn, work.dtype,
+        graphdef = quant_training.model_graph(cfg, work.graphdef, work.abstract)  # train.quantize's products
+        train_fn = step_lib.make_train_step(graphdef, work.tx, work.loss_fn, work.dtype,
                                             badsteps.policy(cfg.train) == "skip", reduction, moved, order, work.schedule,
                                             options.get("trainable"), options.get("arrange"), work.objective,
                                             options.get("reference"))
         if work.objective is not None:  # e.g. GRPO's rollouts before its updates
             train_fn = work.objective.around(train_fn, work.graphdef, work.dtype, options.get("trainable"))
-        eval_fn = step_lib.make_eval_step(work.graphdef, work.loss_fn, work.data.task, work.dtype, moved, order,
+        eval_fn = step_lib.make_eval_step(graphdef, work.loss_fn, work.data.task, work.dtype, moved, order,
                                           work.objective, options.get("eval_reference"))
         for s in active:
             train_fn, eval_fn = s.wrap_train(train_fn), s.wrap_eval(eval_fn)

@@ -1,6 +1,6 @@
 """python -m shard.serve RUN|HF_FOLDER [--mesh PRESET] [--host 127.0.0.1] [--port 8000] [--slots 8]
                          [--max-queue 256] [--context N] [--prefill-chunk 512] [--burst 8] [--max-body BYTES]
-                         [--name NAME] [--seed S] [--step N] [--trust-code] [key=value ...]
+                         [--name NAME] [--seed S] [--step N] [--trust-code] [--quantize int8|int4] [key=value ...]
 
 Loads the run's newest checkpoint (or --step's), or a Hugging Face folder's model and tokenizer, sizes the
 cache (--context, by default the model's positions, capped so that every slot's cache fits the device's
@@ -27,11 +27,12 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(f"{message}; usage: python -m shard.serve RUN [--mesh PRESET] [--host HOST] [--port PORT] "
                         "[--slots N] [--max-queue N] [--context N] [--prefill-chunk N] [--burst N] [--max-body BYTES] "
-                        "[--name NAME] [--step N] [--trust-code] "
+                        "[--name NAME] [--step N] [--trust-code] [--quantize int8|int4] "
                         "[key=value ...]")
 
 
 def main(argv: list[str]) -> int:
+    from shard.quant import serving
     from shard.use import load
 
     parser = _Parser(prog="python -m shard.serve", description=__doc__.split("\n\n")[1])
@@ -50,6 +51,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--name", help="the model's name in requests and /v1/models (default: the run folder's)")
     parser.add_argument("--seed", type=int, default=0, help="of the sampling keys")
     load.add_loading_arguments(parser)
+    serving.add_argument(parser)
     args, overrides, whole_mesh = load.parse_loading(parser, argv)
     for flag, value, least in (("--slots", args.slots, 1), ("--max-queue", args.max_queue, 1),
                                ("--context", args.context, 2), ("--prefill-chunk", args.prefill_chunk, 8),
@@ -70,6 +72,7 @@ def serve(args, overrides, whole_mesh) -> int:
     import uvicorn
 
     from shard import hf
+    from shard.quant import serving
     from shard.serve import app, chat, engine, scheduler
     from shard.use import generate, load
 
@@ -78,8 +81,8 @@ def serve(args, overrides, whole_mesh) -> int:
                        trust_code=args.trust_code)
     folder = paths.resolve(args.run) if hf.is_folder(args.run) else paths.resolve(load.run_config(args.run, "RUN")).parent
     tok = load.load_tokenizer(args.run, key="RUN")
-    generator = generate.Generator(loaded.model, loaded.mesh if whole_mesh else None, loaded.rules,
-                                   loaded.cfg.train.dtype)
+    generator = serving.quantize_generator(generate.Generator(loaded.model, loaded.mesh if whole_mesh else None,
+                                                              loaded.rules, loaded.cfg.train.dtype), args.quantize)
     if not generator.caches():
         raise UserError(f"model {loaded.cfg.model.name}: its attention or recurrence does not go through shard.hooks, "
                         "so it keeps no cache to serve from; python -m shard.generate still runs it")

@@ -1,0 +1,83 @@
+"""Quantization-aware training (`train.quantize=int8|fp8`), with qwix's quantized training (QtProvider), as
+MaxText's AQT int8 and fp8 runs: every matrix product of activations with a weight runs on both operands
+quantized, forward and backward (the incoming gradient quantized too), each with absmax scales per channel of its
+non-contracted axes, computed from the values at each step (dynamic range: no state besides the weights).
+int8: int8 x int8 products accumulated in int32; fp8: float8_e4m3fn forward, the gradients float8_e5m2 (the wider
+range they need). The weights, their gradients and the optimizer stay float32; checkpoints do not change.
+
+Attention's own products (queries x keys, probabilities x values: batched over heads, no weight) stay in the
+compute dtype, as MaxText keeps them. qwix intercepts jax's products while the model runs; the graph of the model
+(the class of its root, each module's qwix path) says so, so the train and eval steps merge the quantized graph
+and nothing else changes.
+"""
+
+import jax
+import jax.numpy as jnp
+import qwix
+from flax import nnx
+from qwix._src.utils.flax_util import find_param
+
+from shard.errors import UserError
+
+KINDS = ("none", "int8", "fp8")
+# forward operands, backward gradients
+QTYPES = {"int8": (jnp.int8, jnp.int8), "fp8": (jnp.float8_e4m3fn, jnp.float8_e5m2)}
+# The traces of jitted jax functions (jnp.matmul's) made while qwix intercepts are cached under this context's
+# value, never reused by a model that is not quantized, nor the other way round.
+_TRACING = jax.make_user_context(None)
+
+
+class WeightProducts(qwix.QtProvider):
+    """qwix's quantized training of the products with a weight: a parameter operand (einsum, dot_general,
+    ragged_dot's experts) or a product with no batch axes (a matmul of activations by a weight matrix); batched
+    products of activations (attention's) run as written."""
+
+    def get_intercept_map(self):
+        intercepts = super().get_intercept_map()
+        intercepts.pop("jax.lax.conv_general_dilated", None)  # matrix products only
+        return intercepts
+
+    def einsum(self, spec, *operands, _dot_general=jax.lax.dot_general, **kwargs):
+        if len(operands) == 2 and any(find_param(x) is not None for x in operands):
+            return super().einsum(spec, *operands, **kwargs)
+        return jnp.einsum(spec, *operands, _dot_general=self.dot_general, **kwargs)
+
+    def dot_general(self, lhs, rhs, dimension_numbers, *args, **kwargs):
+        (_, _), (lhs_batch, _) = dimension_numbers
+        if lhs_batch and find_param(lhs) is None and find_param(rhs) is None:
+            return jax.lax.dot_general(lhs, rhs, dimension_numbers, *args, **kwargs)
+        return super().dot_general(lhs, rhs, dimension_numbers, *args, **kwargs)
+
+
+def provider(kind: str) -> WeightProducts:
+    forward, backward = QTYPES[kind]
+    return WeightProducts([qwix.QtRule(module_path=".*", weight_qtype=forward, act_qtype=forward,
+                                       bwd_qtype=backward)])
+
+
+def model_graph(cfg, graphdef: nnx.GraphDef, abstract) -> nnx.GraphDef:
+    """The model's graph with every weight product quantized as train.quantize says (`none`: the graph as it is);
+    combinations that cannot run are refused first."""
+    kind = cfg.train.quantize
+    if kind == "none":
+        return graphdef
+    check(cfg)
+    model = nnx.merge(graphdef, abstract.params, abstract.rest)
+    quantized = qwix.quantize_model(model, provider(kind), None, skip_nnx_init=True)  # dynamic: nothing to set up
+    call = type(quantized).__call__
+
+    def traced(self, *args, **kwargs):
+        with _TRACING(kind):
+            return call(self, *args, **kwargs)
+
+    root = type(quantized)
+    quantized.__class__ = type(root.__name__, (root,), {"__call__": traced, "__module__": root.__module__})
+    return nnx.graphdef(quantized)
+
+
+def check(cfg) -> None:
+    """train.quantize's combinations, refused in one line where they cannot run."""
+    kind = cfg.train.quantize
+    if cfg.train.lora.rank:
+        raise UserError(f"train.quantize={kind} trains every weight quantization-aware; low-rank adapters "
+                        "(train.lora.rank) train on a frozen base: for a quantized base use train.lora.base")
