@@ -48,6 +48,7 @@ class GRPO(Objective):
         self.group, self.new_tokens, self.beta, self.epsilon, self.updates = (g.group, g.max_new_tokens, g.beta,
                                                                                g.epsilon, g.updates)
         self.reference = "init" if g.beta > 0 else None
+        self.reference_label = f"train.objective=grpo with train.grpo.beta={g.beta:g}"  # what keeps a reference
         self.seed = cfg.train.seed
         self.tok = tokenizer_lib.load(cfg.data.tokenizer) if cfg.data.name == "documents" else tokenizer_lib.Bytes()
         self.ends = np.array(sorted(generate.stop_ids(self.tok)), np.int32)
@@ -55,6 +56,7 @@ class GRPO(Objective):
         self.rewards = rewards_lib.Rewards(g.rewards, g.weights, pattern=g.pattern, tolerance=g.tolerance,
                                            max_new_tokens=g.max_new_tokens, trusted=g.trust_code)
         self.answers: list[str] = []
+        self.dtype = jnp.float32
         self._stamps: dict = {}
 
     # ---- what it combines with
@@ -82,8 +84,8 @@ class GRPO(Objective):
         order = np.random.default_rng([seed, data_lib.SHUFFLE_STREAM]).permutation(len(prompts))
         held = max(1, int(round(len(prompts) * cfg.data.eval_fraction)))
         if len(prompts) - held < cfg.data.batch_size:
-            raise UserError(f"data.batch_size={cfg.data.batch_size} is larger than the train split ({len(prompts) - held} "
-                            f"of data.path's {len(prompts)} rows)")
+            raise UserError(f"data.batch_size={cfg.data.batch_size} is larger than the train split "
+                            f"({len(prompts) - held} of data.path's {len(prompts)} rows)")
         split = lambda idx: rollouts.Prompts(tokens[idx], start[idx], idx.astype(np.int32))
         train_src, eval_src = split(order[held:]), split(order[:held])
         rows = data_lib.Rows(0, cfg.data.batch_size)
@@ -116,7 +118,7 @@ class GRPO(Objective):
         """One greedy completion of each held-out prompt, scored: the real rows' reward sums."""
         greedy = generate.Sampling(0.0, vocab=self.sampling.vocab)
         tokens = rollouts.sample(model, batch["inputs"], batch["start"], jax.random.key(0), self.new_tokens, greedy,
-                                 _dtype(model))
+                                 self.dtype)
         keep = rollouts.kept(tokens, self.ends)
         scored, _ = self._score(tokens, keep, batch["row"])
         mask = batch["mask"]
@@ -127,6 +129,7 @@ class GRPO(Objective):
     def around(self, train_fn, graphdef, dtype, trainable=None):
         """The train step on a batch of prompts: train_fn (one optimiser step on rollouts) run `updates` times on
         the rollouts sampled here."""
+        self.dtype = dtype  # the compute dtype, for eval's rollouts too
 
         def step(state, batch):
             key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), ROLLOUT_STREAM), state.step)
@@ -149,14 +152,11 @@ class GRPO(Objective):
             out = {**out, "grpo/reward": jnp.mean(scored), "grpo/reward_std": jnp.mean(spread),
                    "grpo/completion_len": jnp.mean(jnp.sum(keep, axis=1).astype(jnp.float32)),
                    "grpo/zero_variance_groups": jnp.sum(spread == 0).astype(jnp.float32),
-                   **{name: means[i] for i, name in enumerate(self._mean_names())},
+                   **{name: means[i] for i, name in enumerate(self.rewards.metrics)},
                    **{name: times[i] for i, name in enumerate(TIMES)}}
             return state.replace(step=begun + 1), out
 
         return step
-
-    def _mean_names(self) -> list[str]:
-        return [f"grpo/reward_{n.rpartition(':')[2]}" for n in self.rewards.names]
 
     def _score(self, tokens, keep, row):
         """(rows,) rewards and each reward function's mean, from the host."""
@@ -167,7 +167,8 @@ class GRPO(Objective):
     def _host_score(self, tokens, keep, row):
         self._stamps["scored"] = time.perf_counter()
         done = [rewards_lib.Completion(self.tok.decode(generate.until_eos(t[k], self.ends)), self.answers[int(r)],
-                                       int(k.sum())) for t, k, r in zip(np.asarray(tokens), np.asarray(keep), np.asarray(row))]
+                                       int(k.sum()))
+                for t, k, r in zip(np.asarray(tokens), np.asarray(keep), np.asarray(row))]
         total, means = self.rewards.score(done)
         return total, np.array(list(means.values()), np.float32)
 
@@ -185,8 +186,3 @@ def token_logp(model, batch: dict) -> jax.Array:
     logits = model(batch["inputs"]).astype(jnp.float32)
     return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), batch["targets"][..., None], axis=-1)[..., 0]
 
-
-def _dtype(model):
-    """The compute dtype the model's floats are in (the step cast them)."""
-    leaves = [x for x in jax.tree.leaves(nnx.state(model, nnx.Param)) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return leaves[0].dtype if leaves else jnp.float32

@@ -76,6 +76,7 @@ class Rewards:
             raise UserError(f"train.grpo.weights has {len(weights)} entries for {len(names)} rewards "
                             f"(train.grpo.rewards={names}); give one weight per reward, or none (all 1)")
         self.names, self.weights = names, weights
+        self.metrics = [f"grpo/reward_{n.rpartition(':')[2]}" for n in names]  # each reward's mean, by its name
         self.fns = [self._resolve(n, pattern, tolerance, max_new_tokens, trusted) for n in names]
 
     @staticmethod
@@ -114,10 +115,10 @@ class Rewards:
     def score(self, done: Sequence[Completion]) -> tuple[np.ndarray, dict]:
         """(rows,) rewards, and each reward's mean by name (`grpo/reward_<name>`)."""
         total, means = np.zeros(len(done), np.float32), {}
-        for name, weight, fn in zip(self.names, self.weights, self.fns):
+        for metric, weight, fn in zip(self.metrics, self.weights, self.fns):
             values = np.asarray(fn(done), np.float32)
             total += weight * values
-            means[f"grpo/reward_{name.rpartition(':')[2]}"] = float(values.mean()) if len(values) else 0.0
+            means[metric] = float(values.mean()) if len(values) else 0.0
         return total, means
 
 

@@ -36,19 +36,20 @@ class Reference(Strategy):
                              "(train.lora.rank, no copy)",
     }
 
-    def __init__(self, copy: bool):
+    def __init__(self, copy: bool, label: str = "train.dpo.reference=init"):
         self.copy = copy  # a copy beside the weights (full fine-tuning), else the weights under the adapters
+        self._label = label  # the setting that asked for it, for refusals
 
     @classmethod
     def build(cls, cfg, mesh_shape, rules, work):
         goal = work.objective
         if goal is None or goal.reference != "init":
             return None
-        return cls(copy=lora.settings(cfg) is None)
+        return cls(copy=lora.settings(cfg) is None, label=getattr(goal, "reference_label", "train.dpo.reference=init"))
 
     @property
     def label(self) -> str:
-        return "train.dpo.reference=init"
+        return self._label
 
     @property
     def tags(self) -> tuple:
