@@ -107,6 +107,49 @@ def test_ring_attention_equals_unsplit_attention(causal):
         assert float(jnp.max(jnp.abs(ours - want)) / jnp.max(jnp.abs(want))) < 1e-6
 
 
+def _count(jaxpr, name: str) -> int:
+    """Equations of primitive `name` in a jaxpr and every jaxpr inside it (a cond's branches each)."""
+    inner = lambda v: [v.jaxpr if hasattr(v, "jaxpr") else v] if hasattr(v, "eqns") or hasattr(v, "jaxpr") else (  # noqa: E731
+        [j for x in v for j in inner(x)] if isinstance(v, (tuple, list)) else [])
+    return sum((e.primitive.name == name) + sum(_count(j, name) for v in e.params.values() for j in inner(v))
+               for e in jaxpr.eqns)
+
+
+def test_ring_skips_the_blocks_outside_every_window():
+    """A static window of 6 over 4 context devices, 64 tokens in chunks of 8 (load-balanced): only the blocks of
+    the devices 1 and 3 back hold keys a query sees, so the ring computes and passes on two blocks of three (the one
+    two back skipped in the same permute), forward and backward; outputs and gradients equal the unsplit kernel's."""
+    n, (b, t, h, kv, d) = 4, (1, 64, 2, 1, 8)
+    mesh = jax.make_mesh(tuple(n if a == "context" else 1 for a in mesh_lib.AXES), mesh_lib.AXES,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_lib.AXES))
+    q, k, v, weights = (jax.random.normal(key, (b, t, heads, d)) for key, heads in zip(
+        jax.random.split(jax.random.key(0), 4), (h, kv, kv, h)))
+    order = np.asarray(context.balanced_order(t, n))
+    split = context.Split(n, "ring", tuple(order))
+    assert context.ring_steps(split.order, t, n, True, 6) == (1, 3)
+    assert context.ring_steps(split.order, t, n, True, 40) == context.ring_steps(split.order, t, n, True, None)
+
+    def ring(window):
+        def run(q, k, v):
+            with partition.activate(mesh, partition.RULES):
+                laid_out = (partition.constrain(x[:, order], ("batch", "length", "heads", "head_dim")) for x in (q, k, v))
+                return context.attention(*laid_out, True, split, window=window)[:, np.argsort(order)]
+        return run
+
+    def with_gradients(fn):  # a weighted sum of the outputs, and its gradients
+        return jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * weights), argnums=(0, 1, 2))
+
+    programs = {w: jax.make_jaxpr(with_gradients(ring(w)))(q, k, v).jaxpr for w in (None, 6)}
+    # a pass permutes keys, values and their positions, backward with their gradients, which then go home: 3 passes
+    # each way without the window, 2 with it
+    assert [_count(programs[w], "ppermute") for w in (None, 6)] == [3 * 3 + 3 * 5 + 2, 2 * 3 + 2 * 5 + 2]
+    assert _count(programs[6], "dot_general") < 0.75 * _count(programs[None], "dot_general")
+    got = jax.jit(with_gradients(ring(6)))(q, k, v)
+    want = jax.jit(with_gradients(lambda q, k, v: attention.xla_cpu(q, k, v, True, window=6)))(q, k, v)
+    for ours, expected in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert float(jnp.max(jnp.abs(ours - expected)) / jnp.max(jnp.abs(expected))) < 1e-5
+
+
 def test_all_gather_computes_only_the_visible_blocks():
     """Causal all_gather in the load-balanced layout scores each device's queries against the key chunks they
     see, 2N+1 (query, key) chunk pairs of 4N: XLA's count of the compiled forward and backward stays well under

@@ -85,7 +85,10 @@ def attention(q, k, v, is_causal: bool, split: Split, segments=None, window=None
         spec = PartitionSpec(None, AXIS)
         halves = is_causal and split.order is not None and len(split.order) == q.shape[1]
         win = None if window is None else jnp.asarray(window, jnp.int32)
-        run = jax.shard_map(partial(_ring, causal=is_causal, n=split.size, halves=halves, softcap=softcap,
+        widest = attn.fixed(sizes) if value is None else None if not all(w for w, _ in sizes) else sizes[-1][0]
+        laid = split.order if split.order is not None and len(split.order) == q.shape[1] else None
+        steps = ring_steps(laid, q.shape[1], split.size, is_causal, widest)
+        run = jax.shard_map(partial(_ring, causal=is_causal, n=split.size, halves=halves, steps=steps, softcap=softcap,
                                     scale=1 / math.sqrt(q.shape[-1]) if scale is None else scale), mesh=mesh,
                             in_specs=(spec, spec, spec, PartitionSpec(AXIS), spec, PartitionSpec()), out_specs=spec,
                             axis_names={AXIS})
@@ -115,8 +118,11 @@ def attention(q, k, v, is_causal: bool, split: Split, segments=None, window=None
 # the block's first half (chunk j) and none sees its second (2N-1-j > 2N-1-i); from a later one (j > i) the
 # device's second half (2N-1-i) sees the whole block and its first half sees none of it. So each passed-on
 # block costs half a block (`halves`): the whole sequence's attention costs about half of computing every
-# block, as the unsplit causal model's does. A sliding window masks by position inside each block: blocks that
-# lie wholly outside every query's window are still computed (and masked), so a window saves no ring work.
+# block, as the unsplit causal model's does. A sliding window masks by position inside each block, and skips what
+# lies wholly outside every query's window: a ring step whose block no device's queries see (the window's
+# widest, over a stack's layers, known when tracing: `ring_steps`) is neither computed nor passed on (the
+# blocks jump to the next step that is seen, in one permute), and on each device a block (or half block) none of
+# whose keys its queries see is skipped at run time (a layer's traced window: a local layer of a mixed stack).
 
 def _grouped(q, k):
     b, t, h, d = q.shape
@@ -135,14 +141,37 @@ def _scores(qg, k, qpos, kpos, causal, qseg=None, kseg=None, win=None, softcap=N
     return jnp.where((qseg[:, :, None] == kseg[:, None, :])[:, None, None], s, -jnp.inf), slope
 
 
-def _pass_on(tree, n):
-    return jax.lax.ppermute(tree, AXIS, [(i, (i + 1) % n) for i in range(n)])
+def _pass_on(tree, n, shift=1):
+    """Each device's `tree` to the device `shift` on round the ring."""
+    return jax.lax.ppermute(tree, AXIS, [(i, (i + shift) % n) for i in range(n)])
 
 
-def _forward(q, k, v, pos, seg, win, causal, n, halves, softcap, scale):
+def ring_steps(order: tuple | None, length: int, n: int, causal: bool, window: int | None) -> tuple:
+    """The ring's steps (s in 1..n-1: the block of the device s back) whose keys some device's queries see, the
+    tokens laid out in `order` (None: in order): all of them without a `window` (the widest of a stack's, a static
+    int); with one, those some query's window reaches."""
+    if window is None:
+        return tuple(range(1, n))
+    pos = np.asarray(range(length) if order is None else order).reshape(n, length // n)
+
+    def runs(p):  # a device's positions as (first, last) of contiguous runs
+        p = np.sort(p)
+        cuts = np.flatnonzero(np.diff(p) != 1) + 1
+        return [(int(r[0]), int(r[-1])) for r in np.split(p, cuts)]
+
+    held = [runs(p) for p in pos]
+    # a query q of [qa, qb] sees a key k of [ka, kb] where q - k (qa - kb up to qb - ka) lies in [0, window) (causal)
+    # or (-window, window)
+    meets = lambda i, j: any(qa - kb < window and (qb - ka >= 0 if causal else ka - qb < window)  # noqa: E731
+                             for qa, qb in held[i] for ka, kb in held[j])
+    return tuple(s for s in range(1, n) if any(meets(i, (i - s) % n) for i in range(n)))
+
+
+def _forward(q, k, v, pos, seg, win, causal, n, halves, steps, softcap, scale):
     """Output and log-sum-exp of each query over every chunk: the device's own first (its diagonal, so
-    every query has a visible key from the start), then n-1 chunks passed on from its neighbour. With
-    `halves` (causal, load-balanced layout) only the visible half of each passed-on block is computed."""
+    every query has a visible key from the start), then the chunks passed on round the ring, those of `steps`
+    (ring_steps). With `halves` (causal, load-balanced layout) only the visible half of each passed-on block is
+    computed; with a window, none of a block no query sees."""
     qg = _grouped(q, k)
 
     def fold(state, qg, qpos, k, v, kpos, qseg=None, kseg=None):
@@ -154,15 +183,18 @@ def _forward(q, k, v, pos, seg, win, causal, n, halves, softcap, scale):
         acc = acc * rescale[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, v.astype(jnp.float32))
         return m_new, l * rescale + p.sum(-1), acc
 
+    def seen(state, qg, qpos, k, v, kpos, qseg=None, kseg=None):
+        return _if_seen(qpos, kpos, causal, win, lambda state: fold(state, qg, qpos, k, v, kpos, qseg, kseg), state)
+
     def fold_visible(state, k, v, kpos, kseg=None):
         if not halves:
-            return fold(state, qg, pos, k, v, kpos, seg, kseg)
+            return seen(state, qg, pos, k, v, kpos, seg, kseg)
         c = k.shape[1] // 2
-        first_keys = lambda state: fold(state, qg, pos, k[:, :c], v[:, :c], kpos[:c], seg,
+        first_keys = lambda state: seen(state, qg, pos, k[:, :c], v[:, :c], kpos[:c], seg,
                                         None if seg is None else kseg[:, :c])
 
         def last_queries(state):
-            m, l, acc = fold((state[0][..., c:], state[1][..., c:], state[2][..., c:, :]), qg[..., c:, :], pos[c:],
+            m, l, acc = seen((state[0][..., c:], state[1][..., c:], state[2][..., c:, :]), qg[..., c:, :], pos[c:],
                              k, v, kpos, None if seg is None else seg[:, c:], kseg)
             return state[0].at[..., c:].set(m), state[1].at[..., c:].set(l), state[2].at[..., c:, :].set(acc)
 
@@ -172,34 +204,40 @@ def _forward(q, k, v, pos, seg, win, causal, n, halves, softcap, scale):
     state = fold((jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(qg.shape[:-1] + (v.shape[-1],))),
                  qg, pos, k, v, pos, seg, seg)
 
-    def step(carry, _):
-        kv, state = carry
-        kv = _pass_on(kv, n)
-        return (kv, fold_visible(state, *kv)), None
-
-    # Unrolled: XLA's CPU runtime (jaxlib 0.10) does not keep a collective inside a loop in order with the
-    # program's others; devices that took the ring's permutes and FSDP's all-gathers in different orders
+    # A Python loop (unrolled): XLA's CPU runtime (jaxlib 0.10) does not keep a collective inside a loop in order
+    # with the program's others; devices that took the ring's permutes and FSDP's all-gathers in different orders
     # deadlocked (bench/RESULTS.md, "The CI hang").
     travelling = (k, v, pos) if seg is None else (k, v, pos, seg)  # a packed row's ids go with their keys
-    (_, (m, l, acc)), _ = jax.lax.scan(step, (travelling, state), None, length=n - 1, unroll=True)
+    for at, s in zip((0, *steps), steps):
+        travelling = _pass_on(travelling, n, s - at)
+        state = fold_visible(state, *travelling)
+    m, l, acc = state
     out = acc / l[..., None]  # (b, kv_heads, group, chunk, d)
     b, t, h, _ = q.shape
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, -1).astype(q.dtype), m + jnp.log(l)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _ring(q, k, v, pos, seg, win, causal, n, halves, softcap, scale):
-    return _forward(q, k, v, pos, seg, win, causal, n, halves, softcap, scale)[0]
+def _if_seen(qpos, kpos, causal, win, fold, state):
+    """fold(state), or state as it is where a window leaves no query of `qpos` a key of `kpos` (decided on the
+    device, at run time: a traced window)."""
+    if win is None:
+        return fold(state)
+    return jax.lax.cond(jnp.any(attn.visible(qpos, kpos, causal, win)), fold, lambda state: state, state)
 
 
-def _ring_fwd(q, k, v, pos, seg, win, causal, n, halves, softcap, scale):
-    out, lse = _forward(q, k, v, pos, seg, win, causal, n, halves, softcap, scale)
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _ring(q, k, v, pos, seg, win, causal, n, halves, steps, softcap, scale):
+    return _forward(q, k, v, pos, seg, win, causal, n, halves, steps, softcap, scale)[0]
+
+
+def _ring_fwd(q, k, v, pos, seg, win, causal, n, halves, steps, softcap, scale):
+    out, lse = _forward(q, k, v, pos, seg, win, causal, n, halves, steps, softcap, scale)
     return out, (q, k, v, pos, seg, win, out, lse)
 
 
-def _ring_bwd(causal, n, halves, softcap, scale, residuals, d_out):
-    """The backward ring: each chunk's keys and values travel again, with their gradients accumulated along
-    the way; after n-1 steps one more pass brings every chunk's gradients home."""
+def _ring_bwd(causal, n, halves, steps, softcap, scale, residuals, d_out):
+    """The backward ring: each chunk's keys and values travel again, over the same `steps`, with their gradients
+    accumulated along the way; after the last one a pass brings every chunk's gradients home."""
     q, k, v, pos, seg, win, out, lse = residuals
     qg, dog = _grouped(q, k), _grouped(d_out.astype(jnp.float32), k)
     delta = jnp.sum(dog * _grouped(out.astype(jnp.float32), k), axis=-1)  # rowsum(dO * O)
@@ -214,18 +252,23 @@ def _ring_bwd(causal, n, halves, softcap, scale, residuals, d_out):
         dk = dk + jnp.einsum("bhgqk,bhgqd->bkhd", ds, qg.astype(jnp.float32)) * scale
         return dq, dk, dv
 
+    def seen(dq, qg, dog, lse, delta, qpos, k, v, kpos, dk, dv, qseg=None, kseg=None):
+        return _if_seen(qpos, kpos, causal, win,
+                        lambda grads: fold(grads[0], qg, dog, lse, delta, qpos, k, v, kpos, *grads[1:], qseg, kseg),
+                        (dq, dk, dv))
+
     def fold_visible(dq, k, v, kpos, dk, dv, kseg=None):  # the visible half of a passed-on block, as in _forward
         if not halves:
-            return fold(dq, qg, dog, lse, delta, pos, k, v, kpos, dk, dv, seg, kseg)
+            return seen(dq, qg, dog, lse, delta, pos, k, v, kpos, dk, dv, seg, kseg)
         c = k.shape[1] // 2
 
         def first_keys(dq, dk, dv):
-            dq, dk_a, dv_a = fold(dq, qg, dog, lse, delta, pos, k[:, :c], v[:, :c], kpos[:c], dk[:, :c], dv[:, :c],
+            dq, dk_a, dv_a = seen(dq, qg, dog, lse, delta, pos, k[:, :c], v[:, :c], kpos[:c], dk[:, :c], dv[:, :c],
                                   seg, None if seg is None else kseg[:, :c])
             return dq, dk.at[:, :c].set(dk_a), dv.at[:, :c].set(dv_a)
 
         def last_queries(dq, dk, dv):
-            dq_b, dk, dv = fold(dq[..., c:, :], qg[..., c:, :], dog[..., c:, :], lse[..., c:], delta[..., c:],
+            dq_b, dk, dv = seen(dq[..., c:, :], qg[..., c:, :], dog[..., c:, :], lse[..., c:], delta[..., c:],
                                 pos[c:], k, v, kpos, dk, dv, None if seg is None else seg[:, c:], kseg)
             return dq.at[..., c:, :].set(dq_b), dk, dv
 
@@ -235,16 +278,13 @@ def _ring_bwd(causal, n, halves, softcap, scale, residuals, d_out):
     dq, dk, dv = fold(jnp.zeros(qg.shape, jnp.float32), qg, dog, lse, delta, pos, k, v, pos, zeros(k), zeros(v),
                       seg, seg)
 
-    def step(carry, _):
-        dq, chunk = carry
-        chunk = _pass_on(chunk, n)
+    chunk = (k, v, pos, dk, dv) + (() if seg is None else (seg,))
+    for at, s in zip((0, *steps), steps):  # unrolled, as in _forward
+        chunk = _pass_on(chunk, n, s - at)
         dq, dk, dv = fold_visible(dq, *chunk[:3], *chunk[3:5], *chunk[5:])
-        return (dq, (*chunk[:3], dk, dv, *chunk[5:])), None
-
-    travelling = (k, v, pos, dk, dv) + (() if seg is None else (seg,))
-    (dq, (_, _, _, dk, dv, *_)), _ = jax.lax.scan(step, (dq, travelling), None, length=n - 1,
-                                                   unroll=True)  # unrolled, as in _forward
-    dk, dv = _pass_on((dk, dv), n)
+        chunk = (*chunk[:3], dk, dv, *chunk[5:])
+    if steps:  # home: the gradients of the block `steps[-1]` devices back
+        dk, dv = _pass_on((dk, dv), n, n - steps[-1])
     b, t, h, d = q.shape
     dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
     no_grad = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)
