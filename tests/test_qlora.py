@@ -10,31 +10,37 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import TINY_GPT, one_device_runs, overrides
+from conftest import TINY_GPT, overrides
 from shard import config, plan
 from shard.errors import UserError
 from test_lora import leaves, saved
 
-QLORA = [*TINY_GPT, "train.steps=3", "run.log_every=1", "model.mlp=swiglu", "train.lora.rank=4",
+QLORA = [*TINY_GPT, "train.steps=4", "run.log_every=1", "model.mlp=swiglu", "train.lora.rank=4",
          "train.lora.targets=[q,k,v,o,mlp]", "optimizer.lr=3e-2", "train.lora.base=nf4"]
+SAVED = ["checkpoint.enabled=true", "checkpoint.every=2"]
 
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
-    return one_device_runs(tmp_path_factory, {"nf4": QLORA})
+    """The reference: QLoRA on one device, checkpointed at steps 2 and 4 (what the resume starts from)."""
+    from shard.run import trainer
+
+    folder = tmp_path_factory.mktemp("one")
+    return folder, trainer.run(config.load(None, overrides(folder, *QLORA, *SAVED, "run.cpu_devices=1")))
 
 
 @pytest.mark.parametrize("mesh", [["mesh=fsdp", "run.cpu_devices=4"], ["mesh=tp", "run.cpu_devices=4"]],
                          ids=["fsdp", "tp"])
 def test_on_fsdp_and_tp_the_curve_is_one_devices(train, one_device, mesh):
-    one, many = one_device("nf4"), train(*QLORA, *mesh)
+    one, many = one_device[1], train(*QLORA, *mesh)
     np.testing.assert_allclose([r["loss"] for r in many.history], [r["loss"] for r in one.history], rtol=2e-5)
     assert many.eval["eval_loss"] == pytest.approx(one.eval["eval_loss"], rel=2e-5)
     assert one.history[-1]["loss"] < one.history[0]["loss"]
 
 
-def test_the_base_is_stored_once_quantized_and_resume_is_bitwise(train, tmp_path):
-    whole = train(*QLORA, "train.steps=4", "checkpoint.enabled=true", "checkpoint.every=2")
+def test_the_base_is_stored_once_quantized_and_resume_is_bitwise(train, tmp_path, one_device):
+    folder, one = one_device
+    shutil.copytree(folder, tmp_path / "run")
     got = saved(tmp_path / "run", 4)
     q = leaves(got["model"]["params"]["blocks"]["attn"]["q"])[0]
     assert q.dtype == np.uint8 and q.shape == (2, 32, 8, 2)  # (layers, embed, heads, head_dim 4 packed in 2)
@@ -42,10 +48,10 @@ def test_the_base_is_stored_once_quantized_and_resume_is_bitwise(train, tmp_path
     state = lambda got: leaves(got["model"]) + leaves(got["optimizer"])
     before = state(got)
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "4")  # as if stopped after step 2
-    resumed = train(*QLORA, "train.steps=4", "checkpoint.enabled=true", "checkpoint.every=2")
+    resumed = train(*QLORA, *SAVED, "run.cpu_devices=1")
     assert resumed.start_step == 2
-    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in whole.history][2:]
-    assert resumed.eval == whole.eval
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in one.history][2:]
+    assert resumed.eval == one.eval
     for a, b in zip(before, state(saved(tmp_path / "run", 4))):
         np.testing.assert_array_equal(a, b)
 

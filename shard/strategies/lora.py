@@ -238,7 +238,7 @@ class LoRA(Strategy):
     # ---- the plan
     def plan(self, job, step_ops, n) -> dict:
         held = ckpt_lib.abstract_target(job.abstract.extra[KEY], self.device)
-        frozen = state_lib.count_params(job.abstract.params)
+        frozen = state_lib.count_params(job.work.abstract.params)  # the model's own (4-bit codes are packed)
         base = ckpt_lib.abstract_target({"codes": job.abstract.params, "scales": (job.abstract.extra or {}).get(BASE)},
                                         {"codes": job.shardings.params, "scales": (job.shardings.extra or {}).get(BASE)})
         as_float32 = ckpt_lib.abstract_target(job.work.abstract.params, job.shardings.params)
