@@ -1,7 +1,7 @@
 """DPO (train.objective=dpo, issue 49) on a synthetic preference set built here: preference rows train only
 their answers' tokens; on one device the margin, the accuracy and the chosen answers' likelihood against the
 rejected ones rise; the loss equals a direct computation from the two models' log-probabilities; fsdp gives
-one device's curve (fsdp x tensor); LoRA's reference is the weights under the adapters; what does not combine is one line."""
+one device's curve (fsdp x tensor), and so does a reference computed once; LoRA's reference is the weights under the adapters; what does not combine is one line."""
 
 import json
 
@@ -101,6 +101,14 @@ def test_the_loss_is_dpo_of_the_two_models_log_probabilities(one, corpus):
     assert float(got) == pytest.approx(want, abs=1e-6) and 0 < want < np.log(2.0) - 0.1  # the two models differ
 
 
+def test_precomputed_reference_gives_the_copys_curve(one, corpus, tmp_path):
+    """train.dpo.precompute=true: no copy in the state, the starting weights' log-likelihoods computed once."""
+    got = run(corpus, tmp_path, "run.cpu_devices=1", "train.dpo.precompute=true")
+    assert "reference" not in (jax.device_get(got.state).extra or {}) and (tmp_path / "dpo_reference.npz").is_file()
+    np.testing.assert_allclose([r["loss"] for r in got.history], [r["loss"] for r in one.history], rtol=1e-6)
+    assert got.eval["eval_dpo/margin"] == pytest.approx(one.eval["eval_dpo/margin"], rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.slow
 def test_fsdp_and_tensor_parallelism_give_one_devices_curve(one, corpus, tmp_path):
     many = run(corpus, tmp_path, "mesh=fsdp_tp", "mesh.fsdp=2", "mesh.tensor=2", "run.cpu_devices=4")
@@ -125,7 +133,7 @@ def test_lora_without_a_reference(corpus, tmp_path):
     (["mesh.stage=2", "run.cpu_devices=2"], "train.objective=dpo with mesh.stage=2"),
     (["data.rejected_field=null"], "set data.rejected_field"),
     (["train.offload=optimizer"], "use train.offload=none"),
-    (["train.dpo.precompute=true"], "train.dpo.precompute=true is not available"),
+    (["train.dpo.precompute=true", "train.lora.rank=4"], "costs no memory; leave train.dpo.precompute=false"),
 ])
 def test_refusals_are_one_line(corpus, tmp_path, extra, says):
     with pytest.raises(UserError, match=says):

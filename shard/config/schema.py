@@ -111,10 +111,10 @@ class DpoConfig:
     reference: str = option("init", "init: the starting weights, frozen (under LoRA the weights without the "
                             "adapters, no second copy); none: reference-free, each answer's log-likelihood averaged "
                             "over its tokens (SimPO's length-normalised margin)", choices=("init", "none"), job=True)
-    precompute: bool = option(False, "(not available yet, refused) reference=init without LoRA: the reference's "
-                              "log-likelihoods computed once "
-                              "before training and kept in the data cache, instead of a frozen copy of the weights "
-                              "in device memory", job=True)
+    precompute: bool = option(False, "reference=init without LoRA: the reference's log-likelihoods computed once "
+                              "before the first step (kept in <run.dir>/dpo_reference.npz for a resume) instead of "
+                              "a frozen copy of the weights in device memory and its forward passes every step",
+                              job=True)
     margin: float = option(0.0, "reference=none: SimPO's target reward margin (gamma)", min=0, job=True)
 
 

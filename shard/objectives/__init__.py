@@ -13,6 +13,7 @@ metrics.jsonl beside `loss`.
     objective = objectives.build(cfg)        # None for lm
     objective.check(cfg, mesh_shape)         # what it does not combine with: one line (UserError)
     data = objective.data(cfg, seed, cache)  # shard.data.Data whose batches the loss reads
+    objective.start(job, state, run_dir, main)   # the run's starting state, before its first step
     loss, metrics = objective.loss(model, batch, reference)   # inside the step, traced
 
 `model` and `reference` are nnx modules in the compute dtype (`reference` None unless `objective.reference`
@@ -53,6 +54,10 @@ class Objective:
     def eval_sums(self, model, batch: dict, reference) -> dict:
         """Sums over the batch's real rows (batch["mask"]): count, loss and any metric."""
         raise NotImplementedError
+
+    def start(self, job, state, run_dir, main: bool) -> None:
+        """Before the first step of a run (fresh or resumed), with its starting state: e.g. DPO's reference
+        log-likelihoods computed once (train.dpo.precompute). `main`: this is process 0."""
 
     def around(self, train_fn, graphdef, dtype, trainable=None):
         """The train step on this objective's batches, around `train_fn` (one optimiser step on the rows `loss`

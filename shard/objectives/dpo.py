@@ -10,7 +10,8 @@ the margin is r_chosen - r_rejected, and the loss (`train.dpo.loss`):
     ipo      (h - 1 / (2 beta))^2, h = the margin / beta, each answer's log-likelihoods averaged over its
              tokens (IPO, Azar et al. 2023, as TRL computes it)
 
-`train.dpo.reference=none` needs no reference: each answer's log-likelihood is averaged over its tokens and
+`train.dpo.precompute=true` computes the reference's log-likelihoods once, before the first step, instead
+(shard/objectives/precomputed.py). `train.dpo.reference=none` needs no reference: each answer's log-likelihood is averaged over its tokens and
 r = beta * that average, the loss -log sigmoid(margin - gamma) with gamma = `train.dpo.margin` (SimPO, Meng
 et al. 2024; beta there is larger, about 2). Logged: `dpo/margin`, `dpo/chosen_reward`, `dpo/rejected_reward`,
 `dpo/accuracy` (the share of pairs whose margin is positive) and each answer's mean log-likelihood under the
@@ -23,18 +24,20 @@ import jax.numpy as jnp
 from shard import data as data_lib
 from shard.data import preferences
 from shard.errors import UserError
-from shard.objectives import Objective
+from shard.objectives import Objective, precomputed
 
 
 def build(cfg):
     dpo = cfg.train.dpo
-    if dpo.precompute:
-        raise UserError("train.dpo.precompute=true is not available yet: the reference's log-likelihoods are "
-                        "computed in the step; use train.dpo.precompute=false (the reference a frozen copy, or "
-                        "the weights under LoRA's adapters)")
+    if dpo.precompute and dpo.reference != "init":
+        raise UserError("train.dpo.precompute=true computes the reference's log-likelihoods; with "
+                        "train.dpo.reference=none there is no reference")
+    if dpo.precompute and cfg.train.lora.rank:
+        raise UserError("train.dpo.precompute=true with train.lora.rank: under LoRA the reference is the weights "
+                        "under the adapters and costs no memory; leave train.dpo.precompute=false")
     if dpo.reference == "init" and dpo.margin:
         raise UserError(f"train.dpo.margin={dpo.margin:g} is SimPO's, read with train.dpo.reference=none")
-    return DPO(dpo.beta, dpo.loss, dpo.reference, dpo.margin)
+    return DPO(dpo.beta, dpo.loss, dpo.reference, dpo.margin, dpo.precompute)
 
 
 def log_likelihoods(model, inputs, targets, mask):
@@ -47,10 +50,12 @@ def log_likelihoods(model, inputs, targets, mask):
 class DPO(Objective):
     name = "dpo"
 
-    def __init__(self, beta: float, loss: str, reference: str, margin: float = 0.0):
-        self.beta, self.kind, self.margin = beta, loss, margin
-        self.reference = reference if reference == "init" else None
+    def __init__(self, beta: float, loss: str, reference: str, margin: float = 0.0, precompute: bool = False):
+        self.beta, self.kind, self.margin, self.precompute = beta, loss, margin, precompute
+        # the step's frozen reference (shard/strategies/reference.py), unless its values ride in the batches
+        self.reference = "init" if reference == "init" and not precompute else None
         self.averaged = loss == "ipo" or reference == "none"  # log-likelihoods per token, not per answer
+        self.splits = {}  # precompute: the pairs whose reference columns `start` fills
 
     def check(self, cfg, mesh_shape: dict) -> None:
         for axis, why in (("stage", "the pipeline's schedule runs one sequence per row"),
@@ -64,15 +69,25 @@ class DPO(Objective):
 
     def data(self, cfg, seed: int, cache_dir):
         train, held = preferences.splits(cfg.data)
+        if self.precompute:
+            for pairs in (train, held):
+                pairs.arrays.update(precomputed.columns(len(pairs)))
+            self.splits = {"train": train, "eval": held}
         return data_lib.of_sources(cfg.data, seed, train, held, "lm", lambda b: b, 2 * cfg.data.seq_len,
                                    data_lib.vocab_size(cfg.data))
+
+    def start(self, job, state, run_dir, main: bool) -> None:
+        if self.precompute:
+            precomputed.fill(self.splits, job, state, run_dir, main, log_likelihoods)
 
     def rewards(self, model, batch: dict, reference):
         """Per pair: (chosen reward, rejected reward, chosen log-likelihood, rejected log-likelihood)."""
         sides = ((batch["inputs"], batch["targets"], batch["chosen_mask"]),
                  (batch["rejected_inputs"], batch["rejected_targets"], batch["rejected_mask"]))
         logps, counts = zip(*(log_likelihoods(model, *side) for side in sides))
-        if reference is not None:
+        if self.precompute:
+            ref = [batch["chosen_ref"], batch["rejected_ref"]]
+        elif reference is not None:
             ref = [jax.lax.stop_gradient(log_likelihoods(reference, *side)[0]) for side in sides]
         else:
             ref = [jnp.zeros_like(logps[0])] * 2

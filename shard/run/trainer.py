@@ -108,6 +108,8 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
         try:
             with spent.timed("restore"):  # e.g. a circular pipeline's layer order
                 state = job.to_running(start_state(cfg, checkpoints, job, say))
+                if work.objective is not None:  # e.g. DPO's reference log-likelihoods, once
+                    work.objective.start(job, state, run_dir, main)
             result = Result(graphdef=work.graphdef, shardings=job.shardings, mesh=job.mesh,
                             train_step=job.train_step, start_step=int(state.step))
             plan = {"model": cfg.model.name, "parameters": state_lib.count_params(work.abstract.params),

@@ -6,8 +6,8 @@ its adapters: `state.params`, no second copy. In full fine-tuning it is a copy o
 beside the trained ones in `extra["reference"]`, laid out by the same rules (so fsdp splits it as it splits
 the weights, in host memory where they are), checkpointed with the optimizer state (a resume reads it back
 bitwise) and set from the loaded weights after `train.init_from` (`fill`). The plan shows its bytes per
-device. (`train.dpo.precompute=true`, the reference's log-likelihoods computed once into the data cache, is
-not built yet: shard/objectives/dpo.py refuses it.)
+device. (`train.dpo.precompute=true` needs neither: the reference's log-likelihoods are computed once before
+the first step, shard/objectives/precomputed.py, and ride in the batches.)
 """
 
 from shard.core import state as state_lib
@@ -33,7 +33,7 @@ class Reference(Strategy):
                                "train.sync=allreduce",
         ("reference", "replicas"): "each replica would keep a reference of its own; use mesh.replica=1",
         ("copy", "offload"): "the reference's copy stays in device memory; use train.offload=none, LoRA "
-                             "(train.lora.rank, no copy)",
+                             "(train.lora.rank, no copy) or train.dpo.precompute=true (no copy)",
     }
 
     def __init__(self, copy: bool, label: str = "train.dpo.reference=init"):
