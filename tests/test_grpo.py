@@ -154,6 +154,7 @@ def test_resume_is_bitwise_with_the_rollouts(tmp_path, learned):
     (["data.answer_field=null"], "set data.name=documents, data.prompt_field and data.answer_field"),
     (["train.grpo.rewards=[my_module:score]"], "set train.grpo.trust_code=true"),
     (["train.grad_accum=3"], "train.grad_accum=3 must divide the rollouts' rows"),
+    (["train.offload=optimizer"], "use train.offload=none"),
     (["mesh.replica=2", "train.sync=local_sgd"], "train.objective=grpo with train.grpo.beta=0.04"),
 ])
 def test_what_does_not_combine_is_one_line(tmp_path, addition, extra, message):

@@ -66,6 +66,9 @@ class GRPO(Objective):
                           ("context", "the rollouts add one token at a time, which cannot be split over context")):
             if mesh_shape.get(axis, 1) > 1:
                 raise UserError(f"train.objective=grpo with mesh.{axis}={mesh_shape[axis]}: {why}; use mesh.{axis}=1")
+        if cfg.train.offload != "none":
+            raise UserError(f"train.objective=grpo with train.offload={cfg.train.offload}: the rollouts read the "
+                            "weights before the update moves them to the device; use train.offload=none")
         if jax.process_count() > 1:
             raise UserError("train.objective=grpo scores rollouts on one host today (its rewards' callback); run "
                             "one process (mesh over its devices)")
