@@ -123,6 +123,7 @@ def test_the_reward_rises(learned):
     assert np.mean(reward[-6:]) > np.mean(reward[:6]) + 0.3, reward
 
 
+@pytest.mark.slow
 def test_fsdp_with_accumulation_is_one_devices_curve(train, addition, learned):
     one = learned[2].history[:3]
     many = train(*grpo(addition, *DIGIT_FIRST), "train.steps=3", "mesh=fsdp", "run.cpu_devices=4",
@@ -133,6 +134,7 @@ def test_fsdp_with_accumulation_is_one_devices_curve(train, addition, learned):
         np.testing.assert_allclose([r[key] for r in many], [r[key] for r in one], rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_with_the_rollouts(tmp_path, learned):
     from shard.run import trainer
 

@@ -149,8 +149,9 @@ class GRPO(Objective):
             if self.updates > 1:  # the sampling policy's log-probabilities, for the later updates' ratios
                 rows["old"] = jax.lax.stop_gradient(token_logp(policy, rows))
             begun = state.step
-            for _ in range(self.updates):
-                state, out = train_fn(state, rows)
+            # one update compiled, run `updates` times (the last one's metrics reported)
+            state, outs = jax.lax.scan(lambda s, _: train_fn(s, rows), state, length=self.updates)
+            out = jax.tree.map(lambda x: x[-1], outs)
             times = io_callback(self._end, jax.ShapeDtypeStruct((2,), jnp.float32), out["loss"])
             out = {**out, "grpo/reward": jnp.mean(scored), "grpo/reward_std": jnp.mean(spread),
                    "grpo/completion_len": jnp.mean(jnp.sum(keep, axis=1).astype(jnp.float32)),
