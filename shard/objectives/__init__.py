@@ -35,6 +35,7 @@ class Objective:
 
     name: str = ""
     reference: str | None = None  # "init": the step is handed the frozen starting weights as `reference`
+    reference_label: str = ""     # the settings that ask for that reference, as refusals name them
 
     def check(self, cfg, mesh_shape: dict) -> None:
         """Refuse in one line what this objective does not combine with (a mesh axis, a strategy)."""

@@ -55,6 +55,7 @@ class DPO(Objective):
         # the step's frozen reference (shard/strategies/reference.py), unless its values ride in the batches
         self.reference = "init" if reference == "init" and not precompute else None
         self.averaged = loss == "ipo" or reference == "none"  # log-likelihoods per token, not per answer
+        self.reference_label = "train.objective=dpo with train.dpo.reference=init"
         self.splits = {}  # precompute: the pairs whose reference columns `start` fills
 
     def check(self, cfg, mesh_shape: dict) -> None:

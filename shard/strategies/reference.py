@@ -26,8 +26,9 @@ def _without(extra: dict | None) -> dict | None:
 class Reference(Strategy):
     name = "reference"
     keys = ("train.dpo.reference",)
-    switches = {"reference": "`train.objective=dpo` with `train.dpo.reference=init`",
-                "copy": "`train.dpo.reference=init` without LoRA (a copy of the weights)"}
+    switches = {"reference": "`train.objective=dpo` with `train.dpo.reference=init`, or `grpo` with "
+                             "`train.grpo.beta` > 0",
+                "copy": "that reference without LoRA (a copy of the weights)"}
     refuses = {
         ("reference", "sync"): "the replicas' weights part between syncs, each would need its own reference; use "
                                "train.sync=allreduce",
@@ -45,7 +46,7 @@ class Reference(Strategy):
         goal = work.objective
         if goal is None or goal.reference != "init":
             return None
-        return cls(copy=lora.settings(cfg) is None, label=getattr(goal, "reference_label", "train.dpo.reference=init"))
+        return cls(copy=lora.settings(cfg) is None, label=goal.reference_label or "train.dpo.reference=init")
 
     @property
     def label(self) -> str:
@@ -84,9 +85,10 @@ class Reference(Strategy):
     # ---- the plan
     def plan(self, job, step_ops, n) -> dict:
         if not self.copy:
-            return {"reference": {"kind": "the weights under the adapters", "bytes_per_device": 0}}
+            return {"reference": {"kind": "the weights under the adapters", "bytes_per_device": 0, "for": self.label}}
         held = ckpt_lib.abstract_target(job.work.abstract.params, job.shardings.extra[KEY])
-        return {"reference": {"kind": "a frozen copy of the weights", "bytes_per_device": state_lib.shard_bytes(held)}}
+        return {"reference": {"kind": "a frozen copy of the weights", "bytes_per_device": state_lib.shard_bytes(held),
+                              "for": self.label}}
 
     plan_keys = ("reference",)
 
@@ -94,5 +96,5 @@ class Reference(Strategy):
     def report(plan: dict) -> list:
         if not (ref := plan.get("reference")):
             return []
-        return [f"reference (train.dpo.reference=init): {ref['kind']}, {mb(ref['bytes_per_device'])} per device "
+        return [f"reference ({ref.get('for', 'train.dpo.reference=init')}): {ref['kind']}, {mb(ref['bytes_per_device'])} per device "
                 "beside the trained state"]
