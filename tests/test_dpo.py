@@ -41,22 +41,27 @@ def one(corpus, tmp_path_factory):
     return run(corpus, tmp_path_factory.mktemp("one"), "run.cpu_devices=1")
 
 
-def direct_loss(params, rest, graphdef, batch, beta, ref_params=None) -> float:
-    """DPO's sigmoid loss from each row's log-probabilities, the softmax in float64 numpy (reference
-    none: each answer's mean log-probability, SimPO's margin with gamma 0)."""
+def direct_loss(params, rest, graphdef, batch, beta, ref_params=None, kind="sigmoid") -> float:
+    """DPO's loss from each row's log-probabilities, the softmax in float64 numpy: sigmoid, or IPO's square
+    (each answer's log-probabilities averaged over its tokens); reference none: each answer's mean
+    log-probability, SimPO's margin with gamma 0."""
+    averaged = ref_params is None or kind == "ipo"
+
     def logps(p, inputs, targets, mask):
         logits = np.asarray(nnx.merge(graphdef, p, rest)(inputs), np.float64)
         top = logits.max(-1, keepdims=True)
         logz = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
         picked = np.take_along_axis(logits, targets[..., None], -1)[..., 0] - logz
-        return (picked * mask).sum(-1) / (1.0 if ref_params is not None else mask.sum(-1))
+        return (picked * mask).sum(-1) / (mask.sum(-1) if averaged else 1.0)
 
     sides = [(batch["inputs"], batch["targets"], batch["chosen_mask"]),
              (batch["rejected_inputs"], batch["rejected_targets"], batch["rejected_mask"])]
     pol = [logps(params, *s) for s in sides]
     ref = [logps(ref_params, *s) for s in sides] if ref_params is not None else [0.0, 0.0]
-    margin = beta * ((pol[0] - ref[0]) - (pol[1] - ref[1]))
-    return float(np.mean(np.log1p(np.exp(-margin))))
+    h = (pol[0] - ref[0]) - (pol[1] - ref[1])
+    if kind == "ipo":
+        return float(np.mean((h - 1 / (2 * beta)) ** 2))
+    return float(np.mean(np.log1p(np.exp(-beta * h))))
 
 
 def test_preference_rows_train_only_the_answers(corpus, capsys):
@@ -89,7 +94,7 @@ def test_margin_accuracy_and_chosen_likelihood_rise(one):
 
 
 def test_the_loss_is_dpo_of_the_two_models_log_probabilities(one, corpus):
-    """The trained model against its reference (the frozen copy kept in the state) on some pairs."""
+    """The trained model against its reference (the frozen copy kept in the state) on some pairs; and IPO's."""
     state = jax.device_get(one.state)
     cfg = config.load(None, overrides(corpus / "x", *BASE, f"data.path={corpus / 'pairs.jsonl'}"))
     batch = preferences.splits(cfg.data)[0].read_batch(np.arange(4))
@@ -99,6 +104,9 @@ def test_the_loss_is_dpo_of_the_two_models_log_probabilities(one, corpus):
     got, _ = objective.loss(model, batch, reference)
     want = direct_loss(state.params, state.rest, one.graphdef, batch, 0.5, state.extra["reference"])
     assert float(got) == pytest.approx(want, abs=1e-6) and 0 < want < np.log(2.0) - 0.1  # the two models differ
+    got, _ = dpo.DPO(0.5, "ipo", "init").loss(model, batch, reference)
+    want = direct_loss(state.params, state.rest, one.graphdef, batch, 0.5, state.extra["reference"], "ipo")
+    assert float(got) == pytest.approx(want, abs=1e-6) and want != pytest.approx(1.0, abs=0.01)  # not (0 - 1)^2
 
 
 def test_precomputed_reference_gives_the_copys_curve(one, corpus, tmp_path):
