@@ -305,8 +305,8 @@ def test_a_request_joining_mid_way_decodes_as_it_would_alone(name):
     queue.submit(second)
     while queue.waiting or any(queue.active):
         queue.tick()
-    for request in (first, second):
-        want = generator(np.array([request.prompt]), 10, GREEDY)[0].tolist()
+    # both prompts as one left-padded batch: each row its solo tokens (test_generate.py), in one compile
+    for request, want in zip((first, second), generator([first.prompt, second.prompt], 10, GREEDY).tolist()):
         assert request.tokens == want and request.finish == "length" and len(set(want)) > 2
 
 
