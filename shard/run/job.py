@@ -162,8 +162,10 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
                 losses.trace(loss_fn, forward.outputs, batch)
         except Exception as e:
             raise UserError(f"{_loss_context(cfg, loss_fn, data, forward, batch)}: {blame.describe(e)}") from None
+        # a frozen reference's forward passes are the step's work too (traced here with the weights standing in)
+        frozen = (lambda state: state.params) if goal is not None and goal.reference == "init" else None
         train_fn = step_lib.make_train_step(graphdef, tx, loss_fn, dtype, badsteps.policy(cfg.train) == "skip",
-                                            goal=goal)
+                                            goal=goal, reference=frozen)
         train_fn = goal.around(train_fn, graphdef, dtype) if goal else train_fn
         with blame.blamed(f"model {cfg.model.name!r} fails in the train step"):  # e.g. its gradient, its state
             train_jaxpr = jax.make_jaxpr(train_fn)(abstract, batch)
