@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import overrides
+from conftest import ROOT, overrides
 from shard import config
-from shard.data import preferences, tokenizer as tokenizer_lib
+from shard.data import formats, preferences, tokenizer as tokenizer_lib
 from shard.errors import UserError
 from shard.objectives import dpo
 from shard.run import trainer
@@ -146,3 +146,24 @@ def test_lora_without_a_reference(corpus, tmp_path):
 def test_refusals_are_one_line(corpus, tmp_path, extra, says):
     with pytest.raises(UserError, match=says):
         run(corpus, tmp_path, *extra)
+
+
+def test_chat_pairs_train_only_the_answer_under_a_real_template(tmp_path):
+    """A real chat template (Qwen2.5's, whose rendering tests/test_real_tokenizers.py holds to transformers'):
+    only the answer's turn is trained, from where the prompt rendered with the generation prompt ends, not the
+    assistant turn inside the prompt."""
+    folder = ROOT.parent / "shared" / "fixtures" / "hf" / "qwen2.5-0.5b-instruct"
+    if not folder.is_dir():
+        pytest.skip(f"{folder} is absent (a clone without ../shared): the real tokenizer files are not here")
+    prompt = [{"role": "user", "content": "Add 2 and 3."}, {"role": "assistant", "content": "5"},
+              {"role": "user", "content": "And 4 and 4?"}]
+    row = {"q": prompt, "good": [{"role": "assistant", "content": "8"}], "bad": "9"}
+    (tmp_path / "chat.jsonl").write_text(json.dumps(row) + "\n")
+    tok = tokenizer_lib.load(str(folder))
+    got = preferences.read([tmp_path / "chat.jsonl"], ("q", "good", "bad"), tok, 96).read_batch(np.array([0]))
+    asked = formats.Formatter(("q",), tok).prompt_ids(prompt)
+    for side, mask, answer in (("", "chosen_mask", "8"), ("rejected_", "rejected_mask", "9")):
+        inputs, trained = got[side + "inputs"][0], np.flatnonzero(got[mask][0])  # target t is token t + 1
+        assert list(inputs[:len(asked)]) == list(asked) and trained[0] + 1 == len(asked)
+        assert tok.decode(got[side + "targets"][0][trained]).startswith(answer)
+        assert "5" in tok.decode(inputs[:len(asked)])  # the prompt's own assistant turn, untrained
