@@ -67,6 +67,7 @@ def test_every_weight_product_is_quantized_forward_and_backward_attention_is_not
     assert set(quantized_products("none")) == {"float32"}
 
 
+@pytest.mark.slow  # two small runs' compiles: ~50 s on a loaded 2-core CPU
 def test_int8_training_under_fsdp_tensor_and_microbatches_equals_one_device(train):
     one = train(*BASE, "run.cpu_devices=1", subdir="one")
     many = train(*BASE, "mesh=fsdp_tp", "mesh.tensor=2", "run.cpu_devices=4", subdir="many")

@@ -11,6 +11,8 @@ compute dtype, as MaxText keeps them. qwix intercepts jax's products while the m
 and nothing else changes.
 """
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import qwix
@@ -23,14 +25,18 @@ KINDS = ("none", "int8", "fp8")
 # forward operands, backward gradients
 QTYPES = {"int8": (jnp.int8, jnp.int8), "fp8": (jnp.float8_e4m3fn, jnp.float8_e5m2)}
 # The traces of jitted jax functions (jnp.matmul's) made while qwix intercepts are cached under this context's
-# value, never reused by a model that is not quantized, nor the other way round.
+# value, one per quantized graph: never reused by a model that is not quantized, nor by another graph (whose
+# provider then counts every product it quantizes).
 _TRACING = jax.make_user_context(None)
+_GRAPHS = itertools.count(1)
 
 
 class WeightProducts(qwix.QtProvider):
     """qwix's quantized training of the products with a weight: a parameter operand (einsum, dot_general,
     ragged_dot's experts) or a product with no batch axes (a matmul of activations by a weight matrix); batched
-    products of activations (attention's) run as written."""
+    products of activations (attention's) run as written. `count`: the products quantized in its traces so far."""
+
+    count = 0
 
     def get_intercept_map(self):
         intercepts = super().get_intercept_map()
@@ -39,6 +45,7 @@ class WeightProducts(qwix.QtProvider):
 
     def einsum(self, spec, *operands, _dot_general=jax.lax.dot_general, **kwargs):
         if len(operands) == 2 and any(find_param(x) is not None for x in operands):
+            self.count += 1
             return super().einsum(spec, *operands, **kwargs)
         return jnp.einsum(spec, *operands, _dot_general=self.dot_general, **kwargs)
 
@@ -46,7 +53,12 @@ class WeightProducts(qwix.QtProvider):
         (_, _), (lhs_batch, _) = dimension_numbers
         if lhs_batch and find_param(lhs) is None and find_param(rhs) is None:
             return jax.lax.dot_general(lhs, rhs, dimension_numbers, *args, **kwargs)
+        self.count += 1
         return super().dot_general(lhs, rhs, dimension_numbers, *args, **kwargs)
+
+    def ragged_dot(self, *args, **kwargs):  # a mixture of experts' grouped products
+        self.count += 1
+        return super().ragged_dot(*args, **kwargs)
 
 
 def provider(kind: str) -> WeightProducts:
@@ -55,24 +67,33 @@ def provider(kind: str) -> WeightProducts:
                                        bwd_qtype=backward)])
 
 
-def model_graph(cfg, graphdef: nnx.GraphDef, abstract) -> nnx.GraphDef:
+def model_graph(cfg, graphdef: nnx.GraphDef, abstract, inputs=None) -> nnx.GraphDef:
     """The model's graph with every weight product quantized as train.quantize says (`none`: the graph as it is);
-    combinations that cannot run are refused first."""
+    combinations that cannot run are refused first, and, traced on `inputs` (a batch's shapes), a model in which
+    nothing was quantized (a convolutional one: qwix's products only) after."""
     kind = cfg.train.quantize
     if kind == "none":
         return graphdef
     check(cfg)
     model = nnx.merge(graphdef, abstract.params, abstract.rest)
-    quantized = qwix.quantize_model(model, provider(kind), None, skip_nnx_init=True)  # dynamic: nothing to set up
-    call = type(quantized).__call__
+    products = provider(kind)
+    quantized = qwix.quantize_model(model, products, None, skip_nnx_init=True)  # dynamic: nothing to set up
+    call, graph = type(quantized).__call__, next(_GRAPHS)
 
     def traced(self, *args, **kwargs):
-        with _TRACING(kind):
+        with _TRACING(graph):
             return call(self, *args, **kwargs)
 
     root = type(quantized)
     quantized.__class__ = type(root.__name__, (root,), {"__call__": traced, "__module__": root.__module__})
-    return nnx.graphdef(quantized)
+    out = nnx.graphdef(quantized)
+    if inputs is not None:
+        jax.eval_shape(lambda state, x: nnx.merge(out, state.params, state.rest)(x), abstract, inputs)
+        if not products.count:
+            raise UserError(f"train.quantize={kind}: model {cfg.model.name!r} multiplies no activations by a weight "
+                            "in a product qwix quantizes (jnp.einsum, jax.lax.dot_general, a matmul); convolutions "
+                            "are not quantized: leave train.quantize=none")
+    return out
 
 
 def check(cfg) -> None:

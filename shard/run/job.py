@@ -252,7 +252,8 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         options = {k: v for s in active for k, v in s.step_options(place).items()}
         reduction = gradients.Reduction(**{k: v for k, v in options.items() if k in REDUCTION_FIELDS})
         moved, order = options.get("device_shardings"), options.get("order")
-        graphdef = quant_training.model_graph(cfg, work.graphdef, work.abstract)  # train.quantize's products
+        # train.quantize's products (traced on a batch's inputs: a model with none to quantize is refused)
+        graphdef = quant_training.model_graph(cfg, work.graphdef, work.abstract, work.batch.get("inputs"))
         train_fn = step_lib.make_train_step(graphdef, work.tx, work.loss_fn, work.dtype,
                                             badsteps.policy(cfg.train) == "skip", reduction, moved, order, work.schedule,
                                             options.get("trainable"), options.get("arrange"), work.objective,
