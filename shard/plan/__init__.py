@@ -169,7 +169,7 @@ def compiler_figures(step, text: str, work, flops_device: float, peak: float | N
     raw_s = raw_s if raw_s and raw_s > 0 else None  # the TPU cost model answers a negative time where it has none
     seconds = raw_s * scale + kernel_s if raw_s else None
     lm = work.data.task == "lm"
-    items = math.prod(work.batch["targets"].shape[:2 if lm else 1])  # tokens (language models) or samples
+    items = work.data.batch_size * (work.data.tokens_per_example if lm else 1)  # tokens (language models) or samples
     raw_flops = cost.get("flops")
     return {"flops_per_device": raw_flops + extra + kernel_flops if raw_flops else None,
             "raw_flops_per_device": raw_flops, "raw_step_s": raw_s, "loop_factor": scale, "loop_basis": basis,
