@@ -94,7 +94,7 @@ class LoRA(Strategy):
             raise UserError(f"train.lora.rank={got[0]} with pipeline.repeats={cfg.pipeline.repeats}: the circular "
                             "schedule's layer order is not kept for the adapters; use pipeline.repeats=1 (GPipe)")
         site_list = adapters.sites(work.model_cls, work.abstract.params, got[2], cfg.model.name)
-        return cls(*got, site_list, cfg.train.seed, base_kind(cfg))
+        return (cls if base_kind(cfg) == "float32" else StoredBase)(*got, site_list, cfg.train.seed, base_kind(cfg))
 
     @property
     def label(self) -> str:
@@ -135,12 +135,6 @@ class LoRA(Strategy):
         codes, scales = quant.quantize(state.params, self.base, self.mesh_shape, self.rules)
         extra = {**(state.extra or {}), **({BASE: scales} if self.quantized else {})}
         return state.replace(params=codes, extra=extra)
-
-    def fill(self, state):
-        """Weights loaded in float32 (train.init_from) stored as the base is."""
-        raw = any(v.get_value().dtype == jnp.float32 and quant.quantizes(v) for v in jax.tree.leaves(
-            state.params, is_leaf=lambda x: isinstance(x, nnx.Variable)) if isinstance(v, nnx.Variable))
-        return self.stored(state) if raw and self.base != "float32" else state
 
     def base_weights(self, state):
         """The frozen weights the base stands for (float32)."""
@@ -263,3 +257,15 @@ class LoRA(Strategy):
               f"{mb(lora['base_bytes_per_device'])} per device against {mb(lora['base_float32_bytes_per_device'])} "
               f"in float32 ({lora['base_bytes_per_device'] / max(lora['base_float32_bytes_per_device'], 1):.3f}x)"]
              if lora.get("base", "float32") != "float32" else [])
+
+
+class StoredBase(LoRA):
+    """LoRA on a base stored otherwise than float32: weights loaded in float32 (train.init_from) are stored as the
+    base is by the job's `fill` (a plain LoRA job compiles no fill); a checkpoint of the model's own float weights is
+    read by `take` (train.init_from)."""
+    other_layouts = True
+
+    def fill(self, state):
+        raw = any(v.get_value().dtype == jnp.float32 and quant.quantizes(v) for v in jax.tree.leaves(
+            state.params, is_leaf=lambda x: isinstance(x, nnx.Variable)) if isinstance(v, nnx.Variable))
+        return self.stored(state) if raw else state
