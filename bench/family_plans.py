@@ -18,7 +18,8 @@ Where ../shared/fixtures/hf holds a family's real config.json it is read as is; 
 holds the config.json values of the model card's published config (the Hugging Face Hub's <repo>/config.json),
 each saying where it came from. Fields left out are transformers' defaults, which the reader supplies.
 
-A family whose row does not fit (or does not compile) gets the rows in MORE planned after it: more GPUs, another
+A family whose row does not fit (or does not compile) gets the rows in MORE planned after it (and any family those
+in COMPARED, whatever its verdict): more GPUs, another
 mesh or routing, a compiler flag; each says why.
 
 GPU targets need the CUDA plugin: run with /work/.venv-cuda/bin/python (jax-cuda12-plugin, no GPU needed);
@@ -137,8 +138,8 @@ ORDER = ["qwen3-4b", "qwen3-8b", "smollm3-3b", "gemma-2-9b", "gemma-3-1b", "gemm
 #   for a dot of its key/value projection's backward (head_dim 96); without Triton GEMMs it compiles.
 # - Mixtral's float32 parameters, gradients and Adam moments alone are 87 GiB a GPU over 8: 16 GPUs, the same
 #   sequence a GPU (batch 16).
-# - The MoE families' dropless routing (transformers' numbers) holds every token of the whole batch on every
-#   device (its sort by expert is over the whole batch); the capacity routing beside it, for its memory.
+# - The MoE families' dropless routing (transformers' numbers, each device sorting its own tokens: shard/dropless.py)
+#   and the capacity routing beside it, for its memory: on 16 GPUs for Mixtral, in COMPARED for Qwen3-30B-A3B.
 NO_TRITON_GEMM = "run.compiler_flags={xla_gpu_enable_triton_gemm: false}"
 MORE = {
     "h100x8": {
@@ -146,8 +147,13 @@ MORE = {
         "phi-3-mini-128k": [("h100x8", ["mesh=fsdp", NO_TRITON_GEMM])],
         "mixtral-8x7b": [("h100x16", ["mesh=fsdp", "data.batch_size=16"]),
                          ("h100x16", ["mesh=fsdp", "data.batch_size=16", "model.routing=capacity"])],
-        "qwen3-30b-a3b": [("h100x8", ["mesh=ep"]), ("h100x8", ["mesh=fsdp", "model.routing=capacity"])],
     },
+}
+# Planned after a family's row whether it fits or not: the MoE's dropless routing with its experts split (ep: all
+# the GPUs; or 4 of them, fsdp over 2), and the capacity routing beside it, for their memory.
+COMPARED = {
+    "h100x8": {"qwen3-30b-a3b": [("h100x8", ["mesh=ep"]), ("h100x8", ["mesh=fsdp", "mesh.expert=4"]),
+                                 ("h100x8", ["mesh=fsdp", "model.routing=capacity"])]},
 }
 
 
@@ -258,7 +264,8 @@ def measure(args) -> None:
             print(f"skipping {name}: {e}")
             continue
         r = one(name, args.target, ["mesh=fsdp", *args.more] if args.more else [])
-        for target, more in MORE.get(args.target, {}).get(name, []) if not r.get("fits") else []:
+        for target, more in [*(MORE.get(args.target, {}).get(name, []) if not r.get("fits") else []),
+                             *COMPARED.get(args.target, {}).get(name, [])]:
             one(name, target, more)
 
 
