@@ -92,7 +92,7 @@ def estimate(cfg, work, c: Candidate, peak: float, link: float) -> bool:
     zero = mesh_lib.load_preset(c.preset).get("zero", 0) if s["data"] > 1 else 0
     state = per_device * (1 + optimizer / (s["data"] if zero >= 1 else 1) + 1 / (s["data"] if zero >= 2 else 1))
     width, layers = work.kwargs.get("d_model"), (work.stacks[0] if work.stacks else 1)
-    batch_shape = work.batch["targets"].shape
+    batch_shape = work.batch.get("targets", work.batch["inputs"]).shape  # (GRPO's batches are prompts alone)
     tokens = math.prod(batch_shape[:2]) / (s["data"] * s["fsdp"] * s["context"] * s["replica"] * c.accum)
     act_bytes = work.dtype.itemsize
     activations = 0.0
