@@ -151,6 +151,17 @@ def test_resume_is_bitwise_with_the_rollouts(tmp_path, learned):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_trust_comes_from_the_command_line_never_from_a_file(tmp_path):
+    """A config file that turns trust on is refused; the command line's trust is not written to the run's
+    config.yaml, so a run read back from its folder runs no reward's code unless trusted again."""
+    file = tmp_path / "grpo.yaml"
+    file.write_text("train:\n  grpo:\n    rewards: [my_module:score]\n    trust_code: true\n")
+    with pytest.raises(UserError, match="sets train.grpo.trust_code: only the command line can"):
+        config.load(file, [])
+    cfg = config.load(None, ["train.grpo.trust_code=true"])
+    assert cfg.train.grpo.trust_code and "trust_code: false" in config.to_yaml(cfg)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["mesh=pp", "run.cpu_devices=2"], "train.objective=grpo with mesh.stage=2"),
     (["data.answer_field=null"], "set data.name=documents, data.prompt_field and data.answer_field"),

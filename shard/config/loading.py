@@ -29,6 +29,9 @@ def load(path: "str | Path | None", overrides: list[str], sections: tuple | None
     if path is not None:
         layer = _read_yaml(Path(path))
         layers.append(layer if sections is None else {k: v for k, v in layer.items() if k in sections})
+    if layers and ((layers[0].get("train") or {}).get("grpo") or {}).get("trust_code"):
+        raise UserError(f"{path} sets train.grpo.trust_code: only the command line can (train.grpo.trust_code=true), "
+                        "so that no file turns on running the code it names")
     layers.append(_parse_overrides(overrides))
     # A new run's train.init_from naming a Hugging Face folder: its settings under the command line, over the
     # file (a finished run's config.yaml already holds them, maybe changed on its command line).
@@ -274,4 +277,7 @@ def fill_mesh_from_preset(mesh: MeshConfig) -> None:
 
 def to_yaml(cfg: Config, model_kwargs: dict | None = None) -> str:
     """The config as YAML, as a user writes it (`to_dict`), keys in schema order."""
-    return yaml.safe_dump(to_dict(cfg, model_kwargs), sort_keys=False)
+    written = to_dict(cfg, model_kwargs)
+    if written.get("train", {}).get("grpo", {}).get("trust_code"):  # trust is given again on each command line
+        written["train"]["grpo"]["trust_code"] = False
+    return yaml.safe_dump(written, sort_keys=False)

@@ -10,9 +10,10 @@ Built-in, named by a config:
   long answers).
 
 A user's own, `package.module:function`, is called as function(completions, answers) -> one float each. It is
-imported only under `train.grpo.trust_code=true` (given on the command line or in the config by the user who
-runs it): importing a module runs its code, so a config that merely names one runs nothing, as a model named
-by a run folder is not imported without --trust-code (shard/core/registry.py).
+imported only under `train.grpo.trust_code=true`, which only the command line can give (a config file setting it
+is refused, and the run's config.yaml records it false): importing a module runs its code, so a file that merely
+names one runs nothing, as a model named by a run folder is not imported without --trust-code
+(shard/core/registry.py).
 """
 
 import re
