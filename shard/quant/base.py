@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import qwix
 from flax import nnx
+from qwix._src.core import numerics
 
 from shard.partition import logical_names, logical_to_spec
 
@@ -87,8 +88,12 @@ def quantize(params, kind: str, mesh_shape: dict, rules: dict):
         if not isinstance(var, nnx.Variable) or not quantizes(var):
             return var
         w = var.get_value().astype(jnp.float32)
-        q = qwix.quantize(w, QTYPE[kind], channelwise_axes=tuple(range(w.ndim - 1)),
-                          tiled_axes={w.ndim - 1: block(w.shape)})
+        axes = dict(channelwise_axes=tuple(range(w.ndim - 1)), tiled_axes={w.ndim - 1: block(w.shape)})
+        if kind == "nf4":  # qwix's absmax scale (the int8 one's times its bound), then the code book's nearest entry
+            scale = qwix.quantize(w, jnp.int8, **axes).scale * numerics.get_symmetric_bound(jnp.int8)
+            q = qwix.QArray(nf4_codes(w / jnp.repeat(scale, block(w.shape), axis=-1)), scale, None, "nf4")
+        else:
+            q = qwix.quantize(w, QTYPE[kind], **axes)
         codes = q.qvalue if kind == "int8" else pack(q.qvalue.astype(jnp.int8) + SHIFT[kind])
         names = logical_names(var) or (None,) * w.ndim
         with nnx.use_eager_sharding(False):  # logical names, mapped by the rules
@@ -97,6 +102,26 @@ def quantize(params, kind: str, mesh_shape: dict, rules: dict):
             return nnx.Param(codes, out_sharding=_names(names, codes.shape, mesh_shape, rules))
 
     return _each(params, one), scales
+
+
+# nf4 coded elementwise, each array keeping its shape: qwix's own fp_to_nf4 / nf4_to_fp map over the array
+# raveled, which under a sharded layout is the whole weight in one piece, and its encoder's argmin holds 16
+# distances per weight (the TPU compiler asked 513 GiB a chip of temporaries for a Llama-3-8B shape on v5p-8).
+NF4 = numerics.get_nf4_buckets()  # qwix's code book (QLoRA's Appendix E)
+
+
+def nf4_codes(x):
+    """The nearest code (0..15, int8) of values in [-1, 1]: how many midpoints between entries lie below."""
+    mids = (NF4[1:] + NF4[:-1]) / 2
+    return sum((x > m).astype(jnp.int8) for m in mids)
+
+
+def nf4_values(codes):
+    """The code book's values of codes 0..15, as a chain of selects (elementwise, fused with what uses it)."""
+    out = jnp.zeros(codes.shape, jnp.float32)
+    for i in range(1, 16):
+        out = jnp.where(codes == i, NF4[i], out)
+    return jnp.where(codes == 0, NF4[0], out)
 
 
 def pack(codes):
@@ -120,10 +145,10 @@ def dequantize(params, scales: dict, kind: str):
         value = var.get_value()
         if scale is None:
             return var.replace(value.astype(jnp.float32)) if jnp.issubdtype(value.dtype, jnp.floating) else var
-        if kind == "int8":
-            codes = value
-        else:
-            codes = (unpack(value) - SHIFT[kind]).astype(jnp.uint4 if kind == "nf4" else jnp.int4)
+        if kind == "nf4":
+            return var.replace(nf4_values(unpack(value)) * jnp.repeat(scale[...], block(value.shape[:-1] + (
+                2 * value.shape[-1],)), axis=-1))
+        codes = value if kind == "int8" else (unpack(value) - SHIFT[kind]).astype(jnp.int4)
         return var.replace(qwix.dequantize(qwix.QArray(codes, scale[...], None, QTYPE[kind])))
 
     return _each(params, one)
