@@ -206,10 +206,10 @@ class TrainConfig:
     ema: float = option(0.0, "keep an exponential moving average of the weights with this decay (e.g. 0.999), "
                         "used by eval, the sample, load_model and export; 0 = off", min=0, max=0.99999, job=True)
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"group": LoraConfig, "job": True})
-    quantize: str = option("none", "quantization-aware training (qwix): every product of activations with a weight "
-                           "runs forward and backward in int8 (int32 sums) or fp8 (e4m3 forward, e5m2 gradients), "
-                           "absmax scaled per channel at each step, the weights kept float32 (shard/quant/training.py);"
-                           " none = off", choices=("none", "int8", "fp8"), job=True)
+    quantize: str = option("none", "quantization-aware training (qwix): every product of activations with a weight, "
+                           "and its activations' gradient, in int8 (int32 sums) or fp8 (e4m3 forward, e5m2 gradients), "
+                           "absmax scaled per channel at each step; the weights' gradients and the weights as without "
+                           "(shard/quant/training.py); none = off", choices=("none", "int8", "fp8"), job=True)
     eval_every: int = option(0, "evaluate every N steps; 0 = only at the end", min=0)
     eval_batches: int = option(8, "batches per evaluation, spread evenly over the eval split; 0 = all of it", min=0)
     sample_len: int = option(200, "lm: tokens to generate after training; 0 disables", min=0)

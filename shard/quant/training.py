@@ -1,9 +1,12 @@
 """Quantization-aware training (`train.quantize=int8|fp8`), with qwix's quantized training (QtProvider), as
 MaxText's AQT int8 and fp8 runs: every matrix product of activations with a weight runs on both operands
-quantized, forward and backward (the incoming gradient quantized too), each with absmax scales per channel of its
-non-contracted axes, computed from the values at each step (dynamic range: no state besides the weights).
-int8: int8 x int8 products accumulated in int32; fp8: float8_e4m3fn forward, the gradients float8_e5m2 (the wider
-range they need). The weights, their gradients and the optimizer stay float32; checkpoints do not change.
+quantized, and in the backward pass so does the product giving the activations' gradient (the incoming gradient
+quantized too); the weight's gradient is computed in the compute dtype from the quantized activations (MaxText's
+int8 has no bits for it either: quantizing it cost the default job 3.8% of its eval loss, bench/RESULTS.md). Each
+operand has absmax scales per channel of its non-contracted axes, from the values at each step (dynamic range: no
+state besides the weights). int8: int8 x int8 products accumulated in int32; fp8: float8_e4m3fn forward, the
+gradients float8_e5m2 (the wider range they need). The weights and the optimizer stay float32; checkpoints do not
+change.
 
 Attention's own products (queries x keys, probabilities x values: batched over heads, no weight) stay in the
 compute dtype, as MaxText keeps them. qwix intercepts jax's products while the model runs; the graph of the model
@@ -11,6 +14,7 @@ compute dtype, as MaxText keeps them. qwix intercepts jax's products while the m
 and nothing else changes.
 """
 
+import dataclasses
 import itertools
 
 import jax
@@ -55,6 +59,13 @@ class WeightProducts(qwix.QtProvider):
             return jax.lax.dot_general(lhs, rhs, dimension_numbers, *args, **kwargs)
         self.count += 1
         return super().dot_general(lhs, rhs, dimension_numbers, *args, **kwargs)
+
+    def _create_dot_general_qt_config(self, rule, op_id, lhs, rhs):
+        """The weight's gradient in the compute dtype (MaxText's int8 and fp8: no drhs bits), the activations'
+        gradient quantized. The weight is the operand qwix finds among the parameters, else the right one (x @ w)."""
+        config = super()._create_dot_general_qt_config(rule, op_id, lhs, rhs)
+        weight_left = find_param(lhs) is not None
+        return dataclasses.replace(config, **{"dlhs_grad_qtype" if weight_left else "drhs_grad_qtype": None})
 
     def ragged_dot(self, *args, **kwargs):  # a mixture of experts' grouped products
         self.count += 1
