@@ -107,21 +107,22 @@ def quantize(params, kind: str, mesh_shape: dict, rules: dict):
 # nf4 coded elementwise, each array keeping its shape: qwix's own fp_to_nf4 / nf4_to_fp map over the array
 # raveled, which under a sharded layout is the whole weight in one piece, and its encoder's argmin holds 16
 # distances per weight (the TPU compiler asked 513 GiB a chip of temporaries for a Llama-3-8B shape on v5p-8).
-NF4 = numerics.get_nf4_buckets()  # qwix's code book (QLoRA's Appendix E)
 
 
 def nf4_codes(x):
     """The nearest code (0..15, int8) of values in [-1, 1]: how many midpoints between entries lie below."""
-    mids = (NF4[1:] + NF4[:-1]) / 2
+    book = numerics.get_nf4_buckets()  # qwix's code book (QLoRA's Appendix E); called here, not at import: JAX starts
+    mids = (book[1:] + book[:-1]) / 2
     return sum((x > m).astype(jnp.int8) for m in mids)
 
 
 def nf4_values(codes):
     """The code book's values of codes 0..15, as a chain of selects (elementwise, fused with what uses it)."""
+    book = numerics.get_nf4_buckets()
     out = jnp.zeros(codes.shape, jnp.float32)
     for i in range(1, 16):
-        out = jnp.where(codes == i, NF4[i], out)
-    return jnp.where(codes == 0, NF4[0], out)
+        out = jnp.where(codes == i, book[i], out)
+    return jnp.where(codes == 0, book[0], out)
 
 
 def pack(codes):
