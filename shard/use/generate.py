@@ -3,7 +3,7 @@ through shard.hooks):
 
     python -m shard.generate RUN [--prompt TEXT ... | --prompt-file FILE | --prompt-lines FILE]
                              [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B]
-                             [key=value ...]
+                             [--quantize int8|int4] [key=value ...]
 
 Several prompts (--prompt repeated, or a file of one a line) are generated as one batch, left-padded to the
 longest; each row under greedy decoding is what its prompt gives alone, and stops at EOS on its own.
