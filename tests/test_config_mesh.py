@@ -70,7 +70,7 @@ def test_every_train_and_checkpoint_key_is_decided_one_way_or_the_other():
                   "train.nonfinite", "train.max_rollbacks",
                   "train.grad_accum", "train.offload", "train.context_strategy",
                   "train.eval_every", "train.eval_batches", "train.sample_len", "train.sample_prompt",
-                  "train.attention_precision", "train.scan_layers",
+                  "train.attention_precision", "train.scan_layers", "train.grpo.trust_code",
                   "checkpoint.enabled", "checkpoint.every", "checkpoint.keep", "checkpoint.async", "checkpoint.dir"}
     keys = {key for s in ("train", "checkpoint") for key, _, _ in config.keys_of(s)}
     assert keys == continuing | (config.JOB_KEYS & keys) and not continuing & config.JOB_KEYS
