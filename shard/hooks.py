@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shard import attention as attn
 from shard import dropless, partition
-from shard.strategies import context
+from shard.strategies import context, deferred
 from shard.use import decoding
 from shard.errors import UserError
 
@@ -131,14 +131,15 @@ def stack(layers: nnx.Module, x):
 
 def scan(layers: nnx.Module, x):
     """The stacked layers in order, one at a time, each through `layer`: a scan (the compiled program holds one
-    layer), or under `use(unroll=True)` the layers written out one after another (`unrolled`). A pipeline's
+    layer), or under `use(unroll=True)` the layers written out one after another (`unrolled`). A weight the run
+    builds per layer (shard/strategies/deferred.py: a quantized base plus adapters) is built in the layer. A pipeline's
     stages run their share of the layers through this too, so train.scan_layers and train.remat apply there."""
     if _UNROLL.get():
         return unrolled(layers, x)
 
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def run(x, one):
-        return layer(lambda one, x: one(x))(one, x)
+        return layer(deferred.in_layers(lambda one, x: one(x), _REMAT.get() != "none"))(one, x)
 
     return run(x, layers)
 
@@ -158,7 +159,7 @@ def scan_decoding(layers: nnx.Module, x, calls: decoding.Calls):
             inner = calls.inner(entries, layer=i)
             token = _DECODE.set(inner)
             try:
-                return one(x), inner.made, i + 1
+                return _call(one, x), inner.made, i + 1
             finally:
                 _DECODE.reset(token)
 
@@ -171,13 +172,18 @@ def scan_decoding(layers: nnx.Module, x, calls: decoding.Calls):
         inner = calls.inner(entries)
         token = _DECODE.set(inner)
         try:
-            return one(x), inner.made
+            return _call(one, x), inner.made
         finally:
             _DECODE.reset(token)
 
     x, made = run(x, layers, given)
     calls.put(made)
     return x
+
+
+def _call(one: nnx.Module, x):
+    """One layer applied while generating (no backward pass), its weights built first where the run builds them."""
+    return deferred.in_layers(lambda one, x: one(x), checkpointed=True)(one, x)
 
 
 def stack_caches(layers: nnx.Module, x, calls: decoding.Calls) -> list | None:
@@ -190,7 +196,7 @@ def stack_caches(layers: nnx.Module, x, calls: decoding.Calls) -> list | None:
         probe = calls.inner(None)
         token = _DECODE.set(probe)
         try:
-            nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))(x)
+            _call(nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state)), x)
         finally:
             _DECODE.reset(token)
         return probe.made
@@ -208,7 +214,7 @@ def unrolled(layers: nnx.Module, x):
     layer written out: the compiler schedules across layers, and converters that do not take Flax's scan read it);
     what a layer updates is written back, as by `scan`."""
     graphdef, state = nnx.split(layers)
-    apply = layer(lambda one, x: one(x))
+    apply = layer(deferred.in_layers(lambda one, x: one(x), _REMAT.get() != "none"))
     updated = []
     for i in range(jax.tree.leaves(state)[0].shape[0]):
         one = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))

@@ -137,6 +137,17 @@ def test_lora_without_a_reference(corpus, tmp_path):
     assert got.history[0]["loss"] == pytest.approx(want, abs=1e-6)
 
 
+def test_qlora_s_reference_is_its_quantized_base(corpus, tmp_path):
+    """An nf4 base: the reference is the dequantized base, built in the stack like the trained model's (no copy);
+    at step 1 the two are the same model (the adapters start at zero), so the loss is log 2, and the margin rises."""
+    got = run(corpus, tmp_path, "run.cpu_devices=1", "train.lora.rank=4", "train.lora.targets=[q,k,v,o,mlp]",
+              "train.lora.base=nf4", "optimizer.lr=3e-2")
+    h = got.history
+    assert h[0]["loss"] == pytest.approx(np.log(2.0), abs=1e-6) and h[0]["dpo/margin"] == pytest.approx(0, abs=1e-6)
+    assert np.mean([r["dpo/margin"] for r in h[-3:]]) > np.mean([r["dpo/margin"] for r in h[:3]]) + 0.2
+    assert "reference" not in (jax.device_get(got.state).extra or {})
+
+
 @pytest.mark.parametrize("extra, says", [
     (["mesh.stage=2", "run.cpu_devices=2"], "train.objective=dpo with mesh.stage=2"),
     (["data.rejected_field=null"], "set data.rejected_field"),

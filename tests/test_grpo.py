@@ -151,6 +151,52 @@ def test_resume_is_bitwise_with_the_rollouts(tmp_path, learned):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
+def test_two_processes_give_one_devices_curve(tmp_path, addition, learned):
+    """2 real processes of 2 devices each, fsdp x tensor: the rollouts, their rewards (scored once, on the first
+    process's host) and the updates are one device's."""
+    from test_multihost import launch
+
+    done = launch("local", "--processes=2", "--", *overrides(tmp_path, *grpo(addition, *DIGIT_FIRST)),
+                  "train.steps=2", "mesh=fsdp_tp", "run.cpu_devices=2")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    many = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    many = [r for r in many if "loss" in r and "eval_loss" not in r]
+    one = learned[2].history[:2]
+    for key in ("grpo/reward", "grpo/completion_len"):
+        assert [r[key] for r in many] == [r[key] for r in one], key
+    for key in ("loss", "grpo/kl", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in many], [r[key] for r in one], rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.slow
+def test_with_qlora_on_fsdp_tp_is_one_devices_curve(train, addition):
+    """LoRA adapters on an nf4 base: the rollouts decode through the layers' weights built one at a time, and the
+    run on fsdp x tensor matches one device's."""
+    lora = [*grpo(addition, *DIGIT_FIRST), "train.steps=2", "train.lora.rank=4", "train.lora.targets=[q,k,v,o,mlp]",
+            "train.lora.base=nf4", "train.grpo.beta=0"]
+    one, many = train(*lora, "run.cpu_devices=1").history, train(*lora, "mesh=fsdp_tp", "run.cpu_devices=4").history
+    assert [r["grpo/reward"] for r in many] == [r["grpo/reward"] for r in one]
+    np.testing.assert_allclose([r["loss"] for r in many], [r["loss"] for r in one], rtol=1e-4, atol=2e-5)
+
+
+def test_each_update_of_a_step_takes_the_steps_learning_rate():
+    """train.grpo.updates=2: the optimizer's count advances twice a step, the schedule once (warmup and decay span
+    train.steps); plain SGD shows the rate it applied."""
+    from shard.core import optim
+
+    cfg = config.load(None, ["optimizer.name=sgd", "optimizer.momentum=0", "optimizer.lr=1.0", "optimizer.clip_norm=0",
+                             "optimizer.warmup_steps=4", "optimizer.weight_decay=0"]).optimizer
+    tx, schedule = optim.build(cfg, 10, updates_per_step=2)
+    params, state, rates = {"w": jnp.zeros(())}, None, []
+    state = tx.init(params)
+    for _ in range(8):
+        update, state = tx.update({"w": jnp.ones(())}, state, params)
+        rates.append(-float(update["w"]))
+    assert rates == pytest.approx([float(schedule(i // 2)) for i in range(8)])
+    assert rates[0] == rates[1] == 0.0 and rates[2] == rates[3] == pytest.approx(0.25)
+
+
 def test_trust_comes_from_the_command_line_never_from_a_file(tmp_path):
     """A config file that turns trust on is refused; the command line's trust is not written to the run's
     config.yaml, so a run read back from its folder runs no reward's code unless trusted again."""

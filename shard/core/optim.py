@@ -7,16 +7,20 @@ from flax import nnx
 from shard.partition import logical_names
 
 
-def build(cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def build(cfg, total_steps: int, updates_per_step: int = 1) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(the optimizer, the learning rate as a function of the run's step). `updates_per_step`: optimizer updates
+    a step takes (GRPO's train.grpo.updates on one batch of rollouts): each of a step's updates uses the step's
+    rate, so warmup and decay span the run's steps whatever that count."""
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))  # a warmup longer than the run is cut to fit
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
         decay_steps=max(total_steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+    rate = schedule if updates_per_step == 1 else (lambda count: schedule(count // updates_per_step))
     if cfg.name == "sgd":
         inner = optax.chain(optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
-                            optax.sgd(schedule, momentum=cfg.momentum or None))
+                            optax.sgd(rate, momentum=cfg.momentum or None))
     else:
-        inner = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+        inner = optax.adamw(rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
     tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), inner) if cfg.clip_norm > 0 else inner
     return tx, schedule
 

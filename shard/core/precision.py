@@ -22,6 +22,11 @@ def cast_floats(tree, dtype):
     def one(x):
         if not is_var(x):
             return cast(x)
-        return x if x.get_metadata().get("full_precision") else jax.tree.map(cast, x)
+        if x.get_metadata().get("full_precision"):
+            return x
+        value = x.get_value()
+        if hasattr(value, "compute_in"):  # a weight built inside its stack (shard/strategies/deferred.py), cast there
+            return x.replace(value.compute_in(dtype))
+        return jax.tree.map(cast, x)
 
     return jax.tree.map(one, tree, is_leaf=is_var)

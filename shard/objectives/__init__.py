@@ -36,6 +36,7 @@ class Objective:
     name: str = ""
     reference: str | None = None  # "init": the step is handed the frozen starting weights as `reference`
     reference_label: str = ""     # the settings that ask for that reference, as refusals name them
+    updates_per_step: int = 1     # optimizer updates a train step takes (the learning rate follows the steps)
 
     def check(self, cfg, mesh_shape: dict) -> None:
         """Refuse in one line what this objective does not combine with (a mesh axis, a strategy)."""

@@ -4,8 +4,9 @@ Each train step, on the run's mesh and inside one compiled program:
 1. samples `train.grpo.group` completions of each of the batch's prompts from the policy's KV cache
    (shard/objectives/rollouts.py; temperature, top_p and max_new_tokens under train.grpo.*), the draw keyed by
    (train.seed, step), so a resumed run samples what the uninterrupted one did;
-2. scores them on the host (one callback a step, not a token) with train.grpo.rewards (shard/objectives/rewards.py)
-   and normalises the rewards within each prompt's group (the advantages);
+2. scores them on the host (one callback a step, not a token; with several processes, on the first one's host,
+   which holds every row's answer, the scores then reaching every device) with train.grpo.rewards
+   (shard/objectives/rewards.py) and normalises the rewards within each prompt's group (the advantages);
 3. takes `train.grpo.updates` optimiser steps on those rollouts, each through the step's usual machinery (the
    strategies' shardings, microbatches and reduction): the loss is each completion's mean over its tokens of the
    clipped policy-gradient term, min(r A, clip(r, 1 - epsilon, 1 + epsilon) A) negated, r the ratio of the
@@ -13,7 +14,8 @@ Each train step, on the run's mesh and inside one compiled program:
    exp(ref - logp) - (ref - logp) - 1), averaged over the completions.
 
 The reference is the starting weights (shard/strategies/reference.py: under LoRA the weights without the
-adapters, else a frozen copy); beta=0 keeps none. The run's step counts batches of rollouts, not updates.
+adapters, else a frozen copy); beta=0 keeps none. The run's step counts batches of rollouts, not updates, and
+the learning rate follows the steps: a step's updates all take its rate (shard/core/optim.py).
 Eval scores one greedy completion of each held-out prompt: eval_grpo/reward.
 """
 
@@ -47,6 +49,7 @@ class GRPO(Objective):
         g = cfg.train.grpo
         self.group, self.new_tokens, self.beta, self.epsilon, self.updates = (g.group, g.max_new_tokens, g.beta,
                                                                                g.epsilon, g.updates)
+        self.updates_per_step = g.updates
         self.reference = "init" if g.beta > 0 else None
         self.reference_label = f"train.objective=grpo with train.grpo.beta={g.beta:g}"  # what keeps a reference
         self.seed = cfg.train.seed
@@ -69,9 +72,6 @@ class GRPO(Objective):
         if cfg.train.offload != "none":
             raise UserError(f"train.objective=grpo with train.offload={cfg.train.offload}: the rollouts read the "
                             "weights before the update moves them to the device; use train.offload=none")
-        if jax.process_count() > 1:
-            raise UserError("train.objective=grpo scores rollouts on one host today (its rewards' callback); run "
-                            "one process (mesh over its devices)")
         rows = cfg.data.batch_size * self.group
         if rows % cfg.train.grad_accum:
             raise UserError(f"train.grad_accum={cfg.train.grad_accum} must divide the rollouts' rows, data.batch_size "
@@ -149,8 +149,13 @@ class GRPO(Objective):
             if self.updates > 1:  # the sampling policy's log-probabilities, for the later updates' ratios
                 rows["old"] = jax.lax.stop_gradient(token_logp(policy, rows))
             begun = state.step
-            # one update compiled, run `updates` times (the last one's metrics reported)
-            state, outs = jax.lax.scan(lambda s, _: train_fn(s, rows), state, length=self.updates)
+            # one update compiled, run `updates` times (the last one's metrics reported), each at the run's step:
+            # the learning rate is the step's (shard/core/optim.py), and what the step keys by it draws alike
+            def update(s, _):
+                s, out = train_fn(s, rows)
+                return s.replace(step=begun), out
+
+            state, outs = jax.lax.scan(update, state, length=self.updates)
             out = jax.tree.map(lambda x: x[-1], outs)
             times = io_callback(self._end, jax.ShapeDtypeStruct((2,), jnp.float32), out["loss"])
             out = {**out, "grpo/reward": jnp.mean(scored), "grpo/reward_std": jnp.mean(spread),

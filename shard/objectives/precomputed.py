@@ -8,14 +8,14 @@ eval does, and receiving every value), kept in the pairs' `chosen_ref` and `reje
 from there (a run folder without them cannot resume: one line).
 """
 
-from pathlib import Path
+import io
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard import data as data_lib
+from shard import data as data_lib, paths
 from shard.core import state as state_lib
 from shard.core.precision import cast_floats
 from shard.errors import UserError
@@ -26,12 +26,12 @@ FILE = "dpo_reference.npz"
 def fill(splits: dict, job, state, run_dir, main: bool, likelihoods) -> None:
     """Set each split's (name -> preferences.Pairs) `chosen_ref` and `rejected_ref` from the starting state, or
     from the run folder when the run resumes. `likelihoods(model, inputs, targets, mask)`: per row, the sum."""
-    path = Path(str(run_dir)) / FILE
+    path = paths.resolve(run_dir) / FILE  # run.dir may be a URL (gs://): read and written as bytes
     if int(state.step) > 0:
-        if not path.is_file():
+        if not path.exists():
             raise UserError(f"train.dpo.precompute=true: this run resumes at step {int(state.step)} but {path} is "
                             "missing (the reference's log-likelihoods computed at its start); start a new run.dir")
-        saved = np.load(path)
+        saved = np.load(io.BytesIO(path.read_bytes()))
         for name, pairs in splits.items():
             for key in ("chosen_ref", "rejected_ref"):
                 if saved[f"{name}_{key}"].shape != pairs.arrays[key].shape:
@@ -51,7 +51,9 @@ def fill(splits: dict, job, state, run_dir, main: bool, likelihoods) -> None:
             pairs.arrays[key][:] = np.concatenate([g[i] for g in got])[:len(pairs)]
             out[f"{name}_{key}"] = pairs.arrays[key]
     if main:
-        np.savez(path, **out)
+        buffer = io.BytesIO()
+        np.savez(buffer, **out)
+        path.write_bytes(buffer.getvalue())
 
 
 def _program(job, likelihoods):

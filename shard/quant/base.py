@@ -69,6 +69,11 @@ def _put(tree: dict, keys: tuple, value) -> None:
     tree[keys[-1]] = value
 
 
+def scale_of(scales: dict, path) -> "nnx.Param | None":
+    """The scales of the weight at this parameter path (a tree path), None for one stored as it is."""
+    return _get(scales, _str_path(path))
+
+
 def _get(tree: dict, keys: tuple):
     for k in keys:
         tree = tree.get(k) if isinstance(tree, dict) else None
@@ -144,15 +149,21 @@ def dequantize(params, scales: dict, kind: str):
             return var
         scale = _get(scales, _str_path(path))
         value = var.get_value()
-        if scale is None:
-            return var.replace(value.astype(jnp.float32)) if jnp.issubdtype(value.dtype, jnp.floating) else var
-        if kind == "nf4":
-            return var.replace(nf4_values(unpack(value)) * jnp.repeat(scale[...], block(value.shape[:-1] + (
-                2 * value.shape[-1],)), axis=-1))
-        codes = value if kind == "int8" else (unpack(value) - SHIFT[kind]).astype(jnp.int4)
-        return var.replace(qwix.dequantize(qwix.QArray(codes, scale[...], None, QTYPE[kind])))
+        if scale is None and not jnp.issubdtype(value.dtype, jnp.floating):
+            return var
+        return var.replace(dequantize_value(value, None if scale is None else scale[...], kind))
 
     return _each(params, one)
+
+
+def dequantize_value(value, scale, kind: str):
+    """One weight as float32: its codes times their scales (scale None: a float weight, cast)."""
+    if scale is None:
+        return value.astype(jnp.float32)
+    if kind == "nf4":
+        return nf4_values(unpack(value)) * jnp.repeat(scale, block(value.shape[:-1] + (2 * value.shape[-1],)), axis=-1)
+    codes = value if kind == "int8" else (unpack(value) - SHIFT[kind]).astype(jnp.int4)
+    return qwix.dequantize(qwix.QArray(codes, scale, None, QTYPE[kind]))
 
 
 def stored_bytes(tree) -> int:

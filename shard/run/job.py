@@ -148,7 +148,7 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
     data = (goal.data(cfg, cfg.train.seed, token_cache_dir(cfg)) if goal else
             data_lib.build(cfg.data, cfg.train.seed, cache_dir=token_cache_dir(cfg)))
     loss_fn = losses.resolve(cfg.train.loss, data.task)
-    tx, schedule = optim.build(cfg.optimizer, cfg.train.steps)
+    tx, schedule = optim.build(cfg.optimizer, cfg.train.steps, goal.updates_per_step if goal else 1)
     dtype = jnp.dtype(cfg.train.dtype)
     graphdef, abstract, init = state_lib.abstract_state(model_cls, kwargs, tx, cfg.train.seed, cfg.model.name)
     batch, eval_batch = data.abstract_batch(), data.abstract_batch(eval=True)

@@ -74,7 +74,7 @@ class Site:
         return self.names[:lead], self.names[lead:lead + n_in], self.names[lead + n_in + pick:]
 
 
-def _str_path(path) -> tuple:
+def str_path(path) -> tuple:
     return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
@@ -84,7 +84,7 @@ def _weights(params) -> list[tuple[tuple, jax.ShapeDtypeStruct, tuple]]:
     for path, var in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
         value = jax.tree.leaves(var)[0]
         names = logical_names(var) or (None,) * value.ndim
-        out.append((_str_path(path), value, tuple(names)))
+        out.append((str_path(path), value, tuple(names)))
     return out
 
 
@@ -173,21 +173,29 @@ def merged(params, adapters: dict, site_list, scale: float):
         by_path.setdefault(s.path, []).append(s)
 
     def one(path, var):
-        here = by_path.get(_str_path(path))
+        here = by_path.get(str_path(path))
         if not here or not isinstance(var, nnx.Variable):
             return var
-        w = var[...]
-        for s in here:
-            ab = pair(adapters, s)
-            d = delta(s, ab["lora_a"][...], ab["lora_b"][...], scale).astype(w.dtype)
-            if s.weight.pick is None:
-                w = w + d
-            else:
-                lead, n_in, _ = s.split
-                w = w.at[(slice(None),) * (lead + n_in) + (s.weight.pick,)].add(d)
-        return var.replace(w)
+        return var.replace(adapted(var[...], pairs(adapters, here), here, scale))
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def pairs(adapters: dict, site_list) -> tuple:
+    """The (A, B) arrays of these sites, in their order."""
+    return tuple((pair(adapters, s)["lora_a"][...], pair(adapters, s)["lora_b"][...]) for s in site_list)
+
+
+def adapted(w, ab: tuple, site_list, scale: float):
+    """One weight W plus scale * A @ B for each of its sites (ab: their (A, B), in order), in W's dtype."""
+    for s, (a, b) in zip(site_list, ab):
+        d = delta(s, a, b, scale).astype(w.dtype)
+        if s.weight.pick is None:
+            w = w + d
+        else:
+            lead, n_in, _ = s.split
+            w = w.at[(slice(None),) * (lead + n_in) + (s.weight.pick,)].add(d)
+    return w
 
 
 def count(adapters) -> int:

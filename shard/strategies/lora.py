@@ -13,8 +13,11 @@ layout (shard/use/peft.py).
 
 `train.lora.base=nf4|int4|int8` (QLoRA) stores the frozen weights quantized (shard/quant/base.py): `params` holds
 each matrix's codes in the weight's shape and logical names, `extra["lora_base"]` their scales, both checkpointed
-once; the step and `model_view` dequantize them before merging the adapters. `bfloat16` stores them in bfloat16.
-A fresh init, `train.init_from` (a checkpoint, or a Hugging Face folder through `fill`) are quantized on loading.
+once. `bfloat16` stores them in bfloat16. A fresh init, `train.init_from` (a checkpoint, or a Hugging Face folder
+through `fill`) are quantized on loading. The step, eval and GRPO's rollouts hand the model each stacked weight as
+a `deferred.Built` (codes, scales and adapters), dequantized and merged inside the stack one layer at a time, so
+no float copy of the stack exists (shard/strategies/deferred.py); `model_view` (export, generation, the sample)
+dequantizes and merges the whole model.
 """
 
 import jax
@@ -27,7 +30,8 @@ from shard.core import state as state_lib
 from shard.errors import UserError
 from shard.quant import base as quant
 from shard.run import checkpoint as ckpt_lib
-from shard.strategies import adapters
+from shard.partition import logical_names
+from shard.strategies import adapters, deferred
 from shard.strategies.base import Strategy, mb
 
 KEY = "lora"
@@ -69,8 +73,6 @@ class LoRA(Strategy):
         ("qlora", "offload"): "the quantized base is dequantized in the step from device memory; use train.offload=none",
         ("qlora", "sync"): "the replicas would average the quantized codes, not weights; use train.sync=allreduce",
         ("qlora", "pipeline"): "the stages' layout of the weights is not kept for the base's scales; use mesh.stage=1",
-        ("qlora", "reference"): "the DPO reference reads the weights as stored, not the dequantized base; use "
-                                "train.lora.base=float32 or bfloat16",
         ("lora", "zero"): "ZeRO splits optimizer state the size of the weights; the adapters' is small: use mesh.zero=0",
         ("lora", "offload"): "the adapters' optimizer state is small, keep it on the device: use train.offload=none",
         ("lora", "ema"): "train.ema averages the frozen weights, not the adapters; use train.ema=0",
@@ -173,8 +175,14 @@ class LoRA(Strategy):
     def put(self, state, trained):
         return state.replace(extra={**state.extra, KEY: trained})
 
-    def weights(self, state, trained):
+    def merged(self, state, trained):
+        """The model's parameters, every adapted weight merged with its adapters (float32); trained None: the
+        weights alone."""
+        if trained is None:
+            return state.params
         return adapters.merged(jax.lax.stop_gradient(self.base_weights(state)), trained, self.sites, self.scale)
+
+    weights = merged  # what the step runs the model on
 
     def trained(self, abstract):
         return abstract.extra[KEY]
@@ -188,7 +196,7 @@ class LoRA(Strategy):
 
     # ---- the model it stands for
     def model_view(self, state):
-        return state.replace(params=self.weights(state, state.extra[KEY]), extra=_without(state.extra))
+        return state.replace(params=self.merged(state, state.extra[KEY]), extra=_without(state.extra))
 
     def wrap_eval(self, eval_fn):
         return lambda state, batch: eval_fn(self.model_view(state), batch)
@@ -264,6 +272,36 @@ class StoredBase(LoRA):
     base is by the job's `fill` (a plain LoRA job compiles no fill); a checkpoint of the model's own float weights is
     read by `take` (train.init_from)."""
     other_layouts = True
+
+    def weights(self, state, trained):
+        """The model's parameters: each adapted or quantized weight of a stack a `deferred.Built`, which the stack
+        builds a layer at a time; the others dequantized (cast) and merged here, as LoRA merges them. trained None:
+        the base alone (a preference objective's reference)."""
+        scales = (state.extra or {}).get(BASE, {})
+        by_path: dict = {}
+        for s in self.sites if trained is not None else ():
+            by_path.setdefault(s.path, []).append(s)
+        frozen = jax.lax.stop_gradient
+
+        def one(path, var):
+            if not isinstance(var, nnx.Variable):
+                return var
+            here, scale, value = by_path.get(adapters.str_path(path), []), quant.scale_of(scales, path), var[...]
+            if scale is None and not here:  # stored as it is (bfloat16, a vector): the step's cast is enough
+                return var
+            scale = None if scale is None else frozen(scale[...])
+            ab = adapters.pairs(trained, here)
+            if deferred.stacked(logical_names(var)) and (here or scale is not None):
+                return var.replace(deferred.Built(frozen(value), scale, ab, self.base,
+                                                  tuple(here), self.scale))
+            return var.replace(adapters.adapted(quant.dequantize_value(frozen(value), scale, self.base), ab, here,
+                                                self.scale))
+
+        return jax.tree_util.tree_map_with_path(one, state.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def wrap_eval(self, eval_fn):  # the weights built in the stack, as in the step
+        return lambda state, batch: eval_fn(state.replace(params=self.weights(state, state.extra[KEY]),
+                                                          extra=_without(state.extra)), batch)
 
     def fill(self, state):
         raw = any(v.get_value().dtype == jnp.float32 and quant.quantizes(v) for v in jax.tree.leaves(

@@ -37,16 +37,18 @@ class Reference(Strategy):
                              "(train.lora.rank, no copy) or train.dpo.precompute=true (no copy)",
     }
 
-    def __init__(self, copy: bool, label: str = "train.dpo.reference=init"):
+    def __init__(self, copy: bool, label: str = "train.dpo.reference=init", adapters=None):
         self.copy = copy  # a copy beside the weights (full fine-tuning), else the weights under the adapters
         self._label = label  # the setting that asked for it, for refusals
+        self.adapters = adapters  # LoRA's strategy, whose base the reference is (None: a copy)
 
     @classmethod
     def build(cls, cfg, mesh_shape, rules, work):
         goal = work.objective
         if goal is None or goal.reference != "init":
             return None
-        return cls(copy=lora.settings(cfg) is None, label=goal.reference_label or "train.dpo.reference=init")
+        under = lora.LoRA.build(cfg, mesh_shape, rules, work)
+        return cls(copy=under is None, label=goal.reference_label or "train.dpo.reference=init", adapters=under)
 
     @property
     def label(self) -> str:
@@ -67,8 +69,9 @@ class Reference(Strategy):
         return self.copy and (state.extra or {}).get(KEY) is None
 
     def frozen(self, state):
-        """The reference's weights in the train step: the copy, or the weights the adapters sit on."""
-        return state.extra[KEY] if self.copy else state.params
+        """The reference's weights in the train step: the copy, or the weights the adapters sit on (a quantized
+        base's built in the stack as the trained model's are, without the adapters)."""
+        return state.extra[KEY] if self.copy else self.adapters.weights(state, None)
 
     def step_options(self, place) -> dict:
         return {"reference": self.frozen, "eval_reference": lambda state: state.extra[KEY]}
@@ -77,7 +80,8 @@ class Reference(Strategy):
         if self.copy:
             return eval_fn
         # before LoRA's view merges the adapters into the weights: the weights alone, handed on
-        return lambda state, batch: eval_fn(state.replace(extra={**(state.extra or {}), KEY: state.params}), batch)
+        return lambda state, batch: eval_fn(state.replace(extra={**(state.extra or {}), KEY: self.frozen(state)}),
+                                            batch)
 
     def model_view(self, state):
         return state.replace(extra=_without(state.extra))
