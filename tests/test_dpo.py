@@ -148,6 +148,39 @@ def test_qlora_s_reference_is_its_quantized_base(corpus, tmp_path):
     assert "reference" not in (jax.device_get(got.state).extra or {})
 
 
+@pytest.mark.slow
+def test_lora_on_two_processes_is_one_devices_curve_and_exports(corpus, tmp_path):
+    """DPO under LoRA (the reference: the weights under the adapters) on 2 real processes of 2 devices, fsdp x tensor:
+    one device's curve; the run is then a run like any other, its merged model exported to a Hugging Face folder
+    that transformers loads with the run's logits."""
+    import torch
+    import transformers
+
+    import shard
+    from shard import export
+    from test_multihost import launch
+
+    llama = ["model.position=rope", "model.mlp=swiglu", "model.norm=rmsnorm", "train.steps=4", "train.lora.rank=4",
+             "train.lora.targets=[q,k,v,o,mlp]", "checkpoint.enabled=true", "checkpoint.every=4"]
+    one = run(corpus, tmp_path / "one", "run.cpu_devices=1", *llama)
+    folder = tmp_path / "two"
+    done = launch("local", "--processes=2", "--", *overrides(folder, *BASE, f"data.path={corpus / 'pairs.jsonl'}",
+                                                            *llama), "mesh=fsdp_tp", "run.cpu_devices=2")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    many = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    many = [r for r in many if "dpo/margin" in r]
+    np.testing.assert_allclose([r["loss"] for r in many], [r["loss"] for r in one.history], rtol=2e-5)
+    np.testing.assert_allclose([r["dpo/margin"] for r in many], [r["dpo/margin"] for r in one.history], rtol=1e-4,
+                               atol=1e-6)
+    assert export.main([str(folder), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    tokens = np.arange(1, 17, dtype=np.int32).reshape(2, 8)
+    ours = np.asarray(shard.load_model(str(folder))(tokens), np.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor(tokens).long()).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("extra, says", [
     (["mesh.stage=2", "run.cpu_devices=2"], "train.objective=dpo with mesh.stage=2"),
     (["data.rejected_field=null"], "set data.rejected_field"),

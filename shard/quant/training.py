@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import qwix
 from flax import nnx
-from qwix._src.utils.flax_util import find_param
+from qwix._src.utils.flax_util import find_param  # private, no public equivalent: pyproject caps qwix
 
 from shard.errors import UserError
 
