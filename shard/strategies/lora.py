@@ -72,7 +72,6 @@ class LoRA(Strategy):
     refuses = {
         ("qlora", "offload"): "the quantized base is dequantized in the step from device memory; use train.offload=none",
         ("qlora", "sync"): "the replicas would average the quantized codes, not weights; use train.sync=allreduce",
-        ("qlora", "pipeline"): "the stages' layout of the weights is not kept for the base's scales; use mesh.stage=1",
         ("lora", "zero"): "ZeRO splits optimizer state the size of the weights; the adapters' is small: use mesh.zero=0",
         ("lora", "offload"): "the adapters' optimizer state is small, keep it on the device: use train.offload=none",
         ("lora", "ema"): "train.ema averages the frozen weights, not the adapters; use train.ema=0",
