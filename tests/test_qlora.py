@@ -118,3 +118,23 @@ def test_the_step_builds_one_layers_weights_at_a_time(tmp_path):
     weights = 8 * (4 * 256 * 256 + 3 * 256 * 1024) * 4
     assert total["float32"] > 2 * weights  # the stack, and its merged copy
     assert total["nf4"] < 0.6 * weights, total  # less than the stack in float32: no layer but one built at once
+
+
+def test_fsdp_gathers_a_layers_codes_not_its_float_weights(tmp_path):
+    """Under fsdp each layer gathers its nf4 codes (uint8), scales and adapters, never the dequantized weight
+    (shard/strategies/deferred.py's `as_used`): no all-gather in the step has a stacked weight's per-layer shape
+    in a float type."""
+    import re
+
+    from shard.run import job as job_lib
+
+    cfg = config.load(None, overrides(tmp_path, *QLORA, "mesh=fsdp", "run.cpu_devices=4"))
+    job = job_lib.prepare(cfg, jax.devices()[:4], training=False)
+    text = job.train_step.as_text()
+    gathered = re.findall(r"= \(?(\w+)\[([\d,]*)\][^ ]* all-gather(?:-start)?\(", text)
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    shapes = [jax.tree.leaves(v)[0].shape for v in jax.tree.leaves(job.work.abstract.params, is_leaf=is_var)]
+    layer_weights = {tuple(shape[1:]) for shape in shapes if len(shape) >= 3}
+    floats = {tuple(int(d) for d in dims.split(",") if d) for kind, dims in gathered if kind.startswith(("f", "bf"))}
+    assert any(kind == "u8" for kind, _ in gathered)
+    assert not floats & layer_weights, floats & layer_weights

@@ -3,7 +3,8 @@
 The step casts every floating parameter once, before the model runs. Casting each stacked layer's slice inside
 the layer instead (as MaxText's layers do) was tried and measured by the TPU and GPU compilers: a scanned
 Llama-3-8B shape on v5p-8 grew from 40.1 to 44.3 GiB a chip and its step by 2% (the all-gathers then move
-float32), so the cast stays in front (bench/RESULTS.md, issue 46).
+float32), so the cast stays in front (bench/RESULTS.md, issue 46). The exception: a weight LoRA builds inside
+its stack from a stored base (shard/strategies/deferred.py) is cast there, after it is built (`compute_in`).
 """
 
 import jax

@@ -4,8 +4,8 @@ Each train step, on the run's mesh and inside one compiled program:
 1. samples `train.grpo.group` completions of each of the batch's prompts from the policy's KV cache
    (shard/objectives/rollouts.py; temperature, top_p and max_new_tokens under train.grpo.*), the draw keyed by
    (train.seed, step), so a resumed run samples what the uninterrupted one did;
-2. scores them on the host (one callback a step, not a token; with several processes, on the first one's host,
-   which holds every row's answer, the scores then reaching every device) with train.grpo.rewards
+2. scores them on the host (one callback a step, not a token; with several processes, on the host of the process
+   holding the mesh's first device: every process reads every row's answer; the scores then reach every device) with train.grpo.rewards
    (shard/objectives/rewards.py) and normalises the rewards within each prompt's group (the advantages);
 3. takes `train.grpo.updates` optimiser steps on those rollouts, each through the step's usual machinery (the
    strategies' shardings, microbatches and reduction): the loss is each completion's mean over its tokens of the

@@ -8,8 +8,8 @@ codes keep the weight's shape; 4-bit ones (int4 as code + 8, nf4's 0..15) are pa
 last dimension, which halves it. We pack them ourselves: XLA's own int4 arrays came out of the init with
 unpacked layouts that the compiled step refused (XLA:CPU), and Orbax does not store uint4. Codes and scales carry
 the weight's logical names, so they are split like the weight on every mesh (a name dropped where the mesh does
-not divide the packed or blocked dimension). The step dequantizes them (float32, scale x value) before the
-model, as it casts the weights to the compute dtype today (shard/core/precision.py).
+not divide the packed or blocked dimension). The step dequantizes them (float32, scale x value): a stack's
+weights inside the stack, a layer at a time (shard/strategies/deferred.py), the others before the model.
 """
 
 import jax

@@ -176,7 +176,7 @@ class LoRA(Strategy):
 
     def merged(self, state, trained):
         """The model's parameters, every adapted weight merged with its adapters (float32); trained None: the
-        weights alone."""
+        weights alone, as stored (a float32 base's; a stored base's reference is StoredBase.weights')."""
         if trained is None:
             return state.params
         return adapters.merged(jax.lax.stop_gradient(self.base_weights(state)), trained, self.sites, self.scale)
@@ -286,13 +286,20 @@ class StoredBase(LoRA):
             if not isinstance(var, nnx.Variable):
                 return var
             here, scale, value = by_path.get(adapters.str_path(path), []), quant.scale_of(scales, path), var[...]
-            if scale is None and not here:  # stored as it is (bfloat16, a vector): the step's cast is enough
-                return var
+            if scale is None and not here:  # stored as it is (bfloat16, a vector): the step's cast is enough,
+                full = var.get_metadata().get("full_precision")  # but for a weight it leaves in float32 (a router)
+                return var.replace(value.astype(jnp.float32)) if full and jnp.issubdtype(value.dtype, jnp.floating) \
+                    else var
             scale = None if scale is None else frozen(scale[...])
             ab = adapters.pairs(trained, here)
-            if deferred.stacked(logical_names(var)) and (here or scale is not None):
-                return var.replace(deferred.Built(frozen(value), scale, ab, self.base,
-                                                  tuple(here), self.scale))
+            names = logical_names(var)
+            if deferred.stacked(names) and (here or scale is not None):
+                scale_names = logical_names(quant.scale_of(scales, path)) if scale is not None else None
+                pair_names = tuple((logical_names(p["lora_a"])[1:], logical_names(p["lora_b"])[1:])
+                                   for p in (adapters.pair(trained, s) for s in here))
+                layout = (names[1:], scale_names and scale_names[1:], pair_names)
+                return var.replace(deferred.Built(frozen(value), scale, ab, self.base, tuple(here), self.scale,
+                                                  layout))
             return var.replace(adapters.adapted(quant.dequantize_value(frozen(value), scale, self.base), ab, here,
                                                 self.scale))
 

@@ -2,7 +2,8 @@
 `train.dpo.reference=init`): the starting weights, as `train.init_from` (or the fresh init) gave them.
 
 It costs what it must. Under LoRA the weights themselves stay frozen, so the reference is the model without
-its adapters: `state.params`, no second copy. In full fine-tuning it is a copy of the starting weights kept
+its adapters, no second copy (a base stored quantized: dequantized as the step's model dequantizes it, a layer at
+a time inside the stack). In full fine-tuning it is a copy of the starting weights kept
 beside the trained ones in `extra["reference"]`, laid out by the same rules (so fsdp splits it as it splits
 the weights, in host memory where they are), checkpointed with the optimizer state (a resume reads it back
 bitwise) and set from the loaded weights after `train.init_from` (`fill`). The plan shows its bytes per
@@ -47,7 +48,7 @@ class Reference(Strategy):
         goal = work.objective
         if goal is None or goal.reference != "init":
             return None
-        under = lora.LoRA.build(cfg, mesh_shape, rules, work)
+        under = lora.LoRA.build(cfg, mesh_shape, rules, work)  # its own instance: `weights` reads only the state
         return cls(copy=under is None, label=goal.reference_label or "train.dpo.reference=init", adapters=under)
 
     @property
