@@ -71,10 +71,14 @@ class Built:
 def as_used(x, names):
     """x laid out as a layer's products use a weight: split over the mesh axes that split the model (tensor; expert,
     for the experts' axis), whole over those that split the batch (fsdp, data), as the compiler gathers a weight
-    split over them before its product. Outside a step (no active mesh) x as it is."""
+    split over them before its product. Outside a step (no active mesh), and on TPU, x as it is: the TPU compiler
+    fused the gathered codes' dequantization into a kernel larger than a core's vector memory (v5p-8, the 8B shape:
+    76 of 64 MiB of VMEM), so there the gathers stay its own choice."""
     if (active := partition.active()) is None or names is None:
         return x
     mesh, rules = active
+    if mesh.devices.flat[0].platform == "tpu":
+        return x
     batch = set(partition.batch_axes(rules, mesh.shape))
     spec = partition.logical_to_spec(names, rules, mesh.shape)
     kept = [entry if name == "experts" else tuple(a for a in partition.axes_of(entry) if a not in batch) or None
