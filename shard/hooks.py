@@ -132,14 +132,15 @@ def stack(layers: nnx.Module, x):
 def scan(layers: nnx.Module, x):
     """The stacked layers in order, one at a time, each through `layer`: a scan (the compiled program holds one
     layer), or under `use(unroll=True)` the layers written out one after another (`unrolled`). A weight the run
-    builds per layer (shard/strategies/deferred.py: a quantized base plus adapters) is built in the layer. A pipeline's
-    stages run their share of the layers through this too, so train.scan_layers and train.remat apply there."""
+    builds per layer (shard/strategies/deferred.py: a quantized base plus adapters) is built in the layer. A
+    pipeline's stages run their share of the layers through this too, so train.scan_layers and train.remat apply
+    there."""
     if _UNROLL.get():
         return unrolled(layers, x)
 
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def run(x, one):
-        return layer(deferred.in_layers(lambda one, x: one(x), _REMAT.get() != "none"))(one, x)
+        return layer(deferred.in_layers(_REMAT.get() != "none"))(one, x)
 
     return run(x, layers)
 
@@ -183,7 +184,7 @@ def scan_decoding(layers: nnx.Module, x, calls: decoding.Calls):
 
 def _call(one: nnx.Module, x):
     """One layer applied while generating (no backward pass), its weights built first where the run builds them."""
-    return deferred.in_layers(lambda one, x: one(x), checkpointed=True)(one, x)
+    return deferred.in_layers(checkpointed=True)(one, x)
 
 
 def stack_caches(layers: nnx.Module, x, calls: decoding.Calls) -> list | None:
@@ -214,7 +215,7 @@ def unrolled(layers: nnx.Module, x):
     layer written out: the compiler schedules across layers, and converters that do not take Flax's scan read it);
     what a layer updates is written back, as by `scan`."""
     graphdef, state = nnx.split(layers)
-    apply = layer(deferred.in_layers(lambda one, x: one(x), _REMAT.get() != "none"))
+    apply = layer(deferred.in_layers(_REMAT.get() != "none"))
     updated = []
     for i in range(jax.tree.leaves(state)[0].shape[0]):
         one = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))

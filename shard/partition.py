@@ -63,6 +63,11 @@ def axes_of(target) -> tuple:
     return (target,)
 
 
+def path_keys(path) -> tuple[str, ...]:
+    """A pytree path (jax.tree_util's keys) as the strings of its parts: dict keys, attribute names, indices."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
 def logical_names(leaf) -> tuple | None:
     """The logical names a variable carries (Flax's `out_sharding` metadata, which
     `nnx.with_partitioning` and `sharding_names` also set), or None."""

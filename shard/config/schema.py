@@ -143,8 +143,8 @@ class GrpoConfig:
                                     job=True)
     tolerance: float = option(1e-6, "the number reward's absolute tolerance", min=0, job=True)
     trust_code: bool = option(False, "import and run the package.module:function rewards train.grpo.rewards names "
-                              "(importing a module runs its code): on the command line only, never from a file, and not written to the "
-                              "run's config.yaml")
+                              "(importing a module runs its code): on the command line only, never from a file, "
+                              "and not written to the run's config.yaml")
 
 
 @dataclass

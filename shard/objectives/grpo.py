@@ -5,8 +5,9 @@ Each train step, on the run's mesh and inside one compiled program:
    (shard/objectives/rollouts.py; temperature, top_p and max_new_tokens under train.grpo.*), the draw keyed by
    (train.seed, step), so a resumed run samples what the uninterrupted one did;
 2. scores them on the host (one callback a step, not a token; with several processes, on the host of the process
-   holding the mesh's first device: every process reads every row's answer; the scores then reach every device) with train.grpo.rewards
-   (shard/objectives/rewards.py) and normalises the rewards within each prompt's group (the advantages);
+   holding the mesh's first device: every process reads every row's answer; the scores then reach every device)
+   with train.grpo.rewards (shard/objectives/rewards.py) and normalises the rewards within each prompt's group
+   (the advantages);
 3. takes `train.grpo.updates` optimiser steps on those rollouts, each through the step's usual machinery (the
    strategies' shardings, microbatches and reduction): the loss is each completion's mean over its tokens of the
    clipped policy-gradient term, min(r A, clip(r, 1 - epsilon, 1 + epsilon) A) negated, r the ratio of the
@@ -47,8 +48,7 @@ class GRPO(Objective):
 
     def __init__(self, cfg):
         g = cfg.train.grpo
-        self.group, self.new_tokens, self.beta, self.epsilon, self.updates = (g.group, g.max_new_tokens, g.beta,
-                                                                               g.epsilon, g.updates)
+        self.group, self.new_tokens, self.beta, self.epsilon = g.group, g.max_new_tokens, g.beta, g.epsilon
         self.updates_per_step = g.updates
         self.reference = "init" if g.beta > 0 else None
         self.reference_label = f"train.objective=grpo with train.grpo.beta={g.beta:g}"  # what keeps a reference
@@ -146,7 +146,7 @@ class GRPO(Objective):
             scored, means = self._score(tokens, keep, row)
             advantage, spread = rewards_lib.advantages(scored, self.group)
             rows = {**rollouts.layout(prompts, start, tokens, keep), "advantage": advantage}
-            if self.updates > 1:  # the sampling policy's log-probabilities, for the later updates' ratios
+            if self.updates_per_step > 1:  # the sampling policy's log-probabilities, for the later updates' ratios
                 rows["old"] = jax.lax.stop_gradient(token_logp(policy, rows))
             begun = state.step
             # one update compiled, run `updates` times (the last one's metrics reported), each at the run's step:
@@ -155,7 +155,7 @@ class GRPO(Objective):
                 s, out = train_fn(s, rows)
                 return s.replace(step=begun), out
 
-            state, outs = jax.lax.scan(update, state, length=self.updates)
+            state, outs = jax.lax.scan(update, state, length=self.updates_per_step)
             out = jax.tree.map(lambda x: x[-1], outs)
             times = io_callback(self._end, jax.ShapeDtypeStruct((2,), jnp.float32), out["loss"])
             out = {**out, "grpo/reward": jnp.mean(scored), "grpo/reward_std": jnp.mean(spread),

@@ -18,17 +18,13 @@ import qwix
 from flax import nnx
 from qwix._src.core import numerics
 
-from shard.partition import logical_names, logical_to_spec
+from shard.partition import logical_names, logical_to_spec, path_keys
 
 KINDS = ("int8", "int4", "nf4")
 FLOATS = ("float32", "bfloat16")
 QTYPE = {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4"}
 BLOCK = 64
 SHIFT = {"int4": 8, "nf4": 0}  # a 4-bit code's offset to 0..15
-
-
-def _str_path(path) -> tuple:
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def quantizes(var) -> bool:
@@ -71,7 +67,7 @@ def _put(tree: dict, keys: tuple, value) -> None:
 
 def scale_of(scales: dict, path) -> "nnx.Param | None":
     """The scales of the weight at this parameter path (a tree path), None for one stored as it is."""
-    return _get(scales, _str_path(path))
+    return _get(scales, path_keys(path))
 
 
 def _get(tree: dict, keys: tuple):
@@ -102,7 +98,7 @@ def quantize(params, kind: str, mesh_shape: dict, rules: dict):
         codes = q.qvalue if kind == "int8" else pack(q.qvalue.astype(jnp.int8) + SHIFT[kind])
         names = logical_names(var) or (None,) * w.ndim
         with nnx.use_eager_sharding(False):  # logical names, mapped by the rules
-            _put(scales, _str_path(path), nnx.Param(q.scale, out_sharding=_names(names, q.scale.shape,
+            _put(scales, path_keys(path), nnx.Param(q.scale, out_sharding=_names(names, q.scale.shape,
                                                                                    mesh_shape, rules)))
             return nnx.Param(codes, out_sharding=_names(names, codes.shape, mesh_shape, rules))
 
@@ -147,7 +143,7 @@ def dequantize(params, scales: dict, kind: str):
     def one(path, var):
         if not isinstance(var, nnx.Variable) or not jnp.issubdtype(var.get_value().dtype, jnp.number):
             return var
-        scale = _get(scales, _str_path(path))
+        scale = _get(scales, path_keys(path))
         value = var.get_value()
         if scale is None and not jnp.issubdtype(value.dtype, jnp.floating):
             return var

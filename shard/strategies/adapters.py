@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shard.errors import UserError
-from shard.partition import logical_names
+from shard.partition import logical_names, path_keys
 
 
 @dataclass(frozen=True)
@@ -74,17 +74,13 @@ class Site:
         return self.names[:lead], self.names[lead:lead + n_in], self.names[lead + n_in + pick:]
 
 
-def str_path(path) -> tuple:
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
 def _weights(params) -> list[tuple[tuple, jax.ShapeDtypeStruct, tuple]]:
     """(path, value, logical names) of every parameter."""
     out = []
     for path, var in jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
         value = jax.tree.leaves(var)[0]
         names = logical_names(var) or (None,) * value.ndim
-        out.append((str_path(path), value, tuple(names)))
+        out.append((path_keys(path), value, tuple(names)))
     return out
 
 
@@ -173,7 +169,7 @@ def merged(params, adapters: dict, site_list, scale: float):
         by_path.setdefault(s.path, []).append(s)
 
     def one(path, var):
-        here = by_path.get(str_path(path))
+        here = by_path.get(path_keys(path))
         if not here or not isinstance(var, nnx.Variable):
             return var
         return var.replace(adapted(var[...], pairs(adapters, here), here, scale))

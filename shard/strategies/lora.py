@@ -30,7 +30,7 @@ from shard.core import state as state_lib
 from shard.errors import UserError
 from shard.quant import base as quant
 from shard.run import checkpoint as ckpt_lib
-from shard.partition import logical_names
+from shard.partition import logical_names, path_keys
 from shard.strategies import adapters, deferred
 from shard.strategies.base import Strategy, mb
 
@@ -285,19 +285,18 @@ class StoredBase(LoRA):
         def one(path, var):
             if not isinstance(var, nnx.Variable):
                 return var
-            here, scale, value = by_path.get(adapters.str_path(path), []), quant.scale_of(scales, path), var[...]
-            if scale is None and not here:  # stored as it is (bfloat16, a vector): the step's cast is enough,
+            here, held, value = by_path.get(path_keys(path), []), quant.scale_of(scales, path), var[...]
+            if held is None and not here:  # stored as it is (bfloat16, a vector): the step's cast is enough,
                 full = var.get_metadata().get("full_precision")  # but for a weight it leaves in float32 (a router)
                 return var.replace(value.astype(jnp.float32)) if full and jnp.issubdtype(value.dtype, jnp.floating) \
                     else var
-            scale = None if scale is None else frozen(scale[...])
+            scale = None if held is None else frozen(held[...])
             ab = adapters.pairs(trained, here)
             names = logical_names(var)
-            if deferred.stacked(names) and (here or scale is not None):
-                scale_names = logical_names(quant.scale_of(scales, path)) if scale is not None else None
+            if deferred.stacked(names) and (here or held is not None):
                 pair_names = tuple((logical_names(p["lora_a"])[1:], logical_names(p["lora_b"])[1:])
                                    for p in (adapters.pair(trained, s) for s in here))
-                layout = (names[1:], scale_names and scale_names[1:], pair_names)
+                layout = (names[1:], None if held is None else logical_names(held)[1:], pair_names)
                 return var.replace(deferred.Built(frozen(value), scale, ab, self.base, tuple(here), self.scale,
                                                   layout))
             return var.replace(adapters.adapted(quant.dequantize_value(frozen(value), scale, self.base), ab, here,

@@ -279,7 +279,7 @@ class Layout:
     stacked: tuple
 
     def layer_dim(self, path, leaf) -> int | None:
-        names = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+        names = partition.path_keys(path)
         names = names[:-1] if names and names[-1] == "value" else names
         for var_path, ndim in self.stacked:
             if names[-len(var_path):] == var_path:
