@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import TINY_GPT, overrides
+from conftest import TINY_GPT, overrides, same_curve_as_one_device
 from shard import config, plan
 from shard.errors import UserError
 from test_lora import leaves, saved
@@ -42,6 +42,15 @@ def test_on_pipeline_stages_the_curve_is_one_devices(train, one_device):
     one, many = one_device[1], train(*QLORA, "mesh=pp", "run.cpu_devices=2")
     np.testing.assert_allclose([r["loss"] for r in many.history], [r["loss"] for r in one.history], rtol=2e-5)
     assert many.eval["eval_loss"] == pytest.approx(one.eval["eval_loss"], rel=2e-5)
+
+
+def test_a_stock_flax_models_base_quantizes_and_trains_the_one_device_curve_under_fsdp(train):
+    """Flax's stock layers carry no logical names: their codes and scales carry none either (the automatic rule
+    splits them, as it splits the weights), and the adapters train as on one device."""
+    stock = ["model.name=stock_models:StockTransformer", "model.d=64", "data.name=text", "data.seq_len=32",
+             "data.batch_size=16", "train.steps=3", "run.log_every=1", "train.lora.rank=4",
+             "train.lora.targets=[kernel]", "train.lora.base=nf4"]
+    same_curve_as_one_device(train, stock, ["mesh=fsdp", "run.cpu_devices=4"])
 
 
 def test_the_base_is_stored_once_quantized_and_resume_is_bitwise(train, tmp_path, one_device):

@@ -96,8 +96,11 @@ def quantize(params, kind: str, mesh_shape: dict, rules: dict):
         else:
             q = qwix.quantize(w, QTYPE[kind], **axes)
         codes = q.qvalue if kind == "int8" else pack(q.qvalue.astype(jnp.int8) + SHIFT[kind])
-        names = logical_names(var) or (None,) * w.ndim
+        names = logical_names(var)
         with nnx.use_eager_sharding(False):  # logical names, mapped by the rules
+            if names is None:  # a model without logical names: nor have its codes and scales (the automatic rule)
+                _put(scales, path_keys(path), nnx.Param(q.scale))
+                return var.replace(codes)
             _put(scales, path_keys(path), nnx.Param(q.scale, out_sharding=_names(names, q.scale.shape,
                                                                                    mesh_shape, rules)))
             return nnx.Param(codes, out_sharding=_names(names, codes.shape, mesh_shape, rules))
