@@ -30,6 +30,8 @@ BAD_INPUTS = {
     "not key=value": (["train.steps=3", "steps"], "steps"),
     "run.dir is a file": (["run.dir=RUN/config.yaml"], "run.dir"),
     "out of range": (["data.prefetch=-1"], "data.prefetch"),
+    "wrong choice in a group": (["train.lora.rank=4", "train.lora.base=nf5"], "train.lora.base='nf5' is not allowed"),
+    "out of range in a group": (["train.grpo.group=1"], "train.grpo.group=1 is out of range"),
     "model output narrower than the data": (["model.vocab_size=100"], "256"),
     "bad module name": (["model.name=:Foo"], "model.name"),
     "loss does not fit the task": (["train.loss=mse"], "train.loss=mse"),

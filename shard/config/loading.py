@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from shard.config.naming import CONFIGS, default_run_dir
-from shard.config.schema import (SECTIONS, Config, MeshConfig, key_of, renamed, schema_fields, to_dict,
+from shard.config.schema import (SECTIONS, Config, MeshConfig, key_of, keys_of, renamed, schema_fields, to_dict,
                                  type_name)
 from shard.errors import UserError
 from shard.run import badsteps
@@ -223,16 +223,18 @@ def _field_type_name(full_key: str) -> str | None:
 
 def _check_values(cfg: Config) -> None:
     for section in SECTIONS:
-        obj = getattr(cfg, section)
-        for f in schema_fields(section):
+        for key, f, attrs in keys_of(section):  # a group's keys (train.lora.base) one by one
+            value = getattr(cfg, section)
+            for attr in attrs:
+                value = getattr(value, attr)
             choices = f.metadata.get("choices")
-            if choices and getattr(obj, f.name) is not None and getattr(obj, f.name) not in choices:
-                raise UserError(f"{section}.{key_of(f)}={getattr(obj, f.name)!r} is not allowed; choose one of: {', '.join(map(str, choices))}")
-            value, low, high = getattr(obj, f.name), f.metadata.get("min"), f.metadata.get("max")
+            if choices and value is not None and value not in choices:
+                raise UserError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, choices))}")
+            low, high = f.metadata.get("min"), f.metadata.get("max")
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 if (low is not None and value < low) or (high is not None and value > high):
                     allowed = f"at least {low}" if high is None else f"between {low} and {high}"
-                    raise UserError(f"{section}.{key_of(f)}={value} is out of range; it must be {allowed}")
+                    raise UserError(f"{key}={value} is out of range; it must be {allowed}")
     if not isinstance(cfg.model.name, str) or not cfg.model.name:
         raise UserError("model.name must be a registered model name or package.module:Class")
     step_range(cfg.run.profile_steps, cfg.train.steps)
