@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
             name = f"plan-{cfg.run.target}.json" if cfg.run.target else "plan.json"
             print(f"wrote {plan.write(cfg.run.dir, result, name)}")
         else:
-            trainer.run(cfg)
+            trainer.run(cfg, devices)  # joined above: the processes are started once
     return 0
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import yaml
 
-from conftest import ROOT, TINY_GPT, run_cli
+from conftest import ROOT, TINY_GPT, TINY_MLP, run_cli
 from shard.errors import UserError
 
 QUICK = ["train.steps=4", "run.log_every=2", "run.progress=false", "train.eval_batches=1"]
@@ -211,6 +211,15 @@ def test_a_short_run_writes_config_metrics_eval_and_sample(tmp_path):
     assert last["mfu"] == pytest.approx(last["tflops_per_device"])
     assert "peak_memory_gb" not in last  # the CPU does not report device memory
     assert "eval_loss" in records[-1] and "eval_accuracy" in records[-1]
+
+
+def test_train_py_joins_the_processes_once(tmp_path, monkeypatch):
+    """train.py starts the devices (and a multi-process job's join) once and hands them to the trainer."""
+    from shard.run import distributed
+    calls, start = [], distributed.start
+    monkeypatch.setattr(distributed, "start", lambda *a, **k: calls.append(a) or start(*a, **k))
+    assert train_main(*TINY_MLP, "train.steps=2", "run.progress=false", f"run.dir={tmp_path}") == 0
+    assert len(calls) == 1 and (tmp_path / "metrics.jsonl").exists()
 
 
 def test_default_config_trains(tmp_path):

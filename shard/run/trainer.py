@@ -50,14 +50,15 @@ class Result:
     preempted: bool = False                      # stopped early by SIGTERM/SIGINT, checkpoint written
 
 
-def run(cfg: config_lib.Config) -> Result:
-    """The whole run. SIGTERM/SIGINT are honoured in every phase (shard/run/stopping.py)."""
+def run(cfg: config_lib.Config, devices: list | None = None) -> Result:
+    """The whole run. SIGTERM/SIGINT are honoured in every phase (shard/run/stopping.py). `devices`: those
+    distributed.start returned where the caller has joined the processes already (train.py); None joins here."""
     run_began()
     with stopping.StopRequest() as stop:
-        return _run(cfg, stop)
+        return _run(cfg, stop, devices)
 
 
-def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
+def _run(cfg: config_lib.Config, stop: stopping.StopRequest, devices: list | None) -> Result:
     run_dir = paths.resolve(cfg.run.dir)
     if cfg.run.wandb:
         wandb_log.require()  # missing: one line, before anything starts
@@ -67,7 +68,8 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest) -> Result:
     # ---- devices, mesh, model, data, and the steps compiled (nothing allocated yet)
     if cfg.run.compile_cache:
         jax.config.update("jax_compilation_cache_dir", str(Path(cfg.run.compile_cache).expanduser()))
-    devices = distributed.start(cfg.run, deterministic=cfg.train.deterministic)  # joins the other processes first
+    if devices is None:  # joins the other processes first
+        devices = distributed.start(cfg.run, deterministic=cfg.train.deterministic)
     host_malloc.for_training(cfg.run, devices)
     main = stop.main = jax.process_index() == 0
     say = print if main else (lambda *a, **k: None)
