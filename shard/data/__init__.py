@@ -33,6 +33,7 @@ class Data:
     num_classes: int         # classes (or vocabulary) the targets range over; 0 for binary and regression
     rows: "Rows" = None      # which rows of each global batch this process reads (train and eval)
     eval_parts: dict = None  # data.mixture: each source's eval split by its label (data.eval is them all)
+    largest_token: int | None = None  # the largest token id a tokenizer gave the data (None: not tokenized)
 
     def abstract_batch(self, eval: bool = False) -> dict:
         """Shapes and dtypes of one global batch (eval batches also carry a `mask`)."""
@@ -59,7 +60,9 @@ def load_splits(cfg, seed: int, cache_dir=None) -> tuple:
     if cfg.name == "documents":
         from shard.data import packing
 
-        return (*packing.splits(cfg, cache_dir or ".token_cache")[:2], "lm")
+        train, held, cache = packing.splits(cfg, cache_dir or ".token_cache")
+        train.largest_token = cache.largest_token  # read back by build(): the ids the model must embed
+        return train, held, "lm"
     if cfg.name == "digits":
         return sources.digits(cfg.eval_fraction)
     if cfg.name == "tabular":
@@ -88,7 +91,9 @@ def build(cfg, seed: int, cache_dir=None) -> Data:
     cast = lambda batch: {**batch, "targets": np.asarray(batch["targets"], dtype)}
     tokens = cfg.seq_len if task == "lm" else 0
     classes = {"lm": vocab_size(cfg), "classification": _num_classes(cfg, train_src, task)}.get(task, 0)
-    return of_sources(cfg, seed, train_src, eval_src, task, cast, tokens, classes)
+    data = of_sources(cfg, seed, train_src, eval_src, task, cast, tokens, classes)
+    data.largest_token = getattr(train_src, "largest_token", None)
+    return data
 
 
 def of_sources(cfg, seed: int, train_src, eval_src, task: str, cast, tokens: int, classes: int) -> Data:
@@ -121,7 +126,7 @@ def _build_mixture(cfg, seed: int, cache_dir) -> Data:
         raise UserError(f"data.mixture is read by data.name=documents only (data.name={cfg.name})")
     if cfg.task not in ("auto", "lm"):
         raise UserError(f"data.task={cfg.task}: a mixture of documents is language modelling (lm)")
-    trains, evals, weights = mixture.splits(cfg, cache_dir or ".token_cache")
+    trains, evals, weights, largest = mixture.splits(cfg, cache_dir or ".token_cache")
     n_proc, proc = jax.process_count(), jax.process_index()
     if cfg.batch_size % n_proc:
         raise UserError(f"data.batch_size={cfg.batch_size} must be divisible by the {n_proc} processes")
@@ -131,7 +136,7 @@ def _build_mixture(cfg, seed: int, cache_dir) -> Data:
     parts = {name: EvalBatches(src, lambda b: b, cfg.batch_size, rows) for name, src in evals.items()}
     everything = EvalBatches(mixture.Concat(list(evals.values())), lambda b: b, cfg.batch_size, rows)
     return Data(task="lm", train=train, eval=everything, batch_size=cfg.batch_size, tokens_per_example=cfg.seq_len,
-                num_classes=vocab_size(cfg), rows=rows, eval_parts=parts)
+                num_classes=vocab_size(cfg), rows=rows, eval_parts=parts, largest_token=largest)
 
 
 def vocab_size(cfg) -> int:

@@ -41,25 +41,27 @@ def labels(paths: list[str]) -> list[str]:
 
 
 def splits(cfg, cache_dir) -> tuple:
-    """(train sources, eval sources by label, weights) of a mixture, each source read as data.path would be."""
+    """(train sources, eval sources by label, weights, the largest token id of them all) of a mixture, each
+    source read as data.path would be."""
     from shard.data import packing
 
     check(cfg.mixture, cfg.path)
-    trains, evals = [], {}
+    trains, evals, largest = [], {}, -1
     for name, (path, _) in zip(labels(list(cfg.mixture)), cfg.mixture.items()):
         try:
-            train, held, _ = packing.splits(dataclasses.replace(cfg, path=str(path), mixture={}), cache_dir)
+            train, held, cache = packing.splits(dataclasses.replace(cfg, path=str(path), mixture={}), cache_dir)
         except UserError as e:  # say which source
             raise UserError(f"data.mixture: {path}: {e}") from None
         if len(train) == 0:
             raise UserError(f"data.mixture: {path} holds no train row of data.seq_len={cfg.seq_len} + 1 tokens")
         trains.append(train)
         evals[name] = held
+        largest = max(largest, cache.largest_token)
     windows = [s for s in (*trains, *evals.values()) if isinstance(s, packing.ConcatWindows)]
     if any(s.masked for s in windows):  # fine-tuning rows beside plain documents: one batch shape for all
         for s in windows:
             s.masked = True
-    return trains, evals, [float(w) for w in cfg.mixture.values()]
+    return trains, evals, [float(w) for w in cfg.mixture.values()], largest
 
 
 class Concat:

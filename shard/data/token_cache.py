@@ -51,6 +51,14 @@ class Cache:
     def documents(self) -> int:
         return len(self.doc_starts) - 1
 
+    @property
+    def largest_token(self) -> int:
+        """The largest token id the corpus holds: checked against a model's embedding, which may have fewer
+        rows than the tokenizer has tokens (Gemma 3). Caches written before it was recorded read it once."""
+        if "largest_token" not in self.meta:
+            self.meta["largest_token"] = int(self.tokens.max()) if len(self.tokens) else -1
+        return self.meta["largest_token"]
+
 
 def key(files: list[Path], names: tuple[str, ...], tokenizer) -> str:
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
@@ -111,7 +119,8 @@ def build(files: list[Path], names: tuple[str, ...], spec: str | None, tok, fold
                         shutil.copyfileobj(f, out, 1 << 22)
                     part.unlink()
         np.save(scratch / "docs.npy", starts)
-        meta = {"format": FORMAT, "dtype": np.dtype(token_dtype(tok.vocab_size)).name, "tokens": int(starts[-1]),
+        tokens = np.memmap(scratch / "tokens.bin", token_dtype(tok.vocab_size), "r") if starts[-1] else np.zeros(0)
+        meta = {"largest_token": int(tokens.max()) if len(tokens) else -1,"format": FORMAT, "dtype": np.dtype(token_dtype(tok.vocab_size)).name, "tokens": int(starts[-1]),
                 "documents": len(doc_lengths), "vocab_size": tok.vocab_size, "bos": tok.bos, "eos": tok.eos,
                 "field": names[0] if len(names) == 1 else list(names), "masked": masked,
                 "tokenizer": spec or "bytes", "files": [str(f) for f in files]}

@@ -388,3 +388,16 @@ def _byte_counts(ends: np.ndarray, total: int) -> np.ndarray:
 def quiet_parallelism() -> None:
     """In a worker process of a parallel build: the processes are the parallelism, not each one's threads."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def unembedded(tok, ids, rows: int) -> str | None:
+    """What is wrong where a token id falls past a model's `rows` embedded tokens, else None. A tokenizer may
+    hold more tokens than the model embeds (gemma-3-1b's two image tokens past its 262,144), as transformers
+    allows; such an id must be refused, since JAX's gather would read the last row in its place."""
+    ids = np.asarray(ids).ravel()
+    if not ids.size or (bad := int(ids.max())) < rows:
+        return None
+    inner = getattr(tok, "tok", None)
+    name = inner.id_to_token(bad) if hasattr(inner, "id_to_token") else None
+    return (f"token {bad}{f' ({name!r})' if name else ''} is past the model's {rows} embedded tokens (its tokenizer "
+            f"has {tok.vocab_size}); the model cannot read it")

@@ -19,6 +19,7 @@ from shard.run import badsteps
 from shard.run import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
+from shard.data import tokenizer as tokenizer_lib
 from shard.strategies import gradients
 from shard.strategies import registry as strategies
 from shard.strategies.base import Strategy
@@ -156,7 +157,8 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
     # counts the model's work, not a recomputed forward), with the configured attention kernel.
     with hooks.use(attention=cfg.train.attention), attn.configured(cfg.train.attention_precision, devices[0]):
         with hooks.watch_stacks() as stacks:  # one forward: each stack the model runs, once
-            forward = step_lib.model_forward(graphdef, abstract, batch, dtype, cfg.model.name, data.num_classes)
+            forward = step_lib.model_forward(graphdef, abstract, batch, dtype, cfg.model.name,
+                                             embedded_classes(cfg, kwargs, data))
         try:  # the loss alone on the model's outputs: blamed only for what fails there
             if goal is None:
                 losses.trace(loss_fn, forward.outputs, batch)
@@ -181,13 +183,27 @@ def with_vocabulary(cfg, model_cls, kwargs: dict) -> dict:
         return kwargs
     vocab = data_lib.vocab_size(cfg.data)
     if "vocab_size" in kwargs:
-        if isinstance(kwargs["vocab_size"], int) and kwargs["vocab_size"] < vocab:
+        # A Hugging Face checkpoint fixes its embedding; its tokenizer may hold a few tokens more (gemma-3's
+        # image tokens), as transformers allows: the data's ids are checked instead (embedded_classes).
+        if isinstance(kwargs["vocab_size"], int) and kwargs["vocab_size"] < vocab and not hf.is_folder(
+                cfg.train.init_from):
             raise UserError(f"model.vocab_size={kwargs['vocab_size']} is smaller than data.tokenizer="
                             f"{cfg.data.tokenizer}'s {vocab} tokens; raise it or leave it out (it then follows the tokenizer)")
         return kwargs
     if "vocab_size" in inspect.signature(model_cls.__init__).parameters:
         return {**kwargs, "vocab_size": vocab}
     return kwargs
+
+
+def embedded_classes(cfg, kwargs: dict, data) -> int:
+    """The classes the model's outputs must cover: the data's, or (a Hugging Face model whose tokenizer holds
+    more tokens than it embeds) its own vocabulary, once every token id of the data is known to fall inside."""
+    rows = kwargs.get("vocab_size")
+    if data.largest_token is None or not isinstance(rows, int) or rows >= data.num_classes:
+        return data.num_classes
+    if wrong := tokenizer_lib.unembedded(tokenizer_lib.load(cfg.data.tokenizer), [data.largest_token], rows):
+        raise UserError(f"data.path={cfg.data.path}: {wrong} (model.vocab_size={rows}); drop the rows that hold it")
+    return rows
 
 
 def token_cache_dir(cfg) -> str:

@@ -150,7 +150,7 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest, devices: list | Non
     if data.task == "lm" and cfg.train.sample_len > 0:
         sample = end_sample(cfg, job, result.state)
         if sample is None:
-            say("sample skipped: the model's vocabulary is smaller than its tokenizer's (data.tokenizer)")
+            say("sample skipped: train.sample_prompt holds a token past the model's embedding")
         else:
             result.sample = sample
             say(f"sample:\n{cfg.train.sample_prompt}{sample}")
@@ -161,17 +161,19 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest, devices: list | Non
 
 def end_sample(cfg, job: Job, state) -> str | None:
     """The end-of-run sample: `train.sample_len` tokens after `train.sample_prompt`, generated as
-    `python -m shard.generate` does (a cache, on the run's mesh) and read back through the run's tokenizer. A
-    model whose vocabulary is smaller than the tokenizer's gets none (None)."""
+    `python -m shard.generate` does (a cache, on the run's mesh) and read back through the run's tokenizer. None
+    where the prompt holds a token the model does not embed (its tokenizer may hold more: Gemma 3)."""
     state = job.model_view(state)  # e.g. the replicas' global view, the averaged weights
     model = nnx.merge(job.work.graphdef, state_lib.in_device_memory(state.params), state.rest)
     tok = tokenizer_lib.of_run(cfg.data)
-    if generate.output_vocab(model) < tok.vocab_size:
+    rows = generate.output_vocab(model)
+    prompt = tok.prompt(cfg.train.sample_prompt or "\n")  # something to condition on, as training put it
+    if tokenizer_lib.unembedded(tok, prompt, rows):
         return None
     generator = generate.Generator(model, job.mesh, job.rules, cfg.train.dtype, window=cfg.data.seq_len)
-    prompt = tok.prompt(cfg.train.sample_prompt or "\n")  # something to condition on, as training put it
     tokens = generator(np.array([prompt[-generator.context:] if generator.context else prompt]), cfg.train.sample_len,
-                       generate.Sampling(vocab=tok.vocab_size), seed=cfg.train.seed, eos=generate.stop_ids(tok))
+                       generate.Sampling(vocab=min(rows, tok.vocab_size)), seed=cfg.train.seed,
+                       eos=generate.stop_ids(tok))
     return tok.continuation(prompt, generate.until_eos(tokens[0], generate.stop_ids(tok)))
 
 

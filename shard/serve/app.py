@@ -9,6 +9,7 @@ import contextlib
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from shard.data import tokenizer as tokenizer_lib
 from shard.serve import chat, protocol
 from shard.serve.protocol import BadRequest
 from shard.serve.scheduler import Piece, QueueFull, Request, Scheduler, Unhealthy
@@ -18,7 +19,12 @@ RETRY_AFTER_S = 1
 MAX_BODY = 8 * 2**20  # bytes of a request body, by default
 
 
-def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int, max_body: int = MAX_BODY) -> FastAPI:
+def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int, max_body: int = MAX_BODY,
+          embedded: int | None = None) -> FastAPI:
+    """The app. `embedded`: the tokens the model embeds where its tokenizer holds more (gemma-3's image
+    tokens): a prompt holding one is refused, where JAX's gather would read another token's row."""
+    embedded = tokenizer.vocab_size if embedded is None else embedded
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         scheduler.start()
@@ -82,14 +88,20 @@ def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int, m
         tokens = tokenizer.prompt(prompt) if isinstance(prompt, str) else list(prompt)
         if any(not 0 <= t < tokenizer.vocab_size for t in tokens):  # here, off the event loop: ids can be many
             raise BadRequest(f"prompt: token ids must be in [0, {tokenizer.vocab_size})", "prompt")
-        return body, tokens
+        return body, embeddable(tokens, "prompt")
+
+    def embeddable(tokens: list[int], field: str) -> list[int]:
+        if wrong := tokenizer_lib.unembedded(tokenizer, tokens, embedded):
+            raise BadRequest(f"{field}: {wrong}", field)
+        return tokens
 
     def chat_tokens(raw: bytes):
         body = protocol.parse(raw, protocol.Chat)
         try:
-            return body, template([m.model_dump() for m in body.messages])
+            tokens = template([m.model_dump() for m in body.messages])
         except chat.Refused as e:
             raise BadRequest(f"messages: the chat template refused them: {e}", "messages") from None
+        return body, embeddable(tokens, "messages")
 
     async def answer(http, body, tokens: list[int], field: str, max_tokens: int | None, shape, prefix: str,
                      alternatives: int | None):

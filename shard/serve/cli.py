@@ -87,7 +87,8 @@ def serve(args, overrides, whole_mesh) -> int:
         raise UserError(f"model {loaded.cfg.model.name}: its attention or recurrence does not go through shard.hooks, "
                         "so it keeps no cache to serve from; python -m shard.generate still runs it")
     # one engine per context: sizing builds the one at the wanted context, served as it is where it fits
-    build = functools.cache(lambda context: engine.Engine(generator, args.slots, context, tok.vocab_size,
+    embedded = min(tok.vocab_size, generate.output_vocab(loaded.model))  # gemma-3: 2 tokens past its embedding
+    build = functools.cache(lambda context: engine.Engine(generator, args.slots, context, embedded,
                                                           seed=args.seed, chunk=args.prefill_chunk, burst=args.burst))
     context = sized_context(args, generator, build, loaded.cfg.run, log)
     check_refill(generator, context)
@@ -101,7 +102,7 @@ def serve(args, overrides, whole_mesh) -> int:
     template = chat.Template(tok)
     queue = scheduler.Scheduler(slots, tok, args.max_queue, ends=generate.stop_ids(tok))
     server = uvicorn.Server(uvicorn.Config(
-        app.build(queue, tok, template, name, context, args.max_body),
+        app.build(queue, tok, template, name, context, args.max_body, embedded),
         host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=None))
     log.info("serving %s (step %d, context %d, %d slots, end tokens %s) on http://%s:%d", name, loaded.step, context,
              args.slots, sorted(queue.ends), args.host, args.port)

@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from shard.data import formats
+from shard.data import tokenizer as tokenizer_lib
 from shard.use import decoding
 from shard.use.sampling import Sampling  # noqa: F401  (generation's setting, here by its old name too)
 from shard.run import distributed
@@ -308,10 +309,14 @@ def main(argv: list[str]) -> int:
                                                      loaded.cfg.train.dtype, window=loaded.cfg.data.seq_len),
                                            args.quantize)
     tok = load.load_tokenizer(args.run, key="RUN")
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, vocab=tok.vocab_size).check()
+    embedded = output_vocab(loaded.model)  # may be fewer than the tokenizer's tokens (gemma-3's image tokens)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, vocab=min(tok.vocab_size, embedded)).check()
     rows = [prompt for prompt in prompts for _ in range(args.batch)]
     start = time.perf_counter()
     asked = [tok.prompt(prompt) for prompt in rows]
+    for ids in asked:
+        if wrong := tokenizer_lib.unembedded(tok, ids, embedded):
+            raise UserError(f"the prompt: {wrong}")
     ends = stop_ids(tok)
     out = generator(asked, args.max_new_tokens, sampling, seed=args.seed, eos=ends)
     seconds = time.perf_counter() - start
