@@ -111,16 +111,18 @@ def test_bad_config_values_are_one_line(folders, tmp_path):
 
 
 def test_export_refuses_what_no_family_holds_in_one_line(folders, tmp_path):
-    """Capacity routing (transformers drops no token), an OLMoE with sliding windows (its attention is global)."""
+    """Capacity routing (transformers drops no token), an OLMoE with sliding windows (its attention is global), a
+    Qwen3-MoE with a window on some layers only (transformers gives its window to every layer)."""
     from shard.hf import arch
 
-    mixtral, olmoe = (read.Folder(folders[kind][0]).gpt_kwargs() for kind in ("mixtral", "olmoe"))
-    for kwargs in ({**mixtral, "routing": "capacity"}, {**olmoe, "windows": [8, 0]}):
+    mixtral, olmoe, qwen = (read.Folder(folders[kind][0]).gpt_kwargs() for kind in ("mixtral", "olmoe", "qwen3_moe"))
+    for kwargs in ({**mixtral, "routing": "capacity"}, {**olmoe, "windows": [8, 0]}, {**qwen, "windows": [8, 0]}):
         with pytest.raises(UserError, match="need routing=dropless") as e:
             arch.from_gpt(kwargs, "moe")
         assert "\n" not in str(e.value)
     assert arch.from_gpt(mixtral, "moe")["model_type"] == "mixtral"
     assert arch.from_gpt(olmoe, "moe")["model_type"] == "olmoe"
+    assert arch.from_gpt({**qwen, "windows": [8, 8]}, "moe")["model_type"] == "qwen3_moe"
 
 
 # Qwen3-MoE's and OLMoE's experts and router are the same modules as Mixtral's in transformers 5 (its names after

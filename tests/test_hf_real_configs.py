@@ -34,26 +34,30 @@ from shard.use import export, generate  # noqa: E402
 
 from conftest import ROOT, overrides, subprocess_env  # noqa: E402
 
-VOCAB, HEAD_DIM = 512, 16
-TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
+VOCAB, HEAD_DIM, WINDOW = 512, 16, 8
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 24))  # longer than WINDOW: a sliding window is cut
 REAL = {p.parent.name: json.loads(p.read_text()) for p in sorted(FIXTURES.glob("*/config.json"))}
 SUPPORTED = [name for name, c in REAL.items() if c["model_type"] in arch.SUPPORTED]
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
 def tiny(real: dict) -> dict:
-    """`real` with 2 layers, a 512-token vocabulary and heads of 16, the same number of query heads per KV
-    head and the same MLP-to-width ratio; every other field as published (RoPE scaling, eps, tying, biases,
-    activation, windows). Special token ids past the vocabulary are taken modulo it."""
+    """`real` with 2 layers (one period of a layer pattern where there is one: Gemma 3's 5 local layers then a
+    global one), a 512-token vocabulary, heads of 16 and windows of 8 tokens, the same number of query heads per
+    KV head and the same MLP-to-width ratio; every other field as published (RoPE scaling, eps, tying, biases,
+    activation, which layers slide). Special token ids past the vocabulary are taken modulo it."""
     c = dict(real)
     heads = c["num_attention_heads"]
     group = heads // (c.get("num_key_value_heads") or heads)
     kv = max(1, min(heads // group, 4 // group))
     width = kv * group * HEAD_DIM
-    c.update(num_hidden_layers=2, vocab_size=VOCAB, num_attention_heads=kv * group, num_key_value_heads=kv,
-             hidden_size=width, intermediate_size=round(c["intermediate_size"] / c["hidden_size"] * width))
+    c.update(num_hidden_layers=c.get("sliding_window_pattern") or 2, vocab_size=VOCAB, num_attention_heads=kv * group,
+             num_key_value_heads=kv, hidden_size=width,
+             intermediate_size=round(c["intermediate_size"] / c["hidden_size"] * width))
     if c.get("head_dim"):
         c["head_dim"] = HEAD_DIM
+    if c.get("sliding_window"):
+        c["sliding_window"] = min(c["sliding_window"], WINDOW)
     for key in ("layer_types", "no_rope_layers"):
         if key in c:  # the last two: where a repeating pattern ends (SmolLM3's rope-less 4th layer)
             c[key] = c[key][-2:]
@@ -120,6 +124,10 @@ def test_the_fixtures_hold_the_configs_this_file_is_about():
             "smollm3-3b", "gemma-3-1b-it"} <= set(SUPPORTED)
     assert REAL["gemma-2b-it"]["hidden_act"] == "gelu"  # the legacy value transformers reads as tanh GELU
     assert REAL["llama-3.2-3b-instruct"]["rope_scaling"]["rope_type"] == "llama3"
+    # Gemma 3's tiny model keeps its pattern, a global layer after 5 local ones, whose windows TOKENS pass
+    assert transformers.AutoConfig.for_model(**tiny(REAL["gemma-3-1b-it"])).layer_types == \
+        ["sliding_attention"] * 5 + ["full_attention"]
+    assert arch.to_gpt(tiny(REAL["gemma-3-1b-it"]), "g")["windows"] == [WINDOW] * 5 + [0] and WINDOW < TOKENS.shape[1]
 
 
 @pytest.mark.parametrize("name", SUPPORTED)

@@ -21,13 +21,16 @@ def logits_of(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
-# Phi-3's fused qkv_proj and gate_up_proj (our pairs side by side at ranks 3r and 2r) and every other family's
-# adapters: tests/test_hf.py's random adapters, merged by peft as ours (the training here is the same for all)
-FAMILIES = {"llama": []}
-MODULES = {"llama": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]}
+# Llama's separate projections and Phi-3's fused qkv_proj and gate_up_proj (a GPT with half of each head rotated:
+# our pairs side by side at ranks 3r and 2r, their scale kept); every other family's names are Llama's
+# (tests/test_hf.py's random adapters, merged by peft as ours), the mixtures' experts tests/test_hf_moe.py's
+FAMILIES = {"llama": [], "phi3": ["model.rotary_dim=2"]}
+MODULES = {"llama": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],
+           "phi3": ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]}
+PARTS = {"llama": {}, "phi3": {"qkv_proj": 3, "gate_up_proj": 2}}  # our weights in one of their Linears
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", ["llama", pytest.param("phi3", marks=pytest.mark.slow)])  # 35 s on a loaded CPU
 def test_peft_runs_the_adapters_as_our_merged_model(train, tmp_path, capsys, family):
     base = [*LLAMA, *FAMILIES[family]]
     train(*base, subdir="base")
@@ -47,6 +50,8 @@ def test_peft_runs_the_adapters_as_our_merged_model(train, tmp_path, capsys, fam
     config = tuned.peft_config["default"]
     assert (config.r, config.lora_alpha) == (4, 6)
     assert sorted(config.target_modules) == MODULES[family]
+    assert (config.rank_pattern, config.alpha_pattern) == ({k: 4 * n for k, n in PARTS[family].items()},
+                                                           {k: 6 * n for k, n in PARTS[family].items()})
     np.testing.assert_allclose(logits_of(tuned, tokens), ours, atol=2e-4, rtol=1e-4)
     assert np.abs(untouched - ours).max() > 1e-2  # the adapters matter
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_merged").eval()

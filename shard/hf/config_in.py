@@ -23,7 +23,8 @@ LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 
 # transformers 5's defaults (configuration_<model_type>.py) for the fields read here, where config.json leaves
 # them out. None: derived from other fields (kv heads = heads, head_dim = hidden_size / heads).
-_ROPE = dict(num_key_value_heads=None, head_dim=None, hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False)
+_ROPE = dict(num_key_value_heads=None, head_dim=None, hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False,
+             rope_theta=10000.0)  # (Gemma 3's two bases: _gemma3_rope)
 DEFAULTS = {
     "llama": dict(_ROPE, vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                   num_attention_heads=32, max_position_embeddings=2048, attention_bias=False, mlp_bias=False),
@@ -44,7 +45,8 @@ DEFAULTS = {
     "smollm3": dict(_ROPE, vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                     num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=32768,
                     use_sliding_window=False, sliding_window=None, no_rope_layers=None, no_rope_layer_interval=4,
-                    layer_types=None, attention_bias=False, mlp_bias=False, tie_word_embeddings=True),
+                    layer_types=None, attention_bias=False, mlp_bias=False, tie_word_embeddings=True,
+                    rope_theta=2_000_000.0),
     "olmo2": dict(_ROPE, vocab_size=50304, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                   num_attention_heads=32, max_position_embeddings=2048, attention_bias=False, rms_norm_eps=1e-5),
     "phi3": dict(_ROPE, vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
@@ -277,7 +279,7 @@ def _rope(kind: str, c: dict, where: str, get, head_dim: int) -> tuple[float, di
     if not isinstance(params, dict):
         raise UserError(f"{where}: config.json has rope_parameters={params!r}; transformers reads a mapping")
     params = dict(params)
-    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", c.get("rope_theta", DEFAULTS[kind]["rope_theta"]))
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:

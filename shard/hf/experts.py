@@ -31,18 +31,19 @@ DEFAULTS = {
     "qwen3_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
                       num_attention_heads=32, num_key_value_heads=4, head_dim=None, hidden_act="silu",
                       max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                      attention_bias=False, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
-                      layer_types=None, rope_theta=10000.0, decoder_sparse_step=1, moe_intermediate_size=768,
-                      num_local_experts=128, num_experts_per_tok=8, norm_topk_prob=False, output_router_logits=False,
-                      router_aux_loss_coef=0.001, mlp_only_layers=None),
+                      attention_bias=False, use_sliding_window=False, sliding_window=4096, rope_theta=10000.0,
+                      decoder_sparse_step=1, moe_intermediate_size=768, num_local_experts=128, num_experts_per_tok=8,
+                      norm_topk_prob=False, output_router_logits=False, router_aux_loss_coef=0.001,
+                      mlp_only_layers=None),
     "olmoe": dict(vocab_size=50304, hidden_size=2048, intermediate_size=2048, num_hidden_layers=16,
                   num_attention_heads=16, num_key_value_heads=None, head_dim=None, hidden_act="silu",
                   max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
                   rope_theta=10000.0, clip_qkv=None, num_local_experts=64, num_experts_per_tok=8,
                   output_router_logits=False, router_aux_loss_coef=0.01, norm_topk_prob=False),
 }
-# Fields the dense relative reads that the family has not: their value in its modeling file
-NOT_READ = {"olmoe": dict(mlp_bias=False)}
+# Fields the dense relative reads that the family has not: their value in its modeling file (Qwen3-MoE's window,
+# where use_sliding_window sets one, is every layer's: its config has no layer_types nor max_window_layers)
+NOT_READ = {"olmoe": dict(mlp_bias=False), "qwen3_moe": dict(max_window_layers=0, layer_types=None)}
 OLMOE_IDS = dict(pad_token_id=1, eos_token_id=50279)  # OlmoeConfig's defaults: none where past the vocabulary
 MOE_ARGS = ("n_experts", "top_k", "capacity_factor", "aux_loss_weight", "routing", "norm_topk", "balancing")
 
@@ -117,6 +118,8 @@ def from_moe(kwargs: dict) -> dict:
     if olmoe:
         kind = "olmoe" if kind == "mixtral" and g["n_heads"] * g["head_dim"] == g["d_model"] \
             and not any(g["windows"] or []) else None  # OLMoE's attention is global
+    if kind == "qwen3_moe" and any(g["windows"] or []) and not all(g["windows"]):
+        kind = None  # its window is every layer's
     if kind == "mixtral" and not g["norm_topk"]:
         kind = None  # Mixtral always renormalises
     if kind is None or g["routing"] != "dropless":
@@ -124,7 +127,8 @@ def from_moe(kwargs: dict) -> dict:
                         f"architectures a Hugging Face folder can hold ({', '.join(RELATIVE)}): they need "
                         "routing=dropless (transformers drops no token), position=rope, norm=rmsnorm, mlp=swiglu, "
                         "no biases; Mixtral norm_topk=true, Qwen3-MoE qk_norm=head, OLMoE qk_norm=projection "
-                        "with n_heads x head_dim = d_model and no windows")
+                        "with n_heads x head_dim = d_model and no windows; Qwen3-MoE's windows on every layer or "
+                        "none")
     config = config_out.dense_from_gpt(dense, "gpt")
     config.update(model_type=kind, architectures=[ARCHITECTURES[kind]], num_local_experts=g["n_experts"],
                   num_experts_per_tok=g["top_k"], router_aux_loss_coef=float(g["aux_loss_weight"]),

@@ -1,0 +1,70 @@
+"""Each family's defaults, where config.json leaves a field out, are transformers' own: a config.json holding only
+model_type, read here, gives every option that config fields set (sizes, RoPE bases, eps, activation, tying,
+windows, biases, soft-caps, experts) as transformers' config class gives it with no argument at all; and with
+use_sliding_window=true alone, for the families that have that switch."""
+
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from shard.hf import arch  # noqa: E402
+
+# transformers' activation names -> the GPT's mlp option that computes that function
+MLPS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "gelu"}
+
+
+def transformers_options(kind: str, fields: dict) -> dict:
+    """The GPT's options, derived from the attributes of transformers' config class of `kind`, built with `fields`
+    alone (transformers 5 keeps RoPE's settings in rope_parameters: per layer type for Gemma 3)."""
+    c = transformers.AutoConfig.for_model(kind, **fields)
+    if kind == "gpt2":
+        return dict(vocab_size=c.vocab_size, d_model=c.n_embd, n_layers=c.n_layer, n_heads=c.n_head,
+                    d_ff=c.n_inner or 4 * c.n_embd, max_len=c.n_positions, mlp=MLPS[c.activation_function],
+                    norm_eps=c.layer_norm_epsilon, tie_embeddings=c.tie_word_embeddings)
+    n, heads, rope = c.num_hidden_layers, c.num_attention_heads, c.rope_parameters
+    full, local = (rope["full_attention"], rope["sliding_attention"]) if kind == "gemma3_text" else (rope, None)
+    assert full["rope_type"] == "default"
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    # the modeling files: a layer slides where layer_types says so, or every layer where the config has none
+    types = getattr(c, "layer_types", None) or ["sliding_attention"] * n
+    window = getattr(c, "sliding_window", None)
+    out = dict(vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=n, n_heads=heads,
+               n_kv_heads=c.num_key_value_heads or heads, head_dim=head_dim, max_len=c.max_position_embeddings,
+               d_ff=c.moe_intermediate_size if kind == "qwen3_moe" else c.intermediate_size,
+               mlp=MLPS[getattr(c, "hidden_activation", None) or c.hidden_act], norm_eps=c.rms_norm_eps,
+               tie_embeddings=c.tie_word_embeddings, rope_theta=full["rope_theta"], rope_scaling=None,
+               windows=[window if t == "sliding_attention" else 0 for t in types] if window else None,
+               rotary_dim=int(head_dim * full.get("partial_rotary_factor", 1.0)))
+    out.update({ours: getattr(c, name) for name, ours in (("attention_bias", "bias"), ("mlp_bias", "mlp_bias"),
+                                                          ("norm_topk_prob", "norm_topk")) if hasattr(c, name)})
+    if kind in ("gemma2", "gemma3_text"):
+        out.update(attn_scale=c.query_pre_attn_scalar ** -0.5, attn_softcap=c.attn_logit_softcapping,
+                   logit_softcap=c.final_logit_softcapping)
+    if kind == "gemma3_text":
+        out.update(local_rope_theta=local["rope_theta"], rope_layers=[2 if t == "sliding_attention" else 1
+                                                                      for t in types])
+    if kind == "smollm3":
+        out.update(rope_layers=c.no_rope_layers)
+    if kind in arch.experts.RELATIVE:
+        out.update(n_experts=c.num_experts, top_k=c.num_experts_per_tok,
+                   aux_loss_weight=c.router_aux_loss_coef if c.output_router_logits else 0.0)
+    return out
+
+
+# and the families with a switch for their windows, switched on: the window's and its layers' defaults then
+SWITCHED = [k for k in arch.SUPPORTED if "use_sliding_window" in transformers.AutoConfig.for_model(k).to_dict()]
+
+
+@pytest.mark.parametrize("kind, fields", [(k, {}) for k in arch.SUPPORTED] +
+                         [(k, {"use_sliding_window": True}) for k in SWITCHED])
+def test_a_config_json_of_model_type_alone_reads_as_transformers_defaults(kind, fields, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": kind, **fields}))
+    got = arch.to_gpt(json.loads((tmp_path / "config.json").read_text()), "path")
+    want = transformers_options(kind, fields)
+    # what the reader leaves out is the GPT's own default: no window, no soft-cap, every channel rotated
+    absent = dict(windows=None, attn_softcap=None, logit_softcap=None, rotary_dim=got.get("head_dim"),
+                  rope_layers=None)
+    mismatches = {k: (got.get(k, absent.get(k)), v) for k, v in want.items() if got.get(k, absent.get(k)) != v}
+    assert not mismatches, f"{kind}: option: (ours, transformers') {mismatches}"
