@@ -18,6 +18,7 @@ import pytest
 import shard
 from conftest import ROOT, TINY_GPT, TINY_MODELS, overrides, subprocess_env
 from shard import config
+from shard.errors import UserError
 from shard.run import trainer
 from shard.serve import app, chat, engine, scheduler
 from shard.use import generate
@@ -121,6 +122,19 @@ def test_logprobs_are_the_models_own_log_softmax_in_every_shape(served):
     for i, top in enumerate(got.logprobs.top_logprobs):  # keyed by text: ids that decode alike keep the likelier
         assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(best[i, 0], abs=2e-4)
     assert got.logprobs.text_offset[0] == 0 and len(got.logprobs.tokens) == 6
+    # past a stop string: the tokens reported are those of the text returned, whole and streamed alike
+    want = solo(served, "def f(x):", 12)
+    stop = want[4:6]
+    ask = {"model": name, "prompt": "def f(x):", "max_tokens": 12, "temperature": 0, "logprobs": 2, "stop": stop}
+    whole = c.completions.create(**ask).choices[0]
+    parts = [chunk.choices[0].logprobs for chunk in c.completions.create(**ask, stream=True)
+             if chunk.choices[0].logprobs]
+    fields = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    assert {f: [v for part in parts for v in getattr(part, f)] for f in fields} == \
+        {f: getattr(whole.logprobs, f) for f in fields}
+    assert (whole.text, whole.finish_reason) == (want[:want.index(stop)], "stop")
+    # they hold the text returned, and each begins in it (one may run on into the stop string: returned in part)
+    assert "".join(whole.logprobs.tokens).startswith(whole.text) and whole.logprobs.text_offset[-1] < len(whole.text)
 
     messages = [{"role": "user", "content": "hi"}]
     prompt = generate.text_tokens(chat.plain(messages))
@@ -262,19 +276,33 @@ def test_chat_messages_go_through_the_tokenizers_template_or_the_plain_one(tmp_p
                                                                 "chat_template": template}))
     assert chat.Template(tokenizer_lib.load(str(tmp_path))).text(messages) == \
         "<|system|>Be brief.</s><|user|>hi</s><|assistant|>"
-    strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('begin with a user message') }}{% endif %}"
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": strict}))
-    refused = chat.Template(tokenizer_lib.load(str(tmp_path)))
-    with pytest.raises(chat.Refused, match="begin with a user message"):
-        refused(messages)
-    _, refusing = idle(max_queue=1, template=refused)
 
-    async def ask():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=refusing), base_url="http://t") as c:
+    def loaded(source: str):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": source}))
+        return chat.Template(tokenizer_lib.load(str(tmp_path)))
+
+    async def ask(template):
+        _, served = idle(max_queue=1, template=template)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=served), base_url="http://t") as c:
             return await c.post("/v1/chat/completions", json={"messages": messages})
 
-    answer = asyncio.run(ask())
+    # the template's raise_exception refuses the request's role order: the request's fault (400, as vLLM)
+    refused = loaded("{% if messages[0]['role'] != 'user' %}{{ raise_exception('begin with a user message') }}"
+                     "{% endif %}")
+    with pytest.raises(chat.Refused, match="begin with a user message"):
+        refused(messages)
+    answer = asyncio.run(ask(refused))
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
+    # the template's own bug (an undefined name, a TypeError) on checked messages: the server's fault (500)
+    for bug, said in (("{{ bos_tokn.strip() }}", "'bos_tokn' is undefined"), ("{{ messages | length + 'x' }}",
+                                                                               "unsupported operand")):
+        with pytest.raises(chat.Broken, match=said):
+            loaded(bug)(messages)
+        answer = asyncio.run(ask(loaded(bug)))
+        assert answer.status_code == 500 and answer.json()["error"]["type"] == "server_error", bug
+        assert said in answer.json()["error"]["message"]
+    with pytest.raises(UserError, match="not a valid template"):  # compiled as the server starts: it refuses
+        loaded("{% for m in messages %}")
 
 
 # a local layer (window 6) beside a global one, its prompts prefilled in chunks of 8 (the first right-padded)

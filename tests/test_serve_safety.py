@@ -99,13 +99,28 @@ def test_a_cancelled_request_frees_its_slot_within_one_round_in_every_slot(queue
 
 
 def test_requests_whose_client_left_take_no_place_in_the_queue():
-    queue = scheduler.Scheduler(Scripted(1, [ord("a")]), BYTES, max_queue=1)
-    gone = scheduler.Request([1], 5)
-    queue.submit(gone)
-    gone.cancelled = True
-    queue.submit(scheduler.Request([2], 5))  # the queue holds one, and the one there left
+    """One long answer holds the only slot: requests posted then dropped by their clients count against no
+    --max-queue and leave the queue at the next round (not when a slot frees: they would pile up), and the long
+    one goes on."""
+    queue = scheduler.Scheduler(Scripted(1, [ord("a")], context=256), BYTES, max_queue=3)
+    long, dropped = scheduler.Request([1], 60), [scheduler.Request([2] * 64, 10) for _ in range(500)]
+    queue.submit(long)
+    queue.tick()
+    for request in dropped:
+        queue.submit(request)
+        request.cancelled = True  # as the web server's release() marks a request whose client left
+    fresh = [scheduler.Request([3], 2) for _ in range(3)]
+    for request in fresh:
+        queue.submit(request)
     with pytest.raises(scheduler.QueueFull):
-        queue.submit(scheduler.Request([3], 5))
+        queue.submit(scheduler.Request([4], 2))
+    queue.tick()
+    assert list(queue.waiting) == fresh and queue.active == [long] and queue.cancelled == 500
+    assert {r.finish for r in dropped} == {"cancelled"} and not any(r.events.qsize() for r in dropped)
+    while queue.waiting or any(queue.active):
+        queue.tick()
+    assert (text_of(long), long.finish) == ("a" * 60, "length")
+    assert [(text_of(r), r.finish) for r in fresh] == [("aa", "length")] * 3 and queue.served == 4
 
 
 def test_a_failure_anywhere_in_the_loop_ends_every_request_it_holds():
@@ -121,9 +136,7 @@ def test_a_failure_anywhere_in_the_loop_ends_every_request_it_holds():
         queue.submit(request)
     queue.start()
     try:
-        for request in requests:
-            while request.finish is None:
-                time.sleep(0.01)
+        settled(requests)
     finally:
         queue.stop()
     assert [r.finish for r in requests] == ["error"] * 3
@@ -245,7 +258,15 @@ def test_each_tokens_logprobs_go_with_the_chunk_that_carries_its_text():
         sent += piece.text
         released += "".join(t.text for t in piece.tokens)
         assert sent.startswith(released) or piece.finish, (sent, released)
-    assert [t.id for p in pieces for t in p.tokens] == [1, 2, 3, 4, 5]
+    # the tokens past the stop string ("-", "x") are not reported: the tokens given are those of the text returned
+    assert [t.id for p in pieces for t in p.tokens] == [1, 2, 3]
+    for stop, text, ids in (("e-", "abc-d", [1, 2, 3]), ("bc", "a", [1]), ("ab", "", [])):  # "de", "ab": in part
+        request = scheduler.Request([1], 9, stop=(stop,), logprobs=1)
+        queue.submit(request)
+        while queue.waiting or any(queue.active):
+            queue.tick()
+        pieces = drained(request)
+        assert ("".join(p.text for p in pieces), [t.id for p in pieces for t in p.tokens]) == (text, ids), stop
 
 
 def test_a_burst_decodes_several_tokens_per_call_only_while_no_one_waits():
@@ -374,6 +395,26 @@ def test_the_scheduler_thread_ends_every_request_it_holds_when_a_step_fails():
     requests = [scheduler.Request([1], 5) for _ in range(2)]
     for request in requests:
         queue.submit(request)
-    queue.tick()
-    assert [r.finish for r in requests] == ["error", "error"] and not any(queue.active)
-    assert threading.active_count() >= 1 and queue.unhealthy() is None
+    queue.start()
+    try:  # the scheduler's own thread ends them, outlives the failure, and serves on once steps succeed
+        settled(requests)
+        assert [r.finish for r in requests] == ["error", "error"] and not any(queue.active)
+        assert queue.thread in threading.enumerate() and queue.thread.name == "shard-serve-engine"
+        assert queue.thread is not threading.current_thread() and queue.unhealthy() is None
+        del scripted.advance
+        after = scheduler.Request([1], 3)
+        queue.submit(after)
+        settled([after])
+        assert (text_of(after), after.finish) == ("aaa", "length")
+    finally:
+        if queue.thread.ident is not None:  # started: stop joins it
+            queue.stop()
+    assert not queue.thread.is_alive() and queue.thread not in threading.enumerate()
+
+
+def settled(requests, within: float = 10.0) -> None:
+    """Waits a bounded time for the engine thread to end every request (a thread that never runs fails)."""
+    deadline = time.monotonic() + within
+    while any(r.finish is None for r in requests):
+        assert time.monotonic() < deadline, "the engine thread did not end the requests"
+        time.sleep(0.01)

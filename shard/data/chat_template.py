@@ -23,7 +23,16 @@ GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # a {% generation %} tag
 
 
 class TemplateFailed(ValueError):
-    """The template refused the conversation (its raise_exception) or could not render it."""
+    """The template refused the conversation (its raise_exception: `refused`, the conversation's fault) or its own
+    code failed on it (an undefined name, a TypeError: the template's fault)."""
+
+    def __init__(self, message: str, refused: bool):
+        super().__init__(message)
+        self.refused = refused
+
+
+class Refusal(Exception):
+    """What the template's raise_exception(message) raises: it refuses the conversation on purpose."""
 
 
 class Template:
@@ -38,7 +47,8 @@ class Template:
             raw = self.program.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                       tools=None, documents=None, **self.special)
         except Exception as e:  # jinja2's TemplateError and SecurityError, the template's own raise_exception
-            raise TemplateFailed(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+            raise TemplateFailed(str(e).splitlines()[0] if str(e) else type(e).__name__,
+                                 isinstance(e, Refusal)) from None
         return _spans(raw)
 
 
@@ -79,7 +89,7 @@ def _compiled(source: str, where: str):
             return OPEN + caller() + CLOSE
 
     def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+        raise Refusal(message)
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)

@@ -50,6 +50,11 @@ def columns(cfg) -> tuple[str, ...]:
     return (cfg.prompt_field, cfg.completion_field) if cfg.prompt_field else (cfg.field,)
 
 
+class TemplateBroken(UserError):
+    """The chat template's own code failed (not its raise_exception): the tokenizer folder's fault, not the
+    conversation's (a server answers it as its own fault)."""
+
+
 class Formatter:
     """Row values (a tuple, one per column) -> a Row, for one tokenizer (its chat template, its special
     tokens' text)."""
@@ -143,7 +148,8 @@ class Formatter:
         try:
             return self.template.render(messages, add_generation_prompt)
         except chat_template.TemplateFailed as e:
-            raise UserError(f"{where}: the tokenizer's chat template failed on this conversation: {e}") from None
+            kind = UserError if e.refused else TemplateBroken
+            raise kind(f"{where}: the tokenizer's chat template failed on this conversation: {e}") from None
 
 
 def end_of_turn_id(tokenizer) -> int | None:

@@ -5,6 +5,7 @@ others' streams."""
 
 import asyncio
 import contextlib
+import logging
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -17,6 +18,8 @@ from shard.serve.scheduler import Piece, QueueFull, Request, Scheduler, Unhealth
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions; chat: up to the context
 RETRY_AFTER_S = 1
 MAX_BODY = 8 * 2**20  # bytes of a request body, by default
+
+log = logging.getLogger("shard.serve")
 
 
 def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int, max_body: int = MAX_BODY,
@@ -101,6 +104,9 @@ def build(scheduler: Scheduler, tokenizer, template, name: str, capacity: int, m
             tokens = template([m.model_dump() for m in body.messages])
         except chat.Refused as e:
             raise BadRequest(f"messages: the chat template refused them: {e}", "messages") from None
+        except chat.Broken as e:  # the template's own bug: the operator's to fix, so it is logged
+            log.error("the chat template failed: %s", e)
+            raise BadRequest(f"the server's chat template failed on these messages: {e}", None, 500) from None
         return body, embeddable(tokens, "messages")
 
     async def answer(http, body, tokens: list[int], field: str, max_tokens: int | None, shape, prefix: str,

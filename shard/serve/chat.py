@@ -13,7 +13,13 @@ from shard.errors import UserError
 
 
 class Refused(ValueError):
-    """The template refused the messages (its raise_exception), or could not render them."""
+    """The messages are not a conversation the template takes (its raise_exception refused them): the request's
+    fault, as vLLM answers it (400)."""
+
+
+class Broken(RuntimeError):
+    """The template's own code failed on messages the server had checked (an undefined name, a TypeError): the
+    server's fault (500), not the request's."""
 
 
 def plain(messages: list[dict]) -> str:
@@ -29,11 +35,15 @@ class Template:
     def text(self, messages: list[dict]) -> str:
         try:
             return self.formatter.prompt(messages)
+        except formats.TemplateBroken as e:
+            raise Broken(str(e)) from None
         except UserError as e:
             raise Refused(str(e)) from None
 
     def __call__(self, messages: list[dict]) -> list[int]:
         try:
             return self.formatter.prompt_ids(messages)
+        except formats.TemplateBroken as e:
+            raise Broken(str(e)) from None
         except UserError as e:
             raise Refused(str(e)) from None

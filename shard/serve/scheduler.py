@@ -149,6 +149,7 @@ class Scheduler:
         for slot, request in enumerate(self.active):
             if request is not None and request.cancelled:
                 self._finish(slot, "cancelled")
+        self._drop_cancelled()
         self._admit()
         if not any(r is not None for r in self.active):
             return False
@@ -161,6 +162,18 @@ class Scheduler:
                     self._finish(slot, "error", error=_reason(e))
             self._recover()
         return True
+
+    def _drop_cancelled(self) -> None:
+        """Waiting requests whose client left go now, not when a slot frees: while every slot is busy they would
+        pile up past --max-queue (each holding its prompt)."""
+        with self.lock:
+            if not any(r.cancelled for r in self.waiting):
+                return
+            gone = [r for r in self.waiting if r.cancelled]
+            self.waiting = collections.deque(r for r in self.waiting if not r.cancelled)
+        for request in gone:
+            request.finish = "cancelled"
+        self.cancelled += len(gone)
 
     def _admit(self) -> None:
         """Free slots take waiting requests: each prompt's prefill, and its first token."""
@@ -257,6 +270,7 @@ class Scheduler:
         hits = [i for i in (text.find(s) for s in request.stop) if i >= 0]
         if hits:  # sent text never ends in a stop string's beginning, so a stop lies wholly in `text`
             request.held = ""
+            request.unsent = _before_cut(request.unsent, len(text) - min(hits))
             return self._finish(slot, "stop", text[:min(hits)])
         if len(request.tokens) >= request.max_tokens or self.index[slot] >= self.engine.context:
             request.held = ""
@@ -291,6 +305,19 @@ class Scheduler:
             request.emit(Piece(text, self._unsent(request), reason))
         self.active[slot], self.index[slot], self.last[slot] = None, 0, 0
         self.served += reason not in ("error", "cancelled")
+
+
+def _before_cut(tokens: list[Token], cut: int) -> list[Token]:
+    """`tokens` less those wholly within the last `cut` characters of their text (a stop string and what follows
+    it): the log-probabilities reported are those of the tokens whose text is returned, whole or in part."""
+    end = sum(len(t.text) for t in tokens) - cut
+    kept, at = [], 0
+    for token in tokens:
+        if at >= end:
+            break
+        kept.append(token)
+        at += len(token.text)
+    return kept
 
 
 def _reason(error: Exception) -> str:
