@@ -23,8 +23,10 @@ def param(rngs: nnx.Rngs, shape: tuple, names: tuple, std: float) -> nnx.Param:
     return nnx.Param(std * jax.random.normal(rngs.params(), shape), out_sharding=names)
 
 
-def zeros(shape: tuple, names: tuple) -> nnx.Param:
-    return nnx.Param(jnp.zeros(shape), out_sharding=names)
+def zeros(shape: tuple, names: tuple, role: str = "bias") -> nnx.Param:
+    """A bias (or a norm's weight stored as an offset from 1), zeros at first. Its `role` metadata keeps it out of
+    quantization (shard/quant/base.py), which its rank cannot: a per-head bias has two dimensions."""
+    return nnx.Param(jnp.zeros(shape), out_sharding=names, role=role)
 
 
 # Rows of a table at or below which a lookup's gradient is a one-hot matrix product rather than a scatter-add: with
@@ -73,7 +75,8 @@ class AxesRMSNorm(nnx.Module):
 
     def __init__(self, shape: tuple, names: tuple, eps: float, offset: bool = False):
         self.eps, self.offset = eps, offset
-        self.scale = zeros(shape, names) if offset else nnx.Param(jnp.ones(shape), out_sharding=names)
+        self.scale = zeros(shape, names, "norm") if offset else nnx.Param(jnp.ones(shape), out_sharding=names,
+                                                                          role="norm")
 
     def __call__(self, x):
         h = x.astype(jnp.float32)

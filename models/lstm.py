@@ -30,7 +30,7 @@ class LSTMLayer(nnx.Module):
         self.w_x = param(rngs, (d_model, 4, d_model), ("embed", None, "mlp"), std)
         self.w_h = param(rngs, (d_model, 4, d_model), ("embed", None, "mlp"), std)
         # forget gate bias 1: remember by default early in training
-        self.b = nnx.Param(jnp.zeros((4, d_model)).at[1].set(1.0), out_sharding=(None, "mlp"))
+        self.b = nnx.Param(jnp.zeros((4, d_model)).at[1].set(1.0), out_sharding=(None, "mlp"), role="bias")
 
     def __call__(self, x):  # (batch, length, d_model) -> same
         gates_x = constrain(jnp.einsum("btd,dgh->tbgh", x, self.w_x[...]) + self.b[...],
@@ -69,7 +69,8 @@ class LSTM(nnx.Module):
         self.layers = stacked(n_layers, lambda rngs: LSTMLayer(d_model, rngs), rngs)
         out = num_classes or vocab_size
         self.head = param(rngs, (d_model, out), ("embed", "classes" if num_classes else "vocab"), 1 / math.sqrt(d_model))
-        self.head_bias = nnx.Param(jnp.zeros((out,)), out_sharding=("classes" if num_classes else "vocab",))
+        self.head_bias = nnx.Param(jnp.zeros((out,)), out_sharding=("classes" if num_classes else "vocab",),
+                                   role="bias")
 
     def __call__(self, inputs):
         if self.vocab_size:

@@ -111,6 +111,35 @@ def test_logits_of_the_quantized_base_within_its_own_error():
         assert err <= BOUND * rel, (kind, err, rel)
 
 
+# NF4's 16 values: QLoRA's code book (Dettmers et al. 2023, Appendix E), as bitsandbytes writes it out
+# (csrc/kernels.cu, dDequantizeNF4; functional.py's get_4bit_type("nf4")).
+NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+                0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                0.7229568362236023, 1.0], np.float32)
+
+
+def test_nf4_codes_are_the_published_table_and_a_block_of_64_is_its_absmax_times_the_nearest_value():
+    from qwix._src.core import numerics
+
+    from shard.quant import base as quant
+
+    np.testing.assert_array_equal(quant.nf4_values(jnp.arange(16, dtype=jnp.int8)), NF4)
+    x = jnp.linspace(-1.0, 1.0, 4001)
+    codes = np.asarray(quant.nf4_codes(x))
+    np.testing.assert_array_equal(codes, np.abs(np.asarray(x)[:, None] - NF4).argmin(-1))  # the nearest value
+    np.testing.assert_array_equal(codes, numerics.fp_to_nf4(x).astype(np.int8))  # qwix's own nf4, raveled
+    np.testing.assert_array_equal(quant.nf4_values(jnp.asarray(codes)), numerics.nf4_to_fp(jnp.asarray(codes)))
+    # a stored matrix: each block of 64 along the last axis its absmax times the table's value nearest w / absmax
+    w = np.random.default_rng(0).standard_normal((3, 8, 128)).astype(np.float32)
+    w[0, 0, 5] = 40.0  # an outlier takes its own block's scale, not its row's
+    blocks = w.reshape(3, 8, 2, 64)
+    absmax = np.abs(blocks).max(-1, keepdims=True)
+    want = (NF4[np.abs((blocks / absmax)[..., None] - NF4).argmin(-1)] * absmax).reshape(w.shape)
+    back = quant.dequantize(*quant.quantize(nnx.State({"w": nnx.Param(jnp.asarray(w))}), "nf4", {}, {}), "nf4")
+    np.testing.assert_allclose(back["w"][...], want, rtol=1e-6, atol=0)
+
+
 def test_the_step_builds_one_layers_weights_at_a_time(tmp_path):
     """The compiler's memory for the step: with an nf4 base, each layer's weights are dequantized and merged in the
     layer (shard/strategies/deferred.py), so the step holds no float copy of the stack; a float32 base (plain

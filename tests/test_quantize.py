@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import qwix
 from flax import nnx
 
 from conftest import TINY_GPT
@@ -117,9 +118,22 @@ def bits(tree) -> int:
     return sum(leaf.size * jax.dtypes.itemsize_bits(leaf.dtype) for leaf in jax.tree.leaves(tree))
 
 
+def absmax_reference(w, bits: int, group: int):
+    """Symmetric absmax quantization written in NumPy, as qwix defines it: per group of `group` along the last axis
+    a scale absmax / (2^(bits-1) - 0.5) (qwix's bound: the top code's bucket as wide as the others), codes
+    round(w / scale) clipped to the signed type. Returns the codes, the scales, and where w / scale lies within
+    float32 rounding of a tie (either code right there)."""
+    top = 2 ** (bits - 1)
+    blocks = np.asarray(w, np.float64).reshape(*w.shape[:-1], -1, group)
+    scale = np.abs(blocks).max(-1, keepdims=True) / (top - 0.5)
+    x = blocks / scale
+    tie = np.abs(np.abs(x - np.trunc(x)) - 0.5) < 1e-4
+    return np.clip(np.round(x), -top, top - 1).reshape(w.shape), scale[..., 0], tie.reshape(w.shape)
+
+
 def test_weight_only_int8_and_int4_hold_the_weights_quantized_within_their_error():
-    with nnx.use_eager_sharding(False):
-        model = GPT(**{**TINY, "d_model": 128}, rngs=nnx.Rngs(0))
+    with nnx.use_eager_sharding(False):  # d_ff 256: two int4 groups a row of w_in and w_gate
+        model = GPT(**{**TINY, "d_model": 128, "d_ff": 256}, rngs=nnx.Rngs(0))
     prompt = np.array([[1, 2, 3, 4, 5]], np.int32)
     plain = generate.Generator(model)
     logits = lambda g: jax.jit(lambda s, x: g._model(s)(x))(g.state, prompt)
@@ -131,5 +145,77 @@ def test_weight_only_int8_and_int4_hold_the_weights_quantized_within_their_error
             3.5 if kind == "int8" else 6)
         # the output's error against the float32 model, relative to its largest logit
         assert float(jnp.abs(logits(quantized) - want).max()) < bound * scale, kind
+        # each weight's codes and scales: int8 one scale a row of its last axis, int4 one a group of 128 along it
+        held = jax.tree.leaves(quantized.state, is_leaf=lambda x: isinstance(x, qwix.QArray))
+        coded = [(q, w) for q, w in zip(held, jax.tree.leaves(plain.state)) if isinstance(q, qwix.QArray)]
+        assert len(coded) == 8, len(coded)  # tok, head; q, kv, out, w_in, w_gate, w_out
+        for q, w in coded:
+            last = w.shape[-1]
+            codes, scales, tie = absmax_reference(np.asarray(w), 8 if kind == "int8" else 4,
+                                                  128 if kind == "int4" and last % 128 == 0 else last)
+            np.testing.assert_allclose(q.scale.reshape(scales.shape), scales, rtol=1e-6)
+            assert tie.mean() < 0.02  # each group's absmax itself (at +-(2^(bits-1) - 0.5)), and rarely another
+            np.testing.assert_array_equal(np.asarray(q.qvalue, np.int32)[~tie], codes[~tie])
     with pytest.raises(UserError, match="argument --quantize: invalid choice: 'fp4'"):  # exit 2 on the command line
         generate.main(["runs/none", "--quantize", "fp4"])
+
+
+def kept_kinds():
+    """A mixture of experts' parameters with Qwen2's q/k/v biases (small, beside a 40.0 outlier) and OLMo 2's
+    q/k norms over the whole projection (weights near 1): each quantizing must leave them, and the router, as they
+    are, though each has two dimensions besides `layers`. The model's shapes and metadata, random values."""
+    from shard.models.moe import MoE
+
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: MoE(n_experts=4, top_k=2, **{**TINY, "d_model": 64}, norm="rmsnorm",
+                                           qkv_bias=True, qk_norm="projection", rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+
+    def filled(path, var):
+        name = jax.tree_util.keystr(path)
+        value = rng.normal(0.0, 0.05 if name.endswith("_bias']") else 0.02, var.shape)
+        if name.endswith("_bias']"):
+            value.reshape(var.shape[0], -1)[:, 1] = 40.0
+        elif "_norm']" in name:
+            value = 1.0 + 0.3 * rng.normal(size=var.shape)
+        return var.replace(jnp.asarray(value, jnp.float32))
+
+    return jax.tree_util.tree_map_with_path(filled, nnx.state(model, nnx.Param),
+                                            is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+KEPT = ("q_bias", "kv_bias", "q_norm", "k_norm", "router")
+CODED = ("tok", "head", "q", "kv", "out", "w_in", "w_gate", "w_out")
+
+
+def by_path(tree) -> dict:
+    """A tree's variables by their paths' keys, ('blocks', 'attn', 'q_bias')."""
+    return {tuple(str(k.key) for k in p): v for p, v in jax.tree_util.tree_leaves_with_path(
+        tree, is_leaf=lambda x: isinstance(x, nnx.Variable))}
+
+
+def test_biases_norm_weights_and_the_router_stay_bitwise_under_every_quantization():
+    from shard.quant import base as quant
+
+    params = kept_kinds()
+    kept = {p: v[...] for p, v in by_path(params).items() if set(p) & set(KEPT)}
+    coded = [p for p in by_path(params) if p[-1] in CODED]
+    assert len(kept) == 5 and len(coded) == 8, (kept.keys(), coded)
+
+    def same(got, want, how):
+        assert got.dtype == want.dtype and np.array_equal(np.asarray(got), np.asarray(want)), how
+
+    for kind in serving.KINDS:  # --quantize
+        held = by_path(serving.quantize_state(params, kind))
+        for p in kept:
+            same(held[p][...], kept[p], (kind, p))
+        assert all(isinstance(held[p].get_value(), qwix.QArray) for p in coded), kind
+    for kind in (*quant.KINDS, "bfloat16"):  # train.lora.base
+        codes, scales = jax.jit(lambda p: quant.quantize(p, kind, {}, {}))(params)
+        stored, back, scales = by_path(codes), by_path(jax.jit(quant.dequantize, static_argnums=2)(
+            codes, scales, kind)), by_path(scales)
+        for p in kept:  # a bfloat16 base casts biases and norm weights as a bfloat16 model has them, not the router
+            if kind != "bfloat16" or "router" in p:
+                same(stored[p][...], kept[p], (kind, p))
+                same(back[p][...], kept[p], (kind, p))
+        assert not set(kept) & set(scales) and (kind == "bfloat16" or set(coded) <= set(scales)), kind

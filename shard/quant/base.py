@@ -3,7 +3,8 @@
 Every floating matrix of the model (two or more dimensions besides a stack's `layers`: embeddings, attention,
 the feed-forward block, experts, the output layer) is quantized once with qwix, in blocks of 64 along its last
 dimension (one scale per block and per index of every other dimension: per layer, per head, per row), absmax
-scaled; vectors (norm scales, biases) and weights marked `full_precision` (a router) stay as they are. int8
+scaled; biases and norm weights (vectors, or marked by `role` metadata: a per-head bias, a projection-wide norm)
+and weights marked `full_precision` (a router) stay as they are (`quantizable`, serving's rule too). int8
 codes keep the weight's shape; 4-bit ones (int4 as code + 8, nf4's 0..15) are packed two to a uint8 along the
 last dimension, which halves it. We pack them ourselves: XLA's own int4 arrays came out of the init with
 unpacked layouts that the compiled step refused (XLA:CPU), and Orbax does not store uint4. Codes and scales carry
@@ -27,12 +28,24 @@ BLOCK = 64
 SHIFT = {"int4": 8, "nf4": 0}  # a 4-bit code's offset to 0..15
 
 
-def quantizes(var) -> bool:
-    """Whether a parameter is stored quantized: a floating matrix (besides `layers`), not kept full precision."""
+KEPT_ROLES = ("bias", "norm")  # a parameter's `role` metadata (models/layers.py) that no quantization touches
+
+
+def quantizable(var) -> bool:
+    """Whether quantizing a model (a QLoRA base, --quantize) may store this parameter coded: a floating matrix (two
+    or more dimensions besides a stack's `layers`) that a product uses. Not a bias or norm weight, which its model
+    marks (`role`) since its rank cannot tell (a per-head bias, OLMo 2's projection-wide q/k norm: an outlier's
+    block scale would round the rest to 0), nor a weight marked `full_precision` (a router's top-k choice)."""
     value = var.get_value()
     names = logical_names(var) or (None,) * value.ndim
+    meta = var.get_metadata()
     return (jnp.issubdtype(value.dtype, jnp.floating) and sum(n != "layers" for n in names) >= 2
-            and not var.get_metadata().get("full_precision") and value.shape[-1] % 2 == 0)
+            and meta.get("role") not in KEPT_ROLES and not meta.get("full_precision"))
+
+
+def quantizes(var) -> bool:
+    """Whether a parameter is stored quantized: `quantizable`, its last dimension even (two 4-bit codes a byte)."""
+    return quantizable(var) and var.get_value().shape[-1] % 2 == 0
 
 
 def block(shape) -> int:
@@ -79,9 +92,9 @@ def _get(tree: dict, keys: tuple):
 def quantize(params, kind: str, mesh_shape: dict, rules: dict):
     """(codes, scales): `params` with each quantized matrix's value replaced by its codes, and the scales as
     a nested dict by the matrices' paths (nnx.Params, float32). bfloat16: the floats cast, no scales."""
-    if kind in FLOATS:
+    if kind in FLOATS:  # a weight marked full_precision keeps float32 (transformers' _keep_in_fp32_modules)
         cast = lambda p, v: v.replace(v.get_value().astype(kind)) if isinstance(v, nnx.Variable) and \
-            jnp.issubdtype(v.get_value().dtype, jnp.floating) else v
+            jnp.issubdtype(v.get_value().dtype, jnp.floating) and not v.get_metadata().get("full_precision") else v
         return _each(params, cast), {}
     scales: dict = {}
 

@@ -2,9 +2,10 @@
 int8|int4`), with qwix: each floating matrix of the loaded model (two or more dimensions besides a stack's
 `layers`: embeddings, attention, the feed-forward block, experts, the output layer) is held as qwix's QArray,
 absmax scaled: int8 with one scale per row of its last dimension, int4 in groups of 128 along it (the whole
-dimension where 128 does not divide it). Vectors (norm scales, biases) and a layer's own settings stay as they
-are. The compiled prefill and decoding programs dequantize the weights (code x scale) and cast them to the
-compute dtype before the model, which runs unchanged; activations are not quantized.
+dimension where 128 does not divide it). Biases, norm weights, weights marked `full_precision` (a router) and a
+layer's own settings stay as they are: QLoRA's rule (shard/quant/base.py's `quantizable`). The compiled prefill
+and decoding programs dequantize the weights (code x scale) and cast them to the compute dtype before the model,
+which runs unchanged; activations are not quantized.
 """
 
 import jax
@@ -13,18 +14,11 @@ import qwix
 from flax import nnx
 
 from shard.errors import UserError
-from shard.partition import logical_names
+from shard.quant.base import quantizable
 
 KINDS = ("int8", "int4")
 QTYPE = {"int8": jnp.int8, "int4": jnp.int4}
 GROUP = 128  # int4's scale group along a matrix's last dimension
-
-
-def quantizes(var) -> bool:
-    """A floating matrix: two or more dimensions besides a stack's `layers`."""
-    value = var.get_value()
-    names = logical_names(var) or (None,) * value.ndim
-    return jnp.issubdtype(value.dtype, jnp.floating) and sum(n != "layers" for n in names) >= 2
 
 
 def quantized(value, kind: str) -> qwix.QArray:
@@ -39,7 +33,7 @@ def quantize_state(state, kind: str):
     if kind not in KINDS:
         raise UserError(f"--quantize {kind}: choose one of {', '.join(KINDS)}")
     one = jax.jit(quantized, static_argnums=1)  # on the weight's own devices, one program per shape
-    return jax.tree.map(lambda v: v.replace(one(v.get_value(), kind)) if quantizes(v) else v, state,
+    return jax.tree.map(lambda v: v.replace(one(v.get_value(), kind)) if quantizable(v) else v, state,
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
