@@ -76,6 +76,16 @@ def logical_names(leaf) -> tuple | None:
     return None
 
 
+# A parameter's `role` metadata where its shape cannot tell that it is no matrix (a per-head bias, a
+# projection-wide norm weight: two named dimensions): weight decay and quantization leave these alone.
+VECTOR_ROLES = ("bias", "norm")
+
+
+def plays_vector(leaf) -> bool:
+    """Whether a variable's `role` metadata says it is a bias or a norm weight (models/layers.py sets it)."""
+    return isinstance(leaf, nnx.Variable) and leaf.get_metadata().get("role") in VECTOR_ROLES
+
+
 def logical_to_spec(names: Sequence[str | None], rules: dict, mesh_shape: dict[str, int]) -> PartitionSpec:
     used: set[str] = set()
     spec = []

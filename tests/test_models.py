@@ -267,4 +267,13 @@ def test_weight_decay_reaches_matrices_only_in_scanned_and_recurrent_models():
     assert not any(g[k] for k in ("blocks/ln1/scale", "blocks/ln1/bias", "blocks/ln2/scale", "ln_f/scale"))
     assert all(g[k] for k in ("blocks/attn/q", "blocks/attn/kv", "blocks/ffn/w_in", "blocks/ffn/w_out", "head"))
     assert not l["layers/b"] and not l["head_bias"]  # (layers, 4 gates, width): a bias
+    # a per-head bias and a projection-wide q/k norm have two named dimensions, yet are no matrices (their role)
+    with nnx.use_eager_sharding(False):
+        qwen = GPT(vocab_size=64, d_model=32, n_layers=2, n_heads=4, qkv_bias=True, qk_norm="projection",
+                   rngs=nnx.Rngs(0))
+    q = decayed(qwen)
+    assert qwen.blocks.attn.q_bias.get_value().ndim == 3 and qwen.blocks.attn.q_norm.scale.get_value().ndim == 3
+    assert not any(q[k] for k in ("blocks/attn/q_bias", "blocks/attn/kv_bias", "blocks/attn/q_norm/scale",
+                                  "blocks/attn/k_norm/scale"))
+    assert q["blocks/attn/q"] and q["blocks/attn/kv"]
     assert l["layers/w_x"] and l["layers/w_h"] and l["head"]

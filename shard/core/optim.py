@@ -4,7 +4,7 @@ import jax
 import optax
 from flax import nnx
 
-from shard.partition import logical_names
+from shard.partition import logical_names, plays_vector
 
 
 def build(cfg, total_steps: int, updates_per_step: int = 1) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -31,10 +31,13 @@ def decays(var) -> bool:
     Decided from the parameter's own dimensions. With logical names, those named other than `layers`
     count (stacking scanned layers adds a dimension, not a matrix), and an unnamed axis inside a
     named parameter (the k/v pair, an LSTM's four gates, a router's experts, learned positions) is a
-    grouping, not a matrix's rows or columns. Without names, every dimension counts.
+    grouping, not a matrix's rows or columns. Without names, every dimension counts. A bias or norm weight
+    whose model says so (`role` metadata: a per-head bias, a projection-wide q/k norm) is none, whatever its rank.
     """
     if isinstance(var, nnx.LoRAParam):  # a low-rank adapter is a matrix; its rank axis carries no name
         return True
+    if plays_vector(var):
+        return False
     names = logical_names(var)
     if names is None:
         return jax.tree.leaves(var)[0].ndim >= 2

@@ -19,16 +19,13 @@ import qwix
 from flax import nnx
 from qwix._src.core import numerics
 
-from shard.partition import logical_names, logical_to_spec, path_keys
+from shard.partition import logical_names, logical_to_spec, path_keys, plays_vector
 
 KINDS = ("int8", "int4", "nf4")
 FLOATS = ("float32", "bfloat16")
 QTYPE = {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4"}
 BLOCK = 64
 SHIFT = {"int4": 8, "nf4": 0}  # a 4-bit code's offset to 0..15
-
-
-KEPT_ROLES = ("bias", "norm")  # a parameter's `role` metadata (models/layers.py) that no quantization touches
 
 
 def quantizable(var) -> bool:
@@ -40,7 +37,7 @@ def quantizable(var) -> bool:
     names = logical_names(var) or (None,) * value.ndim
     meta = var.get_metadata()
     return (jnp.issubdtype(value.dtype, jnp.floating) and sum(n != "layers" for n in names) >= 2
-            and meta.get("role") not in KEPT_ROLES and not meta.get("full_precision"))
+            and not plays_vector(var) and not meta.get("full_precision"))
 
 
 def quantizes(var) -> bool:
