@@ -1,17 +1,21 @@
 """DPO (train.objective=dpo, issue 49) on a synthetic preference set built here: preference rows train only
 their answers' tokens; on one device the margin, the accuracy and the chosen answers' likelihood against the
 rejected ones rise; the loss equals a direct computation from the two models' log-probabilities; fsdp gives
-one device's curve (fsdp x tensor), and so does a reference computed once; LoRA's reference is the weights under the adapters; what does not combine is one line."""
+one device's curve (fsdp x tensor), and so does a reference computed once; LoRA's reference is the weights under
+the adapters; what does not combine is one line; a mixture of experts' load-balancing loss is trained and logged."""
 
+import functools
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from conftest import ROOT, overrides
-from shard import config
+from shard import config, recorded
 from shard.data import formats, preferences, tokenizer as tokenizer_lib
 from shard.errors import UserError
 from shard.objectives import dpo
@@ -106,7 +110,72 @@ def test_the_loss_is_dpo_of_the_two_models_log_probabilities(one, corpus):
     assert float(got) == pytest.approx(want, abs=1e-6) and 0 < want < np.log(2.0) - 0.1  # the two models differ
     got, _ = dpo.DPO(0.5, "ipo", "init").loss(model, batch, reference)
     want = direct_loss(state.params, state.rest, one.graphdef, batch, 0.5, state.extra["reference"], "ipo")
-    assert float(got) == pytest.approx(want, abs=1e-6) and want != pytest.approx(1.0, abs=0.01)  # not (0 - 1)^2
+    # IPO's square of a margin of summed float32 log-likelihoods: a few float32 ulps of its ~4 (1e-6 missed by 1.5e-6)
+    assert float(got) == pytest.approx(want, rel=1e-5) and want != pytest.approx(1.0, abs=0.01)  # not (0 - 1)^2
+
+
+@functools.cache
+def tiny_moe(weight: float):
+    """(graphdef, params, rest) of a tiny mixture of experts (the same weights whatever its load-balancing `weight`),
+    built once: merge it with copy=True (a forward pass writes the variables it records)."""
+    from shard.models.moe import MoE
+
+    with nnx.use_eager_sharding(False):
+        model = MoE(vocab_size=256, d_model=16, n_layers=2, n_heads=2, d_ff=32, max_len=16, n_experts=4, top_k=2,
+                    aux_loss_weight=weight, rngs=nnx.Rngs(0))
+    return nnx.split(model, nnx.Param, ...)
+
+
+def moe_step(goal, batch: dict, weight: float):
+    """One train step (SGD, rate 1) of the objective `goal` on `batch`, from tiny_moe(weight), the reference (where
+    the goal keeps one) its starting weights: (the step's metrics, the gradients)."""
+    from shard.core import step
+    from shard.core.state import TrainState
+
+    graphdef, params, rest = tiny_moe(weight)
+    tx = optax.sgd(1.0)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest, opt_state=tx.init(params),
+                       extra={"reference": params})
+    train = step.make_train_step(graphdef, tx, None, jnp.float32, goal=goal,
+                                 reference=(lambda s: s.extra["reference"]) if goal.reference else None)
+    new, out = jax.jit(train)(state, batch)
+    return jax.device_get(out), jax.tree.map(lambda a, b: np.asarray(a - b), params, new.params)
+
+
+def balancing_loss(weight: float, rows):
+    """The starting model's load-balancing loss on `rows` (one forward of the model alone), and its gradient."""
+    graphdef, params, rest = tiny_moe(weight)
+
+    def aux(p):
+        model = nnx.merge(graphdef, p, rest, copy=True)
+        model(jnp.asarray(rows))
+        return recorded.collect(model)[0]
+
+    value, grads = jax.value_and_grad(aux)(params)
+    return float(value), jax.tree.map(np.asarray, grads)
+
+
+def assert_balancing_trained(goal, batch: dict, rows):
+    """The step's `aux_loss` is the model's load-balancing loss over `rows` (the policy's forward rows), and the
+    gradient of the step's loss less that of the same step without it is the balancing loss's own gradient."""
+    weighted, plain = moe_step(goal, batch, 0.5), moe_step(goal, batch, 0.0)
+    want, want_grads = balancing_loss(0.5, rows)
+    assert 0.5 < want < 0.5 * 4  # weight x (1 when balanced ... n_experts when collapsed)
+    assert float(weighted[0]["aux_loss"]) == pytest.approx(want, rel=1e-5)
+    assert float(plain[0]["aux_loss"]) == 0.0 and float(weighted[0]["loss"]) == pytest.approx(float(plain[0]["loss"]))
+    router = want_grads["blocks"]["ffn"]["router"][...]
+    assert np.abs(router).max() > 1e-3  # the balancing term moves the router
+    for got, bare, grad in zip(jax.tree.leaves(weighted[1]), jax.tree.leaves(plain[1]), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(got - bare, grad, rtol=1e-3, atol=1e-6)
+
+
+def test_a_mixture_of_experts_balancing_loss_is_trained_and_logged(corpus):
+    """As TRL adds router_aux_loss_coef x aux_loss: the balancing loss of the policy's one forward pass over both
+    answers (at step 1 the reference is the same model: its own would double it; the rejected rows alone differ)."""
+    cfg = config.load(None, overrides(corpus / "x", *BASE, f"data.path={corpus / 'pairs.jsonl'}"))
+    batch = preferences.splits(cfg.data)[0].read_batch(np.arange(4))
+    rows = np.concatenate([batch["inputs"], batch["rejected_inputs"]])  # TRL's concatenated forward
+    assert_balancing_trained(dpo.build(cfg), batch, rows)
 
 
 def test_precomputed_reference_gives_the_copys_curve(one, corpus, tmp_path):

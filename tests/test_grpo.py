@@ -63,10 +63,12 @@ def test_a_users_reward_runs_only_with_trust(tmp_path, monkeypatch):
 
 
 def test_advantages_are_normalised_within_each_group():
+    """Over the group's sample standard deviation (TRL's torch std): [1, 0, 0, 1] has sqrt(4 x 0.25 / 3)."""
     adv, spread = rewards.advantages(np.array([1, 0, 0, 1, 2, 2, 2, 2], np.float32), group=4)
-    np.testing.assert_allclose(adv[:4], np.array([1, -1, -1, 1]) * 0.5 / (0.5 + 1e-4), rtol=1e-6)
+    std = np.sqrt(1 / 3)
+    np.testing.assert_allclose(adv[:4], np.array([1, -1, -1, 1]) * 0.5 / (std + 1e-4), rtol=1e-6)
     np.testing.assert_array_equal(adv[4:], 0)
-    np.testing.assert_array_equal(spread, [0.5, 0])
+    np.testing.assert_allclose(spread, [std, 0], rtol=1e-6)
 
 
 def test_rollouts_are_laid_out_as_causal_rows():
@@ -161,6 +163,78 @@ def test_qlora_on_two_processes_with_accumulation_gives_one_devices_curve(train,
         assert [r[key] for r in many] == [r[key] for r in one], key
     for key in ("loss", "grpo/kl", "grad_norm"):  # (the loss sums terms that cancel: an absolute tolerance)
         np.testing.assert_allclose([r[key] for r in many], [r[key] for r in one], rtol=1e-4, atol=2e-5)
+
+
+# ---- the loss on fixed rollouts: 2 prompts x 4 completions of 8 tokens, each completion's tokens from 3 on
+SCORES = np.array([1.0, 0.0, 0.5, 0.0, 0.2, 1.0, 1.0, 0.0], np.float32)
+
+
+def rollout_rows() -> dict:
+    rng = np.random.default_rng(0)
+    completion = np.zeros((8, 8), np.float32)
+    for row, end in enumerate([8, 6, 7, 5, 8, 4, 8, 6]):
+        completion[row, 3:end] = 1
+    return {"inputs": rng.integers(1, 256, (8, 8)).astype(np.int32),
+            "targets": rng.integers(1, 256, (8, 8)).astype(np.int32), "completion": completion,
+            "advantage": np.asarray(rewards.advantages(SCORES, group=4)[0])}
+
+
+def log_probs(graphdef, params, rest, rows) -> np.ndarray:
+    """(rows, length) log p(target) in float64 numpy, from the model's logits."""
+    from flax import nnx
+
+    logits = np.asarray(nnx.merge(graphdef, params, rest, copy=True)(rows["inputs"]), np.float64)
+    top = logits.max(-1, keepdims=True)
+    logz = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+    return np.take_along_axis(logits, rows["targets"][..., None], -1)[..., 0] - logz
+
+
+def test_the_loss_is_deepseekmaths_grpo(tmp_path, addition):
+    """DeepSeekMath's GRPO loss (as TRL's loss_type="grpo") in float64 numpy from the scores: advantages normalised
+    in each group over its sample standard deviation (TRL's torch std) + 1e-4; per token, the clipped surrogate
+    min(r A, clip(r, 1 - eps, 1 + eps) A) negated plus beta x the k3 KL exp(ref - logp) - (ref - logp) - 1; each
+    completion's mean over its tokens, averaged. The sampling policy's log-probabilities differ from the model's, so
+    the clip acts on both sides with both signs of advantage, and the reference differs from the model."""
+    from flax import nnx
+
+    from shard.objectives import grpo as grpo_lib
+    from test_dpo import tiny_moe
+
+    eps, beta = 0.2, 0.1
+    cfg = config.load(None, overrides(tmp_path, *grpo(addition, "train.grpo.group=4", f"train.grpo.beta={beta}",
+                                                      f"train.grpo.epsilon={eps}")))
+    graphdef, params, rest = tiny_moe(0.0)
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(params))))
+    ref_params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape), params)
+    rows = rollout_rows()
+    logp, ref = log_probs(graphdef, params, rest, rows), log_probs(graphdef, ref_params, rest, rows)
+    rows["old"] = (logp + np.random.default_rng(1).uniform(-0.6, 0.6, logp.shape)).astype(np.float32)
+    model, reference = (nnx.merge(graphdef, p, rest, copy=True) for p in (params, ref_params))
+    got, stats = grpo_lib.build(cfg).loss(model, rows, reference)
+
+    grouped = SCORES.astype(np.float64).reshape(2, 4)
+    adv = ((grouped - grouped.mean(1, keepdims=True)) / (grouped.std(1, ddof=1, keepdims=True) + 1e-4)).reshape(8, 1)
+    ratio, mask = np.exp(logp - rows["old"]), rows["completion"] > 0
+    surrogate = np.minimum(ratio * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv)
+    kl = np.exp(ref - logp) - (ref - logp) - 1
+    mean = lambda x: np.mean((x * mask).sum(1) / mask.sum(1))
+    want = mean(-surrogate + beta * kl)
+    for side in (ratio > 1 + eps, ratio < 1 - eps):  # the clip acts where the sign of A makes it bind, and not
+        assert (side & mask & (adv > 0)).any() and (side & mask & (adv < 0)).any()
+    assert beta * mean(kl) > 1e-2  # the KL term counts (the reference differs)
+    assert float(got) == pytest.approx(want, abs=1e-6)
+    assert float(stats["grpo/kl"]) == pytest.approx(mean(kl), rel=1e-5)
+
+
+def test_a_mixture_of_experts_balancing_loss_is_trained_and_logged(tmp_path, addition):
+    """The balancing loss of the policy's forward pass over the rollouts is added and logged as aux_loss, and not
+    the reference's (at step 1 the same model: its own would double it)."""
+    from shard.objectives import grpo as grpo_lib
+    from test_dpo import assert_balancing_trained
+
+    cfg = config.load(None, overrides(tmp_path, *grpo(addition, "train.grpo.group=4", "train.grpo.beta=0.1")))
+    rows = rollout_rows()
+    assert_balancing_trained(grpo_lib.build(cfg), rows, rows["inputs"])
 
 
 def test_each_update_of_a_step_takes_the_steps_learning_rate():

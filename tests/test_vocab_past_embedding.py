@@ -84,6 +84,23 @@ def test_training_from_the_folder_takes_its_own_tokenizer_and_refuses_an_image_t
     assert not (bad / "run").exists()
 
 
+def test_dpo_pairs_past_the_embedding_are_refused_before_training(folder, tmp_path):
+    """DPO's pairs are read into memory, not a token cache: their largest id is checked all the same."""
+    import jax
+
+    from shard.run import job
+
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": f"Question {i}?", "chosen": " yes", "rejected": f" no {IMAGE}" if i == 2 else " no"}
+            for i in range(8)]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config.load(None, [*overrides(folder, tmp_path, pairs), "data.prompt_field=prompt",
+                             "data.chosen_field=chosen", "data.rejected_field=rejected", "train.objective=dpo"])
+    with pytest.raises(UserError) as e:
+        job.workload(cfg, jax.devices()[:1])
+    assert "\n" not in str(e.value) and "262145" in str(e.value) and "past the model's 262144" in str(e.value)
+
+
 def test_generate_refuses_a_prompt_past_the_embedding(folder, capsys):
     assert generate.main([str(folder), "--prompt", "Hello", "--max-new-tokens", "3", "--temperature", "1"]) == 0
     with pytest.raises(UserError) as e:

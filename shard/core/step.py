@@ -53,16 +53,15 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
         if goal is not None:
             base = None if frozen is None else nnx.merge(graphdef, cast_floats(frozen, dtype), rest, copy=True)
             loss, stats = goal.loss(model, batch, base)
-            return loss, (kept_like(nnx.state(model, nnx.Not(nnx.Param)), rest), loss, stats)
-        outputs = run_model(model, batch, dtype).astype(jnp.float32)
-        if "loss_mask" in batch:  # packed rows: the real targets' mean (weights from token_weights)
-            loss = losses.weighted(loss_fn, outputs, batch["targets"], batch["loss_mask"])
         else:
-            loss = loss_fn(outputs, batch["targets"])
-        aux, stats = recorded.collect(model)  # e.g. a router's load-balancing loss
-        if aux is not None:
-            stats = {"aux_loss": aux, **stats}
-        total = loss if aux is None else loss + aux
+            outputs = run_model(model, batch, dtype).astype(jnp.float32)
+            if "loss_mask" in batch:  # packed rows: the real targets' mean (weights from token_weights)
+                loss = losses.weighted(loss_fn, outputs, batch["targets"], batch["loss_mask"])
+            else:
+                loss = loss_fn(outputs, batch["targets"])
+            stats = {}
+        # what the trained model recorded (e.g. a router's load-balancing loss), whatever the objective
+        total, stats = recorded.added(model, loss, stats)
         return total, (kept_like(nnx.state(model, nnx.Not(nnx.Param)), rest), loss, stats)
 
     gradient = gradients.build(jax.value_and_grad(objective, has_aux=True), reduction)

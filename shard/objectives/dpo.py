@@ -15,7 +15,9 @@ the margin is r_chosen - r_rejected, and the loss (`train.dpo.loss`):
 r = beta * that average, the loss -log sigmoid(margin - gamma) with gamma = `train.dpo.margin` (SimPO, Meng
 et al. 2024; beta there is larger, about 2). Logged: `dpo/margin`, `dpo/chosen_reward`, `dpo/rejected_reward`,
 `dpo/accuracy` (the share of pairs whose margin is positive) and each answer's mean log-likelihood under the
-model, `dpo/chosen_logp` and `dpo/rejected_logp`.
+model, `dpo/chosen_logp` and `dpo/rejected_logp`. The model trained runs once over both answers of the pairs: what
+it records (a mixture of experts' load-balancing loss, logged as `aux_loss`) the step adds to the loss, as TRL adds
+router_aux_loss_coef x aux_loss; the reference's are not added.
 """
 
 import jax
@@ -47,6 +49,18 @@ def log_likelihoods(model, inputs, targets, mask):
     return jnp.sum(picked * mask, axis=-1), jnp.sum(mask, axis=-1)
 
 
+def pair_log_likelihoods(model, batch: dict):
+    """Per pair, of the chosen and the rejected answer: (log-likelihood sums, target counts). The model runs once
+    on both answers' rows, as TRL's concatenated forward, so what it records (a router's load-balancing loss, which
+    the step adds: shard/recorded.py) is over every row the loss reads. Interleaved (each pair's answers side by
+    side), so the rows a device holds stay its own."""
+    both = lambda chosen, rejected: jnp.stack([batch[chosen], batch[rejected]], axis=1).reshape(
+        -1, *batch[chosen].shape[1:])
+    sums, counts = log_likelihoods(model, both("inputs", "rejected_inputs"), both("targets", "rejected_targets"),
+                                   both("chosen_mask", "rejected_mask"))
+    return tuple(sums.reshape(-1, 2).T), tuple(counts.reshape(-1, 2).T)
+
+
 class DPO(Objective):
     name = "dpo"
 
@@ -74,8 +88,11 @@ class DPO(Objective):
             for pairs in (train, held):
                 pairs.arrays.update(precomputed.columns(len(pairs)))
             self.splits = {"train": train, "eval": held}
-        return data_lib.of_sources(cfg.data, seed, train, held, "lm", lambda b: b, 2 * cfg.data.seq_len,
+        data = data_lib.of_sources(cfg.data, seed, train, held, "lm", lambda b: b, 2 * cfg.data.seq_len,
                                    data_lib.vocab_size(cfg.data))
+        data.largest_token = max(int(pairs.arrays[k].max(initial=0)) for pairs in (train, held)
+                                 for k in ("inputs", "rejected_inputs"))  # the job checks it against the embedding
+        return data
 
     def start(self, job, state, run_dir, main: bool) -> None:
         if self.precompute:
@@ -83,12 +100,12 @@ class DPO(Objective):
 
     def rewards(self, model, batch: dict, reference):
         """Per pair: (chosen reward, rejected reward, chosen log-likelihood, rejected log-likelihood)."""
-        sides = ((batch["inputs"], batch["targets"], batch["chosen_mask"]),
-                 (batch["rejected_inputs"], batch["rejected_targets"], batch["rejected_mask"]))
-        logps, counts = zip(*(log_likelihoods(model, *side) for side in sides))
+        logps, counts = pair_log_likelihoods(model, batch)
         if self.precompute:
             ref = [batch["chosen_ref"], batch["rejected_ref"]]
-        elif reference is not None:
+        elif reference is not None:  # each answer on its own, as train.dpo.precompute computes it
+            sides = ((batch["inputs"], batch["targets"], batch["chosen_mask"]),
+                     (batch["rejected_inputs"], batch["rejected_targets"], batch["rejected_mask"]))
             ref = [jax.lax.stop_gradient(log_likelihoods(reference, *side)[0]) for side in sides]
         else:
             ref = [jnp.zeros_like(logps[0])] * 2

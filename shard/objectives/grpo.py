@@ -12,7 +12,8 @@ Each train step, on the run's mesh and inside one compiled program:
    strategies' shardings, microbatches and reduction): the loss is each completion's mean over its tokens of the
    clipped policy-gradient term, min(r A, clip(r, 1 - epsilon, 1 + epsilon) A) negated, r the ratio of the
    policy's probability to the sampling policy's, plus `beta` times the KL to the reference (the k3 estimator
-   exp(ref - logp) - (ref - logp) - 1), averaged over the completions.
+   exp(ref - logp) - (ref - logp) - 1), averaged over the completions; the step adds what the policy's forward
+   pass over the rollouts records (a router's load-balancing loss, `aux_loss`), never the reference's.
 
 The reference is the starting weights (shard/strategies/reference.py: under LoRA the weights without the
 adapters, else a frozen copy); beta=0 keeps none. The run's step counts batches of rollouts, not updates, and
@@ -97,7 +98,8 @@ class GRPO(Objective):
         return data_lib.Data(task="lm", train=train, eval=data_lib.EvalBatches(eval_src, lambda b: b,
                                                                                cfg.data.batch_size, rows),
                              batch_size=cfg.data.batch_size, tokens_per_example=self.group * self.new_tokens,
-                             num_classes=self.tok.vocab_size, rows=rows)
+                             num_classes=self.tok.vocab_size, rows=rows,
+                             largest_token=int(tokens.max(initial=0)))  # the job checks it against the embedding
 
     # ---- the loss on rollouts (inside the step, per microbatch)
     def loss(self, model, batch: dict, reference):

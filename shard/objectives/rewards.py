@@ -136,6 +136,7 @@ def advantages(rewards, group: int, eps: float = 1e-4):
     one prompt are neighbours), and each group's standard deviation (0: every completion scored alike, no
     signal, advantage 0). Traced in the step, or on numpy arrays."""
     grouped = jnp.reshape(rewards, (-1, group))
-    spread = jnp.std(grouped, axis=1)
+    # the sample standard deviation (ddof=1), as TRL's GRPOTrainer (torch's Tensor.std); DeepSeekMath leaves it open
+    spread = jnp.std(grouped, axis=1, ddof=1)
     adv = (grouped - jnp.mean(grouped, axis=1, keepdims=True)) / (spread[:, None] + eps)
     return adv.reshape(-1), spread
