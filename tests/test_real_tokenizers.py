@@ -25,8 +25,9 @@ transformers = pytest.importorskip("transformers")
 # class their files are for (gpt2: vocab.json + merges.txt and no config).
 TOKENIZERS = ["llama-2-7b-hf", "llama-2-spm-only", "gemma-2b-it", "gemma-3-1b-it", "gemma-4-tokenizer",
               "mistral-7b-v0.1-tokenizer", "gpt2", "olmo-2-tokenizer", "qwen2.5-0.5b-instruct", "qwen3-4b",
-              "qwen3-truncating", "deepseek-r1-on-qwen3"]
-WITH_TEMPLATE = ["gemma-2b-it", "gemma-3-1b-it", "qwen2.5-0.5b-instruct", "qwen3-4b", "deepseek-r1-on-qwen3"]
+              "qwen3-truncating", "deepseek-r1-on-qwen3", "phi3", "phi3-as-llama"]
+WITH_TEMPLATE = ["gemma-2b-it", "gemma-3-1b-it", "qwen2.5-0.5b-instruct", "qwen3-4b", "deepseek-r1-on-qwen3", "phi3",
+                 "phi3-as-llama"]
 EDGES = ["", " ", "  ", " leading", "trailing  ", "\n", "\n\n", "a  b", "tab\there", "x\r\ny", "ça va? naïve café",
          "日本語のテキスト", "😀👍🏽 👨‍👩‍👧", "a\u00a0b", "e\u0301", "12345 3.14159", "<s> literal", "<bos>hi",
          "<|im_start|>user\nHi<|im_end|>\n", "don't  stop\n\n  indented"]
@@ -75,6 +76,43 @@ def folders(tmp_path_factory):
     out["deepseek-r1-on-qwen3"].mkdir()
     shutil.copy(FIXTURES / "qwen3-4b" / "tokenizer.json", out["deepseek-r1-on-qwen3"])
     shutil.copy(FIXTURES / "deepseek-r1-distill-qwen-32b" / "tokenizer_config.json", out["deepseek-r1-on-qwen3"])
+    # Phi-3-mini's tokenizer (not among the files): its config says LlamaTokenizer, but transformers reads a phi3
+    # model's tokenizer.json as written; the same files with model_type llama get LlamaTokenizer's pipeline
+    out["phi3"], out["phi3-as-llama"] = phi3_folder(made / "phi3", "phi3"), phi3_folder(made / "phi3-llama", "llama")
+    return out
+
+
+PHI3_ADDED = ["<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
+              "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>"]
+PHI3_TEMPLATE = (  # as Phi-3-mini-4k-instruct's tokenizer_config.json has it
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\\n' + message['content'] + "
+    "'<|end|>\\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}"
+    "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}")
+
+
+def phi3_folder(out: Path, model_type: str) -> Path:
+    """Phi-3-mini-4k-instruct's tokenizer files, rebuilt: Llama 2's tokenizer.json with Phi-3's added tokens (ids
+    32000-32010; </s> and all but <|endoftext|> eat the whitespace after them), a tokenizer_config.json like
+    Phi-3's (LlamaTokenizer, add_bos_token false, its chat template), and a config.json."""
+    out.mkdir()
+    spec = json.loads((FIXTURES / "llama-2-7b-hf" / "tokenizer.json").read_text())
+
+    def added(i, text, rstrip, special):
+        return {"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": rstrip,
+                "normalized": False, "special": special}
+    spec["added_tokens"][2] = added(2, "</s>", True, False)
+    spec["added_tokens"] += [added(32000 + i, t, i > 0, True) for i, t in enumerate(PHI3_ADDED)]
+    (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    config = {"add_bos_token": False, "add_eos_token": False, "bos_token": "<s>", "chat_template": PHI3_TEMPLATE,
+              "added_tokens_decoder": {str(t["id"]): {k: v for k, v in t.items() if k != "id"}
+                                       for t in spec["added_tokens"]},
+              "clean_up_tokenization_spaces": False, "eos_token": "<|endoftext|>", "legacy": False,
+              "model_max_length": 4096, "pad_token": "<|endoftext|>", "padding_side": "left",
+              "tokenizer_class": "LlamaTokenizer", "unk_token": "<unk>", "use_default_system_prompt": False}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (out / "config.json").write_text(json.dumps({"architectures": ["Phi3ForCausalLM"], "model_type": model_type,
+                                                 "vocab_size": 32064, "hidden_size": 3072}))
     return out
 
 
@@ -183,10 +221,15 @@ def test_chat_rows_are_the_templates_tokens_with_the_assistant_trained(name, fol
 
 
 def end_of_turn(ref) -> str:
-    """What transformers' rendering of the template writes after an assistant's content (its end of turn)."""
-    shown = ref.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "@@"}],
-                                    tokenize=False)
-    return shown[shown.index("@@") + 2:]
+    """What transformers' rendering of the template writes after an assistant's content (its end of turn): the
+    tokens after a last turn's and after one followed by another share (Phi-3 adds EOS after the last alone),
+    decoded (an added token may eat the whitespace after it: Phi-3's <|end|>)."""
+    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "@@"}, {"role": "user", "content": "y"},
+             {"role": "assistant", "content": "z"}]
+    shown = (ref.apply_chat_template(turns[:n], tokenize=False) for n in (2, 4))
+    last, more = (ref(t[t.index("@@") + 2:], add_special_tokens=False).input_ids for t in shown)
+    shared = next((i for i, (a, b) in enumerate(zip(last, more)) if a != b), len(last))
+    return ref.decode(last[:shared])
 
 
 def test_a_templates_generation_blocks_are_what_is_trained(folders, tmp_path):
@@ -208,6 +251,22 @@ def test_a_templates_generation_blocks_are_what_is_trained(folders, tmp_path):
         tokens, mask = _row(cache, i)
         n = len(want["input_ids"])
         assert tokens[:n] == want["input_ids"] and mask[:n] == want["assistant_masks"] and sum(mask) > 0
+
+
+def test_a_runs_copy_of_a_phi3_folder_keeps_what_picks_its_class(folders, tmp_path):
+    """config.json's model_type changes a Phi-3 folder's tokens: the run's copy keeps it (the copy encodes as the
+    folder does, in transformers too), and the identity that names token caches tells the two readings apart."""
+    from types import SimpleNamespace
+
+    data = SimpleNamespace(name="documents", tokenizer=str(folders["phi3"]))
+    tokenizer_lib.keep(data, tmp_path)
+    again, kept = tokenizer_lib.of_run(data, tmp_path), tmp_path / tokenizer_lib.RUN_FOLDER
+    text = "  héllo\n\tworld"
+    want = theirs("phi3", folders)(text).input_ids
+    assert again.found.main.parent == kept and again.encode(text) == want
+    assert transformers.AutoTokenizer.from_pretrained(str(kept))(text).input_ids == want
+    assert want != theirs("phi3-as-llama", folders)(text).input_ids
+    assert again.identity() == ours("phi3", folders).identity() != ours("phi3-as-llama", folders).identity()
 
 
 @pytest.mark.parametrize("name, names", [("smollm3-3b", "tokenizer.json"), ("deepseek-r1-distill-qwen-32b", "tokenizer.json"),

@@ -32,13 +32,15 @@ CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" 
            (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
-def to_tokenizers(model_file: Path, config: dict):
+def to_tokenizers(model_file: Path, config: dict, name: str | None = None):
     """The `tokenizers.Tokenizer` that transformers builds from `model_file` and `config` (the parsed
-    tokenizer_config.json beside it, {} when there is none)."""
+    tokenizer_config.json beside it, {} when there is none) with the class `name` (shard/data/auto_class.py's
+    choice), by default the one `config` names."""
     proto = read(model_file)
-    name = config.get("tokenizer_class")
-    # PreTrainedTokenizerFast is TokenizersBackend in transformers 5 (PreTrainedTokenizer is another class)
-    name = "TokenizersBackend" if name == "PreTrainedTokenizerFast" else pipelines.class_name(config)
+    if name is None:
+        name = config.get("tokenizer_class")
+        # PreTrainedTokenizerFast is TokenizersBackend in transformers 5 (PreTrainedTokenizer is another class)
+        name = "TokenizersBackend" if name == "PreTrainedTokenizerFast" else pipelines.class_name(config)
     if name in SPM_CLASSES:
         tok = (_llama if name == "LlamaTokenizer" else _gemma)(proto, config)
         named = {**pipelines.CLASS_DEFAULTS[name]}
@@ -51,7 +53,7 @@ def to_tokenizers(model_file: Path, config: dict):
             ("unk_token", spec.unk_id, spec.unk_piece, "<unk>")) if i >= 0}
         extras = _spm_specials(proto, user_defined=False)  # user-defined pieces are the pre-tokenizer's
     else:
-        raise UserError(f"{model_file}: tokenizer_class {config['tokenizer_class']} is not supported for a "
+        raise UserError(f"{model_file}: tokenizer_class {name} is not supported for a "
                         "SentencePiece model without tokenizer.json (supported: LlamaTokenizer, GemmaTokenizer, "
                         "TokenizersBackend or none)")
     _add_tokens(tok, proto, config, named, extras, generic=name in GENERIC)

@@ -4,12 +4,14 @@
 `tokenizers` tokenizer built from a folder's files (shard/data/tokenizer_files.py finds them) so that it
 encodes exactly as transformers' `AutoTokenizer.from_pretrained(folder)(text)` does:
 
-- tokenizer.json as written, except where tokenizer_config.json names a tokenizer class whose constructor
-  transformers uses to rebuild the text pipeline around the file's vocabulary (Llama, Gemma, Qwen2, GPT-2:
-  shard/data/pipelines.py); a SentencePiece .model converted as transformers converts it (shard/data/spm.py);
-  vocab.json + merges.txt read as the class's byte-level BPE.
-- Special tokens around a text (BOS, EOS) as tokenizer_config.json's add_bos_token/add_eos_token say where it
-  sets them, else as tokenizer.json's post-processor says, else none.
+- tokenizer.json as written, except where transformers builds it with a tokenizer class whose constructor
+  rebuilds the text pipeline around the file's vocabulary (Llama, Gemma, Qwen2, GPT-2: shard/data/pipelines.py);
+  the class is tokenizer_config.json's, or the one config.json's model_type picks (shard/data/auto_class.py: a
+  Phi-3 folder says LlamaTokenizer and is read as written); a SentencePiece .model converted as transformers
+  converts it (shard/data/spm.py); vocab.json + merges.txt read as the class's byte-level BPE.
+- Special tokens around a text (BOS, EOS) as tokenizer.json's post-processor says (transformers 5 drops
+  tokenizer_config.json's add_bos_token/add_eos_token where there is a tokenizer.json); without one, as those
+  flags say; else none.
 - Never truncated or padded, whatever tokenizer.json's `truncation` and `padding` fields hold.
 
 `encode(text)` is AutoTokenizer's input_ids; `prompt(text)` the same without what follows the text (the
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shard.data import pipelines, spm, tokenizer_files
+from shard.data import auto_class, pipelines, spm, tokenizer_files
 from shard.data.tokenizer_files import Found
 from shard.errors import UserError, first_line
 
@@ -147,7 +149,7 @@ class Text:
 
     def __init__(self, found: Found, where: str):
         self.found, self.where = found, where
-        self.tok, self.as_written = _backend(found, where)
+        self.tok, self.picked = _backend(found, where)
         self.tok.no_truncation()  # transformers' tokenizer(text) truncates only when asked
         self.tok.no_padding()
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
@@ -168,7 +170,7 @@ class Text:
     def _around(self) -> tuple[list[int], list[int]]:
         """The special ids before and after every text, as transformers places them."""
         add_bos, add_eos = self.found.flag("add_bos_token"), self.found.flag("add_eos_token")
-        if (add_bos is not None or add_eos is not None) and not self.as_written:
+        if (add_bos is not None or add_eos is not None) and self.found.kind != "json":
             return ([self.bos] if add_bos and self.bos is not None else [],
                     [self.eos] if add_eos and self.eos is not None else [])
         if self.tok.post_processor is None:
@@ -200,6 +202,8 @@ class Text:
         digest = hashlib.sha256()
         for name, content in sorted(self.found.files().items()):
             digest.update(name.encode() + b"\0" + hashlib.sha256(content).digest())
+        if self.picked:  # config.json changed the class: the same files give other tokens
+            digest.update(b"class\0" + self.picked.encode())
         return f"huggingface:{digest.hexdigest()[:16]}"
 
     def encode(self, text: str, special: bool = True) -> list[int]:
@@ -296,31 +300,28 @@ def separator(tokenizer) -> tuple[np.ndarray, np.ndarray]:
 
 def _backend(found: Found, where: str):
     """The `tokenizers` Tokenizer of `found`, its text pipeline as transformers' class for it builds it, and
-    whether it is a tokenizer.json taken as written over the class the config names (transformers then
-    follows the file's post-processor, not the config's add_bos_token/add_eos_token)."""
+    that class where config.json picked it over tokenizer_config.json's alone (else None)."""
     from tokenizers import Tokenizer
     from tokenizers.models import BPE
 
-    cls = pipelines.class_name(found.config)
     try:
         if found.kind == "sentencepiece":  # its class pipeline and added tokens are the converter's
-            return spm.to_tokenizers(found.main, found.config), False
+            cls, picked = auto_class.of_folder(found.config, found.model, byte_level=False)
+            return spm.to_tokenizers(found.main, found.config, cls), picked
         elif found.kind == "bpe":
             tok = Tokenizer(BPE.from_file(str(found.main), str(found.extra["merges"])))
-            cls = cls or "GPT2Tokenizer"  # two files and no class: GPT-2's, whose files these are
         else:
             tok = Tokenizer.from_file(str(found.main))
     except UserError:
         raise
     except Exception as e:  # the libraries raise their own Exception subclasses for a bad file
         raise UserError(f"{where}: {found.main.name} is not a readable tokenizer: {first_line(e)}") from None
-    as_written = cls == "LlamaTokenizer" and found.kind == "json" and _byte_level(tok)
-    if as_written:  # transformers loads such a file (Llama 3 style, DeepSeek-R1-Distill) as written
-        cls = None
+    fallback = "GPT2Tokenizer" if found.kind == "bpe" else auto_class.GENERIC  # two files: GPT-2's, whose they are
+    cls, picked = auto_class.of_folder(found.config, found.model, found.kind == "json" and _byte_level(tok), fallback)
     if cls in pipelines.CLASSES:
         pipelines.CLASSES[cls](tok, found.config)
     _add_named(tok, found, cls)
-    return tok, as_written
+    return tok, picked
 
 
 def _byte_level(tok) -> bool:

@@ -9,7 +9,8 @@ returns the files one tokenizer is built from, in transformers' order of prefere
 
 with tokenizer_config.json (special tokens, add_bos_token/add_eos_token, the tokenizer class, the chat
 template) and chat_template.jinja / chat_template.json (newer folders keep the template apart) beside them,
-and a model folder's generation_config.json (the ids that end a generated answer).
+a model folder's generation_config.json (the ids that end a generated answer), and what its config.json says
+of the tokenizer (`model_type` picks transformers' tokenizer class for some families: shard/data/auto_class.py).
 A folder with none of the first three is refused in one line naming what was looked for: text is never
 read with another vocabulary by default.
 """
@@ -18,6 +19,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shard.data.auto_class import MODEL_KEYS
 from shard.errors import UserError
 
 BYTES = "bytes"
@@ -25,6 +27,7 @@ LOOKED_FOR = "tokenizer.json, tokenizer.model (SentencePiece), vocab.json with m
 TIKTOKEN_HINT = ("original/tokenizer.model is a tiktoken file, which is not read here (nor by AutoTokenizer): add the "
                  "model's tokenizer.json, as its Hub repository has it")
 GENERATION = "generation_config.json"
+MODEL_CONFIG = "config.json"
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")  # transformers' order
 
 
@@ -38,6 +41,7 @@ class Found:
     extra: dict[str, Path] = field(default_factory=dict)  # merges.txt, tokenizer_config.json, chat_template.*
     generation: dict = field(default_factory=dict)  # generation_config.json ({} where there is none)
     generation_file: Path | None = None
+    model: dict = field(default_factory=dict)  # config.json's MODEL_KEYS ({} where there is none)
 
     def files(self) -> dict[str, bytes]:
         """name -> content of every file the text's tokens depend on (the tokenizer's identity hashes them), the
@@ -46,9 +50,11 @@ class Found:
         return {main: self.main.read_bytes(), **{p.name: p.read_bytes() for p in self.extra.values()}}
 
     def kept(self) -> dict[str, bytes]:
-        """What a run folder keeps a copy of: the files, and generation_config.json (where generation stops),
-        which changes no token and so no identity."""
+        """What a run folder keeps a copy of: the files, generation_config.json (where generation stops), and
+        config.json's MODEL_KEYS alone (the class they pick is in the identity only where they change it)."""
         extra = {GENERATION: self.generation_file.read_bytes()} if self.generation_file else {}
+        if self.model:
+            extra[MODEL_CONFIG] = json.dumps(self.model, sort_keys=True).encode()
         return {**self.files(), **extra}
 
     def special(self, key: str) -> str | None:
@@ -95,8 +101,10 @@ def find(spec: str, key: str = "data.tokenizer") -> Found:
         extra["config"] = folder / "tokenizer_config.json"
     template = _template(folder, config or {}, extra, key, spec)
     generation = _read_config(folder / GENERATION, key, spec)
+    model = _read_config(folder / MODEL_CONFIG, key, spec) or {}
+    model = {k: model[k] for k in MODEL_KEYS if isinstance(model.get(k), str)}
     return Found(kind, main, config or {}, template, extra, generation or {},
-                 None if generation is None else folder / GENERATION)
+                 None if generation is None else folder / GENERATION, model)
 
 
 def _main_file(folder: Path, key: str, spec: str) -> Path:
