@@ -269,6 +269,72 @@ def test_a_runs_copy_of_a_phi3_folder_keeps_what_picks_its_class(folders, tmp_pa
     assert again.identity() == ours("phi3", folders).identity() != ours("phi3-as-llama", folders).identity()
 
 
+LLAMA_SHAPED = ["model.name=gpt", "model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.d_ff=32",
+                "model.max_len=32", "model.position=rope", "model.norm=rmsnorm", "model.mlp=swiglu"]
+ODD_SPACES = ["  héllo", "\thello\tworld", "   leading", "a\t\tb  c", "x \n  y"]
+SPACED_CHAT = [{"role": "user", "content": "  héllo\tworld"}, {"role": "assistant", "content": "  ok\t ok"},
+               {"role": "user", "content": "\t again"}]
+
+
+def trained_and_exported(tokenizer: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny Llama-shaped run (no window, rotary or scaling beyond Llama's: written as model_type llama) trained
+    one step on documents through `tokenizer`, and its Hugging Face export: (run, exported folder)."""
+    from shard import config
+    from shard.run import trainer
+    from shard.use import export
+
+    from conftest import overrides
+
+    corpus = tmp_path / "corpus.jsonl"
+    text = "  héllo\tdoc {0}:  le fromage, c'est bon.\n" * 2  # long enough for a row of the held-out split
+    corpus.write_text("".join(json.dumps({"text": text.format(i)}) + "\n" for i in range(16)))
+    run, out = tmp_path / "run", tmp_path / "hf"
+    trainer.run(config.load(None, overrides(run, *LLAMA_SHAPED, "data.name=documents", f"data.path={corpus}",
+                                            f"data.tokenizer={tokenizer}", "data.seq_len=16", "data.batch_size=4",
+                                            "train.steps=1", "checkpoint.enabled=true", "run.cpu_devices=1")))
+    assert export.main([str(run), "--format", "hf", "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    return run, out
+
+
+def test_a_phi3_tokenizers_run_exported_as_llama_encodes_there_as_it_trained(folders, tmp_path):
+    """A Phi-3 folder's tokenizer (its config names LlamaTokenizer; model_type phi3 reads tokenizer.json as written)
+    trained a model the exporter writes as llama, whose config.json would make AutoTokenizer rebuild the Llama
+    pipeline: the exported tokenizer_config.json names TokenizersBackend, so the folder's tokens are training's
+    and the source folder's, texts and chat alike; no other byte of the run's tokenizer files changes."""
+    from shard import load_tokenizer
+
+    run, out = trained_and_exported(folders["phi3"], tmp_path)
+    exported, source = transformers.AutoTokenizer.from_pretrained(str(out)), theirs("phi3", folders)
+    trained = load_tokenizer(str(run))
+    assert type(exported).__name__ == "TokenizersBackend"
+    for text in ODD_SPACES:
+        assert exported(text).input_ids == trained.encode(text) == source(text).input_ids, text
+    assert exported("  héllo").input_ids != theirs("phi3-as-llama", folders)("  héllo").input_ids  # what it was
+    want = source.apply_chat_template(SPACED_CHAT, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert exported.apply_chat_template(SPACED_CHAT, tokenize=True, add_generation_prompt=True,
+                                        return_dict=False) == chat.Template(trained)(SPACED_CHAT) == want
+    kept = run / tokenizer_lib.RUN_FOLDER
+    for f in kept.iterdir():
+        if f.name not in ("config.json", "tokenizer_config.json"):
+            assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+    named = ('"tokenizer_class": "LlamaTokenizer"', '"tokenizer_class": "TokenizersBackend"')
+    assert (out / "tokenizer_config.json").read_text() == (kept / "tokenizer_config.json").read_text().replace(*named)
+
+
+def test_a_llama2_tokenizers_run_exported_as_llama_keeps_its_tokenizer_files(tmp_path):
+    """Where the exported config.json picks the class the run read its tokenizer with, nothing is renamed."""
+    from shard import load_tokenizer
+
+    run, out = trained_and_exported(FIXTURES / "llama-2-7b-hf", tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (FIXTURES / "llama-2-7b-hf" / name).read_bytes(), name
+    exported, source = (transformers.AutoTokenizer.from_pretrained(str(p)) for p in (out, FIXTURES / "llama-2-7b-hf"))
+    assert type(exported).__name__ == type(source).__name__ == "LlamaTokenizer"
+    trained = load_tokenizer(str(run))
+    assert all(exported(t).input_ids == trained.encode(t) == source(t).input_ids for t in ODD_SPACES)
+
+
 @pytest.mark.parametrize("name, names", [("smollm3-3b", "tokenizer.json"), ("deepseek-r1-distill-qwen-32b", "tokenizer.json"),
                                          ("llama-3.2-3b-instruct", "tiktoken")])
 def test_a_folder_without_a_tokenizer_is_one_line_naming_what_was_looked_for(name, names):

@@ -149,7 +149,8 @@ class Text:
 
     def __init__(self, found: Found, where: str):
         self.found, self.where = found, where
-        self.tok, self.picked = _backend(found, where)
+        self.tok, self._byte_level = _backend(found, where)
+        self.cls, self.picked = self.read_as(found.config, found.model)  # the class it is read with
         self.tok.no_truncation()  # transformers' tokenizer(text) truncates only when asked
         self.tok.no_padding()
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
@@ -163,6 +164,11 @@ class Text:
         self._bytes = frozenset()  # byte fallback's <0x..> tokens, where the decoder reads them
         if "ByteFallback" in _types(self.tok.decoder):
             self._bytes = frozenset(i for b in range(256) if (i := self.tok.token_to_id(f"<0x{b:02X}>")) is not None)
+
+    def read_as(self, config: dict, model: dict) -> tuple[str, str | None]:
+        """auto_class.of_folder for these files beside this tokenizer_config.json and config.json's MODEL_KEYS: the
+        class AutoTokenizer builds them with (an exported folder's config.json may pick another than the run's)."""
+        return _class(self.found, config, model, self._byte_level)
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self.tok.token_to_id(token)
@@ -300,14 +306,14 @@ def separator(tokenizer) -> tuple[np.ndarray, np.ndarray]:
 
 def _backend(found: Found, where: str):
     """The `tokenizers` Tokenizer of `found`, its text pipeline as transformers' class for it builds it, and
-    that class where config.json picked it over tokenizer_config.json's alone (else None)."""
+    whether the file is byte-level (which the class may depend on)."""
     from tokenizers import Tokenizer
     from tokenizers.models import BPE
 
     try:
         if found.kind == "sentencepiece":  # its class pipeline and added tokens are the converter's
-            cls, picked = auto_class.of_folder(found.config, found.model, byte_level=False)
-            return spm.to_tokenizers(found.main, found.config, cls), picked
+            cls, _ = _class(found, found.config, found.model, byte_level=False)
+            return spm.to_tokenizers(found.main, found.config, cls), False
         elif found.kind == "bpe":
             tok = Tokenizer(BPE.from_file(str(found.main), str(found.extra["merges"])))
         else:
@@ -316,12 +322,18 @@ def _backend(found: Found, where: str):
         raise
     except Exception as e:  # the libraries raise their own Exception subclasses for a bad file
         raise UserError(f"{where}: {found.main.name} is not a readable tokenizer: {first_line(e)}") from None
-    fallback = "GPT2Tokenizer" if found.kind == "bpe" else auto_class.GENERIC  # two files: GPT-2's, whose they are
-    cls, picked = auto_class.of_folder(found.config, found.model, found.kind == "json" and _byte_level(tok), fallback)
+    byte_level = found.kind == "json" and _byte_level(tok)
+    cls, _ = _class(found, found.config, found.model, byte_level)
     if cls in pipelines.CLASSES:
         pipelines.CLASSES[cls](tok, found.config)
     _add_named(tok, found, cls)
-    return tok, picked
+    return tok, byte_level
+
+
+def _class(found: Found, config: dict, model: dict, byte_level: bool) -> tuple[str, str | None]:
+    """auto_class.of_folder for `found`'s kind of files (`byte_level`: its tokenizer.json's, as read)."""
+    fallback = "GPT2Tokenizer" if found.kind == "bpe" else auto_class.GENERIC  # two files: GPT-2's, whose they are
+    return auto_class.of_folder(config, model, byte_level, fallback)
 
 
 def _byte_level(tok) -> bool:

@@ -7,6 +7,7 @@ else in the parameters' own."""
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -150,7 +151,10 @@ def _finish(scratch: Path, out: Path, files: list, total: int, config: dict, tok
     if tokenizer_dir is not None and tokenizer_dir.is_dir():
         for f in tokenizer_dir.iterdir():
             shutil.copyfile(f, scratch / f.name)
-        config.update(_special_ids(scratch))
+        kept = _tokenizer_in(scratch)
+        if kept is not None:
+            config.update(_special_ids(kept))
+            _keep_class(scratch, kept, config)
     for k in SPECIAL_IDS if source is not None else ():  # the source model's ids where the tokenizer gave none
         if config.get(k) is None and k in source.config:  # null too: a family's default may be past the vocabulary
             config[k] = source.config[k]
@@ -167,14 +171,53 @@ def _finish(scratch: Path, out: Path, files: list, total: int, config: dict, tok
     os.replace(scratch, out)
 
 
-def _special_ids(folder: Path) -> dict:
-    """BOS and EOS ids of the tokenizer copied into the folder, for config.json (generate stops at EOS)."""
+def _tokenizer_in(folder: Path):
+    """The tokenizer copied into the folder, as the run reads its copy (config.json still the copy's: the source's
+    MODEL_KEYS), or None where there is none."""
     from shard.data import tokenizer, tokenizer_files
 
-    if not tokenizer_files.present(folder):
-        return {}
-    t = tokenizer.load(str(folder))
+    return tokenizer.load(str(folder)) if tokenizer_files.present(folder) else None
+
+
+def _special_ids(t) -> dict:
+    """BOS and EOS ids of the tokenizer copied into the folder, for config.json (generate stops at EOS)."""
     return {k: v for k, v in (("bos_token_id", t.bos), ("eos_token_id", t.eos)) if v is not None}
+
+
+def _keep_class(folder: Path, t, config: dict) -> None:
+    """Make transformers read the tokenizer `t` copied into `folder` with the class the run read it with.
+    config.json's model_type picks the class for some families (shard/data/auto_class.py), and a model may be
+    written as another family than its tokenizer's source (Phi-3's files name LlamaTokenizer, are read as written
+    for model_type phi3, and a Phi-3 without longrope or partial rotary is written as llama): where the classes
+    differ, tokenizer_config.json names the run's. Left as it is where no name wins over the written model_type
+    (one registered to the file as written, or qwen2, whose registered class overrides any named one)."""
+    from shard.data import auto_class
+
+    model = {k: config[k] for k in auto_class.MODEL_KEYS if isinstance(config.get(k), str)}
+    if t.read_as(t.found.config, model)[0] == t.cls:
+        return
+    named = "TokenizersBackend" if t.cls == auto_class.GENERIC else t.cls  # transformers 5's name of the file as is
+    if t.read_as({**t.found.config, "tokenizer_class": named}, model)[0] != t.cls:
+        return
+    path = folder / "tokenizer_config.json"
+    text = path.read_bytes().decode("utf-8") if path.is_file() else None  # bytes: its line ends kept
+    path.write_bytes(_with_class(text, named).encode("utf-8"))
+
+
+def _with_class(text: str | None, cls: str) -> str:
+    """tokenizer_config.json's text (None: none) with "tokenizer_class" set to `cls`, every other byte as it was."""
+    if text is None:
+        return json.dumps({"tokenizer_class": cls}, indent=2) + "\n"
+    want = {**json.loads(text), "tokenizer_class": cls}
+    value = json.dumps(cls, ensure_ascii=False)
+    edits = [text[:m.start(2)] + value + text[m.end(2):]
+             for m in re.finditer(r'("tokenizer_class"\s*:\s*)("(?:[^"\\]|\\.)*"|null)', text)]
+    if "tokenizer_class" not in json.loads(text):  # a new last key, before the closing brace
+        end = text.rindex("}")
+        head, nl = text[:end].rstrip(), "\r\n" if "\r\n" in text else "\n"
+        edits.append(f'{head}{"," if head != "{" else ""}{nl}  "tokenizer_class": {value}{nl}{text[end:]}')
+    # a match inside a string or a nested object leaves another object: only the top-level key's edit is kept
+    return next((e for e in edits if json.loads(e) == want), json.dumps(want, indent=2, ensure_ascii=False))
 
 
 def check_model(model_name: str, kwargs: dict) -> None:
