@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
         return 0
 
     from shard.run import distributed, trainer  # JAX's machinery only once the config is known to be good
-    from shard import plan
+    from shard.plan import analysis, meshes
     from shard.plan import target
 
     aimed = target.of(cfg.run)
@@ -75,24 +75,24 @@ def main(argv: list[str]) -> int:
     if aimed:
         target.check_mesh(cfg.mesh, aimed, len(devices))
     if "--compare" in flags:
-        rows = plan.compare(cfg, devices)
-        print(plan.comparison_table(rows))
-        for path in plan.write_comparison(cfg.run.dir, rows):
+        rows = meshes.compare(cfg, devices)
+        print(meshes.comparison_table(rows))
+        for path in meshes.write_comparison(cfg.run.dir, rows):
             print(f"wrote {path}")
         return 0
     with distributed.exit_cleanly_if_a_peer_fails():
         if aimed and cfg.mesh.preset == "auto":  # the search: meshes, remat and microbatches, compiled for the target
             from shard.plan import search
             cfg = search.apply(cfg, devices)
-        cfg = plan.apply_auto(cfg, devices)  # mesh=auto: resolved here, once, for the dry run and training alike
+        cfg = meshes.apply_auto(cfg, devices)  # mesh=auto: resolved here, once, for the dry run and training alike
         if written:
-            print(f"wrote {plan.write_config(cfg, written)}")
+            print(f"wrote {meshes.write_config(cfg, written)}")
         if "--dry-run" in flags:
-            result = plan.analyse(cfg, devices)
-            print(plan.report(result))
+            result = analysis.analyse(cfg, devices)
+            print(analysis.report(result))
             # a target's plan beside the local one, not over it (the same job, other hardware)
             name = f"plan-{cfg.run.target}.json" if cfg.run.target else "plan.json"
-            print(f"wrote {plan.write(cfg.run.dir, result, name)}")
+            print(f"wrote {analysis.write(cfg.run.dir, result, name)}")
         else:
             trainer.run(cfg, devices)  # joined above: the processes are started once
     return 0

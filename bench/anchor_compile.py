@@ -20,7 +20,7 @@ here to its compiled program's cost analysis and HLO):
   share of the program times its trip count (hlo.loop_scale), and the FLOPs get the loops' other
   iterations' matrix products added.
 - The TPU cost model gives a Pallas kernel zero FLOPs and zero time: where the program calls one (the
-  splash columns), attention's analytic FLOPs (causal pairs only, shard.attention.flops; forward,
+  splash columns), attention's analytic FLOPs (causal pairs only, shard.nn.attention.flops; forward,
   backward twice, and the forward again under full remat: x4) are added, at the chip's peak
   (459 TFLOP/s bf16 for a v5p chip). "kernel ms" is that share.
 
@@ -294,7 +294,7 @@ def maxtext_cell(args, spec: dict, layers: str, flags: dict, attention: str, wor
                  tag: str) -> dict:
     from shard.plan import hlo
     from shard.plan import target as target_lib
-    from shard import attention as attention_lib
+    from shard.nn import attention as attention_lib
 
     name = f"maxtext-{attention}-{layers}-{tag}"
     out = work / f"{name}.json"

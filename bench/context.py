@@ -62,7 +62,8 @@ def main(argv: list[str]) -> int:
         args = ["run.cpu_devices=8", *args]  # setting then takes one of them
         import jax
         jax.devices()  # start the backend now, with all 8
-    from shard import config, plan
+    from shard import config
+    from shard.plan import analysis
     from shard.run import distributed
 
     rows = []
@@ -73,7 +74,7 @@ def main(argv: list[str]) -> int:
                 cfg = config.load(path, [*args, *QUIET, f"data.seq_len={length}",
                                          f"model.max_len={length}", *setting, f"run.dir={run_dir}"])
                 devices = distributed.start(cfg.run, deterministic=cfg.train.deterministic)
-                p = plan.analyse(cfg, devices)
+                p = analysis.analyse(cfg, devices)
                 step = timed_step(cfg, devices)
             mem = p["memory_per_device"]
             rows.append({"tokens": length, "setting": name, "memory_per_device": mem, "step_s": step,

@@ -1,5 +1,5 @@
 """The decode cache of a real-size Gemma 2 or 3 (issue 47): its bytes for one sequence at a context, with each
-local layer keeping a ring of its window (shard/use/decoding.py's Kinds) against every layer keeping every
+local layer keeping a ring of its window (shard/nn/decoding.py's Kinds) against every layer keeping every
 position (what a stack that mixes local and global layers kept before). Shapes only: the model is built
 abstractly and the generator's prefill traced (jax.eval_shape), nothing allocated or compiled; the cache in
 bfloat16 (train.dtype=bfloat16's compute dtype), batch 1. The server's slots hold the same per slot.

@@ -138,7 +138,7 @@ ORDER = ["qwen3-4b", "qwen3-8b", "smollm3-3b", "gemma-2-9b", "gemma-3-1b", "gemm
 #   for a dot of its key/value projection's backward (head_dim 96); without Triton GEMMs it compiles.
 # - Mixtral's float32 parameters, gradients and Adam moments alone are 87 GiB a GPU over 8: 16 GPUs, the same
 #   sequence a GPU (batch 16).
-# - The MoE families' dropless routing (transformers' numbers, each device sorting its own tokens: shard/dropless.py)
+# - The MoE families' dropless routing (transformers' numbers, each device sorting its own tokens: shard/nn/dropless.py)
 #   and the capacity routing beside it, for its memory: on 16 GPUs for Mixtral, in COMPARED for Qwen3-30B-A3B.
 NO_TRITON_GEMM = "run.compiler_flags={xla_gpu_enable_triton_gemm: false}"
 MORE = {

@@ -1,6 +1,6 @@
 """cuDNN's fused attention against XLA's on a real NVIDIA GPU: the paths no CPU test can run.
 
-Each case calls shard.attention.run twice on the same bf16 inputs, once with train.attention=cudnn and once
+Each case calls shard.nn.attention.run twice on the same bf16 inputs, once with train.attention=cudnn and once
 with xla (float32 logits and softmax), and compares outputs and the gradients of sum(sin(out)) with respect to
 q, k and v. Cases: causal with grouped heads; a sliding window; a stack's per-layer windows as a traced value
 (jax.lax.switch over one compiled call per window, Gemma's 5 local : 1 global); an explicit scale (Gemma 2's
@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shard import attention  # noqa: E402
+from shard.nn import attention  # noqa: E402
 
 TOLERANCE = 2e-2
 

@@ -12,7 +12,8 @@ import time
 
 import jax
 
-from shard import config, partition
+from shard import config
+from shard.nn import partition
 from shard.run import trainer
 from shard import data as data_lib
 from shard.core import state as state_lib

@@ -57,7 +57,9 @@ def main(argv: list[str]) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from shard import config, plan
+    from shard import config
+
+    from shard.plan import analysis
     from shard.run import trainer
 
     rows = []
@@ -68,7 +70,7 @@ def main(argv: list[str]) -> int:
         for name, extra in chosen:
             cfg = config.load(ROOT / "configs" / "default.yaml",
                               [*MESH, *QUIET, *extra, *overrides, f"run.dir={scratch}/{len(rows)}"])
-            costs = plan.analyse(cfg, jax.devices())
+            costs = analysis.analyse(cfg, jax.devices())
             result = trainer.run(cfg)
             row = {"setting": name, "eval_loss": result.eval["eval_loss"],
                    "cross_replica_bytes_per_step": costs["sync"]["cross_replica_bytes_per_step"],

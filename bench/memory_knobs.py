@@ -56,7 +56,8 @@ def main(argv: list[str]) -> int:
     path = Path(argv[0]) if argv and argv[0].endswith(".yaml") else ROOT / "configs" / "default.yaml"
     if not any(a.startswith("run.cpu_devices") for a in args):
         args = ["run.cpu_devices=8", *args]
-    from shard import config, plan
+    from shard import config
+    from shard.plan import analysis
     from shard.run import distributed, trainer
     from shard.errors import UserError
 
@@ -69,7 +70,7 @@ def main(argv: list[str]) -> int:
                 cfg = config.load(path, [*args, *QUIET, f"mesh={mesh}", *extra, f"run.dir={run_dir}"])
                 devices = distributed.start(cfg.run, deterministic=cfg.train.deterministic)
                 try:
-                    p = plan.analyse(cfg, devices)
+                    p = analysis.analyse(cfg, devices)
                 except UserError as e:
                     print(f"{mesh:<7} {knob:<10} not offered: {e}", flush=True)
                     continue

@@ -48,7 +48,7 @@ class MinimalLoop:
         import optax
         from flax import nnx
 
-        from shard import hooks
+        from shard.nn import hooks
         from shard.core import registry
         from shard.core.step import cast_floats
 

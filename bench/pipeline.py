@@ -35,7 +35,8 @@ def main(argv: list[str]) -> int:
     path = Path(argv[0]) if argv and argv[0].endswith(".yaml") else ROOT / "configs" / "default.yaml"
     if not any(a.startswith("run.cpu_devices") for a in args):
         args = ["run.cpu_devices=8", "model.n_layers=8", *args]
-    from shard import config, plan
+    from shard import config
+    from shard.plan import analysis
     from shard.run import distributed, trainer
 
     rows = []
@@ -44,7 +45,7 @@ def main(argv: list[str]) -> int:
         with tempfile.TemporaryDirectory() as run_dir:
             cfg = config.load(path, [*args, *QUIET, *mesh, f"run.dir={run_dir}"])
             devices = distributed.start(cfg.run, deterministic=cfg.train.deterministic)
-            p = plan.analyse(cfg, devices)
+            p = analysis.analyse(cfg, devices)
             result = trainer.run(cfg)
         step = statistics.median(r["step_time_s"] for r in result.history[2:])
         bubble = p["pipeline"]["bubble"] if p["pipeline"] else 0.0

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.partition import constrain
+from shard.nn.partition import constrain
 
 NAMES = ("batch", None, None)  # an image activation: (batch, height, width, channels) + channel name
 

@@ -11,8 +11,8 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.hooks import positions, stack
-from shard.partition import constrain
+from shard.nn.hooks import positions, stack
+from shard.nn.partition import constrain
 
 from .layers import norm as make_norm
 from .layers import Attention, Block, MLPBlock, check_choice, lookup, param, stacked

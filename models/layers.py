@@ -1,9 +1,9 @@
 """Building blocks shared by the transformers (gpt, vit, moe): parameters with logical names,
 normalisation, rotary positions, attention, the feed-forward block, and layers stacked on a
-`layers` axis (run by the framework's `shard.hooks.stack`: a scan, or a pipeline).
+`layers` axis (run by the framework's `shard.nn.hooks.stack`: a scan, or a pipeline).
 
 Logical names used here: embed (model width), heads / kv_heads / head_dim (attention), mlp
-(feed-forward width), vocab. Which mesh axes they map to is decided in `shard.partition`.
+(feed-forward width), vocab. Which mesh axes they map to is decided in `shard.nn.partition`.
 """
 
 from collections.abc import Callable
@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.core.flops import NOT_MODEL_FLOPS
-from shard.hooks import attention, dense
-from shard.partition import constrain
+from shard.nn.hooks import NOT_MODEL_FLOPS, attention, dense
+from shard.nn.partition import constrain
 
 from .rope import Rope, rotary  # noqa: F401  (rotary: here for the models that import it from layers)
 
@@ -112,7 +111,7 @@ class Attention(nnx.Module):
     ("head": Qwen3, Gemma 3) or over the whole projection, all heads together ("projection": OLMo 2). rotate:
     this layer's traced flag (stacked's setting) whether it rotates positions at all (SmolLM3's rope-less
     layers); None: it does where the model has a rope. window: this layer's traced sliding window (stacked's
-    setting; 0 = global) and windows every layer's, static (shard.hooks.attention's (value, windows)); None:
+    setting; 0 = global) and windows every layer's, static (shard.nn.hooks.attention's (value, windows)); None:
     global. local_rope: the rotation of layers whose `rotate` is 2 (Gemma 3's local layers' own base). softcap:
     attention-logit soft-capping (0: none); scale: the factor on q.k (0: 1/sqrt(head_dim))."""
 

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.hooks import recurrence, stack
-from shard.partition import constrain
+from shard.nn.hooks import recurrence, stack
+from shard.nn.partition import constrain
 
 from .layers import param, stacked
 

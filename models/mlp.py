@@ -10,7 +10,7 @@ shards under FSDP.
 import jax
 from flax import nnx
 
-from shard.partition import constrain
+from shard.nn.partition import constrain
 
 ACTIVATIONS = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "tanh": jax.nn.tanh, "silu": jax.nn.silu}
 

@@ -10,9 +10,9 @@ Two routings (`routing`):
 - "dropless": every token computed by each of its top_k experts, as Mixtral and Qwen3-MoE are
   (what a Hugging Face checkpoint needs to give its own numbers): the (token, choice) pairs sorted by
   expert and each expert's run multiplied by its weights in one grouped product (`jax.lax.ragged_dot`),
-  through shard.hooks.experts: under a mesh each device sorts its own tokens, and where the experts
+  through shard.nn.hooks.experts: under a mesh each device sorts its own tokens, and where the experts
   are split (`experts`) the tokens of a group of devices are gathered to each and its experts' results
-  reduce-scattered back (shard/dropless.py). XLA's CPU backend computes a ragged product as a dense
+  reduce-scattered back (shard/nn/dropless.py). XLA's CPU backend computes a ragged product as a dense
   one per expert (n_experts times its FLOPs).
 
 The router's softmax is over all experts, then the top_k are taken; `norm_topk` renormalises the
@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.hooks import experts, layout
-from shard.partition import constrain
-from shard.recorded import AuxLoss, Stat
+from shard.nn.hooks import experts, layout
+from shard.nn.partition import constrain
+from shard.nn.recorded import AuxLoss, Stat
 
 from .gpt import GPT
 from .layers import check_choice, param
@@ -92,7 +92,7 @@ class MoELayer(nnx.Module):
         return constrain(y, ("batch", "length", "embed"))
 
     def dropless(self, x, top_p, top_e):
-        """Each (token, choice) pair through its expert (shard.hooks.experts: each device sorts its own tokens by
+        """Each (token, choice) pair through its expert (shard.nn.hooks.experts: each device sorts its own tokens by
         expert), one ragged product per matrix over the experts' runs."""
         def mlp(xs, sizes, weights):
             grouped = lambda a, w: jax.lax.ragged_dot(a, w, sizes)
@@ -107,7 +107,7 @@ class MoELayer(nnx.Module):
         b, t, _ = x.shape
         n, k, cap = self.n_experts, self.top_k, self.capacity(t)
         # Queue position of each choice at its expert: first choices of all tokens before second choices, tokens
-        # in row order (the framework may hold them in another: shard.hooks.layout).
+        # in row order (the framework may hold them in another: shard.nn.hooks.layout).
         in_order = jnp.argsort(layout(t))  # the tokens as they stand in the row
         by_rank = chosen[:, in_order].transpose(0, 2, 1, 3).reshape(b, k * t, n)
         position = (jnp.cumsum(by_rank, axis=1) - 1).reshape(b, k, t, n).transpose(0, 2, 1, 3)[:, jnp.argsort(in_order)]

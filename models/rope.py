@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
-from shard.hooks import positions
+from shard.nn.hooks import positions
 
 
 @dataclass(frozen=True)

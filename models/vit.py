@@ -8,8 +8,8 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.hooks import stack
-from shard.partition import constrain
+from shard.nn.hooks import stack
+from shard.nn.partition import constrain
 
 from .layers import Attention, Block, MLPBlock, check_choice, norm, param, stacked
 

@@ -131,7 +131,7 @@ class _Residual(nnx.Module):
 
 
 class StackedResidual(nnx.Module):
-    """A stack of residual layers run through `shard.hooks.stack` (so a pipeline can cut it into stages),
+    """A stack of residual layers run through `shard.nn.hooks.stack` (so a pipeline can cut it into stages),
     each with dropout (`norm="dropout"`) or batch statistics (`norm="batchnorm"`) inside."""
 
     def __init__(self, in_features: int = 16, d: int = 32, layers: int = 4, classes: int = 8, norm: str = "dropout",
@@ -143,7 +143,7 @@ class StackedResidual(nnx.Module):
         self.out = nnx.Linear(d, classes, rngs=rngs)
 
     def __call__(self, x):
-        from shard.hooks import stack
+        from shard.nn.hooks import stack
 
         return self.out(stack(self.blocks, self.inp(x.reshape(x.shape[0], -1))))
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import TINY_GPT, overrides
-from shard import config, plan
+from shard import config
+from shard.plan import analysis
 
 STEPS = ["train.steps=6", "run.log_every=1", "run.cpu_devices=8"]
 
@@ -20,7 +21,7 @@ def test_microbatches_give_the_whole_batch_curve(train, mesh):
 
 
 def test_accumulation_lowers_the_steps_activation_memory(tmp_path):
-    temp = {k: plan.analyse(config.load(None, overrides(tmp_path, *TINY_GPT, "data.batch_size=32",
+    temp = {k: analysis.analyse(config.load(None, overrides(tmp_path, *TINY_GPT, "data.batch_size=32",
                                                         f"train.grad_accum={k}")), jax.devices()[:1])
             ["memory_per_device"]["temp"] for k in (1, 4)}
     assert temp[4] < 0.75 * temp[1], temp
@@ -41,13 +42,13 @@ def test_a_model_whose_examples_interact_keeps_the_global_reduction_and_says_so(
     said = capsys.readouterr().err
     assert "warning: gradients are reduced by XLA inside the backward pass" in said
     assert "examples_interact = True" in said and "each of the 2 microbatches" in said
-    p = plan.analyse(config.load(None, overrides(tmp_path, *CENTERED, "mesh=dp", "run.cpu_devices=8")),
+    p = analysis.analyse(config.load(None, overrides(tmp_path, *CENTERED, "mesh=dp", "run.cpu_devices=8")),
                      jax.devices()[:8])
-    assert "examples_interact" in p["gradient_fallback"] and "note: gradients" in plan.report(p)
-    ring = plan.analyse(config.load(None, overrides(tmp_path, *TINY_GPT, "mesh=cp", "mesh.context=4", "mesh.data=2", "train.grad_accum=2",
+    assert "examples_interact" in p["gradient_fallback"] and "note: gradients" in analysis.report(p)
+    ring = analysis.analyse(config.load(None, overrides(tmp_path, *TINY_GPT, "mesh=cp", "mesh.context=4", "mesh.data=2", "train.grad_accum=2",
                                                     "train.context_strategy=ring", "run.cpu_devices=8")),
                         jax.devices()[:8])
     assert "context_strategy=ring" in ring["gradient_fallback"]
-    plain = plan.analyse(config.load(None, overrides(tmp_path, *TINY_GPT, "mesh=dp", "train.grad_accum=2",
+    plain = analysis.analyse(config.load(None, overrides(tmp_path, *TINY_GPT, "mesh=dp", "train.grad_accum=2",
                                                      "run.cpu_devices=8")), jax.devices()[:8])
     assert plain["gradient_fallback"] == ""

@@ -1,4 +1,4 @@
-"""The attention kernels of shard/attention.py: Pallas' splash kernel (run by Pallas' interpreter on the CPU)
+"""The attention kernels of shard/nn/attention.py: Pallas' splash kernel (run by Pallas' interpreter on the CPU)
 gives the XLA kernel's outputs and gradients, alone and per device under a mesh; `auto` picks each device's
 kernel; explicit kernels that cannot run are one line; bfloat16 logits stay close to float32 ones; a sliding
 window masks and counts its FLOPs; a TPU target's step runs the splash kernel (Mosaic's custom call)."""
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import TINY_GPT, overrides, run_cli
-from shard import attention, config, hooks, partition
+from shard import config
+from shard.nn import attention, hooks, partition, splash
 from shard.errors import UserError
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
@@ -54,7 +55,7 @@ def test_splash_gives_the_xla_kernels_outputs_and_gradients(causal, packed, wind
     q, k, v = inputs(length=384, heads=heads, kv_heads=kv_heads, dim=32)  # 3 tiles of 128
     segments = documents(2, 384) if packed else None
     loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))  # noqa: E731
-    ours = lambda q, k, v: attention.splash(q, k, v, causal, segments, window, interpret=True)  # noqa: E731
+    ours = lambda q, k, v: splash.splash(q, k, v, causal, segments, window, interpret=True)  # noqa: E731
     xla = lambda q, k, v: attention.xla_cpu(q, k, v, causal, segments, window)  # noqa: E731
     np.testing.assert_allclose(ours(q, k, v), reference(q, k, v, causal, segments, window), atol=2e-5)
     np.testing.assert_allclose(xla(q, k, v), reference(q, k, v, causal, segments, window), atol=2e-6)
@@ -69,15 +70,15 @@ def test_splash_runs_on_each_devices_block_under_a_mesh():
     q, k, v = inputs(batch=4, length=128, heads=4, kv_heads=2, dtype=jnp.bfloat16)
     segments = documents(4, 128)
     with partition.activate(mesh, partition.merged_rules(None, mesh.axis_names)):
-        layout = attention.splash_layout(q.shape, k.shape)
-        run = jax.jit(lambda q, k, v, s: attention.splash(q, k, v, True, s, layout=layout, interpret=True))
+        layout = splash.layout(q.shape, k.shape)
+        run = jax.jit(lambda q, k, v, s: splash.splash(q, k, v, True, s, layout=layout, interpret=True))
         out = run(q, k, v, segments)
     assert layout.q == jax.sharding.PartitionSpec("data", None, "tensor", None)
     want = reference(*(a.astype(jnp.float32) for a in (q, k, v)), True, segments)
     np.testing.assert_allclose(out.astype(jnp.float32), want, atol=2e-2)
     with partition.activate(mesh, partition.merged_rules(None, mesh.axis_names)):
         # 3 key/value heads do not split over 2 devices: every device gets the whole heads
-        assert attention.splash_layout((4, 128, 6, 64), (4, 128, 3, 64)).q[2] is None
+        assert splash.layout((4, 128, 6, 64), (4, 128, 3, 64)).q[2] is None
 
 
 @pytest.mark.parametrize("kernel,device,dtype,length,packed,window,want", [
@@ -271,7 +272,7 @@ def test_per_layer_windows_softcap_and_scale_equal_numpy(monkeypatch, kernel, ca
     assert flops.attention_flops(jaxpr.jaxpr) == pytest.approx(sum(per_layer))
 
 
-SPLASH = attention.splash
+SPLASH = splash.splash
 
 
 def test_cudnn_takes_no_softcap_and_auto_falls_back():

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import TINY_GPT, overrides, run_cli
-from shard import config, plan
+from shard import config
+from shard.plan import analysis
 from shard.core import step as step_lib
 from shard.errors import UserError
 from shard.plan import hlo
@@ -128,9 +129,9 @@ def test_a_scanned_and_an_unrolled_compile_give_the_same_estimate(tmp_path):
     figures = []
     for scan in ("true", "false"):
         cfg = config.load(None, overrides(tmp_path, *WIDE_GPT, "run.target=v5p-8", f"train.scan_layers={scan}"))
-        p = plan.analyse(cfg, target.devices(target.of(cfg.run)))
+        p = analysis.analyse(cfg, target.devices(target.of(cfg.run)))
         figures.append(p["compiler"])
-        assert "xla_tpu_enable_async_collective_fusion=True" in plan.report(p)  # the flags the compile used
+        assert "xla_tpu_enable_async_collective_fusion=True" in analysis.report(p)  # the flags the compile used
     scanned, unrolled = figures
     assert scanned["loop_factor"] > 2 and unrolled["loop_factor"] == pytest.approx(1.0)
     assert scanned["step_s"] == pytest.approx(unrolled["step_s"], rel=0.05)

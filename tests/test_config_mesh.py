@@ -7,7 +7,7 @@ from conftest import ROOT
 from shard import config
 from shard.errors import UserError
 from shard.core.mesh import resolve_sizes
-from shard.partition import RULES, logical_to_spec, merged_rules
+from shard.nn.partition import RULES, logical_to_spec, merged_rules
 
 AXES = ("data", "fsdp", "tensor")
 

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from conftest import TINY_GPT, TINY_MODELS, one_device_runs, overrides
-from shard import attention, config, partition, plan
-from shard.strategies import context
+from shard import config
+from shard.plan import analysis
+from shard.nn import attention, partition
+from shard.nn import ring
 from shard.core import flops
 from shard.plan import hlo
 from shard.run import job
@@ -63,13 +65,13 @@ def test_split_attention_keeps_windows_documents_softcap_and_scale(strategy):
     q, k, v, weights = (jax.random.normal(key, (b, t, heads, d)) for key, heads in zip(
         jax.random.split(jax.random.key(0), 4), (h, kv, kv, h)))
     segments = jnp.asarray(np.repeat([[1, 2], [1, 1]], t // 2, axis=1), jnp.int32)
-    order = np.asarray(context.balanced_order(t, n))
-    split, options = context.Split(n, strategy, tuple(order)), dict(softcap=2.0, scale=0.3)
+    order = np.asarray(ring.balanced_order(t, n))
+    split, options = ring.Split(n, strategy, tuple(order)), dict(softcap=2.0, scale=0.3)
 
     def split_run(q, k, v, w):
         with partition.activate(mesh, partition.RULES):
             laid_out = (partition.constrain(x[:, order], ("batch", "length", "heads", "head_dim")) for x in (q, k, v))
-            out = context.attention(*laid_out, True, split, segments[:, order], window=(w, (12, 0)), **options)
+            out = ring.attention(*laid_out, True, split, segments[:, order], window=(w, (12, 0)), **options)
             return out[:, np.argsort(order)]
 
     whole = lambda q, k, v, w: attention.xla_cpu(q, k, v, True, segments, w, **options)  # noqa: E731
@@ -91,19 +93,19 @@ def test_ring_attention_equals_unsplit_attention(causal):
     q, k, v = (jax.random.normal(key, (b, t, heads, d)) for key, heads in zip(jax.random.split(jax.random.key(0), 3),
                                                                                  (h, kv, kv)))
     weights = jax.random.normal(jax.random.key(1), (b, t, h, d))
-    split = context.Split(n, "ring", context.balanced_order(t, n) if causal else None)
+    split = ring.Split(n, "ring", ring.balanced_order(t, n) if causal else None)
     order = np.asarray(split.order or range(t))
 
-    def ring(q, k, v):
+    def ringed(q, k, v):
         with partition.activate(mesh, partition.RULES):
             laid_out = (partition.constrain(x[:, order], ("batch", "length", "heads", "head_dim")) for x in (q, k, v))
-            return context.attention(*laid_out, causal, split)[:, np.argsort(order)]
+            return ring.attention(*laid_out, causal, split)[:, np.argsort(order)]
 
     plain = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
-    for fn in (plain, ring):  # outputs, then gradients of a weighted sum
+    for fn in (plain, ringed):  # outputs, then gradients of a weighted sum
         fn.value = jax.jit(fn)(q, k, v)
         fn.grads = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * weights), argnums=(0, 1, 2)))(q, k, v)
-    for ours, want in zip((ring.value, *ring.grads), (plain.value, *plain.grads)):
+    for ours, want in zip((ringed.value, *ringed.grads), (plain.value, *plain.grads)):
         assert float(jnp.max(jnp.abs(ours - want)) / jnp.max(jnp.abs(want))) < 1e-6
 
 
@@ -124,27 +126,27 @@ def test_ring_skips_the_blocks_outside_every_window():
                          axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_lib.AXES))
     q, k, v, weights = (jax.random.normal(key, (b, t, heads, d)) for key, heads in zip(
         jax.random.split(jax.random.key(0), 4), (h, kv, kv, h)))
-    order = np.asarray(context.balanced_order(t, n))
-    split = context.Split(n, "ring", tuple(order))
-    assert context.ring_steps(split.order, t, n, True, 6) == (1, 3)
-    assert context.ring_steps(split.order, t, n, True, 40) == context.ring_steps(split.order, t, n, True, None)
+    order = np.asarray(ring.balanced_order(t, n))
+    split = ring.Split(n, "ring", tuple(order))
+    assert ring.ring_steps(split.order, t, n, True, 6) == (1, 3)
+    assert ring.ring_steps(split.order, t, n, True, 40) == ring.ring_steps(split.order, t, n, True, None)
 
-    def ring(window):
+    def ringed(window):
         def run(q, k, v):
             with partition.activate(mesh, partition.RULES):
                 laid_out = (partition.constrain(x[:, order], ("batch", "length", "heads", "head_dim")) for x in (q, k, v))
-                return context.attention(*laid_out, True, split, window=window)[:, np.argsort(order)]
+                return ring.attention(*laid_out, True, split, window=window)[:, np.argsort(order)]
         return run
 
     def with_gradients(fn):  # a weighted sum of the outputs, and its gradients
         return jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * weights), argnums=(0, 1, 2))
 
-    programs = {w: jax.make_jaxpr(with_gradients(ring(w)))(q, k, v).jaxpr for w in (None, 6)}
+    programs = {w: jax.make_jaxpr(with_gradients(ringed(w)))(q, k, v).jaxpr for w in (None, 6)}
     # a pass permutes keys, values and their positions, backward with their gradients, which then go home: 3 passes
     # each way without the window, 2 with it
     assert [_count(programs[w], "ppermute") for w in (None, 6)] == [3 * 3 + 3 * 5 + 2, 2 * 3 + 2 * 5 + 2]
     assert _count(programs[6], "dot_general") < 0.75 * _count(programs[None], "dot_general")
-    got = jax.jit(with_gradients(ring(6)))(q, k, v)
+    got = jax.jit(with_gradients(ringed(6)))(q, k, v)
     want = jax.jit(with_gradients(lambda q, k, v: attention.xla_cpu(q, k, v, True, window=6)))(q, k, v)
     for ours, expected in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert float(jnp.max(jnp.abs(ours - expected)) / jnp.max(jnp.abs(expected))) < 1e-5
@@ -159,13 +161,13 @@ def test_all_gather_computes_only_the_visible_blocks():
     mesh = jax.make_mesh(tuple(n if a == "context" else 1 for a in mesh_lib.AXES), mesh_lib.AXES,
                          axis_types=(jax.sharding.AxisType.Auto,) * len(mesh_lib.AXES))
     q, k, v, weights = (jax.random.normal(jax.random.key(i), (1, t, heads, d)) for i, heads in enumerate((h, 2, 2, h)))
-    order = np.asarray(context.balanced_order(t, n))
-    split = context.Split(n, "all_gather", tuple(order))
+    order = np.asarray(ring.balanced_order(t, n))
+    split = ring.Split(n, "all_gather", tuple(order))
 
     def gathered(q, k, v):
         with partition.activate(mesh, partition.RULES):
             laid_out = (partition.constrain(x[:, order], ("batch", "length", "heads", "head_dim")) for x in (q, k, v))
-            return context.attention(*laid_out, True, split)[:, np.argsort(order)]
+            return ring.attention(*laid_out, True, split)[:, np.argsort(order)]
 
     plain = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
     for fn in (plain, gathered):
@@ -196,7 +198,7 @@ def test_the_plan_counts_what_each_strategy_sends(tmp_path):
     permutes = [o for o in hlo.collectives(ring.train_step.as_text(), n) if o.kind == "collective-permute"
                 and o.bytes == kv_bytes / n]  # chunks of K, V or their gradients (positions are 4 bytes a token)
     assert sum(o.count for o in permutes) == layers * ((n - 1) * 2 + (n - 1) * 4 + 2)
-    assert "context: each sequence split over 8 devices (ring" in plan.report(plan.analyse(
+    assert "context: each sequence split over 8 devices (ring" in analysis.report(analysis.analyse(
         config.load(None, overrides(tmp_path, *GPT, "mesh=cp", "train.context_strategy=ring")), jax.devices()))
 
 

@@ -15,7 +15,8 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT, overrides
-from shard import config, recorded
+from shard import config
+from shard.nn import recorded
 from shard.data import formats, preferences, tokenizer as tokenizer_lib
 from shard.errors import UserError
 from shard.objectives import dpo

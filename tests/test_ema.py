@@ -14,7 +14,8 @@ from flax import nnx
 
 import shard
 from conftest import TINY_GPT, overrides, same_curve_as_one_device
-from shard import config, plan
+from shard import config
+from shard.plan import analysis
 from shard.errors import UserError
 
 DECAY = 0.5  # a strong pull, so that the average differs clearly from the weights after a few steps
@@ -81,12 +82,12 @@ def test_on_any_mesh_the_average_evaluates_as_on_one_device(train, mesh):
 
 def test_the_plan_counts_the_average_and_diloco_is_refused(tmp_path):
     cfg = config.load(None, overrides(tmp_path, *BASE, "run.cpu_devices=4", "mesh=fsdp"))
-    result = plan.analyse(cfg, jax.devices()[:4])
+    result = analysis.analyse(cfg, jax.devices()[:4])
     assert f"train.ema={DECAY}" in result["strategies"]
     params = result["memory_per_device"]["params"]
     assert result["ema"]["bytes_per_device"] == pytest.approx(params, rel=0.05)  # a copy, split like the weights
     with pytest.raises(UserError, match="train.ema=0.5 with train.sync=diloco: the replicas' weights part"):
-        plan.analyse(config.load(None, overrides(tmp_path, *BASE, "run.cpu_devices=4", "mesh.replica=2",
+        analysis.analyse(config.load(None, overrides(tmp_path, *BASE, "run.cpu_devices=4", "mesh.replica=2",
                                                  "train.sync=diloco")), jax.devices()[:4])
 
 

@@ -8,7 +8,7 @@ from flax import nnx
 
 from conftest import TINY_GPT, TINY_MODELS, one_device_runs
 from shard.config import MeshConfig
-from shard.partition import RULES, axes_of, param_spec
+from shard.nn.partition import RULES, axes_of, param_spec
 
 PRESETS = ["dp", "fsdp", "tp", "hybrid", "fsdp_tp"]
 # The gpt under every preset; every other model under dp and fsdp_tp (which has both model axes, so every

@@ -274,8 +274,8 @@ def test_trust_comes_from_the_command_line_never_from_a_file(tmp_path):
     (["mesh.replica=2", "train.sync=local_sgd"], "train.objective=grpo with train.grpo.beta=0.04"),
 ])
 def test_what_does_not_combine_is_one_line(tmp_path, addition, extra, message):
-    from shard import plan
+    from shard.plan import analysis
 
     cfg = config.load(None, overrides(tmp_path, *grpo(addition, "data.batch_size=8"), *extra))
     with pytest.raises(UserError, match=message.replace("(", r"\(")):
-        plan.analyse(cfg, jax.devices()[:2])
+        analysis.analyse(cfg, jax.devices()[:2])

@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import shard  # noqa: E402
-from shard import config, partition  # noqa: E402
+from shard import config  # noqa: E402
+from shard.nn import partition
 from shard.errors import UserError  # noqa: E402
 from shard.hf import arch, tables, write  # noqa: E402
 from shard.run import trainer  # noqa: E402

@@ -11,7 +11,8 @@ from flax import nnx
 
 import shard
 from conftest import TINY_GPT, overrides, same_curve_as_one_device, run_cli
-from shard import config, plan
+from shard import config
+from shard.plan import analysis
 from shard.errors import UserError
 
 LORA = ["train.lora.rank=4", "train.lora.targets=[q,k,v,o,mlp]", "optimizer.lr=3e-2"]
@@ -123,8 +124,8 @@ def test_adapters_shard_like_their_weights(tmp_path):
 
 def test_the_plan_counts_adapters_and_their_optimizer_state(tmp_path):
     args = [*BASE, "run.cpu_devices=4", "mesh=fsdp"]
-    full = plan.analyse(config.load(None, overrides(tmp_path, *args, "train.lora.rank=0")), jax.devices()[:4])
-    tuned = plan.analyse(config.load(None, overrides(tmp_path, *args)), jax.devices()[:4])
+    full = analysis.analyse(config.load(None, overrides(tmp_path, *args, "train.lora.rank=0")), jax.devices()[:4])
+    tuned = analysis.analyse(config.load(None, overrides(tmp_path, *args)), jax.devices()[:4])
     lora = tuned["lora"]
     assert lora["trainable_params"] > 0 and lora["frozen_params"] == full["param_count"]
     mem, full_mem = tuned["memory_per_device"], full["memory_per_device"]
@@ -135,7 +136,7 @@ def test_the_plan_counts_adapters_and_their_optimizer_state(tmp_path):
     assert mem["gradients"] == lora["adapter_bytes_per_device"]
     assert mem["params"] == full_mem["params"]
     assert mem["temp"] < full_mem["temp"]  # no gradient buffer for the frozen weights that are not adapted
-    assert any(line.strip().startswith("lora: rank 4, alpha 8") for line in plan.report(tuned).splitlines())
+    assert any(line.strip().startswith("lora: rank 4, alpha 8") for line in analysis.report(tuned).splitlines())
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -148,7 +149,7 @@ def test_the_plan_counts_adapters_and_their_optimizer_state(tmp_path):
 ])
 def test_bad_input_is_one_line(tmp_path, extra, message):
     with pytest.raises(UserError, match="^" + message.replace("[", r"\[")):
-        plan.analyse(config.load(None, overrides(tmp_path, *BASE, *extra)), jax.devices()[:2])
+        analysis.analyse(config.load(None, overrides(tmp_path, *BASE, *extra)), jax.devices()[:2])
 
 
 def test_a_whole_state_without_adapters_is_refused(train, tmp_path, base_run):

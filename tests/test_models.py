@@ -57,7 +57,7 @@ def test_layers_are_scanned_and_remat_policies_change_memory_not_results(train):
 
 
 def test_attention_kernel_is_the_configured_one(monkeypatch):
-    from shard import attention, hooks, partition
+    from shard.nn import attention, hooks, partition
     from shard.errors import UserError
 
     seen = []
@@ -85,7 +85,7 @@ def test_attention_kernel_is_the_configured_one(monkeypatch):
 def test_cpu_attention_is_jax_attention(heads, kv_heads, causal, q_len):
     """The CPU formulation of `train.attention=xla` gives jax.nn.dot_product_attention's outputs and
     gradients (grouped heads, a causal mask aligned at the top left for fewer queries than keys)."""
-    from shard import attention
+    from shard.nn import attention
 
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(kq, (2, q_len, heads, 8))
@@ -99,8 +99,8 @@ def test_cpu_attention_is_jax_attention(heads, kv_heads, causal, q_len):
 
 
 def test_dense_is_the_matrix_product_with_tokens_merged_unless_the_sequence_is_split():
-    from shard.strategies import context
-    from shard import hooks
+    from shard.nn import ring
+    from shard.nn import hooks
 
     x, w = jax.random.normal(jax.random.key(0), (4, 8, 16)), jax.random.normal(jax.random.key(1), (16, 24))
     loss = lambda dense: lambda x, w: jnp.sum(jnp.sin(dense(x, w)))  # noqa: E731
@@ -112,7 +112,7 @@ def test_dense_is_the_matrix_product_with_tokens_merged_unless_the_sequence_is_s
         return [e.invars[0].aval.ndim for e in jaxpr.eqns if e.primitive.name == "dot_general"]
 
     assert ranks() == [2]  # one (tokens, width) product: what XLA's CPU backend compiles best
-    with hooks.use(split=context.Split(size=2, strategy="ring")):
+    with hooks.use(split=ring.Split(size=2, strategy="ring")):
         assert ranks() == [3]  # a split length stays its own axis
 
 
@@ -191,7 +191,7 @@ def test_moe_balancing_loss_is_one_when_the_router_is_uniform():
 
 def test_moe_model_records_aux_loss_and_expert_share():
     from shard.models.moe import MoE
-    from shard.recorded import collect
+    from shard.nn.recorded import collect
 
     with nnx.use_eager_sharding(False):
         model = MoE(vocab_size=32, d_model=16, n_layers=2, n_heads=2, max_len=8, n_experts=4, top_k=2,

@@ -1,4 +1,4 @@
-"""Dropless routing per device (shard/dropless.py) against the one-device computation: the same outputs and
+"""Dropless routing per device (shard/nn/dropless.py) against the one-device computation: the same outputs and
 gradients on a mesh whose `expert` and `fsdp` axes split the tokens and `expert` the experts too, each device
 sorting only its own tokens and the experts' tokens travelling by all-gather and reduce-scatter."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard import dropless, partition
+from shard.nn import dropless, partition
 
 AXES = ("replica", "stage", "data", "expert", "fsdp", "context", "tensor")
 B, T, D, F, N, K = 4, 6, 8, 12, 4, 2

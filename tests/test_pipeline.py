@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY_GPT, TINY_MODELS, one_device_runs, overrides, run_cli
-from shard import config, plan
+from shard import config
+from shard.plan import analysis
 from shard.plan import hlo
 
 DEEP = [*TINY_GPT, "model.n_layers=8"]  # 8 layers: 4 stages of 2, or 2 stages x 2 repeats of 2
@@ -92,18 +93,18 @@ def test_a_circular_schedule_moves_no_weights_and_its_checkpoints_keep_the_layer
 def test_the_plan_shows_the_schedule_its_memory_and_what_stages_pass(tmp_path):
     cfg = config.load(None, overrides(tmp_path, *DEEP, *MESHES["stage=4 x data=2"]))
     devices = jax.devices()[:8]
-    p = plan.analyse(cfg, devices)
+    p = analysis.analyse(cfg, devices)
     S, R, M = 4, 1, 8  # microbatches default to twice the stages
     assert p["pipeline"] == {"stages": S, "repeats": R, "microbatches": M, "layers_per_stage": [2],
                              "bubble": pytest.approx((S - 1) / (R * M + S - 1))}
-    assert "bubble (S-1)/(R*M+S-1) = 27.3%" in plan.report(p)
+    assert "bubble (S-1)/(R*M+S-1) = 27.3%" in analysis.report(p)
     # parameters and Adam's moments per device: the stacked layers' 1/S, the rest whole (data only copies)
     from shard.run import job
 
     prepared = job.prepare(cfg, devices, training=False)
     stacked = sum(a.size * 4 for path, a in jax.tree_util.tree_leaves_with_path(prepared.work.abstract.params)
                   if "blocks" in jax.tree_util.keystr(path))
-    one = plan.analyse(config.load(None, overrides(tmp_path, *DEEP)), devices[:1])["memory_per_device"]
+    one = analysis.analyse(config.load(None, overrides(tmp_path, *DEEP)), devices[:1])["memory_per_device"]
     assert p["memory_per_device"]["params"] == one["params"] - stacked + stacked // S
     assert p["memory_per_device"]["optimizer"] - 2 * (one["params"] - stacked + stacked // S) < 64  # Adam: m, v, counts
     # What the stages pass: one microbatch's activations (per device: its data-parallel share) for each
@@ -156,7 +157,7 @@ def test_pipelined_dropout_masks_differ_between_microbatches_layers_and_steps():
     from flax import nnx
 
     from shard.models.layers import stacked
-    from shard import hooks, partition
+    from shard.nn import hooks, partition
     from shard.strategies import pipeline
 
     layers = stacked(4, lambda r: nnx.Dropout(0.5, rngs=r), nnx.Rngs(0))

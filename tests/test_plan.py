@@ -6,14 +6,15 @@ import jax
 import pytest
 
 from conftest import TINY_GPT, overrides, run_cli
-from shard import config, plan
+from shard import config
+from shard.plan import analysis, meshes
 from shard.plan import hlo
 from shard.core import mesh as mesh_lib
 
 
 def analyse(tmp_path, *extra):
     cfg = config.load(None, overrides(tmp_path, *TINY_GPT, "run.cpu_devices=8", *extra))
-    return plan.analyse(cfg, jax.devices()[:8])
+    return analysis.analyse(cfg, jax.devices()[:8])
 
 
 def test_data_parallel_all_reduces_one_fp32_copy_of_the_gradients(tmp_path):
@@ -93,7 +94,7 @@ def test_dry_run_writes_plan_json_and_trains_nothing(tmp_path):
 def test_compare_and_auto_pick_the_fastest_mesh_that_fits(tmp_path):
     cfg = config.load(None, overrides(tmp_path, *TINY_GPT, "run.cpu_devices=2", "run.peak_tflops=100",
                                       "run.link_gbps=50"))
-    rows = plan.compare(cfg, jax.devices()[:2])
+    rows = meshes.compare(cfg, jax.devices()[:2])
     shapes = {tuple(r["mesh"].values()) for r in rows if "skipped" not in r}
     # every factorization of 2 (stage, data, expert, fsdp, context, tensor) but expert=2: the GPT has no
     # experts, so that is data parallel renamed; stage=2 cuts its 2 layers into 2 stages; context=2 splits
@@ -103,13 +104,13 @@ def test_compare_and_auto_pick_the_fastest_mesh_that_fits(tmp_path):
     staged = next(r for r in rows if r.get("mesh", {}).get("stage") == 2)
     assert staged["pipeline"]["stages"] == 2 and staged["pipeline"]["bubble"] == pytest.approx(1 / 5)
     assert any(r.get("skipped") == "no parameter is split on expert" for r in rows)
-    chosen, why = plan.chosen_config(cfg, rows)
+    chosen, why = meshes.chosen_config(cfg, rows)
     fastest = min((r for r in rows if "skipped" not in r), key=lambda r: r["estimated_step_s"])
     assert tuple(getattr(chosen.mesh, a) for a in mesh_lib.AXES) == \
         tuple(fastest["mesh"].values())
     assert why.startswith("mesh=auto chose ") and "fastest estimated step" in why
-    assert "mesh" in plan.comparison_table(rows)
-    written = plan.write_comparison(str(tmp_path), rows)
+    assert "mesh" in meshes.comparison_table(rows)
+    written = meshes.write_comparison(str(tmp_path), rows)
     assert [p.name for p in written] == ["compare.json", "compare.png"]
     assert json.loads(written[0].read_text()) == rows and written[1].read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
@@ -117,18 +118,18 @@ def test_compare_and_auto_pick_the_fastest_mesh_that_fits(tmp_path):
 def test_identical_meshes_are_one_candidate_and_unknown_memory_is_said():
     """On one device every preset is the same mesh: one candidate under all its names. Where the
     device reports no memory limit, mesh=auto does not claim the meshes fit."""
-    candidates = plan.candidate_meshes(1)
+    candidates = meshes.candidate_meshes(1)
     assert len(candidates) == 1 and candidates[0][0].startswith("cp = dp = ")
     assert candidates[0][0] == "cp = dp = ep = fsdp = pp = tp = zero1 = zero2"  # hybrid, fsdp_tp: tensor=2
-    assert len({label for label, _ in plan.candidate_meshes(8)}) == len(plan.candidate_meshes(8))
+    assert len({label for label, _ in meshes.candidate_meshes(8)}) == len(meshes.candidate_meshes(8))
     row = {"label": "dp", "preset": "dp", "mesh": {}, "estimated_step_s": None, "wire_bytes_per_device": 0,
            "memory_per_device": {"total": 1, "fits": None}}
-    _, why = plan.choose([row])
+    _, why = meshes.choose([row])
     assert "meshes that fit" not in why and "set run.device_memory_gb" in why
-    _, why = plan.choose([{**row, "memory_per_device": {"total": 1, "fits": True}}])
+    _, why = meshes.choose([{**row, "memory_per_device": {"total": 1, "fits": True}}])
     assert "of 1 meshes that fit" in why
     skipped = {"label": "x", "skipped": "y" * 200}
-    assert "y" * 200 in plan.comparison_table([row, skipped])  # a reason is never cut
+    assert "y" * 200 in meshes.comparison_table([row, skipped])  # a reason is never cut
 
 
 def test_collective_bytes_and_groups_in_every_hlo_notation():

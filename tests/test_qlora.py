@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from conftest import TINY_GPT, overrides, same_curve_as_one_device
-from shard import config, plan
+from shard import config
+from shard.plan import analysis
 from shard.errors import UserError
 from test_lora import leaves, saved
 
@@ -78,7 +79,7 @@ def test_the_base_is_stored_once_quantized_and_resume_is_bitwise(train, tmp_path
 ])
 def test_what_cannot_combine_is_one_line(tmp_path, extra, message):
     with pytest.raises(UserError, match="^" + message):
-        plan.analyse(config.load(None, overrides(tmp_path, *QLORA, *extra)), jax.devices()[:2])
+        analysis.analyse(config.load(None, overrides(tmp_path, *QLORA, *extra)), jax.devices()[:2])
 
 
 # The logits' bound: the model on the dequantized base in float32 against the same model on the weights before
@@ -150,7 +151,7 @@ def test_the_step_builds_one_layers_weights_at_a_time(tmp_path):
              "data.batch_size=2", "train.lora.rank=4", "train.lora.targets=[q,k,v,o,mlp]", "run.cpu_devices=1"]
     total = {}
     for base in ("float32", "nf4"):
-        got = plan.analyse(config.load(None, overrides(tmp_path, *shape, f"train.lora.base={base}")), jax.devices()[:1])
+        got = analysis.analyse(config.load(None, overrides(tmp_path, *shape, f"train.lora.base={base}")), jax.devices()[:1])
         memory = got["memory_per_device"]
         total[base] = memory["arguments"] + memory["temp"]
     weights = 8 * (4 * 256 * 256 + 3 * 256 * 1024) * 4

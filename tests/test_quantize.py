@@ -11,7 +11,8 @@ import qwix
 from flax import nnx
 
 from conftest import TINY_GPT
-from shard import config, hooks
+from shard import config
+from shard.nn import hooks
 from shard.core import state as state_lib
 from shard.errors import UserError
 from shard.models.gpt import GPT

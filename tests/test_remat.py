@@ -65,14 +65,15 @@ def test_unrolled_layers_with_remat_on_a_mesh_train_as_one_scanned_device(runs, 
 @pytest.mark.slow
 @needs_libtpu
 def test_offload_compiles_for_a_tpu_and_frees_device_memory(tmp_path):
-    from shard import config, plan
+    from shard import config
+    from shard.plan import analysis
     from shard.plan import target
 
     temps = {}
     for remat in ("none", "offload"):
         cfg = config.load(None, overrides(tmp_path / remat, *SMALL_GPT, "run.target=v5p-8", "mesh=fsdp",
                                           f"train.remat={remat}"))
-        temps[remat] = plan.analyse(cfg, target.devices(target.of(cfg.run)))["memory_per_device"]["temp"]
+        temps[remat] = analysis.analyse(cfg, target.devices(target.of(cfg.run)))["memory_per_device"]["temp"]
     assert temps["offload"] < temps["none"] * 0.75
 
 

@@ -8,7 +8,7 @@ from conftest import TINY_GPT, overrides
 
 # That every parameter and optimizer moment has the sharding its logical names give, under every
 # preset and for every model, is checked by the matrix in test_equivalence.py. Here the expected
-# specs are written out by hand from the rules (shard/partition.py RULES: embed -> fsdp; heads,
+# specs are written out by hand from the rules (shard/nn/partition.py RULES: embed -> fsdp; heads,
 # kv_heads, mlp, vocab -> tensor; layers, head_dim -> None) and the mesh presets (meshes/*.yaml),
 # so that a wrong rule or a wrong mapping cannot agree with itself.
 

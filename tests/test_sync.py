@@ -11,7 +11,8 @@ import pytest
 
 import shard
 from conftest import TINY_GPT, overrides
-from shard import config, plan
+from shard import config
+from shard.plan import analysis
 from shard.strategies import sync
 from shard.run import trainer
 from shard.errors import UserError
@@ -75,7 +76,7 @@ def test_the_plan_counts_what_crosses_between_replicas(tmp_path):
     def costs(*extra):
         cfg = config.load(None, overrides(tmp_path, *TINY_GPT, "run.cpu_devices=8", "mesh.replica=4", "mesh.data=2",
                                           *extra))
-        return plan.analyse(cfg, jax.devices())
+        return analysis.analyse(cfg, jax.devices())
 
     every, fourth = costs("train.sync=local_sgd", "train.sync_every=1"), costs("train.sync=local_sgd", "train.sync_every=4")
     synced = every["sync"]["cross_replica_bytes_per_step"]
@@ -101,7 +102,7 @@ def test_the_plan_counts_what_crosses_between_replicas(tmp_path):
 ])
 def test_bad_sync_settings_are_one_line(tmp_path, extra, message):
     with pytest.raises(UserError, match=message):
-        plan.analyse(config.load(None, overrides(tmp_path, *TINY_GPT, "run.cpu_devices=8", *extra)), jax.devices())
+        analysis.analyse(config.load(None, overrides(tmp_path, *TINY_GPT, "run.cpu_devices=8", *extra)), jax.devices())
 
 
 def test_two_processes_as_two_replicas_give_the_one_process_curve(train, tmp_path):
@@ -151,7 +152,7 @@ def test_changing_mesh_replica_resumes_from_the_global_view(plain_run, tmp_path,
 
 def test_streaming_fragments_cut_stacked_layers_into_equal_shares(tmp_path):
     f = 4  # the stacked MLP weights are each ~40% of this model: cut by arrays, the peak was 2.1/F
-    costs = lambda *extra: plan.analyse(config.load(None, overrides(
+    costs = lambda *extra: analysis.analyse(config.load(None, overrides(
         tmp_path, *TINY_GPT, "model.n_layers=8", "model.d_ff=512", "run.cpu_devices=8", "mesh.replica=4", "mesh.data=2",
         "train.sync=diloco", "train.sync_every=4", *extra)), jax.devices())["sync"]
     full, streaming = costs()["bytes_per_sync_peak"], costs(f"train.sync_fragments={f}")

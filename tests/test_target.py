@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from conftest import ROOT, overrides, run_cli
-from shard import config, plan
+from shard import config
+from shard.plan import analysis, meshes
 from shard.errors import UserError
 from shard.plan import target
 
@@ -93,7 +94,7 @@ def test_a_missing_compiler_names_the_command_to_install_it(tmp_path):
 
 def _analyse(tmp_path, name, *extra):
     cfg = config.load(None, overrides(tmp_path, *SMALL_GPT, f"run.target={name}", *extra))
-    return plan.analyse(cfg, target.devices(target.of(cfg.run)))
+    return analysis.analyse(cfg, target.devices(target.of(cfg.run)))
 
 
 # What each mesh must make the compiler emit (the plan's own reading of the strategies).
@@ -113,7 +114,7 @@ def test_the_tpu_compilers_state_bytes_are_the_plans(tmp_path, mesh):
     assert mem["capacity"] == 95 * 2**30 and mem["fits"]
     assert p["collectives"][EXPECTED[mesh]]["count"] > 0
     assert c["step_s"] > 0 and 0 < c["mfu"] < 1 and c["loop_factor"] > 1  # scanned layers: bodies counted once
-    assert "the target's compiler estimates the step" in plan.report(p)
+    assert "the target's compiler estimates the step" in analysis.report(p)
 
 
 @needs_libtpu
@@ -152,9 +153,9 @@ def test_mesh_auto_for_a_target_picks_a_config_that_fits_and_beats_every_preset(
     assert presets and all(best["compiler"]["step_s"] <= r["compiler"]["step_s"] for r in presets)
     cfg_best = search.configured(cfg, search.Candidate(best["label"], best["preset"], best["mesh"], best["remat"],
                                                        best["grad_accum"]))
-    written = plan.write_config(cfg_best, str(tmp_path / "best.yaml"))
+    written = meshes.write_config(cfg_best, str(tmp_path / "best.yaml"))
     again = config.load(written, [])
     assert again.run.target is None and again.train.remat == best["remat"]
     assert {a: getattr(again.mesh, a) for a in best["mesh"]} == best["mesh"]
     with pytest.raises(UserError, match="exists"):
-        plan.write_config(cfg_best, str(written))
+        meshes.write_config(cfg_best, str(written))

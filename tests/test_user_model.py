@@ -9,7 +9,7 @@ USER_MODULE = '''
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from shard.partition import constrain
+from shard.nn.partition import constrain
 
 
 class TinyClassifier(nnx.Module):

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import TINY_GPT, overrides
-from shard import config, plan
+from shard import config
+from shard.plan import analysis
 from shard.plan import hlo
 from shard.run import job
 
@@ -20,7 +21,7 @@ STEPS = ["train.steps=6", "run.log_every=1", "run.cpu_devices=8"]
 
 
 def analyse(tmp_path, *extra):
-    return plan.analyse(config.load(None, overrides(tmp_path, *TINY_GPT, "data.batch_size=32", *extra)), jax.devices())
+    return analysis.analyse(config.load(None, overrides(tmp_path, *TINY_GPT, "data.batch_size=32", *extra)), jax.devices())
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ trains; `help` lays out `--help`. The names the rest of the project uses are re-
 """
 
 from shard.config.help import USAGE, help_text
-from shard.config.loading import load, shown_path, step_range, to_yaml, yaml_load
+from shard.config.loading import load, shown_path, step_range, to_yaml
 from shard.config.loading import _read_yaml  # private: tests read a shipped config file's own values with it
 from shard.config.naming import (CONFIGS, JOB_KEYS, JOB_SECTIONS, NOT_JOB, RUNS, default_run_dir, job_key,
                                  job_keys_outside_sections, job_values, not_job_keys_inside_sections)

@@ -4,7 +4,6 @@ UserError, one line saying what is wrong; `to_yaml` writes a config back as a us
 
 import difflib
 import functools
-import re
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +15,7 @@ from shard.config.naming import CONFIGS, default_run_dir
 from shard.config.schema import (SECTIONS, Config, MeshConfig, key_of, keys_of, renamed, schema_fields, to_dict,
                                  type_name)
 from shard.errors import UserError
+from shard.paths import yaml_load
 from shard.run import badsteps
 
 
@@ -92,21 +92,6 @@ def _merge(layers: list[dict]) -> "Config":
 def _schema():
     """The schema as OmegaConf's structured config: built once (it is slow), never changed (merge copies)."""
     return OmegaConf.structured(Config)
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML's safe loader, reading numbers as people write them. YAML 1.1 (PyYAML's) takes a float only with
-    a dot and a signed exponent, so `1e5`, `1E-4` and `3e+2` would be strings: here they are floats, as in
-    YAML 1.2 and Python. Strings, booleans and the rest read as before."""
-
-
-_NUMBER = re.compile(r"""^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$""")
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _NUMBER, list("-+0123456789."))
-
-
-def yaml_load(text: str):
-    """Safe YAML (no Python objects are ever built), with every usual spelling of a number read as one."""
-    return yaml.load(text, Loader=_Loader)
 
 
 def _read_yaml(path: Path) -> dict:

@@ -7,7 +7,7 @@ scan reports the FLOPs of one layer (and it also counts elementwise work, which 
 leaves out). For a transformer this count is the textbook one: 2 FLOPs per multiply-add, i.e.
 6 x (parameters in matrix multiplies) x tokens for forward and backward, plus attention.
 
-Attention (every call through shard.hooks.attention, whatever the kernel: XLA's matrix products, or
+Attention (every call through shard.nn.hooks.attention, whatever the kernel: XLA's matrix products, or
 cuDNN's or splash's fused kernel, which has no dot_general to count) is counted from the query, key and
 value shapes: forward 2 x (query, key) pairs x (head_dim + value dim) per head, backward twice that.
 Causal attention counts the pairs on or below the diagonal, about half the square: the work actually
@@ -21,11 +21,11 @@ MFU and the plan count a trace without it (shard/run/job.py).
 
 import math
 
-from shard import attention
+from shard.nn import attention
+from shard.nn.hooks import NOT_MODEL_FLOPS
 
 # Products a model runs that are not model FLOPs (the gradient of a lookup as a one-hot product,
 # models/layers.py): a jitted function of this name counts 0.
-NOT_MODEL_FLOPS = "not_model_flops"
 
 
 try:  # the jaxpr types moved between JAX versions
@@ -84,7 +84,7 @@ def attention_flops(jaxpr: Jaxpr) -> float:
 
 
 def _attention_call(eqn) -> tuple | None:
-    """(is_causal, window) of an equation that calls an attention kernel (shard/attention.py), else None."""
+    """(is_causal, window) of an equation that calls an attention kernel (shard/nn/attention.py), else None."""
     if eqn.primitive.name not in ("pjit", "jit"):
         return None
     return attention.call_of(eqn.params.get("name") or "")

@@ -9,7 +9,7 @@ import importlib.resources
 import math
 
 import jax
-from shard.config import yaml_load
+from shard.paths import yaml_load
 from jax.experimental import mesh_utils
 
 from shard.errors import UserError

@@ -4,7 +4,7 @@ import jax
 import optax
 from flax import nnx
 
-from shard.partition import logical_names, plays_vector
+from shard.nn.partition import logical_names, plays_vector
 
 
 def build(cfg, total_steps: int, updates_per_step: int = 1) -> tuple[optax.GradientTransformation, optax.Schedule]:

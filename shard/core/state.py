@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.errors import UserError
 from shard.core.blame import blamed
-from shard.partition import MODEL_AXES, axes_of, batch_shards, logical_names, logical_to_spec, param_spec
+from shard.nn.partition import MODEL_AXES, axes_of, batch_shards, logical_names, logical_to_spec, param_spec
 
 
 @flax.struct.dataclass

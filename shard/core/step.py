@@ -16,8 +16,9 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard.strategies import context, gradients
-from shard import hooks, recorded
+from shard.nn import ring
+from shard.strategies import gradients
+from shard.nn import hooks, recorded
 from shard.errors import UserError
 from shard.core import losses
 from shard.core.blame import blamed
@@ -35,7 +36,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
     the whole batch's), gradients reduced as `reduction` says (shard/strategies/gradients.py), one optimizer update.
     `device_shardings` (host offload) is the state's layout in device memory: what lives on the host between
     steps is moved there for the step and back after it (the out shardings say where). `order`: context
-    parallelism's load-balanced token order, in which inputs and targets are laid out (shard/strategies/context.py).
+    parallelism's load-balanced token order, in which inputs and targets are laid out (shard/nn/ring.py).
     `schedule`: the learning rate's, whose value at this step is an output (computed in the step, the trainer
     never dispatches a computation of its own to read it, which on a CPU would wait for the running step).
     `trainable` (low-rank adapters): what the step trains instead of `state.params`, as an object with
@@ -46,7 +47,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
     `reference(state)`: the frozen weights it compares with (shard/strategies/reference.py), if it wants them."""
 
     def objective(params, rest, batch, weights=None, frozen=None):
-        batch = context.reorder(batch, order)
+        batch = ring.reorder(batch, order)
         batch = arrange(batch) if arrange is not None else batch
         model = nnx.merge(graphdef, cast_floats(params if weights is None else weights(params), dtype), rest,
                           copy=True)
@@ -119,7 +120,7 @@ def kept_like(new, old):
 
 def run_model(model, batch: dict, dtype):
     """The model on a batch's inputs; a packed batch's segment ids and positions reach its attention and
-    position embeddings through the hooks (shard/hooks.py), so the model itself does not change."""
+    position embeddings through the hooks (shard/nn/hooks.py), so the model itself does not change."""
     with hooks.packed(batch.get("segment_ids"), batch.get("positions")):
         return model(cast_floats(batch["inputs"], dtype))
 
@@ -135,7 +136,7 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable, task: str, dtype, 
     `reference`: as for the train step (the objective's own sums)."""
 
     def eval_step(state: TrainState, batch: dict):
-        state, batch = to_device(state, device_shardings), context.reorder(batch, order)
+        state, batch = to_device(state, device_shardings), ring.reorder(batch, order)
         model = nnx.merge(graphdef, cast_floats(state.params, dtype), state.rest)
         model.eval()  # e.g. normalisation layers use their running statistics
         if goal is not None:

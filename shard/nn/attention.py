@@ -7,7 +7,7 @@
 - splash: JAX's Pallas splash attention (TPUs), run by each device on its shard of the batch and heads.
 - auto: splash on a TPU and cudnn on an NVIDIA GPU where the call fits them, else xla; never refuses.
 
-Models call shard.hooks.attention, which names its inputs and output for remat policies (QUERY, KEY, VALUE,
+Models call shard.nn.hooks.attention, which names its inputs and output for remat policies (QUERY, KEY, VALUE,
 OUTPUT) and hands the call here unless generation or a context split takes it.
 """
 
@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 
-from shard import partition
+from shard.nn import partition, splash
 from shard.errors import UserError
 
 # jax.ad_checkpoint.checkpoint_name's names for attention's inputs and output, which remat policies keep or drop.
@@ -34,7 +33,6 @@ QUERY, KEY, VALUE, OUTPUT = "query", "key", "value", "attention"
 CAUSAL_NAME, FULL_NAME, WINDOW, WINDOWS = "shard_attention_causal", "shard_attention_full", "_window", "_windows"
 
 CUDNN_DTYPES = ("bfloat16", "float16")
-SPLASH_BLOCKS = (512, 256, 128)  # the kernel's tiles, largest first: a length must be a multiple of one
 MASKED = -0.7 * float(np.finfo(np.float32).max)  # JAX's large negative for masked logits (finite: no NaN)
 
 
@@ -87,7 +85,7 @@ def check(kernel: str, device, dtype) -> None:
 
 
 # ----------------------------------------------------------------------------- windows
-# A sliding window, as models hand it to shard.hooks.attention: None or 0 (global attention), a positive int (that
+# A sliding window, as models hand it to shard.nn.hooks.attention: None or 0 (global attention), a positive int (that
 # many keys), or (value, windows) for layers that differ inside one scanned stack: `windows` the static tuple of
 # every layer's window (0: a global layer), `value` this layer's, a traced int32 (models/layers.py's PerLayer).
 
@@ -146,31 +144,19 @@ def _cudnn_misfit(q, k, segments, window, is_causal, softcap=None) -> str:
     return ""
 
 
-def splash_block(q_len: int, kv_len: int) -> int | None:
-    """The splash kernel's tile along both lengths: the largest of SPLASH_BLOCKS that divides them, else None."""
-    return next((b for b in SPLASH_BLOCKS if q_len % b == 0 and kv_len % b == 0), None)
-
-
-def _splash_misfit(q, k) -> str:
-    if splash_block(q.shape[1], k.shape[1]) is None:
-        return (f"sequence lengths that are multiples of {SPLASH_BLOCKS[-1]} (its tiles), got {q.shape[1]} queries "
-                f"and {k.shape[1]} keys")
-    return ""
-
-
 def choose(kernel: str, q, k, segments=None, window=None, is_causal=True, device=None, softcap=None) -> str:
     """The kernel that runs this call: `auto` resolved by the device and the call's shapes; an explicit cudnn
     or splash that cannot take the call refused in one line (the device itself is checked by `check`)."""
     if kernel == "auto":
         where = family(device or _device())
-        if where == "tpu" and not _splash_misfit(q, k):
+        if where == "tpu" and not splash.misfit(q, k):
             return "splash"
         if where == "nvidia" and str(q.dtype) in CUDNN_DTYPES and not _cudnn_misfit(q, k, segments, window, is_causal,
                                                                                      softcap):
             return "cudnn"
         return "xla"
     why = (_cudnn_misfit(q, k, segments, window, is_causal, softcap) if kernel == "cudnn"
-           else _splash_misfit(q, k) if kernel == "splash" else "")
+           else splash.misfit(q, k) if kernel == "splash" else "")
     if why:
         raise UserError(f"train.attention={kernel} needs {why}; use train.attention=auto or xla")
     return kernel
@@ -188,7 +174,7 @@ def run(q, k, v, is_causal: bool, kernel: str, segments=None, window=None, softc
         raise UserError(f"attention: a logit soft-cap of {softcap}; it must be a positive number")
     kernel = choose(kernel, q, k, segments, window, is_causal, softcap=softcap)
     precision = _SETTINGS.get().precision if kernel == "xla" else "float32"
-    layout = splash_layout(q.shape, k.shape) if kernel == "splash" else None
+    layout = splash.layout(q.shape, k.shape) if kernel == "splash" else None
     cpu = kernel == "xla" and family(_device()) == "cpu"
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     softcap = None if softcap is None else float(softcap)
@@ -213,7 +199,7 @@ def _named(is_causal: bool, sizes: tuple, softcap: float | None, scale: float):
 
     def _static(q, k, v, segments, window, kernel, precision, layout, cpu):
         if kernel == "splash":
-            return splash(q, k, v, is_causal, segments, window, layout=layout, softcap=softcap, scale=scale)
+            return splash.splash(q, k, v, is_causal, segments, window, layout=layout, softcap=softcap, scale=scale)
         if kernel == "xla" and cpu:
             return xla_cpu(q, k, v, is_causal, segments, window, precision, scale=scale, softcap=softcap)
         traced = not isinstance(window, (int, type(None)))
@@ -343,84 +329,3 @@ def grouped(q, k, v, mask, precision="float32", scale=None, softcap=None):
     product = lambda p, v, acc=None: jnp.einsum("bkgts,bskd->bkgtd", p, v, preferred_element_type=acc)  # noqa: E731
     out = _softmax_values(scores, mask, v, product, precision).astype(v.dtype)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, -1)
-
-
-# ----------------------------------------------------------------------------- splash
-
-@dataclass(frozen=True)
-class Layout:
-    """How the splash kernel's inputs lie on the mesh: each device runs the kernel on its own block."""
-    mesh: object
-    q: PartitionSpec       # (batch, length, heads, head_dim)
-    kv: PartitionSpec      # (batch, length, kv_heads, head_dim)
-    segments: PartitionSpec
-
-
-def splash_layout(q_shape, kv_shape) -> Layout | None:
-    """The blocks of the active mesh's devices (None: no mesh): the batch and heads split as the logical rules
-    split them, where they divide; whole sequences and head dims on each device (the kernel takes whole ones).
-    Grouped heads are split only where the key/value heads split the same way, so that each device holds the
-    key/value heads of its query heads."""
-    if (active := partition.active()) is None:
-        return None
-    mesh, rules = active
-    sizes = dict(mesh.shape)
-    size = lambda entry: int(np.prod([sizes[a] for a in partition.axes_of(entry)]))  # noqa: E731
-    batch, _, heads, _ = partition.logical_to_spec(("batch", "length", "heads", "head_dim"), rules, sizes)
-    kv_heads = partition.logical_to_spec(("batch", "length", "kv_heads", "head_dim"), rules, sizes)[2]
-    batch = batch if q_shape[0] % size(batch) == 0 else None
-    if heads != kv_heads or q_shape[2] % size(heads) or kv_shape[2] % size(heads):
-        heads = None
-    return Layout(mesh, PartitionSpec(batch, None, heads, None), PartitionSpec(batch, None, heads, None),
-                  PartitionSpec(batch, None))
-
-
-def splash(q, k, v, is_causal: bool, segments=None, window: int | None = None, *, layout: Layout | None = None,
-           softcap: float | None = None, scale: float | None = None, interpret: bool = False) -> jax.Array:
-    """Pallas splash attention over (batch, length, heads, head_dim) arrays: the kernel works on one example's
-    (heads, length, head_dim), so it is mapped over the batch, and under a mesh (`layout`) each device maps it
-    over its own block (a shard_map: the partitioner cannot split a Mosaic kernel). Grouped key/value heads are
-    the kernel's own (a single one: its MQA form). `softcap`: the kernel's own logit soft-cap. `interpret`: Pallas'
-    interpreter, on any device (tests)."""
-    def local(q, k, v, segments):
-        kernel = _splash_kernel(q.shape[2], k.shape[2], q.shape[1], k.shape[1], is_causal, window, interpret, softcap)
-        # splash does not scale the logits; heads first, as it takes them
-        q = (q * jnp.asarray(q.shape[-1] ** -0.5 if scale is None else scale, q.dtype)).transpose(0, 2, 1, 3)
-        k, v = (a.transpose(0, 2, 1, 3) for a in (k, v))
-        if k.shape[1] == 1:  # one key/value head: the kernel's MQA form takes it without the head axis
-            k, v = k[:, 0], v[:, 0]
-        if segments is None:
-            out = jax.vmap(kernel)(q, k, v)
-        else:
-            out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=_segment_ids(s)))(q, k, v, segments)
-        return out.transpose(0, 2, 1, 3)
-
-    if layout is None:
-        return local(q, k, v, segments)
-    specs = (layout.q, layout.kv, layout.kv, None if segments is None else layout.segments)
-    return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=layout.q, check_vma=False)(
-        q, k, v, segments)
-
-
-def _segment_ids(s):
-    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
-    return SegmentIds(q=s, kv=s)
-
-
-@functools.lru_cache(maxsize=64)
-def _splash_kernel(heads: int, kv_heads: int, q_len: int, kv_len: int, is_causal: bool, window: int | None,
-                   interpret: bool, softcap: float | None = None):
-    """The kernel for one example's shapes (its mask's block map is worked out here, once, in NumPy)."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as sa
-
-    shape = (q_len, kv_len)
-    if window is not None:
-        mask = sa.LocalMask(shape, (window - 1, 0 if is_causal else window - 1), offset=0)
-    else:
-        mask = sa.CausalMask(shape) if is_causal else sa.FullMask(shape)
-    block = splash_block(q_len, kv_len)
-    blocks = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                           block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    make = sa.make_splash_mqa if kv_heads == 1 else sa.make_splash_mha
-    return make(sa.MultiHeadMask([mask] * heads), block_sizes=blocks, head_shards=1, q_seq_shards=1,
-                attn_logits_soft_cap=softcap, interpret=interpret)

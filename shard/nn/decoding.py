@@ -2,7 +2,7 @@
 
 Generating (shard/generate.py) runs the model once over the prompt (the prefill), then on one token at a
 time. The model itself does not change for it: its attention, positions, layer stack and recurrences go
-through `shard.hooks`, which under `hooks.use(decode=Calls(...))` keep their state here:
+through `shard.nn.hooks`, which under `hooks.use(decode=Calls(...))` keep their state here:
 
 - attention writes the new tokens' keys and values into its cache at the current position and attends
   over every position written so far (`attend`), or within its sliding window (a layer whose window is shorter
@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
-from shard import attention as attn
-from shard.partition import constrain
+from shard.nn import attention as attn
+from shard.nn import softmax
+from shard.nn.partition import constrain
 
 CACHE_NAMES = ("batch", None, "kv_heads", "head_dim")  # (batch, position, key/value heads, head size)
 
@@ -133,7 +134,7 @@ def attend(q, k, v, is_causal: bool, calls: Calls, window=None, softcap: float |
     """Attention of the new tokens' queries (batch, new, heads, head_dim) over each row's cached slots: the
     new keys and values are written at the row's `index` first (zeros for padding). A query sees the slots
     from its row's `start` up to its own (all written ones without `is_causal`), within its sliding `window`
-    (shard.hooks.attention's; slots lie as far apart as positions); a padding query, only itself."""
+    (shard.nn.hooks.attention's; slots lie as far apart as positions); a padding query, only itself."""
     real = calls.real(q.shape[1])[:, :, None, None]
     k, v = jnp.where(real, k, 0), jnp.where(real, v, 0)
     value, sizes = attn.windows(window)
@@ -273,22 +274,14 @@ def _attention(q, k, v, mask, softcap=None, scale=None):
     split = lambda x: jnp.moveaxis(x.reshape(batch, blocks, KEY_BLOCK, *x.shape[2:]), 1, 0)
     qg = q.reshape(batch, length, k.shape[2], groups, dim).astype(jnp.float32) * jnp.float32(scale)
 
-    def fold(carry, block):
-        best, total, out = carry
+    def fold(state, block):
         kb, vb, mb = block
         scores = attn.capped(jnp.einsum("blkgd,bwkd->bkglw", qg, kb.astype(jnp.float32)), softcap)
-        scores = jnp.where(mb[:, None, None], scores, -jnp.inf)
-        new_best = jnp.maximum(best, scores.max(axis=-1))
-        seen = jnp.isfinite(new_best)  # a query that has seen no key yet keeps nothing
-        scale = jnp.where(seen, jnp.exp(best - new_best), 0.0)
-        weights = jnp.where(seen[..., None], jnp.exp(scores - new_best[..., None]), 0.0)
-        out = out * scale[..., None] + jnp.einsum("bkglw,bwkd->bkgld", weights, vb.astype(jnp.float32))
-        return (new_best, total * scale + weights.sum(axis=-1), out), None
+        return softmax.fold(state, jnp.where(mb[:, None, None], scores, -jnp.inf), vb, "bkglw,bwkd->bkgld"), None
 
-    shape = (batch, k.shape[2], groups, length)
-    start = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros((*shape, dim)))
-    (_, total, out), _ = jax.lax.scan(fold, start, (split(k), split(v), split(mask.transpose(0, 2, 1)).transpose(0, 1, 3, 2)))
-    out = out / total[..., None]  # (batch, kv heads, groups, queries, dim)
+    blocked = (split(k), split(v), split(mask.transpose(0, 2, 1)).transpose(0, 1, 3, 2))
+    state, _ = jax.lax.scan(fold, softmax.start((batch, k.shape[2], groups, length), dim), blocked)
+    out, _ = softmax.finish(state)  # (batch, kv heads, groups, queries, dim)
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, dim).astype(q.dtype)
 
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from shard import partition
+from shard.nn import partition
 
 
 def local(mlp, x, top_e, top_p, weights, first: int | jax.Array = 0):

@@ -1,5 +1,5 @@
 """Causal attention under context parallelism's all_gather strategy, in the load-balanced layout: each device
-scores its queries only against the key blocks they can see (shard/strategies/context.py dispatches here)."""
+scores its queries only against the key blocks they can see (shard/nn/ring.py dispatches here)."""
 
 import math
 
@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shard import attention as attn
-from shard import partition
+from shard.nn import attention as attn
+from shard.nn import partition
 
 # ----------------------------------------------------------------------------- all_gather, causal
 # Under the load-balanced layout device i's early chunk i sees key chunks 0..i and its late chunk 2N-1-i sees
@@ -37,7 +37,7 @@ def _blocks(n: int):
 def gathered_causal(q, k, v, order, n, segments=None, window=None, softcap=None, scale=None):
     """Causal attention of split queries over gathered keys and values in the load-balanced layout, computing
     only the 2N+1 visible blocks of each device (the softmax is taken over all of a query's blocks at once).
-    `window` (an int, or a traced int with 0 for global), `softcap` and `scale` as shard.hooks.attention's: the
+    `window` (an int, or a traced int with 0 for global), `softcap` and `scale` as shard.nn.hooks.attention's: the
     window masks by position inside the blocks (blocks wholly outside it are still computed)."""
     b, t, h, d = q.shape
     kv, c = k.shape[2], t // (2 * n)

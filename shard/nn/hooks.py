@@ -8,7 +8,7 @@ computes attention with `attention(q, k, v, is_causal=...)`, takes its tokens' p
 experts' tokens through their experts with `experts(mlp, x, top_e, top_p, weights)` and runs a
 recurrence over time with `recurrence(step, carry, xs)`; what those do
 is set by the run (`mesh.stage` and `pipeline.*`, `train.remat`, `train.attention`, `mesh.context` and
-`train.context_strategy`; the mesh, for the experts; generation's caches, shard/use/decoding.py; export's
+`train.context_strategy`; the mesh, for the experts; generation's caches, shard/nn/decoding.py; export's
 unrolled layers) while its step is traced, under `use(...)`. Outside the framework they are plain JAX (a scan,
 no remat, XLA's attention, positions in order, the experts on one device), so a model stays an ordinary Flax
 module.
@@ -22,11 +22,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from shard import attention as attn
-from shard import dropless, partition
-from shard.strategies import context, deferred
-from shard.use import decoding
 from shard.errors import UserError
+from shard.nn import attention as attn
+from shard.nn import decoding, deferred, dropless, partition, ring
+
+# A function a model names so (`fn.__name__ = NOT_MODEL_FLOPS`) is left out of its FLOP count (shard/core/flops.py):
+# e.g. an embedding lookup written as a one-hot matrix product, which is no model work.
+NOT_MODEL_FLOPS = "not_model_flops"
 
 _REMAT: contextvars.ContextVar = contextvars.ContextVar("shard_remat", default="none")
 _ATTENTION: contextvars.ContextVar = contextvars.ContextVar("shard_attention", default="xla")
@@ -53,13 +55,13 @@ REMAT_POLICIES = {
 
 
 @contextlib.contextmanager
-def use(remat: str = "none", attention: str = "xla", pipeline=None, split: context.Split | None = None,
+def use(remat: str = "none", attention: str = "xla", pipeline=None, split: ring.Split | None = None,
         decode: decoding.Calls | None = None, unroll: bool = False):
     """While tracing: `layer` applies this activation-checkpointing policy, `attention` this kernel,
     `stack` hands its layers to `pipeline(layers, x)` (shard/strategies/pipeline.py's Schedule; None: a scan), and
     under context parallelism (`split`) attention runs over the context devices and `positions` gives
     the tokens' positions in their load-balanced order. `decode`: generating, attention, positions,
-    stacks and recurrences keep their state in these calls' entries (shard/use/decoding.py). `unroll`: the
+    stacks and recurrences keep their state in these calls' entries (shard/nn/decoding.py). `unroll`: the
     stack runs its layers one after another in Python, without a scan (train.scan_layers=false, ONNX export)."""
     variables = ((_REMAT, remat), (_ATTENTION, attention), (_PIPELINE, pipeline), (_CONTEXT, split),
                  (_DECODE, decode), (_UNROLL, unroll))
@@ -85,8 +87,8 @@ def packed(segment_ids: jax.Array | None, token_positions: jax.Array | None):
 
 def positions(length: int) -> jax.Array:
     """The position of each of a sequence's `length` tokens as the step lays them out: 0..length-1, or
-    under context parallelism the load-balanced order (shard/strategies/context.py), or while generating
-    each row's positions after those it has cached (batch, length; shard/use/decoding.py), or in a packed
+    under context parallelism the load-balanced order (shard/nn/ring.py), or while generating
+    each row's positions after those it has cached (batch, length; shard/nn/decoding.py), or in a packed
     batch each token's place in its own document (batch, length). Position embeddings, learned or rotary,
     index with this so they follow the tokens."""
     calls = _DECODE.get()
@@ -94,14 +96,14 @@ def positions(length: int) -> jax.Array:
         return calls.positions(length)
     if (rows := _PACKED.get()) is not None and rows[1].shape[-1] == length:
         return rows[1]
-    return context.positions(_CONTEXT.get(), length)
+    return ring.positions(_CONTEXT.get(), length)
 
 
 def layout(length: int) -> jax.Array:
     """Where each of a row's `length` tokens stands in the row as the step lays them out (0..length-1, or
     the load-balanced order under context parallelism), whatever document it belongs to: for a model that
     orders tokens by their place in the row (a mixture of experts' queue), not by position embedding."""
-    return context.positions(_CONTEXT.get(), length)
+    return ring.positions(_CONTEXT.get(), length)
 
 
 @contextlib.contextmanager
@@ -132,7 +134,7 @@ def stack(layers: nnx.Module, x):
 def scan(layers: nnx.Module, x):
     """The stacked layers in order, one at a time, each through `layer`: a scan (the compiled program holds one
     layer), or under `use(unroll=True)` the layers written out one after another (`unrolled`). A weight the run
-    builds per layer (shard/strategies/deferred.py: a quantized base plus adapters) is built in the layer. A
+    builds per layer (shard/nn/deferred.py: a quantized base plus adapters) is built in the layer. A
     pipeline's stages run their share of the layers through this too, so train.scan_layers and train.remat apply
     there."""
     if _UNROLL.get():
@@ -229,7 +231,7 @@ def unrolled(layers: nnx.Module, x):
 def recurrence(step, carry, xs):
     """`jax.lax.scan(step, carry, xs)` for a model's recurrence over time (an LSTM's), xs time-major and the
     carry's arrays batch-major: while generating, it goes on from the carry the previous call ended with
-    (shard/use/decoding.py); over packed rows, the carry goes back to the one it started with at each
+    (shard/nn/decoding.py); over packed rows, the carry goes back to the one it started with at each
     document's first token, so no state passes from one document into the next."""
     calls = _DECODE.get()
     if calls is not None:
@@ -262,7 +264,7 @@ def layer(fn):
 
 
 # ----------------------------------------------------------------------------- attention
-# The kernels, and which one runs, are shard/attention.py's.
+# The kernels, and which one runs, are shard/nn/attention.py's.
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, window=None,
               softcap: float | None = None, scale: float | None = None) -> jax.Array:
@@ -270,7 +272,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, wind
     (`train.attention`: XLA's products, cuDNN's or splash's fused kernel), or over the context devices, the
     packed documents or the generation cache where the run has them. A model calls this instead of choosing a
     kernel; outside the framework it is XLA's. The inputs and output carry the checkpoint names of
-    shard/attention.py (QUERY, KEY, VALUE, OUTPUT) for remat policies.
+    shard/nn/attention.py (QUERY, KEY, VALUE, OUTPUT) for remat policies.
 
     window: a query sees only the `window` nearest keys, itself included (causal: the latest ones; else that
       many on each side). None or 0: global. Layers that differ inside one scanned stack hand
@@ -297,7 +299,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, wind
                             f"{k.shape[1]} keys does not match the batch's segment ids {segments.shape}; packed "
                             "rows need self-attention over whole rows (a pipeline's microbatches do not carry them)")
     if split is not None and split.size > 1:  # the sequence is split over the context devices
-        out = context.attention(q, k, v, bool(is_causal), split, segments, **options)
+        out = ring.attention(q, k, v, bool(is_causal), split, segments, **options)
     else:
         out = attn.run(q, k, v, bool(is_causal), _ATTENTION.get(), segments, **options)
     return checkpoint_name(out, attn.OUTPUT)
@@ -324,7 +326,7 @@ def experts(mlp, x: jax.Array, top_e: jax.Array, top_p: jax.Array, weights: tupl
     the experts' arrays, each with the experts first (logical name `experts`); mlp(xs, sizes, weights) -> ys runs
     each expert on its run of xs's rows (sorted by expert, sizes[i] rows for expert i: jax.lax.ragged_dot's
     groups; rows past the runs must come out zero, as ragged_dot writes them). Under a mesh each device sorts
-    its own tokens, its experts' tokens sent to it (shard/dropless.py); outside the framework, and inside a
+    its own tokens, its experts' tokens sent to it (shard/nn/dropless.py); outside the framework, and inside a
     pipeline's stages, all on one device."""
     if (active := partition.active()) is None or _PIPELINE.get() is not None:
         return dropless.local(mlp, x, top_e, top_p, weights)

@@ -1,22 +1,21 @@
-"""Context (sequence) parallelism: each sequence split along its length over the `context` mesh axis.
+"""Attention over a sequence split along its length over the `context` mesh axis, and the split's layout.
 
-Everything outside attention works on a device's own tokens (the logical name `length` maps to
-`context`), so the activations of one sequence are spread over the devices. Attention needs every
-earlier key and value, and gets them one of two ways (`train.context_strategy`):
+Everything outside attention works on a device's own tokens, so only attention needs the other devices' keys and
+values, one of two ways (`Split.strategy`, set by train.context_strategy: shard/strategies/context.py):
 
-- all_gather: each device keeps its queries and gathers the whole sequence's keys and values over
-  `context` (the partitioner inserts the all-gather, and a reduction of their gradients). Under causal
-  attention in the load-balanced layout (below) it scores only the blocks its queries see.
-- ring: keys and values travel round the devices, one chunk at a time, with collective permutes
-  inside `shard_map`; each device folds every chunk into its queries' output with a running max and
-  sum (the online softmax of flash attention), so none ever holds the whole sequence's. The backward
-  pass rings the same way (a custom VJP), sending each chunk's key/value gradients along with it.
+- all_gather: each device keeps its queries and gathers the whole sequence's keys and values over `context`
+  (the partitioner inserts the all-gather, and a reduction of their gradients). Under causal attention in the
+  load-balanced layout it scores only the blocks its queries see (shard/nn/gathered.py).
+- ring: keys and values travel round the devices, one chunk at a time, with collective permutes inside
+  `shard_map`; each device folds every chunk into its queries' output with the online softmax
+  (shard/nn/softmax.py), so none ever holds the whole sequence's. The backward pass rings the same way (a custom
+  VJP), sending each chunk's key/value gradients along with it.
 
-Under causal attention the later tokens attend to more keys. So that every device has the same
-work, language-model sequences are laid out load-balanced: cut into 2N chunks, device i holds
-chunks i and 2N-1-i (MaxText's dual-chunk swap). The train step reorders inputs and targets that
-way; a model reads its tokens' positions from `shard.hooks.positions` (learned or rotary
-embeddings follow the tokens) and attention masks by position, so results equal the unsplit model's.
+Under causal attention the later tokens attend to more keys. So that every device has the same work, language-
+model sequences are laid out load-balanced: cut into 2N chunks, device i holds chunks i and 2N-1-i (MaxText's
+dual-chunk swap). The train step reorders a batch's tokens that way (`reorder`); a model reads its tokens'
+positions from `shard.nn.hooks.positions` (learned or rotary embeddings follow the tokens) and attention masks by
+position, so results equal the unsplit model's.
 """
 
 import math
@@ -28,11 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from shard import attention as attn
-from shard import partition
-from shard.errors import UserError
-from shard.strategies.base import Strategy
-from shard.strategies.context_gather import gathered_causal
+from shard.nn import attention as attn
+from shard.nn import partition, softmax
+from shard.nn.gathered import gathered_causal
 
 AXIS = "context"
 
@@ -175,13 +172,8 @@ def _forward(q, k, v, pos, seg, win, causal, n, halves, steps, softcap, scale):
     qg = _grouped(q, k)
 
     def fold(state, qg, qpos, k, v, kpos, qseg=None, kseg=None):
-        m, l, acc = state
         s, _ = _scores(qg, k, qpos, kpos, causal, qseg, kseg, win, softcap, scale)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
-        rescale = jnp.exp(m - m_new)
-        acc = acc * rescale[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, v.astype(jnp.float32))
-        return m_new, l * rescale + p.sum(-1), acc
+        return softmax.fold(state, s, v, "bhgqk,bkhd->bhgqd")
 
     def seen(state, qg, qpos, k, v, kpos, qseg=None, kseg=None):
         return _if_seen(qpos, kpos, causal, win, lambda state: fold(state, qg, qpos, k, v, kpos, qseg, kseg), state)
@@ -200,9 +192,7 @@ def _forward(q, k, v, pos, seg, win, causal, n, halves, steps, softcap, scale):
 
         return jax.lax.cond(kpos[0] < pos[0], first_keys, last_queries, state)
 
-    shape = qg.shape[:-1]
-    state = fold((jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(qg.shape[:-1] + (v.shape[-1],))),
-                 qg, pos, k, v, pos, seg, seg)
+    state = fold(softmax.start(qg.shape[:-1], v.shape[-1]), qg, pos, k, v, pos, seg, seg)
 
     # A Python loop (unrolled): XLA's CPU runtime (jaxlib 0.10) does not keep a collective inside a loop in order
     # with the program's others; devices that took the ring's permutes and FSDP's all-gathers in different orders
@@ -211,10 +201,9 @@ def _forward(q, k, v, pos, seg, win, causal, n, halves, steps, softcap, scale):
     for at, s in zip((0, *steps), steps):
         travelling = _pass_on(travelling, n, s - at)
         state = fold_visible(state, *travelling)
-    m, l, acc = state
-    out = acc / l[..., None]  # (b, kv_heads, group, chunk, d)
+    out, lse = softmax.finish(state)  # (b, kv_heads, group, chunk, d)
     b, t, h, _ = q.shape
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, -1).astype(q.dtype), m + jnp.log(l)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, -1).astype(q.dtype), lse
 
 
 def _if_seen(qpos, kpos, causal, win, fold, state):
@@ -292,75 +281,3 @@ def _ring_bwd(causal, n, halves, steps, softcap, scale, residuals, d_out):
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
-
-
-def settings(cfg, mesh_shape: dict, work) -> Split | None:
-    """The context split cfg's mesh asks for (None without one), checked against the data and kernel."""
-    n = mesh_shape[AXIS]
-    if n == 1:
-        return None
-    if cfg.train.attention not in ("auto", "xla"):  # auto: the strategy's own attention
-        raise UserError(f"train.attention={cfg.train.attention} with mesh.context={n}: the fused kernel takes whole "
-                        "sequences, and the context strategies compute attention from their chunks with XLA's "
-                        "matrix products; use train.attention=auto or xla")
-    order = None
-    if work.data.task == "lm":  # causal: the load-balanced layout
-        length = work.batch["inputs"].shape[1]
-        if length % (2 * n):
-            raise UserError(f"data.seq_len={length} does not cut into the 2 x {n} chunks that mesh.context={n} lays "
-                            f"out (each device holds one early and one late chunk, for even causal work); use a "
-                            f"multiple of {2 * n}")
-        order = balanced_order(length, n)
-    return Split(n, cfg.train.context_strategy, order)
-
-
-# ----------------------------------------------------------------------------- the strategy
-
-class Context(Strategy):
-    """mesh.context > 1: each sequence split over the context devices; attention by all-gather or ring."""
-    name = "context"
-    keys = ("mesh.context", "train.context_strategy")
-    switches = {"context": "`mesh.context` > 1", "ring": "`train.context_strategy=ring`"}
-    refuses = {("ring", "bf16 reduction"): "the ring's shard_map cannot run per data shard, where a bfloat16 "
-                                           "reduction sums; use train.context_strategy=all_gather or "
-                                           "train.grad_dtype=float32"}
-
-    def __init__(self, split: Split):
-        self.split = split
-
-    @classmethod
-    def build(cls, cfg, mesh_shape, rules, work):
-        split = settings(cfg, mesh_shape, work)
-        return None if split is None else cls(split)
-
-    @property
-    def tags(self) -> tuple:
-        return ("context", self.split.strategy)
-
-    @property
-    def label(self) -> str:
-        return "train.context_strategy=ring" if self.split.strategy == "ring" else f"mesh.context={self.split.size}"
-
-    def hooks(self) -> dict:
-        return {"split": self.split}
-
-    def step_options(self, place) -> dict:
-        return {"order": self.split.order}
-
-    def per_shard(self) -> str:
-        return "train.context_strategy=ring cannot run per data shard" if self.split.strategy == "ring" else ""
-
-    def plan(self, job, step_ops, n) -> dict:
-        s = self.split
-        return {"context": {"size": s.size, "strategy": s.strategy, "balanced": s.order is not None}}
-
-    plan_keys = ("context",)
-
-    @staticmethod
-    def report(plan: dict) -> list:
-        if not (ctx := plan.get("context")):
-            return []
-        how = {"all_gather": "each device gathers every layer's keys and values",
-               "ring": "keys and values pass round the devices, one chunk per step"}[ctx["strategy"]]
-        return [f"context: each sequence split over {ctx['size']} devices ({ctx['strategy']}: {how})"
-                + ("; causal work balanced (chunks i and 2N-1-i on device i)" if ctx["balanced"] else "")]

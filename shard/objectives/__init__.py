@@ -9,7 +9,7 @@ is a dict of arrays whose first dimension is the global batch's rows (split over
 batch, cut into microbatches by rows), and its loss is a mean over those rows, so accumulation and the
 per-device reduction keep the whole batch's mean. Its metrics (name -> scalar, e.g. `dpo/margin`) land in
 metrics.jsonl beside `loss`. The step adds what the trained model records in its last forward pass (a router's
-load-balancing loss, logged as `aux_loss`: shard/recorded.py), as for lm, so `loss` runs the trained model once
+load-balancing loss, logged as `aux_loss`: shard/nn/recorded.py), as for lm, so `loss` runs the trained model once
 over all the rows it trains on.
 
     objective = objectives.build(cfg)        # None for lm

@@ -52,7 +52,7 @@ def log_likelihoods(model, inputs, targets, mask):
 def pair_log_likelihoods(model, batch: dict):
     """Per pair, of the chosen and the rejected answer: (log-likelihood sums, target counts). The model runs once
     on both answers' rows, as TRL's concatenated forward, so what it records (a router's load-balancing loss, which
-    the step adds: shard/recorded.py) is over every row the loss reads. Interleaved (each pair's answers side by
+    the step adds: shard/nn/recorded.py) is over every row the loss reads. Interleaved (each pair's answers side by
     side), so the rows a device holds stay its own."""
     both = lambda chosen, rejected: jnp.stack([batch[chosen], batch[rejected]], axis=1).reshape(
         -1, *batch[chosen].shape[1:])

@@ -16,7 +16,7 @@ import numpy as np
 
 from shard.data import documents, formats
 from shard.errors import UserError
-from shard.partition import constrain
+from shard.nn.partition import constrain
 from shard.use import generate
 
 
@@ -31,7 +31,7 @@ def sample(model, prompts, start, key, new_tokens: int, sampling: generate.Sampl
                         f"{capacity} tokens, past the model's context ({gen.context}, max_len); shorten one")
     if not gen.caches():
         raise UserError("train.objective=grpo samples from the model's cache: its attention must go through "
-                        "shard.hooks (the library's models do)")
+                        "shard.nn.hooks (the library's models do)")
     first_key, rest_key = jax.random.split(key)
     logits, cache = gen.forward(gen.state, prompts, jnp.zeros(rows, jnp.int32), start, None, capacity)
     first = sampling.pick(logits, first_key)

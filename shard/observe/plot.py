@@ -13,7 +13,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from shard.config import yaml_load
+from shard.paths import yaml_load
 
 from shard import paths
 from shard.errors import UserError, exit_from

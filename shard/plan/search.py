@@ -15,8 +15,8 @@ import math
 import time
 from dataclasses import replace
 
-from shard import partition
-from shard import plan as plan_lib
+from shard.nn import partition
+from shard.plan import analysis, meshes
 from shard.core import mesh as mesh_lib
 from shard.core import state as state_lib
 from shard.errors import UserError
@@ -57,7 +57,7 @@ class Candidate:
 def enumerate_candidates(cfg, work, n: int) -> list[Candidate]:
     out = []
     remats = REMATS if cfg.train.remat in REMATS else (*REMATS, cfg.train.remat)
-    for label, sizes in plan_lib.candidate_meshes(n, sequences=work.data.task == "lm"):
+    for label, sizes in meshes.candidate_meshes(n, sequences=work.data.task == "lm"):
         preset = sizes.pop("preset")
         for remat in remats:
             for accum in ACCUMS:
@@ -131,11 +131,11 @@ def search(cfg, devices: list, compiles: int) -> tuple[list[dict], float, int]:
         row = {"label": c.label, "preset": c.preset, "remat": c.remat, "grad_accum": c.accum, "baseline": c.baseline,
                "formula_step_s": c.estimate, "formula_memory": c.memory}
         try:
-            rows.append({**row, **plan_lib.analyse(configured(cfg, c), devices, work)})
+            rows.append({**row, **analysis.analyse(configured(cfg, c), devices, work)})
         except UserError as e:
             rows.append({**row, "skipped": str(e)})
     seconds = time.perf_counter() - start
-    rows.sort(key=plan_lib.compiler_rank)
+    rows.sort(key=meshes.compiler_rank)
     return rows, seconds, len(ranked)
 
 

@@ -18,7 +18,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field, replace
 
-from shard.config import yaml_load
+from shard.paths import yaml_load
 from shard.errors import UserError
 from shard.plan import hardware
 

@@ -19,7 +19,7 @@ import qwix
 from flax import nnx
 from qwix._src.core import numerics
 
-from shard.partition import logical_names, logical_to_spec, path_keys, plays_vector
+from shard.nn.partition import logical_names, logical_to_spec, path_keys, plays_vector
 
 KINDS = ("int8", "int4", "nf4")
 FLOATS = ("float32", "bfloat16")

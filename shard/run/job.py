@@ -24,8 +24,9 @@ from shard.strategies import gradients
 from shard.strategies import registry as strategies
 from shard.strategies.base import Strategy
 from shard.run import distributed
-from shard import attention as attn
-from shard import hf, hooks, objectives, partition, paths
+from shard.nn import attention as attn
+from shard import hf, objectives, paths
+from shard.nn import hooks, partition
 from shard.hf import read as hf_read
 from shard.core import blame, losses, optim, registry
 from shard.core import flops as flops_lib
@@ -53,7 +54,7 @@ class Workload:
     batch: dict           # one global batch's shapes, train and eval
     eval_batch: dict
     flops_per_step: float  # model FLOPs of one train step, all devices together (shard/core/flops.py)
-    stacks: tuple = ()     # the layer count of each stack the model runs through shard.hooks.stack
+    stacks: tuple = ()     # the layer count of each stack the model runs through shard.nn.hooks.stack
     attention_flops: float = 0.0  # of those, attention's forward (a fused kernel's work: the plan counts it apart)
     objective: object = None  # train.objective's when it is not lm (shard/objectives/), else None
 

@@ -185,7 +185,7 @@ def metrics_log(cfg, run_dir, start_step: int, work, main: bool, plan: dict | No
         board = Board(paths.resolve(run_dir) / "tensorboard", start_step)
         board.describe(start_step, work.resolved, cfg.model.name, state_lib.count_params(work.abstract.params))
     if main and cfg.run.wandb:
-        wandb = wandb_log.WandbRun(run_dir, config_lib.yaml_load(work.resolved), plan or {})
+        wandb = wandb_log.WandbRun(run_dir, paths.yaml_load(work.resolved), plan or {})
     log = MetricsLog(run_dir, wandb_log.Writers(board, wandb) if wandb else board)
     log.keep_until(start_step)  # after a restart, the steps past the checkpoint are logged again, once
     return log

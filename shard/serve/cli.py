@@ -84,7 +84,7 @@ def serve(args, overrides, whole_mesh) -> int:
     generator = serving.quantize_generator(generate.Generator(loaded.model, loaded.mesh if whole_mesh else None,
                                                               loaded.rules, loaded.cfg.train.dtype), args.quantize)
     if not generator.caches():
-        raise UserError(f"model {loaded.cfg.model.name}: its attention or recurrence does not go through shard.hooks, "
+        raise UserError(f"model {loaded.cfg.model.name}: its attention or recurrence does not go through shard.nn.hooks, "
                         "so it keeps no cache to serve from; python -m shard.generate still runs it")
     # one engine per context: sizing builds the one at the wanted context, served as it is where it fits
     embedded = min(tok.vocab_size, generate.output_vocab(loaded.model))  # gemma-3: 2 tokens past its embedding

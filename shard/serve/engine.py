@@ -14,9 +14,9 @@ logged and counted):
 Each attends over a view, the first `128 * 2^k` slots (or the context) holding every position written, so
 a short request on a long-context server does not pay for the whole context. A layer with a sliding window
 shorter than the context keeps a ring of its window per slot instead (position s at s mod window; a stack that
-mixes such layers with global ones keeps one cache per kind: shard/use/decoding.py's Kinds): it has no position
+mixes such layers with global ones keeps one cache per kind: shard/nn/decoding.py's Kinds): it has no position
 axis to view, and is taken whole. Each slot keeps its own write
-slot (shard/use/decoding.py), so sequences that began at different times share a step. The cache carries
+slot (shard/nn/decoding.py), so sequences that began at different times share a step. The cache carries
 logical names and is split like generation's (heads over `tensor`, the slots over the batch axes where they
 divide them).
 """
@@ -30,9 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard import partition
+from shard.nn import partition
 from shard.core import state as state_lib
-from shard.use import decoding, sampling
+from shard.use import sampling
+from shard.nn import decoding
 from shard.use.generate import Generator
 
 log = logging.getLogger("shard.serve")

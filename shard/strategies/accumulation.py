@@ -4,7 +4,7 @@ scan over microbatches lives in the gradient builder (shard/strategies/gradients
 
 import jax.numpy as jnp
 
-from shard import partition
+from shard.nn import partition
 from shard.errors import UserError
 from shard.strategies.base import Strategy
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shard.errors import UserError
-from shard.partition import logical_names, path_keys
+from shard.nn.partition import logical_names, path_keys
 
 
 @dataclass(frozen=True)

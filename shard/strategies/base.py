@@ -43,7 +43,7 @@ class Strategy:
 
     # ---- tracing the model
     def hooks(self) -> dict:
-        """Keyword arguments for shard.hooks.use while the steps are traced: what the model's hooks answer
+        """Keyword arguments for shard.nn.hooks.use while the steps are traced: what the model's hooks answer
         with (the pipeline's schedule, the context split)."""
         return {}
 

@@ -3,9 +3,9 @@
 Dequantizing a quantized base and adding the adapters to it before the model would hold the whole stack's weights
 in float32 at once, more than the stored base saves (the compiler's peak for the 8B shape grew, bench/RESULTS.md).
 Instead each stacked weight the model sees is a `Built`: its stored value (codes or bfloat16), the scales and the
-adapters of every layer, a pytree whose arrays all keep the `layers` axis first. The stack (shard/hooks.py's
-`scan`, `unrolled`, a pipeline's stage, and generation's `scan_decoding` and `stack_caches`) slices it with the
-layers and calls `build()` for the one layer it runs, under a checkpoint that saves nothing, so the backward pass
+adapters of every layer, a pytree whose arrays all keep the `layers` axis first (shard/nn/deferred.py's
+`Deferred`). The stack (shard/nn/hooks.py's `scan`, `unrolled`, a pipeline's stage, and generation's
+`scan_decoding` and `stack_caches`) slices it with the layers and calls `build()` for the one layer it runs, under a checkpoint that saves nothing, so the backward pass
 rebuilds the layer's weight from its codes instead of keeping every layer's; only the layer in hand exists as
 floats. The arithmetic is the whole-stack merge's (shard/strategies/adapters.py's `adapted`, shard/quant/base.py's
 `dequantize_value`), a layer at a time. A quantized base's parts are laid out for the layer's products before it
@@ -16,14 +16,14 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard import partition
-
+from shard.nn import partition
+from shard.nn.deferred import Deferred
 from shard.quant import base as quant
 from shard.strategies import adapters
 
 
 @jax.tree_util.register_pytree_node_class
-class Built:
+class Built(Deferred):
     """One stacked weight of the model: stored value (+ scale) and adapter pairs, built per layer by `build()`.
     `names`: the logical names of one layer's stored value, scale and adapter pairs ((A's, B's) each), which say
     how the layer's products use them (`as_used`)."""
@@ -89,39 +89,3 @@ def as_used(x, names):
 def stacked(names) -> bool:
     """Whether a weight's logical names say it is a stack's (its first axis `layers`)."""
     return bool(names) and names[0] == "layers"
-
-
-def build_all(tree):
-    """`tree` with every `Built` value replaced by the weight it builds (a layer's, inside a stack)."""
-    return jax.tree.map(lambda v: v.build() if isinstance(v, Built) else v, tree,
-                        is_leaf=lambda v: isinstance(v, Built))
-
-
-def any_built(tree) -> bool:
-    return any(isinstance(v, Built) for v in jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, Built)))
-
-
-def in_layers(checkpointed: bool):
-    """A stack's call of one layer, layer(x), with the layer's `Built` weights built first. What the call updates
-    besides the parameters
-    (normalisation statistics) is written back to the layer the stack handed in. The backward pass builds each
-    layer's weights again rather than keeping them: under activation checkpointing (`checkpointed`, train.remat)
-    no policy keeps a built weight (none is a matrix product without batch dimensions, nor named); without it,
-    such a layer runs as under train.remat=dots, keeping its matrix products' outputs."""
-    def run(one, x):
-        graphdef, params, rest = nnx.split(one, nnx.Param, ...)
-        # a fresh function each trace: jax.checkpoint caches a function's trace, and as_used's layout is the mesh's
-        build = jax.checkpoint(lambda p: build_all(p), policy=jax.checkpoint_policies.nothing_saveable)
-        built = nnx.merge(graphdef, build(params), rest)
-        out = built(x)
-        nnx.update(one, nnx.state(built, nnx.Not(nnx.Param)))
-        return out
-
-    def maybe(one, x):
-        if not any_built(nnx.state(one, nnx.Param)):
-            return one(x)
-        if checkpointed:
-            return run(one, x)
-        return nnx.remat(run, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)(one, x)
-
-    return maybe

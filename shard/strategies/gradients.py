@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from shard import partition, recorded
+from shard.nn import partition, recorded
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard import partition
+from shard.nn import partition
 from shard.core import registry
 from shard.core import state as state_lib
 from shard.errors import UserError
 from shard.quant import base as quant
 from shard.run import checkpoint as ckpt_lib
-from shard.partition import logical_names, path_keys
+from shard.nn.partition import logical_names, path_keys
 from shard.strategies import adapters, deferred
 from shard.strategies.base import Strategy, mb
 

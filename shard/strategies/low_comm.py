@@ -6,6 +6,7 @@ plan, what crosses between replicas."""
 
 import jax
 
+from shard.plan import hlo  # the plan's reader of compiled programs
 from shard.run import distributed
 from shard.strategies import sync as sync_lib
 from shard.strategies import sync_io
@@ -85,8 +86,6 @@ class LowCommunication(Strategy):
 
     def _per_sync(self, n: int) -> list:
         """Bytes each fragment's sync sends per device, read once from its compiled program (the plan asks twice)."""
-        from shard.plan import hlo  # the plan's reader of compiled programs (imported late: the plan imports jobs)
-
         if n not in self._sync_bytes:
             self._sync_bytes[n] = [hlo.summary(hlo.collectives(p.as_text(), n))[1] for p in self.programs]
         return self._sync_bytes[n]
@@ -99,8 +98,6 @@ class LowCommunication(Strategy):
         devices, a multiple of R (the gradient reduction spans every replica); local_sgd and diloco: the sync
         programs' collectives (all of them reduce over `replica`), each fragment's once every H steps, so per
         step their sum / H; the peak is the largest single sync."""
-        from shard.plan import hlo
-
         r = self.replicas
         if not self.sync:
             per_step = hlo.summary([op for op in step_ops if op.group >= r and op.group % r == 0])[1]

@@ -11,7 +11,7 @@ every microbatch has passed all L layers in order; the S - 1 iterations in which
 nothing to do are the bubble, (S-1)/(R M + S - 1) of the time. Reverse-mode autodiff of the scan is
 the backward pipeline.
 
-Where the parameters live: the `layers` dimension maps to the `stage` axis (shard/partition.py),
+Where the parameters live: the `layers` dimension maps to the `stage` axis (shard/nn/partition.py),
 so each stage's devices hold L/S contiguous rows of every stacked array, the other axes splitting them
 further as usual. GPipe runs exactly those layers. The circular schedule runs every S-th group instead,
 so its train state keeps the stacked arrays in schedule order (`Layout`: stage s's rows are its groups
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard import hooks, partition
+from shard.nn import hooks, partition
 from shard.errors import UserError
 from shard.strategies.base import Strategy
 
@@ -49,7 +49,7 @@ UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 @dataclass(frozen=True)
 class Schedule:
     """S stages, R layer groups per stage (1 = GPipe, more = circular), M microbatches; called by
-    `shard.hooks.stack` in place of its scan."""
+    `shard.nn.hooks.stack` in place of its scan."""
     stages: int
     repeats: int
     microbatches: int
@@ -73,7 +73,7 @@ def settings(cfg, mesh_shape: dict, rules: dict, work) -> Schedule | None:
     micro = cfg.pipeline.microbatches or 2 * stages
     where = f"mesh.stage={stages}"
     if not work.stacks:
-        raise UserError(f"{where}: model {cfg.model.name!r} runs no stacked layers through shard.hooks.stack, so "
+        raise UserError(f"{where}: model {cfg.model.name!r} runs no stacked layers through shard.nn.hooks.stack, so "
                         "there is nothing to cut into stages; use a mesh without a stage axis (gpt, moe, vit and "
                         "lstm stack theirs)")
     for n in work.stacks:
@@ -310,7 +310,7 @@ class Layout:
 def layout(p: Schedule | None, graphdef, abstract_state, inputs) -> Layout | None:
     """The state's layout under schedule p: a Layout for a circular schedule, None where the layer order
     is the schedule's (GPipe, no pipeline). Finds the stacks by tracing the model once, abstractly, with
-    each `shard.hooks.stack` call recording its layers in place of running them."""
+    each `shard.nn.hooks.stack` call recording its layers in place of running them."""
     if p is None or p.repeats == 1:
         return None
     found = []

@@ -7,7 +7,7 @@ data shard, keep XLA's reduction: the log and the plan say so, with what it cost
 
 import jax.numpy as jnp
 
-from shard import partition
+from shard.nn import partition
 from shard.errors import UserError
 from shard.strategies import gradients
 from shard.strategies.base import Strategy

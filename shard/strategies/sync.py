@@ -36,7 +36,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard import partition
+from shard.nn import partition
 from shard.errors import UserError
 from shard.core.state import TrainState
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from shard import hooks
+from shard.nn import hooks
 from shard.errors import UserError, exit_from, first_line
 
 TOLERANCE = 1e-4

@@ -1,5 +1,5 @@
 """Generating text with a trained language model (gpt, moe, lstm, or any model that attends and recurs
-through shard.hooks):
+through shard.nn.hooks):
 
     python -m shard.generate RUN [--prompt TEXT ... | --prompt-file FILE | --prompt-lines FILE]
                              [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B]
@@ -9,7 +9,7 @@ Several prompts (--prompt repeated, or a file of one a line) are generated as on
 longest; each row under greedy decoding is what its prompt gives alone, and stops at EOS on its own.
 
 One prefill pass runs the model over the prompt and fills its cache (attention's keys and values, an
-LSTM's state: shard/use/decoding.py); then one jitted loop adds a token at a time, each step running the model
+LSTM's state: shard/nn/decoding.py); then one jitted loop adds a token at a time, each step running the model
 on that token alone. The cache carries logical names, so under any mesh (`mesh=tp run.cpu_devices=4`, as
 for training) it is split like the activations: heads over `tensor`, the batch over the batch axes.
 
@@ -33,10 +33,11 @@ from jax.sharding import NamedSharding
 
 from shard.data import formats
 from shard.data import tokenizer as tokenizer_lib
-from shard.use import decoding
+from shard.nn import decoding
 from shard.use.sampling import Sampling  # noqa: F401  (generation's setting, here by its old name too)
 from shard.run import distributed
-from shard import hooks, partition, paths
+from shard import paths
+from shard.nn import hooks, partition
 from shard.errors import UserError, exit_from
 from shard.core.step import cast_floats
 
@@ -76,7 +77,7 @@ class Generator:
                 reach: int | None = None):
         """Logits of the last of `tokens` (float32; of each row's column `last` where given) and the cache with
         them written at each row's `index` (its padding before its `start` and from its `end`; attending over
-        its first `seen` slots; a row spanning `reach` positions, default capacity: shard/use/decoding.py)."""
+        its first `seen` slots; a row spanning `reach` positions, default capacity: shard/nn/decoding.py)."""
         model = self._model(state)
         calls = decoding.Calls(jnp.asarray(index, jnp.int32), jnp.asarray(start, jnp.int32), capacity, cache,
                                end=None if end is None else jnp.asarray(end, jnp.int32), seen=seen, reach=reach)
@@ -103,7 +104,7 @@ class Generator:
     def _uncached(self, prompt: np.ndarray, new_tokens: int, sampling: Sampling, key, rules) -> np.ndarray:
         """Each token by re-running the model on the sequence's last tokens (at most its context, or `window`),
         padded at the end to one length so that one program serves every step: for a model whose attention or
-        recurrence does not go through shard.hooks, and so keeps nothing between calls."""
+        recurrence does not go through shard.nn.hooks, and so keeps nothing between calls."""
         width = prompt.shape[1] + new_tokens - 1
         width = min(width, self.context or self.window or width)
         seq, made = prompt, []

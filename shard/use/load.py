@@ -19,7 +19,8 @@ from flax import nnx
 from shard.run import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard.run import distributed
-from shard import partition, paths
+from shard import paths
+from shard.nn import partition
 from shard.core import registry
 from shard.core import mesh as mesh_lib
 from shard.core import state as state_lib
@@ -104,7 +105,7 @@ def run_config(path: str, key: str = "path") -> str:
 
 def run_rules(config_path: str) -> dict:
     """The logical-axis rules a run trained with (its config.yaml's mesh.rules)."""
-    saved = config_lib.yaml_load(paths.resolve(config_path).read_text()) or {}
+    saved = paths.yaml_load(paths.resolve(config_path).read_text()) or {}
     rules = (saved.get("mesh") or {}).get("rules") if isinstance(saved, dict) else None
     return rules if isinstance(rules, dict) else {}
 
