@@ -276,24 +276,31 @@ SPACED_CHAT = [{"role": "user", "content": "  héllo\tworld"}, {"role": "assista
                {"role": "user", "content": "\t again"}]
 
 
-def trained_and_exported(tokenizer: Path, tmp_path: Path) -> tuple[Path, Path]:
-    """A tiny Llama-shaped run (no window, rotary or scaling beyond Llama's: written as model_type llama) trained
-    one step on documents through `tokenizer`, and its Hugging Face export: (run, exported folder)."""
+def trained(tokenizer: Path, tmp_path: Path, *extra: str) -> Path:
+    """A tiny Llama-shaped run (`extra`: options beyond Llama's) trained one step on documents through `tokenizer`."""
     from shard import config
     from shard.run import trainer
-    from shard.use import export
 
     from conftest import overrides
 
     corpus = tmp_path / "corpus.jsonl"
     text = "  héllo\tdoc {0}:  le fromage, c'est bon.\n" * 2  # long enough for a row of the held-out split
     corpus.write_text("".join(json.dumps({"text": text.format(i)}) + "\n" for i in range(16)))
-    run, out = tmp_path / "run", tmp_path / "hf"
-    trainer.run(config.load(None, overrides(run, *LLAMA_SHAPED, "data.name=documents", f"data.path={corpus}",
+    run = tmp_path / "run"
+    trainer.run(config.load(None, overrides(run, *LLAMA_SHAPED, *extra, "data.name=documents", f"data.path={corpus}",
                                             f"data.tokenizer={tokenizer}", "data.seq_len=16", "data.batch_size=4",
                                             "train.steps=1", "checkpoint.enabled=true", "run.cpu_devices=1")))
+    return run
+
+
+def trained_and_exported(tokenizer: Path, tmp_path: Path, *extra: str, kind: str = "llama") -> tuple[Path, Path]:
+    """`trained`'s run and its Hugging Face export, written as model_type `kind` (no window, rotary or scaling beyond
+    Llama's: llama): (run, exported folder)."""
+    from shard.use import export
+
+    run, out = trained(tokenizer, tmp_path, *extra), tmp_path / "hf"
     assert export.main([str(run), "--format", "hf", "--out", str(out)]) == 0
-    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    assert json.loads((out / "config.json").read_text())["model_type"] == kind
     return run, out
 
 
@@ -333,6 +340,76 @@ def test_a_llama2_tokenizers_run_exported_as_llama_keeps_its_tokenizer_files(tmp
     assert type(exported).__name__ == type(source).__name__ == "LlamaTokenizer"
     trained = load_tokenizer(str(run))
     assert all(exported(t).input_ids == trained.encode(t) == source(t).input_ids for t in ODD_SPACES)
+
+
+@pytest.mark.parametrize("name", ["llama-2-7b-hf", "llama-2-spm-only", "qwen2.5-0.5b-instruct",
+                                  pytest.param("gemma-2b-it", marks=pytest.mark.slow)])  # ~30 s: 256k pieces
+def test_a_windowed_llamas_run_exported_as_mistral_encodes_there_as_it_trained(name, folders, tmp_path):
+    """A Llama whose layers all slide alike is written as mistral, for which transformers reads tokenizer.json as
+    written whatever class the files name; the run read Llama 2's tokenizer.json or lone .model (LlamaTokenizer; the
+    .model's BOS from tokenizer_config.json's flags), Qwen2.5's vocab.json + merges.txt (Qwen2Tokenizer) or Gemma's
+    .model (GemmaTokenizer) with its class's pipeline. The exported tokenizer.json is that pipeline: AutoTokenizer
+    gives training's ids, texts and chat alike."""
+    from shard import load_tokenizer
+
+    run, out = trained_and_exported(folders[name], tmp_path, "model.windows=[8]", kind="mistral")
+    exported, source = transformers.AutoTokenizer.from_pretrained(str(out)), theirs(name, folders)
+    trained_with = load_tokenizer(str(run))
+    assert type(exported).__name__ == "TokenizersBackend" != type(source).__name__
+    for text in [*ODD_SPACES, " a  b"]:
+        assert exported(text).input_ids == trained_with.encode(text) == source(text).input_ids, text
+    if trained_with.chat_template is not None:
+        want = source.apply_chat_template(SPACED_CHAT, tokenize=True, add_generation_prompt=True, return_dict=False)
+        assert exported.apply_chat_template(SPACED_CHAT, tokenize=True, add_generation_prompt=True,
+                                            return_dict=False) == chat.Template(trained_with)(SPACED_CHAT) == want
+    kept = run / tokenizer_lib.RUN_FOLDER
+    for f in kept.iterdir():  # the other files as the run keeps them
+        if f.name not in ("config.json", "tokenizer.json"):
+            assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_a_qkv_biased_llamas_run_with_a_llama2_tokenizer_is_refused_before_anything_is_written(tmp_path, capsys,
+                                                                                               monkeypatch):
+    """A Llama with qkv_bias is written as qwen2, whose tokenizer transformers always builds as Qwen2Tokenizer (qwen2
+    is in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), which garbles Llama 2's: the CLI refuses in one line (exit 2)
+    before a parameter is gathered, and neither --out nor the parent it would make (where the weights' scratch
+    folder goes) is left."""
+    from shard import load_tokenizer
+    from shard.errors import exit_from
+    from shard.hf import write
+    from shard.use import export
+
+    run = trained(FIXTURES / "llama-2-7b-hf", tmp_path, "model.qkv_bias=true")
+    out = tmp_path / "new" / "hf"
+    capsys.readouterr()
+    monkeypatch.setattr(write, "host_value", lambda x: pytest.fail("a parameter was gathered before the refusal"))
+    with pytest.raises(SystemExit) as e:
+        exit_from(export.main, [str(run), "--format", "hf", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "model_type qwen2" in err and "Qwen2Tokenizer" in err and "as LlamaTokenizer" in err, err
+    assert not out.parent.exists()
+    # what the refusal spares: transformers' reading of the run's tokenizer files under that model_type
+    garbled = tmp_path / "as-qwen2"
+    shutil.copytree(run / tokenizer_lib.RUN_FOLDER, garbled)
+    (garbled / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    ref, text = transformers.AutoTokenizer.from_pretrained(str(garbled)), "  héllo\t a  b"
+    assert type(ref).__name__ == "Qwen2Tokenizer" and ref(text).input_ids != load_tokenizer(str(run)).encode(text)
+
+
+def test_a_qwen_tokenizer_goes_unchanged_into_a_folder_written_as_qwen2(folders, tmp_path):
+    """What Qwen2Tokenizer reads as the run does (Qwen3's files name it) is not refused for qwen2, nor changed."""
+    from shard.hf import write
+
+    config = {"model_type": "qwen2"}
+    files = write._tokenizer_files(folders["qwen3-4b"], config)
+    assert files == {f.name: f.read_bytes() for f in folders["qwen3-4b"].iterdir()} and config["eos_token_id"] == 151645
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    exported, text = transformers.AutoTokenizer.from_pretrained(str(tmp_path)), "  héllo\t a  b"
+    assert exported(text).input_ids == ours("qwen3-4b", folders).encode(text) \
+        == theirs("qwen3-4b", folders)(text).input_ids
 
 
 @pytest.mark.parametrize("name, names", [("smollm3-3b", "tokenizer.json"), ("deepseek-r1-distill-qwen-32b", "tokenizer.json"),

@@ -99,6 +99,7 @@ def write_folder(params, model_name: str, kwargs: dict, out: Path, tokenizer_dir
     ours = flat_paths(params)
     size, main = tables.sizes(g, kind), jax.process_index() == 0
     rows = tables.rows(kind, set(ours), size)
+    tokenizer = _tokenizer_files(tokenizer_dir, config)  # a tokenizer it cannot hold is refused before any file
     scratch = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.")) if main else None
     files, pending, total, weight_map = [], {}, 0, {}
 
@@ -129,7 +130,7 @@ def write_folder(params, model_name: str, kwargs: dict, out: Path, tokenizer_dir
         add(implied_zeros(kind, g, size))
         flush()
         if main:
-            _finish(scratch, out, files, total, config, tokenizer_dir, source)
+            _finish(scratch, out, files, total, config, tokenizer, source)
     except BaseException:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -137,10 +138,10 @@ def write_folder(params, model_name: str, kwargs: dict, out: Path, tokenizer_dir
     return len(files), total
 
 
-def _finish(scratch: Path, out: Path, files: list, total: int, config: dict, tokenizer_dir: Path | None,
+def _finish(scratch: Path, out: Path, files: list, total: int, config: dict, tokenizer: dict[str, bytes],
             source: Folder | None = None) -> None:
-    """Name the shards as transformers does, write the index, config, generation config and tokenizer, and
-    move into place."""
+    """Name the shards as transformers does, write the index, the tokenizer's files (`_tokenizer_files`), config,
+    generation config, and move into place."""
     weight_map = {}
     for i, (name, tensors) in enumerate(files):
         final = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
@@ -148,13 +149,8 @@ def _finish(scratch: Path, out: Path, files: list, total: int, config: dict, tok
         weight_map.update({t: final for t in tensors})
     if len(files) > 1:
         (scratch / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    if tokenizer_dir is not None and tokenizer_dir.is_dir():
-        for f in tokenizer_dir.iterdir():
-            shutil.copyfile(f, scratch / f.name)
-        kept = _tokenizer_in(scratch)
-        if kept is not None:
-            config.update(_special_ids(kept))
-            _keep_class(scratch, kept, config)
+    for name, content in tokenizer.items():
+        (scratch / name).write_bytes(content)
     for k in SPECIAL_IDS if source is not None else ():  # the source model's ids where the tokenizer gave none
         if config.get(k) is None and k in source.config:  # null too: a family's default may be past the vocabulary
             config[k] = source.config[k]
@@ -171,37 +167,80 @@ def _finish(scratch: Path, out: Path, files: list, total: int, config: dict, tok
     os.replace(scratch, out)
 
 
+def _tokenizer_files(tokenizer_dir: Path | None, config: dict) -> dict[str, bytes]:
+    """The run's tokenizer files (name -> content) as the folder is to hold them, read by transformers as the run
+    reads them under config.json's model_type (`_keep_class`); `config` takes their special ids. {} where the run
+    has none."""
+    if tokenizer_dir is None or not tokenizer_dir.is_dir():
+        return {}
+    files = {f.name: f.read_bytes() for f in tokenizer_dir.iterdir()}
+    kept = _tokenizer_in(tokenizer_dir)
+    if kept is not None:
+        config.update(_special_ids(kept))
+        _keep_class(files, kept, config)
+    return files
+
+
 def _tokenizer_in(folder: Path):
-    """The tokenizer copied into the folder, as the run reads its copy (config.json still the copy's: the source's
-    MODEL_KEYS), or None where there is none."""
+    """The tokenizer in the run's copy `folder`, as the run reads it (its config.json the source's MODEL_KEYS), or
+    None where there is none."""
     from shard.data import tokenizer, tokenizer_files
 
     return tokenizer.load(str(folder)) if tokenizer_files.present(folder) else None
 
 
 def _special_ids(t) -> dict:
-    """BOS and EOS ids of the tokenizer copied into the folder, for config.json (generate stops at EOS)."""
+    """BOS and EOS ids of the run's tokenizer, for config.json (generate stops at EOS)."""
     return {k: v for k, v in (("bos_token_id", t.bos), ("eos_token_id", t.eos)) if v is not None}
 
 
-def _keep_class(folder: Path, t, config: dict) -> None:
-    """Make transformers read the tokenizer `t` copied into `folder` with the class the run read it with.
+def _keep_class(files: dict[str, bytes], t, config: dict) -> None:
+    """Make transformers read the tokenizer `t` (its files `files`, changed in place) as the run read it.
     config.json's model_type picks the class for some families (shard/data/auto_class.py), and a model may be
     written as another family than its tokenizer's source (Phi-3's files name LlamaTokenizer, are read as written
     for model_type phi3, and a Phi-3 without longrope or partial rotary is written as llama): where the classes
-    differ, tokenizer_config.json names the run's. Left as it is where no name wins over the written model_type
-    (one registered to the file as written, or qwen2, whose registered class overrides any named one)."""
+    differ, tokenizer_config.json names the run's. Where no name wins over the written model_type: one registered to
+    the file as written (a windowed Llama is written as mistral) gets the run's own pipeline as its tokenizer.json;
+    one whose registered class overrides any named one (qwen2: a Llama with qkv_bias) is refused."""
     from shard.data import auto_class
 
     model = {k: config[k] for k in auto_class.MODEL_KEYS if isinstance(config.get(k), str)}
-    if t.read_as(t.found.config, model)[0] == t.cls:
+    read = t.read_as(t.found.config, model)[0]
+    if read == t.cls:
         return
     named = "TokenizersBackend" if t.cls == auto_class.GENERIC else t.cls  # transformers 5's name of the file as is
-    if t.read_as({**t.found.config, "tokenizer_class": named}, model)[0] != t.cls:
-        return
-    path = folder / "tokenizer_config.json"
-    text = path.read_bytes().decode("utf-8") if path.is_file() else None  # bytes: its line ends kept
-    path.write_bytes(_with_class(text, named).encode("utf-8"))
+    if t.read_as({**t.found.config, "tokenizer_class": named}, model)[0] == t.cls:
+        given = files.get("tokenizer_config.json")
+        text = given.decode("utf-8") if given is not None else None  # from bytes: its line ends kept
+        files["tokenizer_config.json"] = _with_class(text, named).encode("utf-8")
+    elif read == auto_class.GENERIC:
+        files["tokenizer.json"] = _as_file(t)
+    else:
+        raise UserError(f"--format hf: the model is written as model_type {config['model_type']}, whose tokenizer "
+                        f"transformers builds as {read} whatever the files name, but the run read its tokenizer as "
+                        f"{t.cls}: the folder would not tokenize text as training did (export a run whose tokenizer "
+                        f"is read as {read})")
+
+
+def _as_file(t) -> bytes:
+    """The run's tokenizer `t` as a tokenizer.json that transformers reads as written: the pipeline the run built
+    (its class's, not the file's), and the special ids it puts around a text as the post-processor (a .model's or
+    vocab.json's come from tokenizer_config.json's flags, which transformers ignores beside a tokenizer.json)."""
+    spec = json.loads(t.tok.to_str())
+    if t.found.kind != "json" and (t.head or t.tail):
+        spec["post_processor"] = _around(t)
+    return (json.dumps(spec, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
+
+
+def _around(t) -> dict:
+    """A TemplateProcessing that puts `t`'s special ids before and after a text (a pair's: around each text, as
+    LlamaTokenizer's update_post_processor lays them out)."""
+    def part(seq: str, type_id: int) -> list:
+        special = lambda ids: [{"SpecialToken": {"id": t.tok.id_to_token(i), "type_id": type_id}} for i in ids]
+        return [*special(t.head), {"Sequence": {"id": seq, "type_id": type_id}}, *special(t.tail)]
+    names = {t.tok.id_to_token(i): i for i in (*t.head, *t.tail)}
+    return {"type": "TemplateProcessing", "single": part("A", 0), "pair": part("A", 0) + part("B", 1),
+            "special_tokens": {k: {"id": k, "ids": [i], "tokens": [k]} for k, i in names.items()}}
 
 
 def _with_class(text: str | None, cls: str) -> str:
