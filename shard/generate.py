@@ -1,11 +1,7 @@
-"""`python -m shard.generate` and `from shard.generate import ...`: the code lives in shard/use/generate.py."""
+"""`python -m shard.generate`: the code lives in shard/use/generate.py. `Generator` (and the `Sampling` it is
+called with) stay importable from here: docs/trained-model.md names `shard.generate.Generator`."""
 
-import sys
+from shard.cli import command
+from shard.use.generate import Generator, Sampling, main  # noqa: F401
 
-from shard.use.generate import *  # noqa: F401,F403  (its public names)
-from shard.use.generate import main
-
-if __name__ == "__main__":
-    from shard.errors import exit_from
-
-    exit_from(main, sys.argv[1:])
+command(__name__, main)

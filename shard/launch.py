@@ -1,6 +1,6 @@
 """`python -m shard.launch` (also installed as `shard-launch`): the code lives in shard/run/launch.py."""
 
-from shard.run.launch import cli
+from shard.cli import command
+from shard.run.launch import main
 
-if __name__ == "__main__":
-    cli()
+command(__name__, main)

@@ -174,7 +174,8 @@ def test_all_gather_computes_only_the_visible_blocks():
         fn.grad = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * weights), argnums=(0, 1, 2)))
         fn.value, fn.grads = jax.jit(fn)(q, k, v), fn.grad(q, k, v)
     for ours, want in zip((gathered.value, *gathered.grads), (plain.value, *plain.grads)):
-        assert float(jnp.max(jnp.abs(ours - want)) / jnp.max(jnp.abs(want))) < 1e-6
+        # float32 sums over 512 keys in another order: 1.7e-6 on one 2-core machine, under 1e-6 on CI's last
+        assert float(jnp.max(jnp.abs(ours - want)) / jnp.max(jnp.abs(want))) < 5e-6
     every_pair = 3 * 4 * h * (t // n) * t * d  # per device: QK^T and PV forward, four products backward
     assert flops.xla_flops(gathered.grad.lower(q, k, v).compile()) < 0.6 * every_pair
 

@@ -367,7 +367,8 @@ def test_every_module_command_exists_and_its_parser_takes_the_arguments(command,
     monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", stop_after_parsing)
     with pytest.raises(Parsed) as parsed:
         module.main(args)
-    _, left = parsed.value.args
+    taken, left = parsed.value.args
+    left = [*getattr(taken, "overrides", []), *left]  # the loading commands declare key=value ... (shard/use/load.py)
     assert all("=" in a and not a.startswith("-") for a in left), (command, left)
     config.load(ROOT / "configs" / "default.yaml", left)  # the mesh and device overrides
 

@@ -137,7 +137,7 @@ def moe_step(goal, batch: dict, weight: float):
     tx = optax.sgd(1.0)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest, opt_state=tx.init(params),
                        extra={"reference": params})
-    train = step.make_train_step(graphdef, tx, None, jnp.float32, goal=goal,
+    train = step.make_train_step(graphdef, tx, goal, jnp.float32,
                                  reference=(lambda s: s.extra["reference"]) if goal.reference else None)
     new, out = jax.jit(train)(state, batch)
     return jax.device_get(out), jax.tree.map(lambda a, b: np.asarray(a - b), params, new.params)

@@ -137,7 +137,7 @@ def test_greedy_generate_equals_transformers(folders, kind):
 def test_the_server_refuses_a_context_past_phi3s_original_one_in_one_line(folders):
     """LongRoPE's long factors past the original context (8) come with a recomputed cache in transformers' generate
     (as in ours, above); the server's slots keep theirs, so it serves at most that context."""
-    from shard.serve import cli
+    from shard.server import cli
 
     generator = generate.Generator(shard.load_model(folders["phi3"][0]))
     cli.check_refill(generator, 8)

@@ -14,7 +14,7 @@ from conftest import ROOT, TINY_GPT, TINY_MODELS, overrides
 from shard import config
 from shard.nn import attention, hooks, partition
 from shard.core import state as state_lib
-from shard.core import step as step_lib
+from shard.objectives import lm
 from shard.data import packing
 from shard.errors import UserError
 from shard.run import job as job_lib
@@ -81,7 +81,7 @@ def logits_fn(cfg, j):
 
     def logits(state, batch):
         model = nnx.merge(j.work.graphdef, state.params, state.rest)
-        out = step_lib.run_model(model, ring.reorder(batch, order), jnp.float32)
+        out = lm.run_model(model, ring.reorder(batch, order), jnp.float32)
         return out if order is None else out[:, np.argsort(order)]
 
     with partition.activate(j.mesh, j.rules), hooks.use(cfg.train.remat, cfg.train.attention, **traced):

@@ -12,7 +12,7 @@ import pytest
 
 from shard.data import formats, token_cache, tokenizer as tokenizer_lib
 from shard.errors import UserError
-from shard.serve import chat
+from shard.server import chat
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT.parent / "shared" / "fixtures" / "hf"
@@ -441,7 +441,7 @@ def test_the_servers_prompts_are_the_training_rows_first_tokens(name, folders, t
 
     import httpx
 
-    from shard.serve import app, scheduler
+    from shard.server import app, scheduler
 
     tok = ours(name, folders)
     queue = scheduler.Scheduler(_Idle(), tok, max_queue=1)

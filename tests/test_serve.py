@@ -20,7 +20,7 @@ from conftest import ROOT, TINY_GPT, TINY_MODELS, overrides, subprocess_env
 from shard import config
 from shard.errors import UserError
 from shard.run import trainer
-from shard.serve import app, chat, engine, scheduler
+from shard.server import app, chat, engine, scheduler
 from shard.use import generate
 
 openai = pytest.importorskip("openai")  # the test extra's real client (httpx comes with it)

@@ -21,7 +21,7 @@ from test_serve import free_port
 import shard  # noqa: E402
 from shard.data import tokenizer as tokenizer_lib  # noqa: E402
 from shard.errors import UserError  # noqa: E402
-from shard.serve import cli, engine  # noqa: E402
+from shard.server import cli, engine  # noqa: E402
 from shard.use import generate, load  # noqa: E402
 
 httpx = pytest.importorskip("httpx")

@@ -14,7 +14,7 @@ from shard import config
 from shard.core import registry
 from shard.core import state as state_lib
 from shard.data import tokenizer as tokenizer_lib
-from shard.serve import app, chat, engine, protocol, scheduler
+from shard.server import app, chat, engine, protocol, scheduler
 from shard.use import generate
 
 httpx = pytest.importorskip("httpx")

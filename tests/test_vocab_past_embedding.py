@@ -22,7 +22,7 @@ from shard import config  # noqa: E402
 from shard.data import tokenizer as tokenizer_lib  # noqa: E402
 from shard.errors import UserError  # noqa: E402
 from shard.run import trainer  # noqa: E402
-from shard.serve import app, chat, scheduler  # noqa: E402
+from shard.server import app, chat, scheduler  # noqa: E402
 from shard.use import generate  # noqa: E402
 
 REAL = FIXTURES / "gemma-3-1b-it"

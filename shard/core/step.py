@@ -1,4 +1,4 @@
-"""The jitted train and eval steps: loss, gradients, optimizer update.
+"""The jitted train and eval steps: the objective's loss (shard/objectives/), gradients, optimizer update.
 
 Both are compiled ahead of time with explicit input and output shardings, so nothing is
 resharded behind the user's back and the compiled program (memory, collectives) can be inspected.
@@ -18,22 +18,20 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.nn import ring
 from shard.strategies import gradients
-from shard.nn import hooks, recorded
+from shard.nn import recorded
 from shard.errors import UserError
-from shard.core import losses
 from shard.core.blame import blamed
-from shard.core.losses import accuracy
 from shard.core.precision import cast_floats
 from shard.core.state import TrainState
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, loss_fn: Callable, dtype,
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, goal, dtype,
                     skip_nonfinite: bool = False, reduction: gradients.Reduction = gradients.Reduction(),
                     device_shardings=None, order: tuple | None = None, schedule: Callable | None = None,
-                    trainable=None, arrange: Callable | None = None, goal=None,
-                    reference: Callable | None = None) -> Callable:
-    """The train step: the loss (each microbatch's mean loss counting 1/K under accumulation, so the update is
-    the whole batch's), gradients reduced as `reduction` says (shard/strategies/gradients.py), one optimizer update.
+                    trainable=None, arrange: Callable | None = None, reference: Callable | None = None) -> Callable:
+    """The train step: `goal`'s loss (the objective's, shard/objectives/: each microbatch's mean loss counting 1/K
+    under accumulation, so the update is the whole batch's), gradients reduced as `reduction` says
+    (shard/strategies/gradients.py), one optimizer update.
     `device_shardings` (host offload) is the state's layout in device memory: what lives on the host between
     steps is moved there for the step and back after it (the out shardings say where). `order`: context
     parallelism's load-balanced token order, in which inputs and targets are laid out (shard/nn/ring.py).
@@ -43,24 +41,16 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
     `get(state)` (the trained tree), `put(state, tree)` and `weights(state, tree)` (the model's parameters
     they stand for); the rest of the state is a constant of the differentiation, so it gets no gradient.
     `arrange` (a pipeline): the order of the rows the model is run on, the loss being a mean over them.
-    `goal`: an objective other than lm (shard/objectives/), whose loss replaces `loss_fn` on the model's outputs;
-    `reference(state)`: the frozen weights it compares with (shard/strategies/reference.py), if it wants them."""
+    `reference(state)`: the frozen weights the objective compares with (shard/strategies/reference.py), if it
+    wants them."""
 
     def objective(params, rest, batch, weights=None, frozen=None):
         batch = ring.reorder(batch, order)
         batch = arrange(batch) if arrange is not None else batch
         model = nnx.merge(graphdef, cast_floats(params if weights is None else weights(params), dtype), rest,
                           copy=True)
-        if goal is not None:
-            base = None if frozen is None else nnx.merge(graphdef, cast_floats(frozen, dtype), rest, copy=True)
-            loss, stats = goal.loss(model, batch, base)
-        else:
-            outputs = run_model(model, batch, dtype).astype(jnp.float32)
-            if "loss_mask" in batch:  # packed rows: the real targets' mean (weights from token_weights)
-                loss = losses.weighted(loss_fn, outputs, batch["targets"], batch["loss_mask"])
-            else:
-                loss = loss_fn(outputs, batch["targets"])
-            stats = {}
+        base = None if frozen is None else nnx.merge(graphdef, cast_floats(frozen, dtype), rest, copy=True)
+        loss, stats = goal.loss(model, batch, base)
         # what the trained model recorded (e.g. a router's load-balancing loss), whatever the objective
         total, stats = recorded.added(model, loss, stats)
         return total, (kept_like(nnx.state(model, nnx.Not(nnx.Param)), rest), loss, stats)
@@ -79,13 +69,6 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
         return step_parts(state, batch, state.params, lambda s, p: s.replace(params=p), gradient)
 
     def step_parts(state: TrainState, batch: dict, params, put, gradient):
-        packed = {}
-        if "loss_mask" in batch:  # normalised over the whole global batch, before it is cut up
-            weights, count = losses.token_weights(batch["loss_mask"])
-            batch = {**batch, "loss_mask": weights}
-            packed = {"target_tokens": count}  # the targets trained on (a fine-tuning row's completion only)
-            if "segment_ids" in batch:  # packed rows: the share of target slots that hold a real token
-                packed["packing_efficiency"] = jnp.mean(batch["segment_ids"] > 0)
         (total, (rest, loss, stats)), grads = gradient(params, state.rest, batch)
         updates, opt_state = tx.update(grads, state.opt_state, params)
         new_state = put(state.replace(step=state.step + 1, rest=rest, opt_state=opt_state),
@@ -95,7 +78,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lo
         if skip_nonfinite:  # keep the old parameters and optimizer state; the batch is still consumed
             skipped = state.replace(step=state.step + 1)
             new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, skipped)
-        out = {"loss": loss, "grad_norm": grad_norm, "finite": finite, **stats, **packed}
+        out = {"loss": loss, "grad_norm": grad_norm, "finite": finite, **stats}
         if schedule is not None:
             out["lr"] = schedule(state.step)
         return new_state, out
@@ -118,49 +101,22 @@ def kept_like(new, old):
                         else n.astype(o.dtype), new, old, is_leaf=is_var)
 
 
-def run_model(model, batch: dict, dtype):
-    """The model on a batch's inputs; a packed batch's segment ids and positions reach its attention and
-    position embeddings through the hooks (shard/nn/hooks.py), so the model itself does not change."""
-    with hooks.packed(batch.get("segment_ids"), batch.get("positions")):
-        return model(cast_floats(batch["inputs"], dtype))
-
-
 def to_device(state, device_shardings):
     """Host offload: the state moved into device memory inside the step (a no-op without offload)."""
     return state if device_shardings is None else jax.device_put(state, device_shardings)
 
 
-def make_eval_step(graphdef: nnx.GraphDef, loss_fn: Callable, task: str, dtype, device_shardings=None,
-                   order: tuple | None = None, goal=None, reference: Callable | None = None) -> Callable:
-    """Sums over the real (mask 1) examples of a batch; the caller divides by the totals. `goal` and
-    `reference`: as for the train step (the objective's own sums)."""
+def make_eval_step(graphdef: nnx.GraphDef, goal, dtype, device_shardings=None, order: tuple | None = None,
+                   reference: Callable | None = None) -> Callable:
+    """`goal`'s sums over the real (mask 1) examples of a batch (its `eval_sums`); the caller divides by the
+    totals. `reference`: as for the train step."""
 
     def eval_step(state: TrainState, batch: dict):
         state, batch = to_device(state, device_shardings), ring.reorder(batch, order)
         model = nnx.merge(graphdef, cast_floats(state.params, dtype), state.rest)
         model.eval()  # e.g. normalisation layers use their running statistics
-        if goal is not None:
-            base = None if reference is None else nnx.merge(graphdef, cast_floats(reference(state), dtype), state.rest)
-            return goal.eval_sums(model, batch, base)
-        outputs = run_model(model, batch, dtype).astype(jnp.float32)
-        targets, mask = batch["targets"], batch["mask"]
-        per_example = lambda fn: jax.vmap(lambda o, t: fn(o[None], t[None]))(outputs, targets)
-        if "loss_mask" in batch:  # packed rows: every real target counts once, padding not at all
-            mask, per_example = mask[:, None] * batch["loss_mask"], partial(losses.per_token, outputs=outputs,
-                                                                           targets=targets)
-        token_losses = per_example(loss_fn)  # per row (mean), or per target of packed rows
-        sums = {"count": jnp.sum(mask), "loss": jnp.sum(mask * token_losses)}
-        if "bytes" in batch:  # the text the targets stand for: bits per byte whatever the tokenizer
-            # nats: packed rows' target losses summed, else each row's mean loss x the tokens it is the mean of
-            sums["nats"] = sums["loss"] if "loss_mask" in batch else jnp.sum(mask * token_losses * targets.shape[1])
-            sums["bytes"] = jnp.sum(batch["mask"] * batch["bytes"].astype(jnp.float32))
-        if task in ("classification", "binary", "lm"):
-            sums["accuracy"] = jnp.sum(mask * per_example(lambda o, t: accuracy(o, t, task)))
-        if task == "regression":  # for R^2 = 1 - SSE / total sum of squares
-            weight = mask.reshape((-1,) + (1,) * (targets.ndim - 1)) * jnp.ones_like(targets)
-            sums |= {"sse": jnp.sum(weight * (outputs.reshape(targets.shape) - targets) ** 2),
-                     "y": jnp.sum(weight * targets), "y2": jnp.sum(weight * targets ** 2), "values": jnp.sum(weight)}
-        return sums
+        base = None if reference is None else nnx.merge(graphdef, cast_floats(reference(state), dtype), state.rest)
+        return goal.eval_sums(model, batch, base)
 
     return eval_step
 

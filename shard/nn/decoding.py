@@ -23,7 +23,7 @@ Each row of the batch keeps its own place in its cache: `index`, the slot its ne
 prompt left-padded to the batch's length): never attended, and a recurrence's carry passes over them
 unchanged; a call may also end a row's real tokens early (`end`: a prompt right-padded to a compiled
 length, written at slots that later tokens overwrite). Rows need not move together, so one cache can hold
-sequences that began at different times (a server's slots, shard/serve).
+sequences that began at different times (a server's slots, shard/server).
 """
 
 from dataclasses import dataclass, field

@@ -63,6 +63,11 @@ def pair_log_likelihoods(model, batch: dict):
 
 class DPO(Objective):
     name = "dpo"
+    switches = {"dpo": "`train.objective=dpo`"}
+    refuses = {("dpo", "pipeline"): "the pipeline's schedule runs one sequence per row, and a preference row holds "
+                                    "two; use mesh.stage=1",
+               ("dpo", "context"): "the sequence split orders one sequence per row, and a preference row holds two; "
+                                   "use mesh.context=1"}
 
     def __init__(self, beta: float, loss: str, reference: str, margin: float = 0.0, precompute: bool = False):
         self.beta, self.kind, self.margin, self.precompute = beta, loss, margin, precompute
@@ -71,13 +76,6 @@ class DPO(Objective):
         self.averaged = loss == "ipo" or reference == "none"  # log-likelihoods per token, not per answer
         self.reference_label = "train.objective=dpo with train.dpo.reference=init"
         self.splits = {}  # precompute: the pairs whose reference columns `start` fills
-
-    def check(self, cfg, mesh_shape: dict) -> None:
-        for axis, why in (("stage", "the pipeline's schedule runs one sequence per row"),
-                          ("context", "the sequence split orders one sequence per row")):
-            if mesh_shape.get(axis, 1) > 1:
-                raise UserError(f"train.objective=dpo with mesh.{axis}={mesh_shape[axis]}: {why}, and a preference "
-                                f"row holds two; use mesh.{axis}=1")
 
     def columns(self, data_cfg) -> tuple[str, ...]:
         return preferences.columns(data_cfg)
@@ -134,3 +132,6 @@ class DPO(Objective):
         mask = batch["mask"]
         sums = {k: jnp.sum(mask * v) for k, v in self.per_pair(model, batch, reference).items()}
         return {"count": jnp.sum(mask), **sums}
+
+
+OBJECTIVE = DPO

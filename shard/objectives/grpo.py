@@ -46,6 +46,13 @@ def build(cfg) -> "GRPO":
 
 class GRPO(Objective):
     name = "grpo"
+    switches = {"grpo": "`train.objective=grpo`"}
+    refuses = {("grpo", "pipeline"): "the rollouts run the whole model one token at a time, which a pipeline's "
+                                     "stages do not; use mesh.stage=1",
+               ("grpo", "context"): "the rollouts add one token at a time, which cannot be split over context; use "
+                                    "mesh.context=1",
+               ("grpo", "offload"): "the rollouts read the weights before the update moves them to the device; use "
+                                    "train.offload=none"}
 
     def __init__(self, cfg):
         g = cfg.train.grpo
@@ -63,16 +70,8 @@ class GRPO(Objective):
         self.dtype = jnp.float32
         self._stamps: dict = {}
 
-    # ---- what it combines with
+    # ---- what it combines with (beyond `refuses`)
     def check(self, cfg, mesh_shape: dict) -> None:
-        for axis, why in (("stage", "the rollouts run the whole model one token at a time, which a pipeline's "
-                                    "stages do not"),
-                          ("context", "the rollouts add one token at a time, which cannot be split over context")):
-            if mesh_shape.get(axis, 1) > 1:
-                raise UserError(f"train.objective=grpo with mesh.{axis}={mesh_shape[axis]}: {why}; use mesh.{axis}=1")
-        if cfg.train.offload != "none":
-            raise UserError(f"train.objective=grpo with train.offload={cfg.train.offload}: the rollouts read the "
-                            "weights before the update moves them to the device; use train.offload=none")
         rows = cfg.data.batch_size * self.group
         if rows % cfg.train.grad_accum:
             raise UserError(f"train.grad_accum={cfg.train.grad_accum} must divide the rollouts' rows, data.batch_size "
@@ -197,3 +196,5 @@ def token_logp(model, batch: dict) -> jax.Array:
     logits = model(batch["inputs"]).astype(jnp.float32)
     return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), batch["targets"][..., None], axis=-1)[..., 0]
 
+
+OBJECTIVE = GRPO

@@ -22,6 +22,7 @@ import json
 import time
 
 from shard import paths
+from shard.cli import Parser
 from shard.errors import UserError
 from shard.observe.metrics import MetricsLog, seconds_of_startup
 
@@ -160,13 +161,14 @@ def bar_chart(totals: dict, path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 1 or argv[0].startswith("-"):
-        raise UserError("usage: python -m shard.goodput RUN_DIR (a run folder with goodput.jsonl)")
-    records = read(argv[0])
+    parser = Parser(prog="python -m shard.goodput", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", metavar="RUN_DIR", help=f"a run folder with {FILE}")
+    run = parser.parse_args(argv).run
+    records = read(run)
     if not records:
-        raise UserError(f"{argv[0]!r} has no {FILE}: it is not a run folder, or its run has not started")
+        raise UserError(f"{run!r} has no {FILE}: it is not a run folder, or its run has not started")
     totals = account(records)
     print(table(totals))
-    png = paths.resolve(argv[0]) / "goodput.png"
+    png = paths.resolve(run) / "goodput.png"
     bar_chart(totals, png)
     print(f"{summary(totals)}\nbar chart: {png}")

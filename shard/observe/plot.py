@@ -7,16 +7,15 @@ that differ between the runs. The picture goes to <first RUN_DIR>/curves.png unl
 The trainer draws the same picture for its own run when it ends (`curves_png`).
 """
 
-import argparse
 import io
 import json
-import sys
 from dataclasses import dataclass, field
 
 from shard.paths import yaml_load
 
 from shard import paths
-from shard.errors import UserError, exit_from
+from shard.cli import Parser
+from shard.errors import UserError
 
 THROUGHPUT = ("tokens_per_s", "examples_per_s")
 IGNORED_IN_LABELS = ("run.dir",)  # differs between any two runs by construction
@@ -145,18 +144,14 @@ def draw_comparison(rows: list[dict], chosen: str | None):
     return fig
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, like every other refusal (argparse would print its usage too)
-        raise UserError(f"{message}; usage: python -m shard.plot RUN_DIR [RUN_DIR ...] [--metrics a,b] [--out FILE.png]")
-
-
 def main(argv: list[str]) -> int:
-    parser = _Parser(prog="python -m shard.plot", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m shard.plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR")
-    parser.add_argument("--metrics", help="comma-separated metrics.jsonl keys (default: loss, eval_loss and "
-                        "tokens_per_s or examples_per_s)")
-    parser.add_argument("--out", help="PNG file to write (default: RUN_DIR/curves.png for one run; for several, "
-                        "compare.png in the working directory, so that no run's own picture is overwritten)")
+    parser.add_argument("--metrics", metavar="a,b", help="comma-separated metrics.jsonl keys (default: loss, "
+                        "eval_loss and tokens_per_s or examples_per_s)")
+    parser.add_argument("--out", metavar="FILE.png", help="PNG file to write (default: RUN_DIR/curves.png for one "
+                        "run; for several, compare.png in the working directory, so that no run's own picture is "
+                        "overwritten)")
     args = parser.parse_args(argv)
     runs = [load_run(d) for d in args.runs]
     logged = sorted({k for r in runs for record in r.records for k in record} - {"step"})
@@ -177,6 +172,3 @@ def main(argv: list[str]) -> int:
     print(f"wrote {out}")
     return 0
 
-
-if __name__ == "__main__":
-    exit_from(main, sys.argv[1:])

@@ -1,5 +1,6 @@
 """Evaluation: the eval split (all of it, or batches spread over it) through the compiled eval step, its sums
-fetched once and turned into metrics (loss, accuracy, R^2, bits per byte), per source for a mixture."""
+fetched once and turned into metrics by the objective (lm's loss, accuracy, R^2, bits per byte; DPO's margins),
+per source for a mixture."""
 
 import contextlib
 import math
@@ -18,17 +19,18 @@ def prefetch_depth(cfg, devices) -> int:
     return 0 if devices[0].platform == "cpu" else 2
 
 
-def evaluate(eval_step, state, data: data_lib.Data, shardings: dict, cfg) -> dict:
+def evaluate(eval_step, state, data: data_lib.Data, shardings: dict, cfg, objective) -> dict:
     """Each eval metric over the eval split: all of it (`train.eval_batches=0`), or that many batches
-    spread evenly over it. A mixture (`data.eval_parts`) is evaluated source by source: each source's
-    metrics under `<metric>/<label>`, and the overall ones from all their sums together."""
+    spread evenly over it, from the eval step's sums as `objective` (shard/objectives/) reads them. A mixture
+    (`data.eval_parts`) is evaluated source by source: each source's metrics under `<metric>/<label>`, and the
+    overall ones from all their sums together."""
     if not data.eval_parts:
-        return eval_metrics(eval_totals(eval_step, state, data.eval, data, shardings, cfg), data.task)
+        return objective.eval_metrics(eval_totals(eval_step, state, data.eval, data, shardings, cfg))
     parts = {name: eval_totals(eval_step, state, batches, data, shardings, cfg) for name, batches in data.eval_parts.items()}
     overall = {k: math.fsum(t[k] for t in parts.values()) for k in next(iter(parts.values()))}
-    metrics = eval_metrics(overall, data.task)
+    metrics = objective.eval_metrics(overall)
     for name, totals in parts.items():
-        metrics.update({f"{k}/{name}": v for k, v in eval_metrics(totals, data.task).items()})
+        metrics.update({f"{k}/{name}": v for k, v in objective.eval_metrics(totals).items()})
     return metrics
 
 
@@ -47,24 +49,6 @@ def eval_totals(eval_step, state, eval_batches, data: data_lib.Data, shardings: 
             if len(sums) > 1:
                 jax.block_until_ready(sums[-2])
     return {k: math.fsum(float(s[k]) for s in jax.device_get(sums)) for k in sums[0]}
-
-
-def eval_metrics(totals: dict, task: str) -> dict:
-    """Eval metrics from the eval step's summed totals."""
-    count = totals["count"]
-    metrics = {"eval_loss": totals["loss"] / count}
-    if "accuracy" in totals:
-        metrics["eval_accuracy"] = totals["accuracy"] / count
-    if "sse" in totals:
-        variance = totals["y2"] - totals["y"] ** 2 / totals["values"]
-        metrics["eval_r2"] = 1.0 - totals["sse"] / max(variance, 1e-12)
-    # an objective's own metrics (shard/objectives/: dpo/margin, ...), each a mean over the rows
-    metrics.update({f"eval_{k}": v / count for k, v in totals.items() if "/" in k})
-    if "bytes" in totals:  # tokens of any tokenizer: the loss over the UTF-8 bytes they stand for
-        metrics["eval_bits_per_byte"] = totals["nats"] / math.log(2) / max(totals["bytes"], 1.0)
-    elif task == "lm" and not any("/" in k for k in totals):  # byte-level tokens, one byte each (objective lm)
-        metrics["eval_bits_per_byte"] = metrics["eval_loss"] / math.log(2)
-    return metrics
 
 
 class eval_selection:

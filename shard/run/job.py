@@ -28,7 +28,7 @@ from shard.nn import attention as attn
 from shard import hf, objectives, paths
 from shard.nn import hooks, partition
 from shard.hf import read as hf_read
-from shard.core import blame, losses, optim, registry
+from shard.core import blame, optim, registry
 from shard.core import flops as flops_lib
 from shard.core import mesh as mesh_lib
 from shard.core import state as state_lib
@@ -44,7 +44,6 @@ class Workload:
     kwargs: dict          # model arguments, as given (checked against the class's signature)
     resolved: str         # the resolved config as YAML, model defaults filled in (config.yaml)
     data: data_lib.Data
-    loss_fn: object
     tx: object
     schedule: object
     dtype: object         # the compute dtype (train.dtype)
@@ -56,7 +55,7 @@ class Workload:
     flops_per_step: float  # model FLOPs of one train step, all devices together (shard/core/flops.py)
     stacks: tuple = ()     # the layer count of each stack the model runs through shard.nn.hooks.stack
     attention_flops: float = 0.0  # of those, attention's forward (a fused kernel's work: the plan counts it apart)
-    objective: object = None  # train.objective's when it is not lm (shard/objectives/), else None
+    objective: object = None  # train.objective's (shard/objectives/): its data, loss and eval sums
 
 
 @dataclass
@@ -147,10 +146,8 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
     kwargs = with_vocabulary(cfg, model_cls, kwargs)
     resolved = config_lib.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, kwargs))
     goal = objectives.build(cfg)
-    data = (goal.data(cfg, cfg.train.seed, token_cache_dir(cfg)) if goal else
-            data_lib.build(cfg.data, cfg.train.seed, cache_dir=token_cache_dir(cfg)))
-    loss_fn = losses.resolve(cfg.train.loss, data.task)
-    tx, schedule = optim.build(cfg.optimizer, cfg.train.steps, goal.updates_per_step if goal else 1)
+    data = goal.data(cfg, cfg.train.seed, token_cache_dir(cfg))
+    tx, schedule = optim.build(cfg.optimizer, cfg.train.steps, goal.updates_per_step)
     dtype = jnp.dtype(cfg.train.dtype)
     graphdef, abstract, init = state_lib.abstract_state(model_cls, kwargs, tx, cfg.train.seed, cfg.model.name)
     batch, eval_batch = data.abstract_batch(), data.abstract_batch(eval=True)
@@ -160,20 +157,16 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
         with hooks.watch_stacks() as stacks:  # one forward: each stack the model runs, once
             forward = step_lib.model_forward(graphdef, abstract, batch, dtype, cfg.model.name,
                                              embedded_classes(cfg, kwargs, data))
-        try:  # the loss alone on the model's outputs: blamed only for what fails there
-            if goal is None:
-                losses.trace(loss_fn, forward.outputs, batch)
-        except Exception as e:
-            raise UserError(f"{_loss_context(cfg, loss_fn, data, forward, batch)}: {blame.describe(e)}") from None
+        goal.check_outputs(forward.outputs, batch)  # what fails there is the loss, not the model
         # a frozen reference's forward passes are the step's work too (traced here with the weights standing in)
-        frozen = (lambda state: state.params) if goal is not None and goal.reference == "init" else None
-        train_fn = step_lib.make_train_step(graphdef, tx, loss_fn, dtype, badsteps.policy(cfg.train) == "skip",
-                                            goal=goal, reference=frozen)
-        train_fn = goal.around(train_fn, graphdef, dtype) if goal else train_fn
+        frozen = (lambda state: state.params) if goal.reference == "init" else None
+        train_fn = step_lib.make_train_step(graphdef, tx, goal, dtype, badsteps.policy(cfg.train) == "skip",
+                                            reference=frozen)
+        train_fn = goal.around(train_fn, graphdef, dtype)
         with blame.blamed(f"model {cfg.model.name!r} fails in the train step"):  # e.g. its gradient, its state
             train_jaxpr = jax.make_jaxpr(train_fn)(abstract, batch)
     flops = flops_lib.train_step_flops(train_jaxpr.jaxpr, forward.jaxpr)
-    return Workload(model_cls, kwargs, resolved, data, loss_fn, tx, schedule, dtype, graphdef, abstract, init,
+    return Workload(model_cls, kwargs, resolved, data, tx, schedule, dtype, graphdef, abstract, init,
                     batch, eval_batch, flops, tuple(stacks), flops_lib.attention_flops(forward.jaxpr), goal)
 
 
@@ -215,12 +208,6 @@ def token_cache_dir(cfg) -> str:
     return os.path.join("runs" if paths.is_remote(run_dir) else os.path.dirname(os.path.abspath(run_dir)), ".token_cache")
 
 
-def _loss_context(cfg, loss_fn, data, forward, batch) -> str:
-    targets = batch["targets"]
-    return (f"train.loss={loss_fn.__name__} does not fit outputs {tuple(forward.outputs.shape)} and targets "
-            f"{tuple(targets.shape)} {targets.dtype} (task {data.task})")
-
-
 def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None, training: bool = True,
             flags=None) -> Job:
     """cfg's workload (built here unless given) on cfg's mesh over these devices, compiled, with every active
@@ -234,8 +221,7 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         distributed.check_same_config(cfg, registry.with_defaults(work.model_cls, work.kwargs))
     mesh = mesh_lib.build_mesh(cfg.mesh, devices)
     rules = partition.merged_rules(cfg.mesh.rules, mesh.axis_names)
-    if work.objective is not None:
-        work.objective.check(cfg, dict(mesh.shape))
+    work.objective.check(cfg, dict(mesh.shape))  # what is not a pair: registry.build checks the pairs
     active = strategies.build(cfg, dict(mesh.shape), rules, work)
     traced = {k: v for s in active for k, v in s.hooks().items()}
     with partition.activate(mesh, rules), hooks.use(cfg.train.remat, cfg.train.attention,
@@ -271,14 +257,13 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         moved, order = options.get("device_shardings"), options.get("order")
         # train.quantize's products (traced on a batch's inputs: a model with none to quantize is refused)
         graphdef = quant_training.model_graph(cfg, work.graphdef, work.abstract, work.batch.get("inputs"))
-        train_fn = step_lib.make_train_step(graphdef, work.tx, work.loss_fn, work.dtype,
+        train_fn = step_lib.make_train_step(graphdef, work.tx, work.objective, work.dtype,
                                             badsteps.policy(cfg.train) == "skip", reduction, moved, order, work.schedule,
-                                            options.get("trainable"), options.get("arrange"), work.objective,
-                                            options.get("reference"))
-        if work.objective is not None:  # e.g. GRPO's rollouts before its updates
-            train_fn = work.objective.around(train_fn, work.graphdef, work.dtype, options.get("trainable"))
-        eval_fn = step_lib.make_eval_step(graphdef, work.loss_fn, work.data.task, work.dtype, moved, order,
-                                          work.objective, options.get("eval_reference"))
+                                            options.get("trainable"), options.get("arrange"), options.get("reference"))
+        # e.g. GRPO's rollouts before its updates, lm's packed rows weighed over the whole batch
+        train_fn = work.objective.around(train_fn, work.graphdef, work.dtype, options.get("trainable"))
+        eval_fn = step_lib.make_eval_step(graphdef, work.objective, work.dtype, moved, order,
+                                          options.get("eval_reference"))
         for s in active:
             train_fn, eval_fn = s.wrap_train(train_fn), s.wrap_eval(eval_fn)
         compile_start = time.perf_counter()

@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from shard import cli as shard_cli  # not `cli`: the console script's function below has that name
+from shard.errors import UserError, exit_from
 from shard.run import restarts
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: what the TPU hosts are sent
@@ -37,8 +39,9 @@ NOISE = re.compile(rb"\[Gloo\] Rank \d+ is connected|^\s*Expected number of conn
 GRACE_S = 5  # after a process fails: how long the others get to exit on SIGTERM before SIGKILL
 
 
-class LaunchError(Exception):
-    """Bad options or a missing tool: one line, exit status 2."""
+class LaunchError(UserError):
+    """Bad options or a missing tool: one line, exit status 2 (a UserError; its own type so that callers tell
+    the launcher's refusals apart)."""
 
 
 # ----------------------------------------------------------------------------- local
@@ -182,7 +185,10 @@ def run_commands(commands: list[list[str]], dry_run: bool) -> int:
         if dry_run:
             print(shlex.join(command))
             continue
-        code = subprocess.call(command)
+        try:
+            code = subprocess.call(command)
+        except FileNotFoundError:  # gcloud or sbatch not installed
+            raise LaunchError(f"{command[0]} not found; install it or use --dry-run to see the commands") from None
         if code:
             print(f"launch: {command[0]} exited with status {code}: {shlex.join(command[:6])} ...", file=sys.stderr)
             return code
@@ -247,11 +253,13 @@ def gke_command(cluster: str, workload: str, tpu_type: str | None, device_type: 
 
 # ----------------------------------------------------------------------------- command line
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and status 2, not the usage text
+class Parser(shard_cli.Parser):
+    mistake = LaunchError
+
+    def error(self, message):
         if message.startswith("unrecognized arguments"):
             message += " (train.py's arguments go after --)"
-        raise LaunchError(f"{self.prog}: {message}")
+        super().error(message)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -349,7 +357,10 @@ def main(argv: list[str]) -> int:
         if opts.dry_run:
             print(f"# {path}\n{script}\n# then: sbatch {path}")
             return 0
-        path.write_text(script)
+        try:
+            path.write_text(script)
+        except OSError as e:
+            raise LaunchError(f"--script {path}: {e.strerror or e}") from None
         return run_commands([["sbatch", str(path)]], dry_run=False)
     # GKE: print the command; submitting it needs the user's cluster credentials and xpk.
     print(shlex.join(gke_command(opts.cluster, opts.workload, opts.tpu_type, opts.device_type, opts.num_slices,
@@ -362,7 +373,6 @@ def warn_if_local_run_dir(args: list[str], target: str) -> None:
     """Each host writes only its own shards of a checkpoint: with a run.dir on each host's local disk,
     no host holds a whole checkpoint and a restart on other hosts cannot resume."""
     from shard import config
-    from shard.errors import UserError
 
     path = args[0] if args and "=" not in args[0] and not args[0].startswith("-") else config.CONFIGS / "default.yaml"
     try:  # the config train.py will load (configs/default.yaml when none is given), so the same run.dir
@@ -379,16 +389,6 @@ def warn_if_local_run_dir(args: list[str], target: str) -> None:
 
 
 def cli() -> None:
-    try:
-        code = main(sys.argv[1:])
-    except LaunchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    except FileNotFoundError as e:  # gcloud, sbatch or xpk not installed
-        print(f"error: {e.filename} not found; install it or use --dry-run to see the commands", file=sys.stderr)
-        code = 2
-    sys.exit(code)
-
-
-if __name__ == "__main__":
-    cli()
+    """`shard-launch`, pyproject.toml's console script (which calls a function of no arguments): what `python -m
+    shard.launch` runs."""
+    exit_from(main, sys.argv[1:])

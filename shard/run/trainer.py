@@ -110,8 +110,7 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest, devices: list | Non
         try:
             with spent.timed("restore"):  # e.g. a circular pipeline's layer order
                 state = job.to_running(start_state(cfg, checkpoints, job, say))
-                if work.objective is not None:  # e.g. DPO's reference log-likelihoods, once
-                    work.objective.start(job, state, run_dir, main)
+                work.objective.start(job, state, run_dir, main)  # e.g. DPO's reference log-likelihoods, once
             result = Result(graphdef=work.graphdef, shardings=job.shardings, mesh=job.mesh,
                             train_step=job.train_step, start_step=int(state.step))
             plan = {"model": cfg.model.name, "parameters": state_lib.count_params(work.abstract.params),
@@ -136,7 +135,7 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest, devices: list | Non
         kept = f"checkpoint at step {step} is written" if checkpoints else "checkpoints are disabled"
         stop.enter_phase("the final eval and sample", f"{kept}; the final eval and sample were skipped", exit_code=0)
         with spent.timed("eval"):
-            result.eval = evaluate(job.eval_step, state, data, job.eval_shardings, cfg)
+            result.eval = evaluate(job.eval_step, state, data, job.eval_shardings, cfg, work.objective)
         log.write({"step": step, **result.eval})
     finally:
         if log:
@@ -400,7 +399,8 @@ def _train_span(cfg, state, job: Job, checkpoints, log, result, devices, main, s
                 return state
             if eval_now:
                 with dog.paused(), spent.timed("eval"):
-                    log.write({"step": done, **evaluate(job.eval_step, state, data, job.eval_shardings, cfg)})
+                    log.write({"step": done, **evaluate(job.eval_step, state, data, job.eval_shardings, cfg,
+                                                        job.work.objective)})
             t_last, steps_since, waited = time.perf_counter(), 0, 0.0  # checkpoints and evals are not step time
     bar.close()
     return state

@@ -13,7 +13,6 @@ floats. The arithmetic is the whole-stack merge's (shard/strategies/adapters.py'
 """
 
 import jax
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.nn import partition

@@ -46,7 +46,7 @@ class Reference(Strategy):
     @classmethod
     def build(cls, cfg, mesh_shape, rules, work):
         goal = work.objective
-        if goal is None or goal.reference != "init":
+        if goal.reference != "init":
             return None
         under = lora.LoRA.build(cfg, mesh_shape, rules, work)  # its own instance: `weights` reads only the state
         return cls(copy=under is None, label=goal.reference_label or "train.dpo.reference=init", adapters=under)

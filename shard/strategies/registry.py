@@ -1,10 +1,12 @@
 """Every strategy, in the order the job applies them, and the rules for combining them.
 
 A strategy added to the framework is one module in this folder plus one entry in ALL. The combination
-rules are each strategy's `refuses` (data, not code): `build` checks them for a job, and `table` writes them
-out for docs/meshes.md (tests/test_docs.py checks that the page shows this table).
+rules are each strategy's and each objective's `refuses` (data, not code; an objective's in shard/objectives/):
+`build` checks them for a job (`refusal`, one pair at a time), and `table` writes them out for docs/meshes.md
+(tests/test_docs.py checks that the page shows this table).
 """
 
+from shard import objectives
 from shard.errors import UserError
 from shard.strategies.accumulation import Accumulation
 from shard.strategies.context import Context
@@ -26,23 +28,32 @@ ALL = (Accumulation, Pipeline, Context, Zero, Offload, Reduction, LoRA, Referenc
 
 def build(cfg, mesh_shape: dict, rules: dict, work) -> tuple:
     """The strategies cfg switches on for this mesh and workload, each checked on its own and then against
-    the others: a refused pair is one line naming both settings and why."""
+    the others and the objective (`work.objective`, first): a refused pair is one line naming both settings
+    and why."""
     active = tuple(s for cls in ALL if (s := cls.build(cfg, mesh_shape, rules, work)) is not None)
-    for a in active:
-        for b in active:
-            why = next((a.refuses[(mine, theirs)] for mine in a.tags for theirs in b.tags
-                        if (mine, theirs) in a.refuses), None)
-            if a is not b and why:
-                raise UserError(f"{a.label} with {b.label}: {why}")
+    parties = (work.objective, *active)
+    for a in parties:
+        for b in parties:
+            if a is not b and (line := refusal(a, b)):
+                raise UserError(line)
     return active
 
 
+def refusal(a, b) -> str:
+    """a's refusal of b in one line ("" where a takes b): the first of a's `refuses` whose pair of tags (a's, b's)
+    both hold. `a` and `b`: strategies or the objective, anything with `tags`, `refuses` and `label`."""
+    why = next((a.refuses[(mine, theirs)] for mine in a.tags for theirs in b.tags if (mine, theirs) in a.refuses),
+               None)
+    return f"{a.label} with {b.label}: {why}" if why else ""
+
+
 def table() -> str:
-    """The combinations refused, as a Markdown table (every other pair of strategies combines): each row the
-    settings that switch the two on, and why."""
-    setting = {tag: text for cls in ALL for tag, text in cls.switches.items()}
+    """The combinations refused, as a Markdown table (every other pair combines): each strategy's, then each
+    objective's; each row the settings that switch the two on, and why."""
+    kinds = (*ALL, *objectives.kinds())
+    setting = {tag: text for cls in kinds for tag, text in cls.switches.items()}
     rows = ["| this | with | why it is refused |", "|---|---|---|"]
-    for cls in ALL:
+    for cls in kinds:
         for (mine, theirs), why in cls.refuses.items():
             rows.append(f"| {setting[mine]} | {setting[theirs]} | {why} |")
     return "\n".join(rows)

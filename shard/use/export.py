@@ -24,11 +24,9 @@ A LoRA run (train.lora.rank > 0) exports its merged weights (W + alpha/r A B) in
 --adapters-only writes the adapters alone in the layout Hugging Face's peft loads (shard/hf/peft.py).
 """
 
-import argparse
 import contextlib
 import importlib
 import os
-import sys
 import tempfile
 import time
 import warnings
@@ -40,7 +38,8 @@ import numpy as np
 from flax import nnx
 
 from shard.nn import hooks
-from shard.errors import UserError, exit_from, first_line
+from shard.cli import Parser
+from shard.errors import UserError, first_line
 
 TOLERANCE = 1e-4
 FORMATS = ("onnx", "hf")
@@ -121,22 +120,17 @@ def example_batch(cfg, rows: int) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- command line
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, like every other refusal
-        raise UserError(f"{message}; usage: python -m shard.export RUN --format onnx|hf [--out FILE.onnx|FOLDER] "
-                        "[--batch B] [--step N] [--trust-code] [key=value ...], or RUN --adapters-only --out FOLDER")
-
-
 def main(argv: list[str]) -> int:
     from shard.use import load
 
-    parser = _Parser(prog="python -m shard.export", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m shard.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("run", metavar="RUN", help="run folder (or its checkpoints/ or a step folder)")
     parser.add_argument("--format", choices=FORMATS)
     parser.add_argument("--adapters-only", action="store_true",
                         help="a LoRA run's adapters alone, as PEFT's adapter_config.json and adapter_model.safetensors")
-    parser.add_argument("--out", help="file to write (default: <RUN>/model.onnx); --format hf: a new folder")
-    parser.add_argument("--batch", type=int, help="a fixed batch size (default: symbolic)")
+    parser.add_argument("--out", metavar="FILE.onnx|FOLDER",
+                        help="file to write (default: <RUN>/model.onnx); --format hf: a new folder")
+    parser.add_argument("--batch", type=int, metavar="B", help="a fixed batch size (default: symbolic)")
     load.add_loading_arguments(parser)
     args, overrides, whole_mesh = load.parse_loading(parser, argv)
     if args.adapters_only:
@@ -223,6 +217,3 @@ def new_parents(out: Path):
                 p.rmdir()
         raise
 
-
-if __name__ == "__main__":
-    exit_from(main, sys.argv[1:])

@@ -20,7 +20,6 @@ for the `text` source: the prompt's UTF-8 bytes are its tokens), and the model p
 generation stops at the tokenizer's EOS, where it has one.
 """
 
-import argparse
 import functools
 import sys
 import time
@@ -36,9 +35,9 @@ from shard.data import tokenizer as tokenizer_lib
 from shard.nn import decoding
 from shard.use.sampling import Sampling  # noqa: F401  (generation's setting, here by its old name too)
 from shard.run import distributed
-from shard import paths
 from shard.nn import hooks, partition
-from shard.errors import UserError, exit_from
+from shard.cli import Parser
+from shard.errors import UserError
 from shard.core.step import cast_floats
 
 BYTES = 256  # the text sources' vocabulary: one token per byte
@@ -263,31 +262,24 @@ def token_text(tokens) -> str:
 
 # ----------------------------------------------------------------------------- command line
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, like every other refusal
-        raise UserError(f"{message}; usage: python -m shard.generate RUN [--prompt TEXT ... | --prompt-file FILE | "
-                        "--prompt-lines FILE] "
-                        "[--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--batch B] "
-                        "[--step N] [--trust-code] [--quantize int8|int4] [key=value ...]")
-
-
 def main(argv: list[str]) -> int:
     from shard.quant import serving
     from shard.use import load
 
-    parser = _Parser(prog="python -m shard.generate", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m shard.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("run", metavar="RUN", help="run folder (or its checkpoints/ or a step folder)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--prompt", action="append", help="text to continue (default: a newline); repeat it for a "
-                        "batch of prompts, generated together")
-    source.add_argument("--prompt-file", help="file whose text to continue")
-    source.add_argument("--prompt-lines", help="file of prompts, one a line, generated together")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = all tokens")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1 = all tokens")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch", type=int, default=1, help="continuations of the prompt, sampled together")
+    source.add_argument("--prompt", action="append", metavar="TEXT", help="text to continue (default: a newline); "
+                        "repeat it for a batch of prompts, generated together")
+    source.add_argument("--prompt-file", metavar="FILE", help="file whose text to continue")
+    source.add_argument("--prompt-lines", metavar="FILE", help="file of prompts, one a line, generated together")
+    parser.add_argument("--max-new-tokens", type=int, default=200, metavar="N")
+    parser.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = all tokens")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="1 = all tokens")
+    parser.add_argument("--seed", type=int, default=0, metavar="S")
+    parser.add_argument("--batch", type=int, default=1, metavar="B", help="continuations of the prompt, sampled "
+                        "together")
     load.add_loading_arguments(parser)
     serving.add_argument(parser)
     args, overrides, whole_mesh = load.parse_loading(parser, argv)
@@ -329,6 +321,3 @@ def main(argv: list[str]) -> int:
           f"{out.size / seconds:,.0f} tokens/s ({seconds:.2f} s, compiling included)", file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":
-    exit_from(main, sys.argv[1:])

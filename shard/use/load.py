@@ -75,16 +75,22 @@ def load_tokenizer(path: str, key: str = "path"):
 
 
 def add_loading_arguments(parser) -> None:
-    """The options every command line that loads a run takes (python -m shard.generate, shard.export)."""
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    """The options every command line that loads a run takes (python -m shard.generate, shard.export, shard.serve)."""
+    parser.add_argument("--step", type=int, metavar="N", help="checkpoint step (default: the newest)")
     parser.add_argument("--trust-code", action="store_true", help="import the run's model module even where it is "
                         "not one of the model library's (importing runs its code: only for runs you trust)")
+    # declared so that the usage and --help show them (a default, or argparse requires one); parse_loading also
+    # takes those argparse leaves over
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="the run's config changed for loading; a "
+                        "mesh or device setting (mesh=tp run.cpu_devices=4) lays the model over all devices")
 
 
 def parse_loading(parser, argv: list[str]):
     """(args, key=value overrides, whole_mesh): anything else unknown is the parser's one-line error. A mesh or
     device setting among the overrides lays the model over all devices; without one, one device."""
-    args, overrides = parser.parse_known_args(argv)
+    args, left = parser.parse_known_args(argv)
+    # argparse fills `overrides` from the first run of positionals only and leaves later ones over: in order, both
+    overrides = [*args.overrides, *left]
     bad = [a for a in overrides if a.startswith("-") or "=" not in a]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")

@@ -1,4 +1,4 @@
-"""The next token from a model's logits: the one sampler `shard.generate` and the server (shard/serve) share,
+"""The next token from a model's logits: the one sampler `shard.generate` and the server (shard/server) share,
 and the log-probabilities the server reports.
 
 A setting is either one number for every row (generation's command line: the cuts it does not ask for are not

@@ -8,14 +8,13 @@ memory: run.device_memory_gb, the runtime's figure, or a CPU's RAM), compiles ev
 need (warm-up), then serves until SIGTERM or Ctrl-C: it stops taking connections, finishes the running
 requests, and exits 0."""
 
-import argparse
 import functools
 import logging
 import os
 import signal
-import sys
 
 from shard import paths
+from shard.cli import Parser
 from shard.errors import UserError
 
 DEFAULT_CONTEXT = 1024  # for a model without a fixed context (an LSTM): the longest prompt + answer
@@ -23,33 +22,30 @@ MEMORY_SHARE = 0.85     # of a device's memory, for the weights and the cache (t
 SMALLEST_CONTEXT = 16
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UserError(f"{message}; usage: python -m shard.serve RUN [--mesh PRESET] [--host HOST] [--port PORT] "
-                        "[--slots N] [--max-queue N] [--context N] [--prefill-chunk N] [--burst N] [--max-body BYTES] "
-                        "[--name NAME] [--step N] [--trust-code] [--quantize int8|int4] "
-                        "[key=value ...]")
-
-
 def main(argv: list[str]) -> int:
     from shard.quant import serving
     from shard.use import load
 
-    parser = _Parser(prog="python -m shard.serve", description=__doc__.split("\n\n")[1])
+    parser = Parser(prog="python -m shard.serve", description=__doc__.split("\n\n")[1])
     parser.add_argument("run", metavar="RUN", help="run folder (or its checkpoints/ or a step folder), or a Hugging "
                         "Face folder")
-    parser.add_argument("--mesh", help="mesh preset to lay the model over (all devices); default: one device")
+    parser.add_argument("--mesh", metavar="PRESET",
+                        help="mesh preset to lay the model over (all devices); default: one device")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--slots", type=int, default=8, help="sequences decoded together (the cache's rows)")
-    parser.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot; past it, 503")
-    parser.add_argument("--context", type=int, help="prompt + answer tokens each slot holds (default: the model's "
-                        f"positions, capped to the device's memory; {DEFAULT_CONTEXT} for a model without a limit)")
-    parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill call")
-    parser.add_argument("--burst", type=int, default=8, help="tokens per step call while no request waits")
-    parser.add_argument("--max-body", type=int, default=8 * 2**20, help="bytes of a request body (past it, 413)")
+    parser.add_argument("--slots", type=int, default=8, metavar="N", help="sequences decoded together (the cache's "
+                        "rows)")
+    parser.add_argument("--max-queue", type=int, default=256, metavar="N",
+                        help="requests waiting for a slot; past it, 503")
+    parser.add_argument("--context", type=int, metavar="N", help="prompt + answer tokens each slot holds (default: the "
+                        f"model's positions, capped to the device's memory; {DEFAULT_CONTEXT} for a model without a "
+                        "limit)")
+    parser.add_argument("--prefill-chunk", type=int, default=512, metavar="N", help="prompt tokens per prefill call")
+    parser.add_argument("--burst", type=int, default=8, metavar="N", help="tokens per step call while no request waits")
+    parser.add_argument("--max-body", type=int, default=8 * 2**20, metavar="BYTES",
+                        help="bytes of a request body (past it, 413)")
     parser.add_argument("--name", help="the model's name in requests and /v1/models (default: the run folder's)")
-    parser.add_argument("--seed", type=int, default=0, help="of the sampling keys")
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="of the sampling keys")
     load.add_loading_arguments(parser)
     serving.add_argument(parser)
     args, overrides, whole_mesh = load.parse_loading(parser, argv)
@@ -73,7 +69,7 @@ def serve(args, overrides, whole_mesh) -> int:
 
     from shard import hf
     from shard.quant import serving
-    from shard.serve import app, chat, engine, scheduler
+    from shard.server import app, chat, engine, scheduler
     from shard.use import generate, load
 
     log = logging.getLogger("shard.serve")
@@ -195,8 +191,3 @@ def _size(n: float) -> str:
             return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
         n /= 1024
 
-
-if __name__ == "__main__":
-    from shard.errors import exit_from
-
-    exit_from(main, sys.argv[1:])

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shard.serve.engine import Engine
+from shard.server.engine import Engine
 
 log = logging.getLogger("shard.serve")
 

@@ -1,5 +1,5 @@
 """The HTTP side: FastAPI routes in OpenAI's shapes over the scheduler. Handlers only check, tokenize, queue
-and relay; the engine thread does the model's work (shard/serve/scheduler.py). A body is read up to a limit
+and relay; the engine thread does the model's work (shard/server/scheduler.py). A body is read up to a limit
 (413 past it), and parsing and tokenizing run off the event loop, so one large request cannot stall the
 others' streams."""
 
@@ -11,9 +11,9 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from shard.data import tokenizer as tokenizer_lib
-from shard.serve import chat, protocol
-from shard.serve.protocol import BadRequest
-from shard.serve.scheduler import Piece, QueueFull, Request, Scheduler, Unhealthy
+from shard.server import chat, protocol
+from shard.server.protocol import BadRequest
+from shard.server.scheduler import Piece, QueueFull, Request, Scheduler, Unhealthy
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions; chat: up to the context
 RETRY_AFTER_S = 1
