@@ -251,7 +251,7 @@ def test_per_layer_windows_softcap_and_scale_equal_numpy(monkeypatch, kernel, ca
     q, k, v = inputs(batch=2, length=length, heads=4, kv_heads=2, dim=8)
     segments = documents(2, length) if packed else None
     if kernel == "splash":  # Pallas' interpreter on the CPU
-        monkeypatch.setattr(attention, "splash", lambda *a, **kw: SPLASH(*a, **kw, interpret=True))
+        monkeypatch.setattr(splash, "splash", lambda *a, **kw: SPLASH(*a, **kw, interpret=True))
 
     def layers(q, k, v):
         def one(carry, w):
