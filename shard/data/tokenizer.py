@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shard.data import auto_class, pipelines, spm, tokenizer_files
+from shard.data import auto_class, byte_counts, pipelines, spm, tokenizer_files
 from shard.data.tokenizer_files import Found
 from shard.errors import UserError, first_line
 
@@ -126,7 +126,7 @@ class Bytes:
         out = []
         for text in texts:
             ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint32)
-            chars = np.repeat(np.arange(len(text)), _char_widths(text))
+            chars = np.repeat(np.arange(len(text)), byte_counts.char_widths(text))
             out.append((ids, np.stack([chars, chars + 1], 1), np.ones(len(ids), np.uint16)))
         return out
 
@@ -230,7 +230,7 @@ class Text:
             offsets = np.array(enc.offsets, np.int64).reshape(-1, 2)
             offsets = np.concatenate([np.zeros((len(head), 2), np.int64), offsets,
                                       np.full((len(tail), 2), len(text), np.int64)])
-            counts = _counts(text, offsets[:, 1]) if len(ids) else np.zeros(0, np.uint16)
+            counts = byte_counts.of_offsets(text, offsets[:, 1]) if len(ids) else np.zeros(0, np.uint16)
             counts[:len(head)] = 0
             if len(tail) and len(ids) > len(tail):  # what the last text token did not reach stays with the text
                 counts[len(ids) - len(tail) - 1] += counts[len(ids) - len(tail):].sum()
@@ -369,33 +369,6 @@ def _add_named(tok, found: Found, cls: str | None) -> None:
             have.add(text)
     if new:
         tok.add_tokens(new)
-
-
-# ----------------------------------------------------------------------------- byte counts
-
-def _char_widths(text: str) -> np.ndarray:
-    """Each character's UTF-8 length."""
-    points = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), np.uint32)
-    return (1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)).astype(np.int64)
-
-
-def _counts(text: str, char_ends: np.ndarray) -> np.ndarray:
-    """Byte counts from character end offsets (Hugging Face offsets are in characters)."""
-    data = text.encode("utf-8", errors="surrogatepass")
-    if len(data) != len(text) and len(char_ends):  # not ASCII: character offsets -> byte offsets
-        char_ends = np.concatenate([[0], np.cumsum(_char_widths(text))])[np.clip(char_ends, 0, len(text))]
-    return _byte_counts(char_ends, len(data))
-
-
-def _byte_counts(ends: np.ndarray, total: int) -> np.ndarray:
-    """Each token's new bytes: the rise of the running maximum of its end offset; what no token's span
-    reaches (trailing text a normaliser dropped) goes to the last token, so the sum is `total`."""
-    if not len(ends):
-        return np.zeros(0, np.uint16)
-    reach = np.maximum.accumulate(np.clip(ends, 0, total))
-    counts = np.diff(reach, prepend=0)
-    counts[-1] += total - reach[-1]
-    return np.minimum(counts, np.iinfo(np.uint16).max).astype(np.uint16)
 
 
 def quiet_parallelism() -> None:

@@ -25,14 +25,14 @@ from shard.plan import hardware
 from shard.plan import target as target_lib
 from shard import hf, paths
 from shard.hf import read as hf_read
-from shard.observe import goodput, plot, profiling, wandb_log
+from shard.observe import goodput, profiling, wandb_log
 from shard.core import mesh as mesh_lib
 from shard.core import state as state_lib
-from shard.observe.board import Board
+from shard.observe.outputs import draw_curves, metrics_log
 from shard.errors import NonFiniteLoss, UserError, warn
 from shard.run.job import Job, prepare
 from shard.run.evaluation import evaluate, prefetch_depth
-from shard.observe.metrics import MetricsLog, peak_memory_gb, run_began, seconds_of_startup
+from shard.observe.metrics import peak_memory_gb, run_began, seconds_of_startup
 
 
 @dataclass
@@ -174,28 +174,6 @@ def end_sample(cfg, job: Job, state) -> str | None:
                        generate.Sampling(vocab=min(rows, tok.vocab_size)), seed=cfg.train.seed,
                        eos=generate.stop_ids(tok))
     return tok.continuation(prompt, generate.until_eos(tokens[0], generate.stop_ids(tok)))
-
-
-def metrics_log(cfg, run_dir, start_step: int, work, main: bool, plan: dict | None = None) -> MetricsLog:
-    """metrics.jsonl, TensorBoard's event files unless run.tensorboard=false, and W&B under run.wandb=true
-    (process 0 only)."""
-    board = wandb = None
-    if main and cfg.run.tensorboard:
-        board = Board(paths.resolve(run_dir) / "tensorboard", start_step)
-        board.describe(start_step, work.resolved, cfg.model.name, state_lib.count_params(work.abstract.params))
-    if main and cfg.run.wandb:
-        wandb = wandb_log.WandbRun(run_dir, paths.yaml_load(work.resolved), plan or {})
-    log = MetricsLog(run_dir, wandb_log.Writers(board, wandb) if wandb else board)
-    log.keep_until(start_step)  # after a restart, the steps past the checkpoint are logged again, once
-    return log
-
-
-def draw_curves(run_dir) -> None:
-    """<run.dir>/curves.png for the finished run. A picture that cannot be drawn costs a warning, not the run."""
-    try:
-        plot.curves_png(run_dir)
-    except (OSError, UserError, ValueError) as e:
-        warn(f"curves.png was not drawn: {e}")
 
 
 def start_state(cfg, checkpoints, job: Job, say) -> state_lib.TrainState:
