@@ -33,17 +33,17 @@ class Template:
         self.formatter = formats.Formatter(("messages",), tokenizer)
 
     def text(self, messages: list[dict]) -> str:
-        try:
-            return self.formatter.prompt(messages)
-        except formats.TemplateBroken as e:
-            raise Broken(str(e)) from None
-        except UserError as e:
-            raise Refused(str(e)) from None
+        return _rendered(self.formatter.prompt, messages)
 
     def __call__(self, messages: list[dict]) -> list[int]:
-        try:
-            return self.formatter.prompt_ids(messages)
-        except formats.TemplateBroken as e:
-            raise Broken(str(e)) from None
-        except UserError as e:
-            raise Refused(str(e)) from None
+        return _rendered(self.formatter.prompt_ids, messages)
+
+
+def _rendered(render, messages: list[dict]):
+    """render(messages), its failures sorted: the template's own bug (500) or a refusal of these messages (400)."""
+    try:
+        return render(messages)
+    except formats.TemplateBroken as e:
+        raise Broken(str(e)) from None
+    except UserError as e:
+        raise Refused(str(e)) from None
