@@ -1,6 +1,7 @@
 """Train a model: `python train.py [CONFIG.yaml] [key=value ...] [--print-config] [--dry-run] [--compare] [--help]`.
 
---dry-run compiles the step and reports its memory and communication (plan.json) without training;
+--dry-run compiles the step and reports its memory and communication (plan.json) without training (train.init_from
+may then name a Hugging Face folder of config.json alone: shard/hf/config_only.py);
 --compare does that for every mesh the devices and the model allow.
 
 Parses the command line into one typed config and hands it to shard.run.trainer.run; that is all.
@@ -29,6 +30,7 @@ def main(argv: list[str]) -> int:
     path = DEFAULT_CONFIG
     if args and "=" not in args[0]:
         path, args = Path(args[0]), args[1:]
+    planning = bool({"--dry-run", "--compare"} & set(flags))  # a plan reads a Hugging Face folder's config.json alone
 
     if "--help" in flags or "-h" in flags:
         import os
@@ -39,7 +41,7 @@ def main(argv: list[str]) -> int:
         cfg, signature, problem = None, None, None
         source = config.shown_path(Path(path)) + (f" + {len(args)} override(s)" if args else "")
         try:
-            cfg = config.load(path, args)
+            cfg = config.load(path, args, planning=planning)
             signature = registry.arguments(registry.resolve(cfg.model.name))
         except UserError as e:
             problem = e
@@ -55,7 +57,7 @@ def main(argv: list[str]) -> int:
             raise problem
         return 0
 
-    cfg = config.load(path, args)
+    cfg = config.load(path, args, planning=planning)
     model_cls, kwargs = registry.load(cfg.model)
     if "--print-config" in flags:
         print(config.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, kwargs)), end="")
@@ -75,6 +77,10 @@ def main(argv: list[str]) -> int:
     if aimed:
         target.check_mesh(cfg.mesh, aimed, len(devices))
     if "--compare" in flags:
+        from shard.hf import config_only
+
+        if note := config_only.note(cfg):
+            print(note)
         rows = meshes.compare(cfg, devices)
         print(meshes.comparison_table(rows))
         for path in meshes.write_comparison(cfg.run.dir, rows):

@@ -1,11 +1,11 @@
 """Issue 47's families at real size: each one's train step compiled for hardware we do not have (`run.target`),
 its memory per chip and whether it fits, by the compiler (compile-only devices: nothing runs, no accelerator).
 
-Each family's config.json (a dict) goes through the framework's own reader (shard.hf.arch.model_name and
-to_gpt, the MoE families through shard.hf.experts), exactly as `train.init_from=FOLDER` would read it, and its
-arguments become `model.*` overrides of a plan needing no weights:
+Each family's config.json (a dict) is written alone into a folder (<out>/TARGET/configs/FAMILY/config.json) and
+planned from it: `train.init_from=FOLDER --dry-run` reads a folder of config.json alone at its real size (the
+framework's own reader, shard/hf/config_only.py; no weights, no tokenizer):
 
-  python train.py configs/gpt_1b.yaml model.name=NAME model.KEY=VALUE ... run.target=TARGET mesh=fsdp
+  python train.py configs/gpt_1b.yaml train.init_from=FOLDER run.target=TARGET mesh=fsdp
       train.remat=full data.seq_len=4096 data.batch_size=8 train.dtype=bfloat16 run.dir=... --dry-run
 
 (float32 parameters and Adam moments, bfloat16 compute, batch 8 sequences of 4096 tokens a step, the plan's
@@ -167,13 +167,12 @@ def family_config(name: str) -> tuple[str, dict]:
     return f"fixtures/hf/{FIXTURE_FAMILIES[name]}/config.json (real)", json.loads(path.read_text())
 
 
-def model_overrides(config: dict, where: str) -> list[str]:
-    """The plan's model.* overrides of a config.json, as the framework's reader gives them (JSON is YAML)."""
-    from shard.hf import arch
-
-    kwargs = arch.to_gpt(config, where)
-    return [f"model.name={arch.model_name(config['model_type'])}"] + \
-        [f"model.{k}={json.dumps(v, separators=(',', ':'))}" for k, v in kwargs.items()]
+def config_folder(name: str, config: dict, work: Path) -> Path:
+    """A folder holding only the family's config.json, for train.init_from (written afresh: PUBLISHED may change)."""
+    folder = work / "configs" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder
 
 
 def raised(log: Path) -> str:
@@ -188,8 +187,9 @@ def plan_row(name: str, target: str, more: list[str], work: Path, timeout_s: flo
     tag = "-".join([name, target, *[m.replace("=", "_").replace(".", "_") for m in more]])
     run_dir = work / tag
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = ["nice", "-n", "10", sys.executable, "train.py", *BASE, *model_overrides(config, where),
-           f"run.target={target}", *(more or ["mesh=fsdp"]), f"run.dir={run_dir}", "--dry-run"]
+    folder = config_folder(name, config, work)
+    cmd = ["nice", "-n", "10", sys.executable, "train.py", *BASE, f"train.init_from={folder}", f"run.target={target}",
+           *(more or ["mesh=fsdp"]), f"run.dir={run_dir}", "--dry-run"]
     log = work / f"{tag}.log"
     start = time.time()
     rc = run_logged(cmd, log, {**os.environ, "JAX_PLATFORMS": "cpu"}, timeout_s)

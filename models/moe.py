@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.nn.hooks import experts, layout
+from shard.nn.hooks import experts, grouped_matmul, layout
 from shard.nn.partition import constrain
 from shard.nn.recorded import AuxLoss, Stat
 
@@ -91,17 +91,18 @@ class MoELayer(nnx.Module):
         self.router_mean.set_value(jnp.mean(probs, axis=(0, 1)))
         return constrain(y, ("batch", "length", "embed"))
 
-    def dropless(self, x, top_p, top_e):
+    def dropless(self, x, top_p, top_e, weigh_inputs: bool = False):
         """Each (token, choice) pair through its expert (shard.nn.hooks.experts: each device sorts its own tokens by
-        expert), one ragged product per matrix over the experts' runs."""
+        expert; under expert parallelism they travel to the experts' devices in buckets of capacity_factor times a
+        fair share), one grouped product per matrix over the experts' runs. weigh_inputs: each pair's token times
+        its weight goes in, the outputs are summed unweighted (Llama 4)."""
         def mlp(xs, sizes, weights):
-            grouped = lambda a, w: jax.lax.ragged_dot(a, w, sizes)
-            h = grouped(xs, weights[0])
-            h = jax.nn.silu(grouped(xs, weights[2])) * h if len(weights) == 3 else jax.nn.gelu(h)
-            return grouped(h, weights[1])
+            h = grouped_matmul(xs, weights[0], sizes)
+            h = jax.nn.silu(grouped_matmul(xs, weights[2], sizes)) * h if len(weights) == 3 else jax.nn.gelu(h)
+            return grouped_matmul(h, weights[1], sizes)
 
         weights = (self.w_in[...], self.w_out[...]) + ((self.w_gate[...],) if self.w_gate is not None else ())
-        return experts(mlp, x, top_e, top_p, weights)
+        return experts(mlp, x, top_e, top_p, weights, slack=self.capacity_factor, weigh_inputs=weigh_inputs)
 
     def by_capacity(self, x, top_p, chosen):
         b, t, _ = x.shape

@@ -1,6 +1,8 @@
 """Dropless routing per device (shard/nn/dropless.py) against the one-device computation: the same outputs and
 gradients on a mesh whose `expert` and `fsdp` axes split the tokens and `expert` the experts too, each device
-sorting only its own tokens and the experts' tokens travelling by all-gather and reduce-scatter."""
+sorting only its own tokens and the experts' tokens travelling by all-to-all, in more rounds where routing is
+skewed; inputs weighed before the experts (Llama 4). The grouped products (shard/nn/grouped.py) against
+jax.lax.ragged_dot, with both gradients."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard.nn import dropless, partition
+from shard.nn import dropless, grouped, partition
+from shard.plan import hlo
 
 AXES = ("replica", "stage", "data", "expert", "fsdp", "context", "tensor")
 B, T, D, F, N, K = 4, 6, 8, 12, 4, 2
@@ -56,8 +59,8 @@ def test_split_equals_one_device_with_gradients(inputs, shape):
     # each device sorts only a block of tokens the size of its own: B/4 rows x T or B/2 rows x T/2, x K pairs
     local = B * T * K // 4
     assert f"s32[{local}]" in hlo and f"s32[{2 * local}]" not in hlo
-    if "expert" in shape:  # the blocks go round the expert devices
-        assert "collective-permute" in hlo
+    if "expert" in shape:  # the pairs go to their experts' devices and back: all-to-all, no other exchange of them
+        assert "all-to-all" in hlo and "collective-permute" not in hlo
 
 
 def test_rows_that_do_not_divide_run_on_one_device(inputs):
@@ -67,3 +70,64 @@ def test_rows_that_do_not_divide_run_on_one_device(inputs):
     got, want = jax.jit(lambda *a: (dropless.split(mlp, *a, mesh, partition.RULES), dropless.local(mlp, *a)))(
         x, top_e, top_p, weights)
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+EP = (1, 1, 1, 4, 1, 1, 1)  # the experts and the tokens over 4 devices, one expert each
+
+
+@pytest.mark.parametrize("weigh_inputs", [False, True])
+def test_skewed_routing_takes_more_rounds_and_drops_nothing(inputs, weigh_inputs):
+    """Every pair to experts 0 and 1 (one device): its buckets overflow, so the exchange repeats until each pair
+    went through its expert; outputs and gradients as on one device, inputs weighed before the experts or not."""
+    mesh = make_mesh(EP)
+    x, _, top_p, weights = inputs
+    top_e = jnp.broadcast_to(jnp.array([0, 1]), top_p.shape)
+    held = NamedSharding(mesh, PartitionSpec("expert"))
+    placed = tuple(jax.device_put(w, held) for w in weights)
+
+    def total(fn, x, w, *mesh_args):
+        return jnp.sum(jnp.sin(fn(mlp, x, top_e, top_p, w, *mesh_args, weigh_inputs=weigh_inputs)))
+
+    want = jax.value_and_grad(lambda x, w: total(dropless.local, x, w), argnums=(0, 1))(x, weights)
+    got = jax.jit(jax.value_and_grad(lambda x, w: total(dropless.split, x, w, mesh, partition.RULES),
+                                     argnums=(0, 1)))(x, placed)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6)
+    # an independent reference for the weighing: each token's weighted choices summed, by hand in NumPy
+    xn, pn = np.asarray(x), np.asarray(top_p)
+    expert = lambda v, e: np.asarray(jax.nn.gelu(v @ np.asarray(weights[0][e]))) @ np.asarray(weights[1][e])  # noqa
+    by_hand = sum((expert(xn * pn[..., c:c + 1], c) if weigh_inputs else expert(xn, c) * pn[..., c:c + 1])
+                  for c in range(K))
+    np.testing.assert_allclose(np.asarray(dropless.local(mlp, x, top_e, top_p, weights, weigh_inputs)), by_hand,
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("sizes", [[10, 20, 30, 0], [0, 0, 37, 0], [0, 0, 0, 0], [3, 1, 4, 1]])
+@pytest.mark.parametrize("kernel", ["tiled", "tokamax"])
+def test_grouped_products_equal_ragged_dot_with_both_gradients(sizes, kernel):
+    """Rows past the groups come out zero; the rows' and the matrices' gradients equal those of
+    jax.lax.ragged_dot (tokamax: its XLA path here, on CPU)."""
+    pytest.importorskip("tokamax") if kernel == "tokamax" else None
+    keys = jax.random.split(jax.random.key(1), 3)
+    x, w = jax.random.normal(keys[0], (64, 6)), jax.random.normal(keys[1], (4, 6, 5))
+    dy, s = jax.random.normal(keys[2], (64, 5)), jnp.array(sizes, jnp.int32)
+    want = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, s), x, w)
+    got = jax.jit(lambda x, w: (lambda out, vjp: (out, vjp(dy)))(*jax.vjp(
+        lambda x, w: grouped.matmul(x, w, s, kernel), x, w)))(x, w)
+    np.testing.assert_allclose(got[0], want[0], atol=1e-5)
+    for g, r in zip(got[1], want[1](dy)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_products_do_the_groups_work_not_every_groups():
+    """The tiled kernel's matrix products, forward and backward, as the compiler's program counts them: at most
+    (tiles + groups - 1) tiles' worth, where XLA's CPU lowering of ragged_dot does every group on every row."""
+    m, k, n, g = 256, 16, 32, 8
+    x, w, s = jnp.ones((m, k)), jnp.ones((g, k, n)), jnp.full((g,), m // g, jnp.int32)
+    step = lambda kernel: jax.jit(jax.grad(lambda x, w: jnp.sum(grouped.matmul(x, w, s, kernel)), (0, 1)))  # noqa
+    grouped_work = 3 * 2 * m * k * n  # forward, and the rows' and the matrices' gradients
+    tile = grouped.tile_rows(m, g)
+    tiled = hlo.dot_flops(step("tiled").lower(x, w).compile().as_text())
+    assert tiled <= grouped_work * (m // tile + g - 1) / (m // tile)
+    # (XLA:CPU computes one of ragged_dot's three products in a custom fusion the count does not open: still 5x)
+    assert hlo.dot_flops(step("xla").lower(x, w).compile().as_text()) > 4 * tiled

@@ -19,12 +19,14 @@ from shard.paths import yaml_load
 from shard.run import badsteps
 
 
-def load(path: "str | Path | None", overrides: list[str], sections: tuple | None = None) -> "Config":
+def load(path: "str | Path | None", overrides: list[str], sections: tuple | None = None,
+         planning: bool = False) -> "Config":
     """YAML file (optional) + `key=value` overrides -> a validated Config. Raises UserError.
 
     `sections`: read only these sections of the file (a finished run's model and training settings, say,
     without the mesh and devices it ran on). `run.dir`, unless the file or an override sets it, is derived
-    from what the job trains (`default_run_dir`)."""
+    from what the job trains (`default_run_dir`). `planning`: the config is only planned (--dry-run, --compare),
+    so a train.init_from folder needs neither weights nor a tokenizer (shard/hf/config_only.py)."""
     layers = []
     if path is not None:
         layer = _read_yaml(Path(path))
@@ -35,7 +37,7 @@ def load(path: "str | Path | None", overrides: list[str], sections: tuple | None
     layers.append(_parse_overrides(overrides))
     # A new run's train.init_from naming a Hugging Face folder: its settings under the command line, over the
     # file (a finished run's config.yaml already holds them, maybe changed on its command line).
-    if sections is None and (imported := _hf_layer(layers)) is not None:
+    if sections is None and (imported := _hf_layer(layers, planning)) is not None:
         layers.insert(len(layers) - 1, imported)
     for layer in layers:
         _check_keys(layer)
@@ -47,11 +49,14 @@ def load(path: "str | Path | None", overrides: list[str], sections: tuple | None
     return cfg
 
 
-def _hf_layer(layers: list[dict]) -> dict | None:
+def _hf_layer(layers: list[dict], planning: bool) -> dict | None:
     """Where train.init_from is a Hugging Face folder: its model (config.json) and, for documents unless
-    data.tokenizer is set, its tokenizer (refused in one line where it has none), as a layer of settings."""
+    data.tokenizer is set, its tokenizer (refused in one line where it has none), as a layer of settings. A plan
+    takes a folder without weights (config.json alone) and, where it has no tokenizer, reads the documents as
+    bytes (shard/hf/config_only.py)."""
     from shard import hf
     from shard.data import tokenizer_files
+    from shard.hf import config_only
 
     init_from = next((v for layer in reversed(layers) if (v := (layer.get("train") or {}).get("init_from"))), None)
     if not hf.is_folder(init_from):
@@ -59,11 +64,14 @@ def _hf_layer(layers: list[dict]) -> dict | None:
     from shard.hf.arch import model_name
     from shard.hf.read import Folder
 
-    folder = Folder(init_from)
+    folder = Folder(init_from, weights=not planning)
     layer = {"model": {"name": model_name(folder.kind), **folder.gpt_kwargs()}}
     data = [given.get("data") or {} for given in layers]
     documents = next((d["name"] for d in reversed(data) if d.get("name")), _schema().data.name) == "documents"
     if documents and not any(d.get("tokenizer") for d in data):
+        if planning and not config_only.has_tokenizer(init_from):
+            layer["data"] = {"tokenizer": tokenizer_files.BYTES}  # a compile does not depend on the tokens' values
+            return layer
         tokenizer_files.find(init_from, "train.init_from")  # text needs the model's tokenizer, never bytes
         layer["data"] = {"tokenizer": init_from}
     return layer

@@ -53,7 +53,8 @@ def train_step_flops(train_jaxpr: Jaxpr, forward_jaxpr: Jaxpr) -> float:
 
 
 def jaxpr_flops(jaxpr: Jaxpr) -> float:
-    """Matrix products and convolutions; attention calls (and the pieces autodiff made of them) count 0."""
+    """Matrix products (grouped ones, jax.lax.ragged_dot, as the groups' work) and convolutions; attention calls
+    (and the pieces autodiff made of them) count 0."""
     def eqn_flops(eqn) -> float:
         if _attention_call(eqn) is not None or (eqn.primitive.name in ("pjit", "jit")
                                                 and eqn.params.get("name") == NOT_MODEL_FLOPS):
@@ -62,6 +63,11 @@ def jaxpr_flops(jaxpr: Jaxpr) -> float:
             (lhs_contract, _), _ = eqn.params["dimension_numbers"]
             lhs = eqn.invars[0].aval.shape
             return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
+        if eqn.primitive.name == "ragged_dot_general":  # each row times its group's matrix only: the grouped work
+            numbers = eqn.params["ragged_dot_dimension_numbers"]
+            (_, rhs_contract), (_, rhs_batch) = numbers.dot_dimension_numbers
+            rhs, skip = eqn.invars[1].aval.shape, {*rhs_contract, *rhs_batch, *numbers.rhs_group_dimensions}
+            return 2.0 * math.prod(eqn.invars[0].aval.shape) * math.prod(n for d, n in enumerate(rhs) if d not in skip)
         if eqn.primitive.name == "conv_general_dilated":
             rhs, spec = eqn.invars[1].aval.shape, eqn.params["dimension_numbers"].rhs_spec
             # rhs_spec: (output features, input features per group, spatial...)

@@ -8,6 +8,7 @@ shard.load_model) and written from a run (python -m shard.export RUN --format hf
     tables.py  per architecture, which Hugging Face tensor fills which part of which parameter (one table,
                read in both directions)
     read.py    the folder: its checks, and each process reading only its devices' slices (safetensors)
+    config_only.py  a folder of config.json alone (no weights, no tokenizer): planned (--dry-run), never run
     write.py   a run's model as a folder, one parameter on the host at a time
     peft.py, peft_params.py  a LoRA run's adapters as PEFT's folder
 """

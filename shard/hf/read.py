@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from shard.errors import UserError
-from shard.hf import arch, tables
+from shard.hf import arch, config_only, tables
 
 INDEX = "model.safetensors.index.json"
 
@@ -21,7 +21,9 @@ INDEX = "model.safetensors.index.json"
 class Folder:
     """A Hugging Face model folder: its config.json, its weight files and which tensor is in which."""
 
-    def __init__(self, path: str, key: str = "train.init_from"):
+    def __init__(self, path: str, key: str = "train.init_from", weights: bool = True):
+        """`weights=False`: a folder without weights is read for its config.json alone (a plan's; shard/hf/
+        config_only.py), its tensors none."""
         self.path, self.key, self.where = Path(path).expanduser(), key, f"{key}={path!r}"
         if not (self.path / "config.json").is_file():
             raise UserError(f"{self.where}: no config.json in the folder (a Hugging Face model folder needs one)")
@@ -30,7 +32,7 @@ class Folder:
         except (OSError, ValueError) as e:
             raise UserError(f"{self.where}: config.json is not readable JSON: {e}") from None
         self.kind = arch.model_type(self.config, self.where)
-        stored = self._files()
+        stored = self._files() if weights or config_only.has_weights(self.path) else {}
         # A base model's folder (the Hub's gpt2) names its tensors without the causal LM's prefix: read as
         # transformers does, with it added.
         prefix = tables.PREFIX[self.kind]
@@ -50,7 +52,7 @@ class Folder:
         if not found:
             extra = " (.bin weights are pickles, which are never loaded: save with safe_serialization)" \
                 if any(self.path.glob("*.bin")) else ""
-            raise UserError(f"{self.where}: no weights (.safetensors files) in the folder{extra}")
+            raise UserError(config_only.refusal(self.where, self.path, extra))
         out = {}
         for f in found:
             with safe_open(f, framework="numpy") as st:

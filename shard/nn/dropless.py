@@ -1,61 +1,62 @@
 """Dropless mixture-of-experts routing: every (token, choice) pair computed by its expert, each device
-sorting its own tokens.
+sorting its own tokens, the experts' tokens sent to the experts' devices by all-to-all.
 
 A token's routing needs no other token's, so the pairs need not be sorted over the whole batch: under a
 mesh, a shard_map manual over the axes that split the tokens (the `batch` rule's and `length`'s) has each
-device sort its own block by expert and run the grouped product on it, so the sort's temporaries scale with
-the local batch. (Sorting the flattened global batch, the partitioner handed every device all of it.)
+device sort its own block by expert, so the sort's temporaries scale with the local batch.
 
 The experts' weights enter as the mesh lays them out, less the manual axes: an axis that splits their
 `embed` (fsdp) is gathered, as ZeRO-3 gathers any weight before use; an axis that splits the experts
-themselves and the tokens too (`expert`) keeps each device's own experts. There the tokens go to them, round
-a ring: each device's block of tokens, with the sum of its experts' results so far, passes from device to
-device of its `expert` group (collective permutes), each computing the pairs routed to its own experts (the
-others sorted past the groups, where the grouped product writes zeros), until it is back home with every
-expert's. A device holds one block at a time, of the local batch's size (gathering the group's tokens at once
-would hold them all, the whole batch under mesh=ep); it sends each block once and its sum once per device of
-the group, as an all-gather and a reduce-scatter would. Axes the tokens are not split on (`tensor`) stay the
-partitioner's.
+themselves and the tokens too (`expert`) keeps each device's own experts. There the pairs move, not the work
+(expert parallelism as GShard and DeepSeek do it): each device sorts its pairs by expert, which sorts them by
+the device holding the expert, and sends each device of its expert group a bucket of the pairs for it
+(all-to-all); each device runs the rows it received through its own experts, one grouped product per weight
+matrix (shard/nn/grouped.py), and sends the results back the same way. A bucket holds `slack` times a fair
+share (the pairs / the group's devices: capacity routing's budget, so one round sends what capacity routing
+sends); where some device's pairs for one device overflow it, the exchange repeats (rounds: a loop as long as
+the fullest bucket needs, agreed over the mesh), so no pair is dropped. The backward pass does the same with
+the pairs' inputs and gradients, recomputing each round's experts (shard/nn/grouped.py's kernels give the
+weights' gradient grouped). Axes the tokens are not split on (`tensor`) stay the partitioner's.
 
-`local` is the whole computation on one device: what a model gets outside the framework and, in the
-split version, each device's part.
+`local` is the whole computation on one device: what a model gets outside the framework and, where no axis
+splits the experts, each device's part.
 """
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from shard.nn import partition
+from shard.nn import grouped, partition
 
 
-def local(mlp, x, top_e, top_p, weights, first: int | jax.Array = 0):
+def local(mlp, x, top_e, top_p, weights, weigh_inputs: bool = False):
     """x (..., d) tokens; top_e, top_p (..., k) each token's chosen experts and weights; weights: arrays whose first
-    axis is the experts (this device's n of them, numbered from `first`). mlp(xs, sizes, weights) -> ys runs each
-    expert on its run of the rows of xs (sorted by expert, sizes[i] rows for expert i; rows past the runs its
-    product writes as zeros). Returns each token's weighted sum over its choices among these experts, (..., d)."""
+    axis is the experts. mlp(xs, sizes, weights) -> ys runs each expert on its run of the rows of xs (sorted by
+    expert, sizes[i] rows for expert i; rows past the runs its product writes as zeros). Returns each token's
+    weighted sum over its choices, (..., d); weigh_inputs: each choice's input is the token times its weight and
+    the outputs are summed unweighted (Llama 4)."""
     n, k, d = weights[0].shape[0], top_e.shape[-1], x.shape[-1]
-    e = top_e.reshape(-1) - first                              # (tokens k): token-major
-    mine = (e >= 0) & (e < n)
-    e = jnp.where(mine, e, n)                                  # another device's expert: after the groups
+    e = top_e.reshape(-1)                                      # (tokens k): token-major
     order = jnp.argsort(e, stable=True)                        # in token order within an expert
-    sizes = jnp.bincount(e, length=n + 1)[:n].astype(jnp.int32)
-    xs = x.reshape(-1, d)[order // k]                          # each pair's token, in expert order
+    sizes = jnp.bincount(e, length=n).astype(jnp.int32)
+    xs = _inputs(x.reshape(-1, d), top_p.reshape(-1), order, k, weigh_inputs)
     ys = mlp(xs, sizes, weights)[jnp.argsort(order)].reshape(*x.shape[:-1], k, d)
-    p = jnp.where(mine.reshape(top_p.shape), top_p, 0.0)
-    return jnp.einsum("...kd,...k->...d", ys.astype(jnp.float32), p).astype(x.dtype)
+    return _combine(ys, top_p, weigh_inputs, x.dtype)
 
 
-def split(mlp, x, top_e, top_p, weights, mesh, rules):
+def split(mlp, x, top_e, top_p, weights, mesh, rules, slack: float = 1.25, weigh_inputs: bool = False):
     """`local` on each device's own tokens of (batch, length, d) x under the mesh and logical rules (see the
-    module's docstring); the plain `local` where no axis splits the tokens this batch divides by."""
+    module's docstring); the plain `local` where no axis splits the tokens this batch divides by. slack: a
+    bucket's pairs over a fair share, under expert parallelism."""
     sizes = dict(mesh.shape)
     batch, length = partition.logical_to_spec(("batch", "length"), rules, sizes)
     batch, length = (_dividing(partition.axes_of(a), n, sizes) for a, n in ((batch, x.shape[0]), (length, x.shape[1])))
-    manual = set(batch) | set(length)
+    manual = tuple(dict.fromkeys((*batch, *length)))
     if not manual:
-        return local(mlp, x, top_e, top_p, weights)
+        return local(mlp, x, top_e, top_p, weights, weigh_inputs)
     n = weights[0].shape[0]
     owners = tuple(a for a in partition.axes_of(partition.logical_to_spec(("experts",), rules, sizes)[0])
                    if a in batch)
@@ -66,22 +67,122 @@ def split(mlp, x, top_e, top_p, weights, mesh, rules):
 
     def body(x, top_e, top_p, *weights):
         if not owners:
-            return local(mlp, x, top_e, top_p, weights)
-        first = jax.lax.axis_index(owners) * (n // group)
-        ring = [(i, (i + 1) % group) for i in range(group)]
-        send = lambda *a: tuple(jax.lax.ppermute(b, owners, ring) for b in a)  # noqa: E731
-
-        @jax.checkpoint  # keep a visit's tokens only: its pairs are recomputed in the backward pass
-        def visit(carry, _):
-            x, top_e, top_p, y = carry
-            return send(x, top_e, top_p, y + local(mlp, x, top_e, top_p, weights, first)), None
-
-        # each device's tokens visit the group's devices in turn, each adding its experts' results, then go home
-        (x, top_e, top_p, y), _ = jax.lax.scan(visit, (x, top_e, top_p, jnp.zeros_like(x)), length=group - 1)
-        return send(y + local(mlp, x, top_e, top_p, weights, first))[0]
+            return local(mlp, x, top_e, top_p, weights, weigh_inputs)
+        k, d = top_e.shape[-1], x.shape[-1]
+        e = top_e.reshape(-1)
+        order = jnp.argsort(e, stable=True)  # by expert, so by the expert's device
+        xs = _inputs(x.reshape(-1, d), top_p.reshape(-1), order, k, weigh_inputs)
+        route = Route(e[order], n // group, group, owners, manual, slack)
+        ys = _exchange(mlp, route, xs, tuple(weights))[jnp.argsort(order)].reshape(*x.shape[:-1], k, d)
+        return _combine(ys, top_p, weigh_inputs, x.dtype)
 
     return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, *[held] * len(weights)),
-                         out_specs=tokens, axis_names=manual)(x, top_e, top_p, *weights)
+                         out_specs=tokens, axis_names=set(manual))(x, top_e, top_p, *weights)
+
+
+def _inputs(x, p, order, k: int, weigh: bool):
+    """Each pair's input, in expert order: its token (times its weight where the inputs are weighed)."""
+    xs = x[order // k]
+    return (xs * p[order][:, None].astype(xs.dtype)) if weigh else xs
+
+
+def _combine(ys, top_p, weigh_inputs: bool, dtype):
+    if weigh_inputs:
+        return jnp.sum(ys.astype(jnp.float32), axis=-2).astype(dtype)
+    return jnp.einsum("...kd,...k->...d", ys.astype(jnp.float32), top_p).astype(dtype)
+
+
+@jax.tree_util.register_pytree_node_class
+class Route:
+    """Where a device's pairs go under expert parallelism: `experts` (pairs,) their experts, sorted; each
+    expert's device, the buckets' size and the rounds the fullest bucket needs (the same on every device). A
+    pytree: its arrays are arguments of the exchange, not values it closes over."""
+
+    def __init__(self, experts, per_device: int, group: int, owners: tuple, manual: tuple, slack: float):
+        self.experts, self.per_device, self.group, self.owners = experts, per_device, group, owners
+        self.bucket = max(1, math.ceil(slack * experts.shape[0] / group))
+        self.counts = jnp.bincount(experts // per_device, length=group)  # pairs for each device of the group
+        self.starts = jnp.cumsum(self.counts) - self.counts
+        self.rounds = jax.lax.pmax(jnp.max(-(-self.counts // self.bucket)), manual)
+
+    def tree_flatten(self):
+        return (self.experts, self.counts, self.starts, self.rounds), (self.per_device, self.group, self.owners,
+                                                                       self.bucket)
+
+    @classmethod
+    def tree_unflatten(cls, static, arrays):
+        route = object.__new__(cls)
+        route.experts, route.counts, route.starts, route.rounds = arrays
+        route.per_device, route.group, route.owners, route.bucket = static
+        return route
+
+    def slots(self, r):
+        """Round r's buckets: for each device of the group, `bucket` indices into the sorted pairs (pairs: none)."""
+        slot = r * self.bucket + jnp.arange(self.bucket)
+        index = self.starts[:, None] + slot[None, :]
+        return jnp.where(slot[None, :] < self.counts[:, None], index, self.experts.shape[0])  # (group, bucket)
+
+    def send(self, a):
+        """Each device's (group, bucket, ...) buckets to the group's devices; back: what each sent this one."""
+        return jax.lax.all_to_all(a, self.owners, 0, 0, tiled=True)
+
+    def gather(self, a, index):
+        """The rows of a for buckets `index` (zeros for empty slots), sent: (group x bucket, ...) received."""
+        rows = jnp.take(a, index.reshape(-1), axis=0, mode="fill", fill_value=0)
+        return self.send(rows.reshape(*index.shape, *a.shape[1:])).reshape(-1, *a.shape[1:])
+
+    def scatter(self, a, index, rows):
+        """a with the rows computed for buckets `index` (received order) sent back and set at their pairs."""
+        back = self.send(rows.reshape(*index.shape, *rows.shape[1:])).reshape(-1, *rows.shape[1:])
+        return a.at[index.reshape(-1)].set(back.astype(a.dtype), mode="drop")
+
+    def received(self, index):
+        """The order by expert of the rows received for buckets `index`, and this device's experts' row counts."""
+        pairs = self.experts.shape[0]
+        mine = jnp.take(self.experts, index, mode="fill", fill_value=0) % self.per_device
+        mine = self.send(jnp.where(index < pairs, mine, self.per_device)).reshape(-1)  # empty slots: past all
+        order = jnp.argsort(mine, stable=True)
+        return order, jnp.bincount(mine, length=self.per_device + 1)[:-1].astype(jnp.int32)
+
+
+def _through_experts(mlp, route: Route, index, rows, weights):
+    """Rows received for buckets `index` through this device's experts, in the received order."""
+    order, sizes = route.received(index)
+    return mlp(rows[order], sizes, weights)[jnp.argsort(order)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _exchange(mlp, route: Route, xs, weights):
+    """Each sorted pair's expert output, (pairs, d): the pairs sent to their experts' devices in rounds."""
+    def one_round(r, ys):
+        index = route.slots(r)
+        return route.scatter(ys, index, _through_experts(mlp, route, index, route.gather(xs, index), weights))
+
+    return jax.lax.fori_loop(0, route.rounds, one_round, jnp.zeros_like(xs))
+
+
+def _exchange_fwd(mlp, route, xs, weights):
+    return _exchange(mlp, route, xs, weights), (route, xs, weights)
+
+
+def _exchange_bwd(mlp, saved, dys):
+    """The rounds again with the pairs' inputs and their outputs' gradients; each round's experts recomputed."""
+    route, xs, weights = saved
+
+    def one_round(r, grads):
+        dxs, dws = grads
+        index = route.slots(r)
+        douts = route.gather(dys, index)
+        _, vjp = jax.vjp(lambda a, w: _through_experts(mlp, route, index, a, w), route.gather(xs, index), weights)
+        drows, dw = vjp(douts)
+        return route.scatter(dxs, index, drows), jax.tree.map(jnp.add, dws, dw)
+
+    zeros = (jnp.zeros_like(xs), jax.tree.map(jnp.zeros_like, weights))
+    dxs, dws = jax.lax.fori_loop(0, route.rounds, one_round, zeros)
+    return None, grouped.reduced_like(dxs, xs), jax.tree.map(grouped.reduced_like, dws, weights)
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
 def _dividing(axes: tuple, n: int, sizes: dict) -> tuple:

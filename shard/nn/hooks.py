@@ -5,7 +5,8 @@ a sequence sits (context parallelism), and what it keeps between calls while gen
 A model runs its stacked layers with `stack(layers, x)`, applies a single layer through `layer(fn)`,
 computes attention with `attention(q, k, v, is_causal=...)`, takes its tokens' positions from
 `positions(length)`, multiplies token activations by a weight matrix with `dense(x, w)`, runs a mixture of
-experts' tokens through their experts with `experts(mlp, x, top_e, top_p, weights)` and runs a
+experts' tokens through their experts with `experts(mlp, x, top_e, top_p, weights)` (their grouped products by
+`grouped_matmul(x, w, sizes)`) and runs a
 recurrence over time with `recurrence(step, carry, xs)`; what those do
 is set by the run (`mesh.stage` and `pipeline.*`, `train.remat`, `train.attention`, `mesh.context` and
 `train.context_strategy`; the mesh, for the experts; generation's caches, shard/nn/decoding.py; export's
@@ -24,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shard.errors import UserError
 from shard.nn import attention as attn
-from shard.nn import decoding, deferred, dropless, partition, ring
+from shard.nn import decoding, deferred, dropless, grouped, partition, ring
 
 # A function a model names so (`fn.__name__ = NOT_MODEL_FLOPS`) is left out of its FLOP count (shard/core/flops.py):
 # e.g. an embedding lookup written as a one-hot matrix product, which is no model work.
@@ -38,6 +39,7 @@ _CONTEXT: contextvars.ContextVar = contextvars.ContextVar("shard_context_split",
 _DECODE: contextvars.ContextVar = contextvars.ContextVar("shard_decode_calls", default=None)
 _UNROLL: contextvars.ContextVar = contextvars.ContextVar("shard_unroll_layers", default=False)
 _PACKED: contextvars.ContextVar = contextvars.ContextVar("shard_packed_rows", default=None)
+_GROUPED: contextvars.ContextVar = contextvars.ContextVar("shard_grouped_matmul", default="xla")
 
 
 # train.remat -> what a layer keeps for the backward pass; the rest is recomputed from the layer's input.
@@ -56,15 +58,16 @@ REMAT_POLICIES = {
 
 @contextlib.contextmanager
 def use(remat: str = "none", attention: str = "xla", pipeline=None, split: ring.Split | None = None,
-        decode: decoding.Calls | None = None, unroll: bool = False):
+        decode: decoding.Calls | None = None, unroll: bool = False, grouped_matmul: str = "xla"):
     """While tracing: `layer` applies this activation-checkpointing policy, `attention` this kernel,
     `stack` hands its layers to `pipeline(layers, x)` (shard/strategies/pipeline.py's Schedule; None: a scan), and
     under context parallelism (`split`) attention runs over the context devices and `positions` gives
     the tokens' positions in their load-balanced order. `decode`: generating, attention, positions,
     stacks and recurrences keep their state in these calls' entries (shard/nn/decoding.py). `unroll`: the
-    stack runs its layers one after another in Python, without a scan (train.scan_layers=false, ONNX export)."""
+    stack runs its layers one after another in Python, without a scan (train.scan_layers=false, ONNX export).
+    `grouped_matmul`: the kernel of `grouped_matmul` (shard/nn/grouped.py)."""
     variables = ((_REMAT, remat), (_ATTENTION, attention), (_PIPELINE, pipeline), (_CONTEXT, split),
-                 (_DECODE, decode), (_UNROLL, unroll))
+                 (_DECODE, decode), (_UNROLL, unroll), (_GROUPED, grouped_matmul))
     tokens = [var.set(value) for var, value in variables]
     try:
         yield
@@ -320,14 +323,22 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
 
 # ----------------------------------------------------------------------------- experts
 
-def experts(mlp, x: jax.Array, top_e: jax.Array, top_p: jax.Array, weights: tuple) -> jax.Array:
+def experts(mlp, x: jax.Array, top_e: jax.Array, top_p: jax.Array, weights: tuple, slack: float = 1.25,
+            weigh_inputs: bool = False) -> jax.Array:
     """Dropless mixture-of-experts routing: each token of (batch, length, d) x through each of its experts, top_e
-    and top_p (batch, length, k) its choices and their weights; returns their weighted sum, x's shape. weights:
-    the experts' arrays, each with the experts first (logical name `experts`); mlp(xs, sizes, weights) -> ys runs
-    each expert on its run of xs's rows (sorted by expert, sizes[i] rows for expert i: jax.lax.ragged_dot's
-    groups; rows past the runs must come out zero, as ragged_dot writes them). Under a mesh each device sorts
-    its own tokens, its experts' tokens sent to it (shard/nn/dropless.py); outside the framework, and inside a
-    pipeline's stages, all on one device."""
+    and top_p (batch, length, k) its choices and their weights; returns their weighted sum, x's shape (weigh_inputs:
+    each choice's input weighed instead, its output summed as it is). weights: the experts' arrays, each with the
+    experts first (logical name `experts`); mlp(xs, sizes, weights) -> ys runs each expert on its run of xs's rows
+    (sorted by expert, sizes[i] rows for expert i: `grouped_matmul`'s groups; rows past the runs must come out zero,
+    as it writes them). Under a mesh each device sorts its own tokens, its experts' tokens sent to it by all-to-all
+    in buckets of `slack` times a fair share, more rounds where one overflows (shard/nn/dropless.py); outside the
+    framework, and inside a pipeline's stages, all on one device."""
     if (active := partition.active()) is None or _PIPELINE.get() is not None:
-        return dropless.local(mlp, x, top_e, top_p, weights)
-    return dropless.split(mlp, x, top_e, top_p, weights, *active)
+        return dropless.local(mlp, x, top_e, top_p, weights, weigh_inputs)
+    return dropless.split(mlp, x, top_e, top_p, weights, *active, slack=slack, weigh_inputs=weigh_inputs)
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """x (m, k) rows sorted by group times w (g, k, n), sizes[i] rows in group i (jax.lax.ragged_dot's contract)
+    with the run's kernel (`train.grouped_matmul`, shard/nn/grouped.py); outside the framework, ragged_dot."""
+    return grouped.matmul(x, w, sizes, _GROUPED.get())

@@ -13,6 +13,7 @@ import jax
 from shard import paths
 from shard.core import mesh as mesh_lib
 from shard.core import state as state_lib
+from shard.hf import config_only
 from shard.errors import UserError
 from shard.nn import partition
 from shard.plan import hardware, hlo
@@ -107,6 +108,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "compiler_flags": dict(prepared.flags.flags) if prepared.flags else {},
         "compiler_flags_dropped": list(prepared.flags.dropped) if prepared.flags else [],
         "strategies": [s.label for s in prepared.strategies],
+        "planned_from": config_only.note(cfg),  # a Hugging Face folder without weights or tokenizer: what stood in
         **quantized(cfg, devices, work),
         # each strategy's own figures (pipeline, context, sync, ema, ...), with None for those not active
         **{key: None for cls in strategies.ALL for key in cls.plan_keys},
@@ -181,6 +183,7 @@ def report(plan: dict) -> str:
     if plan.get("target"):
         where = f"{plan['devices']} compile-only devices of {plan['target']}"
     lines = [f"plan: {plan['param_count']:,} parameters on {where}, mesh {mesh}",
+             *([f"  {plan['planned_from']}"] if plan.get("planned_from") else []),
              f"  memory per device: params {mb(mem['params'])}, optimizer {mb(mem['optimizer'])}, "
              f"gradients {mb(mem['gradients'])}, arguments {mb(mem['arguments'])}, temp {mb(mem['temp'])}, "
              f"total {mb(mem['total'])}" + (f" on the device, {mb(mem['host'])} in host memory" if mem["host"] else "")

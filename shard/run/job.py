@@ -225,7 +225,8 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
     active = strategies.build(cfg, dict(mesh.shape), rules, work)
     traced = {k: v for s in active for k, v in s.hooks().items()}
     with partition.activate(mesh, rules), hooks.use(cfg.train.remat, cfg.train.attention,
-                                                     unroll=not cfg.train.scan_layers, **traced), \
+                                                     unroll=not cfg.train.scan_layers,
+                                                     grouped_matmul=cfg.train.grouped_matmul, **traced), \
             attn.configured(cfg.train.attention_precision, devices[0]):
         place = Placement(cfg, work, mesh, rules, state_lib.auto_min_size(cfg.mesh), active)
         shardings = state_lib.state_shardings(work.abstract, mesh, rules, place.auto_min)
@@ -252,6 +253,9 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
                     hf_read.check(path, work.abstract.params, cfg.model.kwargs)
                 elif path:
                     ckpt_lib.check_path(path, key, target, one_target)
+        elif (named := cfg.train.init_from) and not hf.is_folder(named) and not paths.is_remote(named):
+            # a plan's model is the config's, but a mistyped folder would plan the default model without a word
+            ckpt_lib.open_named(named, "train.init_from")
         options = {k: v for s in active for k, v in s.step_options(place).items()}
         reduction = gradients.Reduction(**{k: v for k, v in options.items() if k in REDUCTION_FIELDS})
         moved, order = options.get("device_shardings"), options.get("order")

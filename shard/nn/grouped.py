@@ -1,0 +1,156 @@
+"""Grouped matrix products: the rows of x sorted by group, each group's run times its own matrix (a mixture of
+experts' tokens through their experts), rows past the groups' runs coming out zero (`jax.lax.ragged_dot`'s
+contract). One call, `matmul(x, w, sizes, kernel)`, three ways to compute it:
+
+- xla: `jax.lax.ragged_dot` as XLA lowers it. The TPU compiler keeps it grouped; XLA's CPU and GPU backends
+  expand it into a dense product per group (every row times every group's matrix, and the weight gradient the
+  same): correct, but the groups' count times the work and, for the gradient, the memory. It is the reference
+  the others are checked against, and what the model's FLOP count traces (shard/core/flops.py counts it as the
+  grouped work it stands for).
+- tokamax: tokamax's ragged_dot kernels (Pallas: Mosaic on TPU, Triton or Mosaic on NVIDIA GPUs), grouped
+  forward and gradients.
+- tiled: the rows in tiles of `tile` rows, each (tile, group) pair that overlaps computed by one plain matrix
+  product in a loop: tiles + groups - 1 products at most, where the dense expansion does tiles x groups; both
+  gradients (rows and matrices) are computed the same way, each matrix's gradient accumulated in place. For a
+  backend without a grouped kernel (CPU, and GPUs where tokamax does not import).
+
+`auto`: tokamax on a TPU or an NVIDIA GPU where it imports, else tiled.
+"""
+
+import jax
+import jax.numpy as jnp
+
+KERNELS = ("auto", "xla", "tiled", "tokamax")
+
+
+def matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, kernel: str = "xla") -> jax.Array:
+    """x (m, k) rows sorted by group, w (g, k, n), sizes (g,) int32 rows per group -> (m, n), x's dtype."""
+    kernel = resolve(kernel)
+    if kernel == "tokamax":
+        import tokamax  # imported where used: a second or two, and only for backends with its kernels
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():  # tokamax reads its options as absl flags, else parsing our command line
+            flags.FLAGS.mark_as_parsed()
+        return tokamax.ragged_dot(x, w, sizes, preferred_element_type=x.dtype)
+    if kernel == "tiled":
+        return _tiled(x, w, sizes.astype(jnp.int32))
+    return jax.lax.ragged_dot(x, w, sizes)
+
+
+def resolve(kernel: str) -> str:
+    """`auto` by the default backend: tokamax's kernels where they serve, else tiled."""
+    if kernel != "auto":
+        return kernel
+    platform = jax.devices()[0].platform
+    if platform == "tpu" or (platform == "gpu" and "nvidia" in jax.devices()[0].device_kind.lower()):
+        try:
+            import tokamax  # noqa: F401
+            return "tokamax"
+        except ImportError:
+            pass
+    return "tiled"
+
+
+def tile_rows(m: int, groups: int) -> int:
+    """Rows per tile: about eight tiles per group (so the products at group boundaries, at most groups - 1 more
+    than the tiles, add an eighth at most), a multiple of 8 between 8 and 512."""
+    return max(8, min(512, -(-m // (8 * groups) // 8) * 8))
+
+
+def _pairs(sizes: jax.Array, tile: int, tiles: int):
+    """The (tile, group) pairs whose rows overlap, in row order, padded to tiles + groups - 1 with pairs of no
+    rows: each pair's tile, group, and its rows' range [lo, hi) in x."""
+    g = sizes.shape[0]
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first, last = starts // tile, (ends + tile - 1) // tile  # tiles [first, last) hold the group's rows
+    count = jnp.where(sizes > 0, last - first, 0)
+    before = jnp.cumsum(count) - count
+    p = jnp.arange(tiles + g - 1)
+    # the group whose pairs' range holds p (counted, not jnp.searchsorted: it fails on values inside a shard_map)
+    group = jnp.clip(jnp.sum(jnp.cumsum(count)[None, :] <= p[:, None], axis=1), 0, g - 1)
+    used = p < jnp.sum(count)
+    tile_of = jnp.clip(first[group] + p - before[group], 0, tiles - 1)
+    lo = jnp.where(used, jnp.maximum(starts[group], tile_of * tile), 0)
+    hi = jnp.where(used, jnp.minimum(ends[group], (tile_of + 1) * tile), 0)
+    return tile_of, group, lo, hi
+
+
+def _zeros(shape, *like) -> jax.Array:
+    """float32 zeros that vary over the manual mesh axes `like` vary over (inside a shard_map a loop's carry must
+    match what its body makes of them)."""
+    return jnp.zeros(shape, jnp.float32) + sum(jnp.where(True, 0.0, a.ravel()[0]).astype(jnp.float32) for a in like)
+
+
+def _varying(a) -> frozenset:
+    """The manual mesh axes a traced value varies over inside a shard_map (none outside one)."""
+    aval = jax.typeof(a)
+    manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10; later releases name it vma
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def reduced_like(cotangent, primal):
+    """A cotangent summed over the manual axes it varies over and its primal does not: in a custom backward pass,
+    what autodiff's transpose of the primal's implicit broadcast would do (a weight replicated over the devices
+    of a shard_map gets the sum of their gradients)."""
+    extra = tuple(sorted(_varying(cotangent) - _varying(primal)))
+    return jax.lax.psum(cotangent, extra) if extra else cotangent
+
+
+def _rows_mask(tile_index, lo, hi, tile: int):
+    rows = tile_index * tile + jnp.arange(tile)
+    return ((rows >= lo) & (rows < hi))[:, None]
+
+
+@jax.custom_vjp
+def _tiled(x, w, sizes):
+    return _tiled_forward(x, w, sizes)
+
+
+def _tiled_forward(x, w, sizes):
+    m, k = x.shape
+    g, _, n = w.shape
+    tile = tile_rows(m, g)
+    tiles = -(-m // tile)
+    xt = jnp.pad(x, ((0, tiles * tile - m), (0, 0))).reshape(tiles, tile, k)
+
+    def product(out, pair):
+        t, e, lo, hi = pair
+        rows = jnp.where(_rows_mask(t, lo, hi, tile), xt[t], 0)
+        y = jnp.dot(rows, w[e], preferred_element_type=jnp.float32)
+        return out.at[t].add(y), None
+
+    out, _ = jax.lax.scan(product, _zeros((tiles, tile, n), x, w, sizes), _pairs(sizes, tile, tiles))
+    return out.reshape(-1, n)[:m].astype(x.dtype)
+
+
+def _tiled_fwd(x, w, sizes):
+    return _tiled_forward(x, w, sizes), (x, w, sizes)
+
+
+def _tiled_bwd(saved, dy):
+    x, w, sizes = saved
+    m, k = x.shape
+    g, _, n = w.shape
+    tile = tile_rows(m, g)
+    tiles = -(-m // tile)
+    pad = lambda a: jnp.pad(a, ((0, tiles * tile - m), (0, 0))).reshape(tiles, tile, a.shape[-1])  # noqa: E731
+    xt, dyt = pad(x), pad(dy)
+
+    def products(carry, pair):
+        dx, dw = carry
+        t, e, lo, hi = pair
+        mask = _rows_mask(t, lo, hi, tile)
+        rows, grads = jnp.where(mask, xt[t], 0), jnp.where(mask, dyt[t], 0)
+        dx = dx.at[t].add(jnp.dot(grads, w[e].T, preferred_element_type=jnp.float32))
+        dw = dw.at[e].add(jnp.dot(rows.T, grads, preferred_element_type=jnp.float32))
+        return (dx, dw), None
+
+    zeros = (_zeros((tiles, tile, k), x, w, sizes, dy), _zeros((g, k, n), x, w, sizes, dy))
+    (dx, dw), _ = jax.lax.scan(products, zeros, _pairs(sizes, tile, tiles))
+    dx, dw = dx.reshape(-1, k)[:m].astype(x.dtype), dw.astype(w.dtype)
+    return reduced_like(dx, x), reduced_like(dw, w), None
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
