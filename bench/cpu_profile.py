@@ -43,7 +43,8 @@ def instructions(hlo_text: str) -> dict:
 
 
 def _short(op_name: str) -> str:
-    """The last parts of a JAX op_name path, which say what the operation was (e.g. `transpose(jvp(...))/dot_general`)."""
+    """The last parts of a JAX op_name path, which say what the operation was (e.g.
+    `transpose(jvp(...))/dot_general`)."""
     parts = [p for p in op_name.split("/") if p and not p.startswith("jit(")]
     return "/".join(parts[-2:])[-70:]
 

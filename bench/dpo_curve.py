@@ -44,7 +44,8 @@ def main(out: Path, extra: list[str]) -> None:
            "data.prompt_field=prompt", "data.completion_field=chosen", "train.steps=150", "run.log_every=50",
            "optimizer.lr=3e-3", "optimizer.warmup_steps=10", f"run.dir={out / 'sft'}", *quiet]
     done = trainer.run(config.load(None, [*sft, *extra]))
-    print(f"sft: loss {done.history[0]['loss']:.4f} -> {done.history[-1]['loss']:.4f}, eval {done.eval['eval_loss']:.4f}")
+    print(f"sft: loss {done.history[0]['loss']:.4f} -> {done.history[-1]['loss']:.4f}, "
+          f"eval {done.eval['eval_loss']:.4f}")
     common = [*MODEL, "data.name=documents", f"data.path={out / 'prefs.jsonl'}", "data.seq_len=40",
               "data.batch_size=16", "data.prompt_field=prompt", "data.chosen_field=chosen",
               "data.rejected_field=rejected", "train.objective=dpo", "train.steps=60", "run.log_every=10",

@@ -5,8 +5,8 @@ with xla (float32 logits and softmax), and compares outputs and the gradients of
 q, k and v. Cases: causal with grouped heads; a sliding window; a stack's per-layer windows as a traced value
 (jax.lax.switch over one compiled call per window, Gemma's 5 local : 1 global); an explicit scale (Gemma 2's
 query_pre_attn_scalar). Packed documents are not a case: cuDNN's path in jax.nn.dot_product_attention takes no
-segment ids, so `auto` runs XLA's kernel for them and an explicit cudnn is refused in one line. Then each kernel's time for the
-causal case at gpt_350m's shape (forward and backward).
+segment ids, so `auto` runs XLA's kernel for them and an explicit cudnn is refused in one line. Then each
+kernel's time for the causal case at gpt_350m's shape (forward and backward).
 
 Run on a GPU: `python bench/gpu_checks.py [--out FILE.jsonl]`. Exit status 1 if a case is off by more than
 bf16's error (max |diff| over max |xla| above 2e-2).

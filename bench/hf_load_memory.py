@@ -42,7 +42,8 @@ def make_folder(path: Path, layers: int, width: int) -> int:
                   max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
     (path / "config.json").write_text(json.dumps(config))
     rng = np.random.default_rng(0)
-    shapes = {"model.embed_tokens.weight": (vocab, width), "model.norm.weight": (width,), "lm_head.weight": (vocab, width)}
+    shapes = {"model.embed_tokens.weight": (vocab, width), "model.norm.weight": (width,),
+              "lm_head.weight": (vocab, width)}
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes.update({p + "self_attn.q_proj.weight": (width, width), p + "self_attn.k_proj.weight": (kv * 64, width),
@@ -102,7 +103,8 @@ def main() -> None:
                                               for p in runs["8 processes x 1 device"]]}
         one = subprocess.run(me + ["mesh=fsdp", "run.cpu_devices=8"], env=env, stdout=subprocess.PIPE, text=True)
         results["1 process x 8 devices"] = [json.loads(one.stdout.strip().splitlines()[-1])]
-        print("| processes | per process: peak - before (x file) | anon after - before (x file) | file-backed after (x file) |")
+        print("| processes | per process: peak - before (x file) | anon after - before (x file) "
+              "| file-backed after (x file) |")
         print("|---|---|---|---|")
         for name, got in results.items():
             peak = max(r["after"]["VmHWM"] - r["before"]["VmRSS"] for r in got) / size

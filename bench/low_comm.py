@@ -34,7 +34,8 @@ def settings(every: list[int]) -> list[tuple[str, list[str]]]:
     for mode in ("local_sgd", "diloco"):
         out += [(f"{mode} H={h}", [f"train.sync={mode}", f"train.sync_every={h}"]) for h in every]
     h = 16 if 16 in every else every[-1]
-    out.append((f"streaming diloco H={h} F=4", ["train.sync=diloco", f"train.sync_every={h}", "train.sync_fragments=4"]))
+    out.append((f"streaming diloco H={h} F=4",
+                ["train.sync=diloco", f"train.sync_every={h}", "train.sync_fragments=4"]))
     # DiLoCo as tuned for a short run from scratch (bench/RESULTS.md): the inner learning rate warmed up over
     # half the run instead of 30 steps, and a little less outer momentum than the paper's 0.9.
     out.append((f"diloco H={h} warmup {WARMUP} mom {MOMENTUM}",

@@ -17,8 +17,8 @@ and against XLA's own cost analysis.
 `--sweep` searches one knob at a time from the config's settings, keeping the best so far: the
 attention kernel (auto, xla; cudnn on an NVIDIA GPU in bf16), `train.remat`, the batch (halved and doubled
 while it helps and fits), `train.scan_layers` (a scan stacks every layer's saved activations into one buffer: on
-the H200 that stacking and its copies were ~28% of gpt_350m's step, bench/RESULTS.md), and XLA_FLAGS. `--knobs a,b` limits it; `--budget-s` stops starting new
-runs once spent (the best so far is still reported).
+the H200 that stacking and its copies were ~28% of gpt_350m's step, bench/RESULTS.md), and XLA_FLAGS.
+`--knobs a,b` limits it; `--budget-s` stops starting new runs once spent (the best so far is still reported).
 
 Run: `python bench/mfu.py [CONFIG.yaml] [key=value ...] [--sweep] [--knobs attention,remat,batch,scan,flags]
 [--steps N] [--budget-s S] [--out FILE.jsonl]` (default: configs/gpt_350m.yaml). Exit status 1 if
@@ -175,7 +175,8 @@ def main(argv: list[str]) -> int:
     knobs = [k for k in args.knobs.split(",") if k]
     unknown = set(knobs) - {"attention", "remat", "batch", "scan", "flags"}
     if unknown:
-        print(f"error: --knobs takes attention,remat,batch,scan,flags, got {','.join(sorted(unknown))}", file=sys.stderr)
+        print(f"error: --knobs takes attention,remat,batch,scan,flags, got {','.join(sorted(unknown))}",
+              file=sys.stderr)
         return 2
     if args.steps < 4 * LOG_EVERY:
         print(f"error: --steps must be at least {4 * LOG_EVERY}, got {args.steps}", file=sys.stderr)

@@ -209,7 +209,8 @@ def main(argv: list[str]) -> int:
                                    "tokens_per_s": tokens / seconds, **percentiles([s for _, _, s in answers])}
         f = figures[f"clients_{n}"]
         print(f"{n:>3} clients: {f['requests_per_s']:7.2f} requests/s {f['tokens_per_s']:9,.0f} tokens/s  latency p50 "
-              f"{f['p50_s']:.2f} s p99 {f['p99_s']:.2f} s ({seconds:.1f} s for {len(answers)} requests, {tokens} tokens)")
+              f"{f['p50_s']:.2f} s p99 {f['p99_s']:.2f} s "
+              f"({seconds:.1f} s for {len(answers)} requests, {tokens} tokens)")
     print(f"one request of {args.alone} tokens: served {served_alone:,.0f} tokens/s, shard.generate's scanned decode "
           f"{scanned:,.0f} tokens/s ({scanned / served_alone:.2f}x)")
     print(json.dumps({**about, "requests": args.requests, "slots": args.slots, "mesh": args.mesh, "burst": args.burst,

@@ -48,7 +48,8 @@ def torch_gpt(cfg):
 
     k = cfg.model.kwargs
     d, layers, heads = k.get("d_model", 128), k.get("n_layers", 4), k.get("n_heads", 4)
-    vocab, max_len, d_ff = k.get("vocab_size", 256), k.get("max_len", 512), k.get("d_ff", 0) or 4 * k.get("d_model", 128)
+    vocab, max_len, d_ff = (k.get("vocab_size", 256), k.get("max_len", 512),
+                            k.get("d_ff", 0) or 4 * k.get("d_model", 128))
 
     class Block(nn.Module):
         def __init__(self):
@@ -106,7 +107,8 @@ def torch_setup(cfg, steps: int = STEPS, compile_: bool = False):
     o = cfg.optimizer
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0}],
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                             {"params": no_decay, "weight_decay": 0}],
                             lr=o.lr, betas=(o.b1, o.b2), eps=o.eps, fused=device == "cuda")
     bf16 = cfg.train.dtype == "bfloat16"
     autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
@@ -215,7 +217,8 @@ def main(argv: list[str]) -> int:
     # PyTorch as its users run it, and (on a CPU) with our allocator settings too; PROCESSES of each, since
     # one PyTorch process can run ~20% faster or slower than the next for its whole life on a CPU.
     kinds = {"PyTorch": False, "PyTorch, our allocator settings": True} if on_cpu else {"PyTorch": False}
-    workers = {name: [Worker(argv, allocator=a) for _ in range(PROCESSES if on_cpu else 1)] for name, a in kinds.items()}
+    workers = {name: [Worker(argv, allocator=a) for _ in range(PROCESSES if on_cpu else 1)]
+               for name, a in kinds.items()}
     ours, per_process = [], {}  # (kind, process) -> its block times
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -68,7 +68,8 @@ class LSTM(nnx.Module):
             self.embed = param(rngs, (in_features, d_model), ("features", "embed"), 1 / math.sqrt(in_features))
         self.layers = stacked(n_layers, lambda rngs: LSTMLayer(d_model, rngs), rngs)
         out = num_classes or vocab_size
-        self.head = param(rngs, (d_model, out), ("embed", "classes" if num_classes else "vocab"), 1 / math.sqrt(d_model))
+        self.head = param(rngs, (d_model, out), ("embed", "classes" if num_classes else "vocab"),
+                          1 / math.sqrt(d_model))
         self.head_bias = nnx.Param(jnp.zeros((out,)), out_sharding=("classes" if num_classes else "vocab",),
                                    role="bias")
 

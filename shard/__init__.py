@@ -18,7 +18,8 @@ def _load_from_checkout(name: str) -> None:
     full, folder = f"{__name__}.{name}", Path(__file__).resolve().parent.parent / name
     if full in sys.modules or not (folder / "__init__.py").is_file() or importlib.util.find_spec(full):
         return
-    spec = importlib.util.spec_from_file_location(full, folder / "__init__.py", submodule_search_locations=[str(folder)])
+    spec = importlib.util.spec_from_file_location(full, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
     module = sys.modules[full] = globals()[name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
 

@@ -45,8 +45,9 @@ def test_a_model_whose_examples_interact_keeps_the_global_reduction_and_says_so(
     p = analysis.analyse(config.load(None, overrides(tmp_path, *CENTERED, "mesh=dp", "run.cpu_devices=8")),
                      jax.devices()[:8])
     assert "examples_interact" in p["gradient_fallback"] and "note: gradients" in analysis.report(p)
-    ring = analysis.analyse(config.load(None, overrides(tmp_path, *TINY_GPT, "mesh=cp", "mesh.context=4", "mesh.data=2", "train.grad_accum=2",
-                                                    "train.context_strategy=ring", "run.cpu_devices=8")),
+    ring = analysis.analyse(config.load(None, overrides(tmp_path, *TINY_GPT, "mesh=cp", "mesh.context=4", "mesh.data=2",
+                                                    "train.grad_accum=2", "train.context_strategy=ring",
+                                                    "run.cpu_devices=8")),
                         jax.devices()[:8])
     assert "context_strategy=ring" in ring["gradient_fallback"]
     plain = analysis.analyse(config.load(None, overrides(tmp_path, *TINY_GPT, "mesh=dp", "train.grad_accum=2",

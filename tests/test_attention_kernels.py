@@ -28,7 +28,8 @@ SPLASH_GPT = ["model.name=gpt", "model.vocab_size=256", "model.d_model=256", "mo
 def inputs(batch=2, length=256, heads=4, kv_heads=2, dim=64, seed=0, dtype=jnp.float32):
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(kq, (batch, length, heads, dim), dtype)
-    return q, jax.random.normal(kk, (batch, length, kv_heads, dim), dtype), jax.random.normal(kv, (batch, length, kv_heads, dim), dtype)
+    return (q, jax.random.normal(kk, (batch, length, kv_heads, dim), dtype),
+            jax.random.normal(kv, (batch, length, kv_heads, dim), dtype))
 
 
 def documents(batch, length):

@@ -83,7 +83,8 @@ def test_cpu_profile_attributes_the_step_to_its_xla_instructions():
     wall, busy = map(float, re.search(r"([\d.]+) ms per step \(wall\).* add up to ([\d.]+) ms", header).groups())
     rows = [line.split() for line in lines if line[:10].strip().replace(".", "").isdigit()]
     assert len(rows) == 8 and all(r[3] in ("fusion", "dot", "copy", "while", "custom-call") for r in rows), rows
-    kinds = dict(part.rsplit(" ", 1) for part in next(l for l in lines if "by kind:" in l).split(": ", 1)[1].split(", "))
+    kinds = dict(part.rsplit(" ", 1)
+                 for part in next(l for l in lines if "by kind:" in l).split(": ", 1)[1].split(", "))
     # Self times: a loop's thunk does not count again the thunks of its body, so it adds almost nothing.
     assert float(kinds.get("while", 0)) < 0.05 * busy
     assert 0.3 * wall < busy < 3 * wall  # one thread's worth of work, give or take the second core

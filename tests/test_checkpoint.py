@@ -108,7 +108,8 @@ def test_bad_checkpoint_paths_are_one_line_errors(tmp_path, uninterrupted, case)
     source, _ = uninterrupted
     (tmp_path / "empty").mkdir()
     arg, expected = BAD_PATHS[case]
-    model = [a.replace("model.d_model=32", "model.d_model=64") for a in TINY_GPT] if case == "other shapes" else TINY_GPT
+    model = ([a.replace("model.d_model=32", "model.d_model=64") for a in TINY_GPT] if case == "other shapes"
+             else TINY_GPT)
     proc = run_cli(*model, f"run.dir={tmp_path / 'run'}", "train.steps=2", "run.progress=false",
                    arg.format(tmp=tmp_path, source=source))
     assert proc.returncode == 2, proc.stderr

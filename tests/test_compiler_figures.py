@@ -90,7 +90,8 @@ def test_recommended_flags_follow_the_family_and_the_user_adds_or_drops_them():
     cpu = SimpleNamespace(platform="cpu")
     flags = target.compiler_flags(cfg.run, cpu)  # the target's family, not this machine's
     assert "xla_tpu_scoped_vmem_limit_kib" not in flags.flags and flags.flags["xla_enable_async_all_gather"] is False
-    assert flags.flags["xla_tpu_enable_async_collective_fusion"] is True and flags.users == {"xla_enable_async_all_gather", "xla_foo"}
+    assert (flags.flags["xla_tpu_enable_async_collective_fusion"] is True
+            and flags.users == {"xla_enable_async_all_gather", "xla_foo"})
     gpu = target.compiler_flags(config.load(None, []).run, SimpleNamespace(platform="gpu"))
     assert gpu.flags["xla_gpu_enable_latency_hiding_scheduler"] is True
     assert target.compiler_flags(config.load(None, []).run, cpu).flags == {}
@@ -104,7 +105,8 @@ def test_a_recommended_flag_the_compiler_does_not_know_is_dropped_and_a_users_re
     assert step_lib.compile_with(lowered, flags)(jnp.ones(4)).tolist() == [2.0] * 4
     assert flags.dropped == ["xla_no_such_flag"] and list(flags.flags) == ["xla_cpu_enable_fast_math"]
     with pytest.raises(UserError, match="run.compiler_flags: this compiler has no flag 'xla_no_such_flag'"):
-        step_lib.compile_with(lowered, target.CompilerFlags({"xla_no_such_flag": True}, frozenset({"xla_no_such_flag"})))
+        step_lib.compile_with(lowered, target.CompilerFlags({"xla_no_such_flag": True},
+                                                            frozenset({"xla_no_such_flag"})))
 
 
 def test_an_unknown_compiler_flag_is_one_line_and_exit_2(tmp_path):

@@ -70,7 +70,7 @@ def test_every_train_and_checkpoint_key_is_decided_one_way_or_the_other():
                   "train.nonfinite", "train.max_rollbacks",
                   "train.grad_accum", "train.offload", "train.context_strategy",
                   "train.eval_every", "train.eval_batches", "train.sample_len", "train.sample_prompt",
-                  "train.attention_precision", "train.scan_layers", "train.grpo.trust_code",
+                  "train.attention_precision", "train.grouped_matmul", "train.scan_layers", "train.grpo.trust_code",
                   "checkpoint.enabled", "checkpoint.every", "checkpoint.keep", "checkpoint.async", "checkpoint.dir"}
     keys = {key for s in ("train", "checkpoint") for key, _, _ in config.keys_of(s)}
     assert keys == continuing | (config.JOB_KEYS & keys) and not continuing & config.JOB_KEYS
@@ -93,7 +93,8 @@ def test_a_config_outside_configs_is_told_apart_by_what_it_trains(tmp_path):
     (tmp_path / "b" / "default.yaml").write_text(DEFAULT.read_text().replace("n_layers: 4", "n_layers: 2"))
     a, b = (run_dir(path=tmp_path / x / "default.yaml") for x in "ab")
     assert a.startswith("runs/default-") and b.startswith("runs/default-") and len({a, b, "runs/default"}) == 3
-    assert a == run_dir(path=tmp_path / "a" / "default.yaml") == run_dir("mesh=fsdp", path=tmp_path / "a" / "default.yaml")
+    assert (a == run_dir(path=tmp_path / "a" / "default.yaml")
+            == run_dir("mesh=fsdp", path=tmp_path / "a" / "default.yaml"))
     assert config.load(None, []).run.dir == "runs/builtin"
 
 

@@ -111,8 +111,9 @@ def test_ring_attention_equals_unsplit_attention(causal):
 
 def _count(jaxpr, name: str) -> int:
     """Equations of primitive `name` in a jaxpr and every jaxpr inside it (a cond's branches each)."""
-    inner = lambda v: [v.jaxpr if hasattr(v, "jaxpr") else v] if hasattr(v, "eqns") or hasattr(v, "jaxpr") else (  # noqa: E731
-        [j for x in v for j in inner(x)] if isinstance(v, (tuple, list)) else [])
+    inner = lambda v: (  # noqa: E731
+        [v.jaxpr if hasattr(v, "jaxpr") else v] if hasattr(v, "eqns") or hasattr(v, "jaxpr")
+        else [j for x in v for j in inner(x)] if isinstance(v, (tuple, list)) else [])
     return sum((e.primitive.name == name) + sum(_count(j, name) for v in e.params.values() for j in inner(v))
                for e in jaxpr.eqns)
 
@@ -134,7 +135,8 @@ def test_ring_skips_the_blocks_outside_every_window():
     def ringed(window):
         def run(q, k, v):
             with partition.activate(mesh, partition.RULES):
-                laid_out = (partition.constrain(x[:, order], ("batch", "length", "heads", "head_dim")) for x in (q, k, v))
+                laid_out = (partition.constrain(x[:, order], ("batch", "length", "heads", "head_dim"))
+                            for x in (q, k, v))
                 return ring.attention(*laid_out, True, split, window=window)[:, np.argsort(order)]
         return run
 

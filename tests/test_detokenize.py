@@ -144,8 +144,9 @@ def test_streaming_decodes_a_bounded_window_per_token(name, monkeypatch):
 
 # ----------------------------------------------------------------------------- the ids that end an answer
 
-@pytest.mark.parametrize("name, ends", [("qwen3-4b", {151645, 151643}), ("gemma-3-1b-it", {1, 106}), ("gemma-2b-it", {1}),
-                                        ("llama-2-7b-hf", {2}), ("gpt2", {50256}), ("bytes", set())])
+@pytest.mark.parametrize("name, ends", [("qwen3-4b", {151645, 151643}), ("gemma-3-1b-it", {1, 106}),
+                                        ("gemma-2b-it", {1}), ("llama-2-7b-hf", {2}), ("gpt2", {50256}),
+                                        ("bytes", set())])
 def test_end_ids_are_eos_and_the_generation_configs(name, ends):
     tok = tokenizer(name)
     assert tok.end_ids == ends and (tok.eos is None or tok.eos in ends)

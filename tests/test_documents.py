@@ -47,12 +47,14 @@ def made(tmp_path_factory):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+    bpe.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                      show_progress=False,
                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     bpe.save(str(root / "bpe.json"))
     (root / "spm.txt").write_text("\n".join(DOCS))
-    sentencepiece.SentencePieceTrainer.train(input=str(root / "spm.txt"), model_prefix=str(root / "spm"), vocab_size=200,
-                                             character_coverage=1.0, hard_vocab_limit=False, minloglevel=2)
+    sentencepiece.SentencePieceTrainer.train(input=str(root / "spm.txt"), model_prefix=str(root / "spm"),
+                                             vocab_size=200, character_coverage=1.0, hard_vocab_limit=False,
+                                             minloglevel=2)
     half = len(DOCS) // 2
     rows = [{"text": d, "id": i} for i, d in enumerate(DOCS)]
     (root / "jsonl").mkdir()
@@ -242,11 +244,13 @@ def test_training_learns_reports_bits_per_byte_and_generates_through_the_tokeniz
     from shard.use import generate, load
 
     assert "vocab_size: 300" in (run_dir / "config.yaml").read_text()
-    assert (run_dir / "tokenizer" / "tokenizer.json").read_bytes() == Path(made["bpe"]).read_bytes()  # the run's own copy
+    # the run's own copy
+    assert (run_dir / "tokenizer" / "tokenizer.json").read_bytes() == Path(made["bpe"]).read_bytes()
     tok = shard.load_tokenizer(str(run_dir))
     assert tok.decode(tok.encode("def héllo(x):")) == "def héllo(x):"
-    out = subprocess.run([sys.executable, "-m", "shard.generate", str(run_dir), "--prompt", "def ", "--temperature", "0",
-                          "--max-new-tokens", "6"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "shard.generate", str(run_dir), "--prompt", "def ",
+                          "--temperature", "0", "--max-new-tokens", "6"],
+                         cwd=ROOT, env=subprocess_env(), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     model = load.load(str(run_dir), [], whole_mesh=False).model
     tokens = generate.Generator(model)(np.array([tok.encode("def ")]), 6, generate.Sampling(0, vocab=300), eos=tok.eos)

@@ -52,7 +52,8 @@ def test_a_fixed_batch_and_what_cannot_be_exported(tmp_path, capsys):
         export.main([str(callback), "--format", "onnx"])
     with pytest.raises(UserError, match="does not convert to ONNX: .*primitive 'pure_callback'"):
         export.main([str(callback), "--format", "onnx", "--trust-code"])
-    assert sorted(p.name for p in callback.iterdir()) == ["checkpoints", "config.yaml", "goodput.jsonl", "metrics.jsonl"]
+    assert sorted(p.name for p in callback.iterdir()) == ["checkpoints", "config.yaml", "goodput.jsonl",
+                                                          "metrics.jsonl"]
 
 
 def test_a_run_exports_without_its_data_and_loaded_sharded(tmp_path, capsys):

@@ -157,8 +157,10 @@ BAD = {
     "prompt field alone": (["data.prompt_field=prompt"], "pairs.jsonl", "data.prompt_field is set alone"),
     "missing completion column": (["data.prompt_field=prompt", "data.completion_field=answer"], "pairs.jsonl",
                                   "no data.completion_field='answer'; its fields are: prompt, completion"),
-    "a message without content": (["data.field=messages"], "bad_chat.jsonl", "is not a {\"role\": ..., \"content\": ...}"),
-    "an unknown role": (["data.field=messages"], "bad_role.jsonl", "message role 'robot'; the roles are system, developer, user"),
+    "a message without content": (["data.field=messages"], "bad_chat.jsonl",
+                                  "is not a {\"role\": ..., \"content\": ...}"),
+    "an unknown role": (["data.field=messages"], "bad_role.jsonl",
+                        "message role 'robot'; the roles are system, developer, user"),
 }
 
 

@@ -138,10 +138,12 @@ def test_the_command_line_generates_and_refuses_bad_input_in_one_line(runs, tmp_
     proc = generate_cli(folder, "--prompt", "def f(x):\n    return", "--max-new-tokens", 12, "--temperature", 0,
                         "--batch", 2, "mesh=tp", "run.cpu_devices=2")
     assert proc.returncode == 0, proc.stderr
-    want = generate.token_text(generate.recompute(load.load(folder, [], whole_mesh=False).model, PROMPT[:1], 12, 256)[0])
+    want = generate.token_text(generate.recompute(load.load(folder, [], whole_mesh=False).model, PROMPT[:1],
+                                                  12, 256)[0])
     assert proc.stdout.count("def f(x):\n    return" + want) == 2, (proc.stdout, want)
     (tmp_path / "long.txt").write_text("x" * 100)
-    for args, message in ((["--prompt-file", tmp_path / "long.txt"], "the prompt is 100 tokens but the model's context is 32"),
+    for args, message in ((["--prompt-file", tmp_path / "long.txt"],
+                           "the prompt is 100 tokens but the model's context is 32"),
                           (["--top-p", 2], r"--top-p 2.0: must be in \(0, 1\]"),
                           (["--bogus"], "unrecognized arguments: --bogus"),
                           (["mesh.tensor=3", "run.cpu_devices=2"], "tensor=3: the fixed axes multiply to 3"),
@@ -195,7 +197,8 @@ def test_a_run_folder_from_before_the_library_moved_under_shard_still_loads(runs
 
 
 def test_a_loaded_model_keeps_the_rules_it_was_trained_with(runs, tmp_path):
-    other = edited_copy(runs("gpt"), tmp_path / "ruled", "  rules: {}\n", "  rules: {my_features: tensor, heads: null}\n")
+    other = edited_copy(runs("gpt"), tmp_path / "ruled", "  rules: {}\n",
+                        "  rules: {my_features: tensor, heads: null}\n")
     loaded = load.load(str(other), ["mesh=tp"], whole_mesh=False)
     assert (loaded.rules["my_features"], loaded.rules["heads"]) == ("tensor", None)  # the run's rules come along
     loaded = load.load(str(other), ["mesh=tp", "mesh.rules.heads=tensor"], whole_mesh=False)
@@ -231,14 +234,16 @@ def test_prompts_of_different_lengths_and_an_end_token(runs):
     for row, want in zip(ended, solo):
         cut = list(want).index(eos) + 1 if eos in want else len(want)
         assert list(row[:cut]) == list(want[:cut]) and (row[cut:] == -1).all()
-    assert generate.Generator(untrained(loaded))(np.array([prompts[0]]), 10, GREEDY, eos=eos)[0][4:].tolist() == [eos] * 6
+    assert (generate.Generator(untrained(loaded))(np.array([prompts[0]]), 10, GREEDY, eos=eos)[0][4:].tolist()
+            == [eos] * 6)
     # several end tokens (a generation_config.json list): each row ends at the first of any of them
     ends = {eos, int(solo[1][2])}
     ended = generator(prompts, 10, GREEDY, eos=ends)
     for row, want in zip(ended, solo):
         cut = next((i + 1 for i, t in enumerate(want) if t in ends), len(want))
         assert list(row[:cut]) == list(want[:cut]) and (row[cut:] == want[cut - 1]).all()
-    assert generate.until_eos(solo[1], ends).tolist() == list(solo[1][:next(i for i, t in enumerate(solo[1]) if t in ends)])
+    assert generate.until_eos(solo[1], ends).tolist() == list(
+        solo[1][:next(i for i, t in enumerate(solo[1]) if t in ends)])
 
 
 def test_top_k_and_top_p_keep_the_set_their_definitions_name():

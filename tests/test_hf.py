@@ -66,7 +66,8 @@ KINDS = {
                                                                query_pre_attn_scalar=24, sliding_window=6,
                                                                sliding_window_pattern=2, rope_parameters=GEMMA3_ROPE)),
 }
-NEW = ("qwen3", "smollm3", "olmo2", "phi3", "gemma2", "gemma3")  # held to 1e-5 (the older families to the 1e-4 they were written with)
+# held to 1e-5 (the older families to the 1e-4 they were written with)
+NEW = ("qwen3", "smollm3", "olmo2", "phi3", "gemma2", "gemma3")
 MESHES = {"one": None, "fsdp": ["mesh=fsdp", "run.cpu_devices=4"], "tp": ["mesh=tp", "run.cpu_devices=2"],
           "fsdp_tp": ["mesh=fsdp_tp", "run.cpu_devices=4"]}
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
@@ -202,7 +203,8 @@ def test_fine_tune_first_loss_and_export_round_trip(folders, kind, tmp_path, mon
     result = trainer.run(cfg)
     batch = first_batch(cfg)
     logits = torch.tensor(torch_logits(model, np.asarray(batch["inputs"])))
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), torch.tensor(np.asarray(batch["targets"])).reshape(-1).long())
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                             torch.tensor(np.asarray(batch["targets"])).reshape(-1).long())
     assert abs(result.history[0]["loss"] - float(want)) < tolerance(kind) * float(want)
 
     out = tmp_path / "hf"
@@ -228,7 +230,8 @@ def test_fine_tuning_works_under_every_preset(folders, mesh, tmp_path):
     result = trainer.run(cfg)
     batch = first_batch(cfg)
     logits = torch.tensor(torch_logits(model, np.asarray(batch["inputs"])))
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), torch.tensor(np.asarray(batch["targets"])).reshape(-1).long())
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                             torch.tensor(np.asarray(batch["targets"])).reshape(-1).long())
     assert abs(result.history[0]["loss"] - float(want)) < 1e-4 * float(want)
 
 
@@ -243,7 +246,8 @@ def test_the_command_line_wins_over_config_json_and_the_tokenizer_comes_along(fo
     cfg = config.load(None, [f"train.init_from={path}", "model.max_len=32", "data.name=documents"])
     assert (cfg.model.kwargs["max_len"], cfg.model.kwargs["n_kv_heads"]) == (32, 2)
     assert cfg.data.tokenizer == str(path)  # the folder: its tokenizer.json and tokenizer_config.json
-    assert config.load(None, [f"train.init_from={path}", "data.name=documents", "data.tokenizer=bytes"]).data.tokenizer == "bytes"
+    assert config.load(None, [f"train.init_from={path}", "data.name=documents",
+                              "data.tokenizer=bytes"]).data.tokenizer == "bytes"
     assert load.load_tokenizer(str(path)).encode("w7 w3") == [7, 3]
 
 
@@ -267,7 +271,8 @@ def test_windows_read_and_written_as_each_family_holds_them():
 
 def test_hf_names_per_architecture():
     names = tables.hf_names("llama")
-    assert names["blocks.attn.kv"] == ["model.layers.{i}.self_attn.k_proj.weight", "model.layers.{i}.self_attn.v_proj.weight"]
+    assert names["blocks.attn.kv"] == ["model.layers.{i}.self_attn.k_proj.weight",
+                                       "model.layers.{i}.self_attn.v_proj.weight"]
     assert tables.hf_names("gpt2")["blocks.attn.q"] == ["transformer.h.{i}.attn.c_attn.weight"]
 
 
@@ -300,7 +305,8 @@ def test_bad_folders_are_refused_in_one_line(folders, tmp_path):
     save_file(tensors, str((wrong := copy("wrong")) / "model.safetensors"))
     assert "tensor model.layers.1.mlp.up_proj.weight has shape [96, 32], expected [96, 64]" in refused(wrong)
     other = copy("other")
-    (other / "config.json").write_text(json.dumps({**json.loads((other / "config.json").read_text()), "model_type": "bert"}))
+    (other / "config.json").write_text(json.dumps({**json.loads((other / "config.json").read_text()),
+                                                   "model_type": "bert"}))
     done = run_cli(f"train.init_from={other}", "run.dir=off", "train.steps=1")
     assert done.returncode == 2
     assert f"model_type 'bert' is not supported; supported: {', '.join(arch.SUPPORTED)}" in done.stderr
@@ -419,7 +425,8 @@ def test_gemma_options_export_as_their_family_and_back_or_are_refused_in_one_lin
         config = arch.from_gpt(kwargs, "gpt")
         assert config["model_type"] == kind and config["layer_types"] == ["sliding_attention", "full_attention"]
         back = arch.to_gpt(config, "x")
-        assert {k: back.get(k) for k in kwargs if k != "attn_scale"} == {k: v for k, v in kwargs.items() if k != "attn_scale"}
+        assert ({k: back.get(k) for k in kwargs if k != "attn_scale"}
+                == {k: v for k, v in kwargs.items() if k != "attn_scale"})
         assert back["attn_scale"] == pytest.approx(kwargs["attn_scale"], rel=1e-15)
     for kwargs, said in ((dict(gemma2, attn_scale=0.3), "attn_scale=0.3 is no query_pre_attn_scalar ** -0.5"),
                          (dict(gemma3, rope_layers=[1, 2]), "fits no gemma3_text config.json"),

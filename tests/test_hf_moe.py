@@ -20,8 +20,8 @@ from shard.run import trainer  # noqa: E402
 from shard.use import export, load  # noqa: E402
 
 from conftest import overrides  # noqa: E402
-from test_hf import (FINE_TUNE, NO_IDS, TOKENS, VOCAB, adapters_merge_as_peft_merges, first_batch, jax_logits,  # noqa: E402
-                     relative, saved_folders, torch_logits)
+from test_hf import (FINE_TUNE, NO_IDS, TOKENS, VOCAB, adapters_merge_as_peft_merges,  # noqa: E402
+                     first_batch, jax_logits, relative, saved_folders, torch_logits)
 from test_hf import test_greedy_generate_equals_transformers as greedy_generate_equals_transformers  # noqa: E402
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -161,7 +161,8 @@ def test_lora_adapters_load_in_peft(folders, kind, tmp_path, capsys):
 def test_any_adapters_are_peft_weights_of_our_merged_model(folders, kind, tmp_path):
     """Random adapters on parts of each family (up alone in gate_up_proj; gate with down, router and attention):
     peft's merged weights are those of our merged model written as a folder, whatever the parts."""
-    adapters_merge_as_peft_merges(folders[kind][0], "moe", [["w_in"], ["w_gate", "w_out", "router", "q", "o"]], tmp_path)
+    adapters_merge_as_peft_merges(folders[kind][0], "moe", [["w_in"], ["w_gate", "w_out", "router", "q", "o"]],
+                                  tmp_path)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -230,8 +230,8 @@ def test_a_base_models_folder_with_its_mask_buffers_reads_as_the_causal_lm(tmp_p
 
     gpt2 = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32, model_type="gpt2")
     model = build(tmp_path / "lm", gpt2)
-    tensors = {k.removeprefix("transformer."): v for k, v in load_file(str(tmp_path / "lm" / "model.safetensors")).items()
-               if k != "lm_head.weight"}
+    tensors = {k.removeprefix("transformer."): v
+               for k, v in load_file(str(tmp_path / "lm" / "model.safetensors")).items() if k != "lm_head.weight"}
     for i in range(2):
         tensors[f"h.{i}.attn.bias"] = np.tril(np.ones((1, 1, 32, 32), np.float32))
         tensors[f"h.{i}.attn.masked_bias"] = np.asarray(-1e4, np.float32)

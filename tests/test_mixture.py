@@ -92,6 +92,7 @@ def test_path_with_mixture_and_an_empty_source_are_one_line(tmp_path, corpora):
     assert both.returncode == 2 and "data.path and data.mixture are exclusive" in both.stderr
     (tmp_path / "empty.jsonl").write_text('{"text": ""}\n')
     empty = run_cli(*GPT, f"data.mixture={{{tmp_path / 'b.jsonl'}: 1, {tmp_path / 'empty.jsonl'}: 1}}",
-                    f"run.dir={tmp_path / 'run2'}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=1", cwd=tmp_path)
+                    f"run.dir={tmp_path / 'run2'}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=1",
+                    cwd=tmp_path)
     assert empty.returncode == 2 and f"data.mixture: {tmp_path / 'empty.jsonl'}:" in empty.stderr
     assert len(empty.stderr.strip().splitlines()) == 1

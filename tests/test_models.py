@@ -185,7 +185,8 @@ def test_moe_balancing_loss_is_one_when_the_router_is_uniform():
     layer(jax.random.normal(jax.random.key(4), (2, 6, 8)))
     from shard.models.moe import balancing_loss
 
-    assert float(balancing_loss(layer.load.get_value(), layer.router_mean.get_value(), 1.0)) == pytest.approx(1.0, rel=1e-6)
+    assert (float(balancing_loss(layer.load.get_value(), layer.router_mean.get_value(), 1.0))
+            == pytest.approx(1.0, rel=1e-6))
     assert float(jnp.sum(layer.load.get_value())) == pytest.approx(1.0)
 
 
@@ -260,7 +261,8 @@ def test_weight_decay_reaches_matrices_only_in_scanned_and_recurrent_models():
         gpt = GPT(vocab_size=64, d_model=32, n_layers=2, n_heads=4, rngs=nnx.Rngs(0))
         lstm = LSTM(d_model=16, n_layers=2, rngs=nnx.Rngs(0))
     decayed = lambda model: {jax.tree_util.keystr(p, simple=True, separator="/").removesuffix("/value"): bool(v)
-                             for p, v in jax.tree_util.tree_flatten_with_path(decay_mask(nnx.state(model, nnx.Param)))[0]}
+                             for p, v in jax.tree_util.tree_flatten_with_path(
+                                 decay_mask(nnx.state(model, nnx.Param)))[0]}
     g, l = decayed(gpt), decayed(lstm)
     # Stacked over layers, a norm scale is (layers, embed): still a vector per layer, not decayed.
     assert gpt.blocks.ln1.scale.get_value().ndim == 2

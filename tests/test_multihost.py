@@ -188,7 +188,8 @@ def test_tpu_dry_run_copies_the_code_and_runs_on_every_worker():
         f"gcloud compute tpus tpu-vm scp {CODE_TARBALL} 'pod:~/' --worker=all --zone=us-east5-a --project=proj",
         "gcloud compute tpus tpu-vm ssh pod --worker=all --zone=us-east5-a --project=proj "
         "'--command=mkdir -p shard && tar -xzf shard-code.tar.gz -C shard && cd shard && "
-        "pip install -q -e '\"'\"'.[tpu]'\"'\"' && python3 train.py configs/gpt_small.yaml mesh=fsdp run.distributed=on'",
+        "pip install -q -e '\"'\"'.[tpu]'\"'\"' && python3 train.py configs/gpt_small.yaml mesh=fsdp "
+        "run.distributed=on'",
     ]
 
 
@@ -199,7 +200,8 @@ def test_slurm_dry_run_writes_one_task_per_node_or_per_gpu():
     lines = done.stdout.splitlines()
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --partition=gpu", "#SBATCH --time=02:00:00",
-                 f"srun {sys.executable} train.py configs/gpt_small.yaml run.distributed=on", "# then: sbatch shard.sbatch"):
+                 f"srun {sys.executable} train.py configs/gpt_small.yaml run.distributed=on",
+                 "# then: sbatch shard.sbatch"):
         assert line in lines, done.stdout
     per_gpu = launch("slurm", "--nodes=2", "--gpus-per-node=8", "--per-gpu", "--dry-run", "--", "mesh=fsdp")
     assert "#SBATCH --ntasks-per-node=8" in per_gpu.stdout.splitlines()

@@ -50,7 +50,8 @@ def test_rows_are_filled_first_fit_with_whole_documents():
 def test_the_cpu_kernel_masks_documents_as_jax_does(causal):
     """The CPU kernel's segment mask (grouped heads folded into rows) against jax.nn's attention with the mask."""
     b, t, h, kv, d = 2, 16, 4, 2, 8
-    q, k, v = (jax.random.normal(key, (b, t, n, d)) for key, n in zip(jax.random.split(jax.random.key(0), 3), (h, kv, kv)))
+    q, k, v = (jax.random.normal(key, (b, t, n, d))
+               for key, n in zip(jax.random.split(jax.random.key(0), 3), (h, kv, kv)))
     segments = jnp.asarray(np.repeat([[1, 2, 3, 0], [1, 1, 2, 2]], 4, axis=1))
     ours = attention.xla_cpu(q, k, v, causal, segments)
     mask = (segments[:, :, None] == segments[:, None, :])[:, None]

@@ -48,7 +48,8 @@ def test_pipelined_runs_give_the_one_device_curve(train, reference, mesh):
     assert w.sharding.spec[0] == "stage" and w.addressable_shards[0].data.shape[0] == 8 // stages
 
 
-def test_a_mixture_of_experts_pipelined_over_expert_parallel_devices_gives_the_one_device_curve(train, tmp_path_factory):
+def test_a_mixture_of_experts_pipelined_over_expert_parallel_devices_gives_the_one_device_curve(train,
+                                                                                                 tmp_path_factory):
     """Its balancing loss is a product of batch means: each layer records the means, which a pipeline
     averages over equal microbatches into the whole batch's, and the model multiplies them after."""
     moe = [*TINY_MODELS["moe"], *STEPS]
@@ -84,8 +85,8 @@ def test_a_circular_schedule_moves_no_weights_and_its_checkpoints_keep_the_layer
     np.testing.assert_allclose(weights(result), weights(reference), rtol=1e-4, atol=1e-6)
     shutil.rmtree(tmp_path / "circ" / "checkpoints" / "8")
     for mesh in (["mesh=fsdp"], MESHES["stage=2 x data=4, circular"]):
-        resumed = train(*DEEP, *STEPS, *save, "run.cpu_devices=8", *mesh, f"checkpoint.restore_from={tmp_path / 'circ'}",
-                        subdir=f"on-{mesh[-1]}")
+        resumed = train(*DEEP, *STEPS, *save, "run.cpu_devices=8", *mesh,
+                        f"checkpoint.restore_from={tmp_path / 'circ'}", subdir=f"on-{mesh[-1]}")
         assert resumed.start_step == 4
         np.testing.assert_allclose(losses(resumed), losses(reference)[4:], rtol=1e-4)
 
@@ -139,7 +140,8 @@ DROPOUT = ["model.name=stock_models:StackedResidual", "model.layers=4", "data.na
            "data.classes=8", "data.batch_size=16", "optimizer.lr=1e-2", "train.steps=6", "run.log_every=1"]
 
 
-def test_a_model_with_dropout_pipelined_gives_the_curve_of_one_device_with_as_many_microbatches(train, tmp_path_factory):
+def test_a_model_with_dropout_pipelined_gives_the_curve_of_one_device_with_as_many_microbatches(train,
+                                                                                                tmp_path_factory):
     """A pipelined step is a step over M microbatches, each layer drawing its masks microbatch after microbatch
     from its own stream: the random numbers of `train.grad_accum=M` on one device, so the same curve. Without
     the accumulation the curve cannot be equal: one device draws each layer's mask for the whole batch at once."""

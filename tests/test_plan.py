@@ -83,7 +83,8 @@ def test_dry_run_writes_plan_json_and_trains_nothing(tmp_path):
                    "run.peak_tflops=100", "run.link_gbps=50", "run.device_memory_gb=0.0001")
     assert done.returncode == 0, done.stderr
     p = json.loads((tmp_path / "plan.json").read_text())
-    assert p["mesh"] == {"replica": 1, "stage": 1, "data": 4, "expert": 1, "fsdp": 1, "context": 1, "tensor": 2} and p["devices"] == 8
+    assert (p["mesh"] == {"replica": 1, "stage": 1, "data": 4, "expert": 1, "fsdp": 1, "context": 1, "tensor": 2}
+            and p["devices"] == 8)
     assert set(p["memory_per_device"]) >= {"params", "optimizer", "arguments", "temp", "total", "fits"}
     assert p["memory_per_device"]["fits"] is False  # 100 kB is too little
     assert p["estimated_step_s"] == pytest.approx(p["flops_per_device"] / 100e12 + p["wire_bytes_per_device"] / 50e9)

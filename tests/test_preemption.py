@@ -97,7 +97,8 @@ def test_corrupt_and_partial_checkpoints_are_skipped_with_a_warning(train, tmp_p
     assert again.start_step == 20 and "skipping" not in capsys.readouterr().err
     # The unreadable copy was moved aside, not deleted; the interrupted save of step 30 is still there after
     # step 30 is saved for real.
-    assert (folder / "20.unreadable" / "model").is_dir() and err.count(f"moved unreadable checkpoint {folder / '20'}") == 1
+    assert ((folder / "20.unreadable" / "model").is_dir()
+            and err.count(f"moved unreadable checkpoint {folder / '20'}") == 1)
     train(*TINY_GPT, "train.steps=30", "checkpoint.enabled=true", "checkpoint.every=10")
     assert partial.is_dir() and 30 in checkpoints(tmp_path / "run")
 

@@ -73,7 +73,8 @@ def test_the_base_is_stored_once_quantized_and_resume_is_bitwise(train, tmp_path
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["train.offload=params"], "train.lora.rank=4 with train.lora.base=nf4 with train.offload=params: the quantized base"),
+    (["train.offload=params"],
+     "train.lora.rank=4 with train.lora.base=nf4 with train.offload=params: the quantized base"),
     (["train.sync=diloco", "mesh.replica=2", "run.cpu_devices=2"],
      "train.lora.rank=4 with train.lora.base=nf4 with train.sync=diloco: the replicas would average"),
 ])
@@ -151,7 +152,8 @@ def test_the_step_builds_one_layers_weights_at_a_time(tmp_path):
              "data.batch_size=2", "train.lora.rank=4", "train.lora.targets=[q,k,v,o,mlp]", "run.cpu_devices=1"]
     total = {}
     for base in ("float32", "nf4"):
-        got = analysis.analyse(config.load(None, overrides(tmp_path, *shape, f"train.lora.base={base}")), jax.devices()[:1])
+        got = analysis.analyse(config.load(None, overrides(tmp_path, *shape, f"train.lora.base={base}")),
+                               jax.devices()[:1])
         memory = got["memory_per_device"]
         total[base] = memory["arguments"] + memory["temp"]
     weights = 8 * (4 * 256 * 256 + 3 * 256 * 1024) * 4

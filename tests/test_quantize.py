@@ -95,20 +95,22 @@ def test_what_cannot_combine_is_refused_in_one_line():
         training.check(config.load(None, ["train.quantize=int8", "train.lora.rank=4"]))
 
 
-HLO = """HloModule step
+# The fp8 custom-call is one HLO line, written as two pieces of the string.
+HLO = ("""HloModule step
 
 %body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
   %a = s8[4,16]{1,0} parameter(0)
   %b = s8[16,8]{1,0} parameter(1)
   %d = s32[4,8]{1,0} dot(s8[4,16]{1,0} %a, s8[16,8]{1,0} %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-  %g = f32[4,8]{1,0} custom-call(f8e4m3fn[4,16]{1,0} %x, f8e5m2[16,8]{1,0} %y), custom_call_target="__cublas$lt$matmul$f8"
+  %g = f32[4,8]{1,0} custom-call(f8e4m3fn[4,16]{1,0} %x, f8e5m2[16,8]{1,0} %y), """
+       """custom_call_target="__cublas$lt$matmul$f8"
 }
 
 ENTRY %main (x: f32[4,16]) -> f32[4,8] {
   %w = (s32[], f32[4,8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
   %e = f32[4,8]{1,0} dot(bf16[4,16]{1,0} %p, bf16[16,8]{1,0} %q), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
-"""
+""")
 
 
 def test_the_plan_counts_the_compiled_products_by_operand_type():

@@ -49,7 +49,8 @@ def chats_for(name: str) -> list:
 def long_document() -> str:
     """Several hundred KB of prose, code, whitespace runs and unicode."""
     parts = [(ROOT / "README.md").read_text(), (ROOT / "train.py").read_text(), "\t\tindent\r\n" * 50,
-             "naïve café déjà vu — “quotes” ‘single’ 日本語 中文 한국어 Ελληνικά עברית العربية 😀👍🏽👨‍👩‍👧 \u00a0\u200b\n" * 40]
+             ("naïve café déjà vu — “quotes” ‘single’ 日本語 中文 한국어 Ελληνικά עברית العربية "
+              "😀👍🏽👨‍👩‍👧 \u00a0\u200b\n") * 40]
     return "".join(parts) * 20  # about 430 KB
 
 
@@ -212,7 +213,8 @@ def test_chat_rows_are_the_templates_tokens_with_the_assistant_trained(name, fol
             else:
                 assert shown in rest and shown not in trained, (name, m)
         if name == "qwen3-4b" and i == 1:  # its template rewrites earlier turns once later ones follow
-            assert trained == "Hello 👋 — how can I help?<|im_end|>\n<think>\n\n</think>\n\n1, 2, 3.<|im_end|>\n<|im_end|>"
+            assert trained == ("Hello 👋 — how can I help?<|im_end|>\n<think>\n\n</think>\n\n1, 2, 3.<|im_end|>\n"
+                               "<|im_end|>")
         # the server's prompt for the conversation before the last answer starts the training row
         prompt = chat.Template(tok)(messages[:-1])
         assert prompt == ref.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True,
@@ -413,7 +415,8 @@ def test_a_qwen_tokenizer_goes_unchanged_into_a_folder_written_as_qwen2(folders,
         == theirs("qwen3-4b", folders)(text).input_ids
 
 
-@pytest.mark.parametrize("name, names", [("smollm3-3b", "tokenizer.json"), ("deepseek-r1-distill-qwen-32b", "tokenizer.json"),
+@pytest.mark.parametrize("name, names", [("smollm3-3b", "tokenizer.json"),
+                                         ("deepseek-r1-distill-qwen-32b", "tokenizer.json"),
                                          ("llama-3.2-3b-instruct", "tiktoken")])
 def test_a_folder_without_a_tokenizer_is_one_line_naming_what_was_looked_for(name, names):
     with pytest.raises(UserError, match=names) as e:
@@ -490,11 +493,12 @@ def test_a_folder_with_only_a_sentencepiece_model_fine_tunes_generates_and_expor
     for name in ("tokenizer.model", "tokenizer_config.json"):
         shutil.copy(FIXTURES / "llama-2-7b-hf" / name, folder / name)
     corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"Document {i}: le fromage, c'est bon. 🧀"}) + "\n" for i in range(40)))
+    corpus.write_text("".join(json.dumps({"text": f"Document {i}: le fromage, c'est bon. 🧀"}) + "\n"
+                              for i in range(40)))
     run = tmp_path / "run"
     cfg = config.load(None, overrides(run, f"train.init_from={folder}", "data.name=documents", f"data.path={corpus}",
-                                      "data.seq_len=16", "data.batch_size=4", "train.steps=1", "checkpoint.enabled=true",
-                                      "run.cpu_devices=1"))
+                                      "data.seq_len=16", "data.batch_size=4", "train.steps=1",
+                                      "checkpoint.enabled=true", "run.cpu_devices=1"))
     assert cfg.data.tokenizer == str(folder)
     trainer.run(cfg)
     ref = transformers.AutoTokenizer.from_pretrained(str(folder))

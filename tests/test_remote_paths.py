@@ -71,7 +71,8 @@ def test_remote_logs_are_uploaded_now_and_then_and_a_failed_upload_costs_nothing
     url_path = type(paths.resolve("gs://bucket/x"))
     writes, real_text, real_bytes = [], url_path.write_text, url_path.write_bytes
     monkeypatch.setattr(metrics, "UPLOAD_EVERY_S", 1e9)
-    monkeypatch.setattr(url_path, "write_text", lambda self, t, *a, **k: (writes.append(self.name), real_text(self, t, *a, **k))[1])
+    monkeypatch.setattr(url_path, "write_text",
+                        lambda self, t, *a, **k: (writes.append(self.name), real_text(self, t, *a, **k))[1])
     args = [*TINY_MLP, "train.steps=6", "run.log_every=1", "run.dir=gs://bucket/run", "run.progress=false",
             "train.eval_batches=1", "checkpoint.enabled=true", "checkpoint.dir=checkpoints", "run.plot=false"]
     trainer.run(config.load(None, args))

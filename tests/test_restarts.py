@@ -100,7 +100,8 @@ def test_a_job_that_keeps_failing_stops_after_its_restarts(tmp_path):
 def test_negative_restarts_are_one_line():
     done = subprocess.run([sys.executable, "-m", "shard.launch", "local", "--processes=2", "--max-restarts=-1", "--",
                            "train.steps=1"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True)
-    assert done.returncode == 2 and done.stderr.strip() == "error: --max-restarts=-1: give 0 (no restarts) or a positive number"
+    assert done.returncode == 2 and done.stderr.strip() == ("error: --max-restarts=-1: give 0 (no restarts) or a "
+                                                            "positive number")
 
 
 def test_a_hung_step_dumps_every_stack_and_the_restarted_job_finishes(tmp_path):

@@ -318,7 +318,8 @@ def test_a_request_joining_mid_way_decodes_as_it_would_alone(name):
     from shard.core import state as state_lib
 
     cfg = config.load(None, WINDOWED if name == "windowed" else TINY_MODELS[name])
-    generator = generate.Generator(state_lib.build_model(*registry.load(cfg.model), seed=3 if name == "windowed" else 1))
+    generator = generate.Generator(state_lib.build_model(*registry.load(cfg.model),
+                                                         seed=3 if name == "windowed" else 1))
     slots = engine.Engine(generator, slots=2, context=32, vocab=generate.BYTES, burst=1,
                           **dict(chunk=8) if name == "windowed" else {})
     slots.allocate()
@@ -356,8 +357,9 @@ def idle(max_queue: int, template=None):
 
 
 def test_the_serving_bench_checks_its_answers_and_reports_every_figure():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), *TINY_GPT, "--requests", "6", "--slots", "2",
-                           "--clients", "1,3", "--max-prompt", "8", "--max-tokens", "8", "--alone", "6"],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), *TINY_GPT, "--requests", "6",
+                           "--slots", "2", "--clients", "1,3", "--max-prompt", "8", "--max-tokens", "8",
+                           "--alone", "6"],
                           env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -78,7 +78,8 @@ def test_the_plan_counts_what_crosses_between_replicas(tmp_path):
                                           *extra))
         return analysis.analyse(cfg, jax.devices())
 
-    every, fourth = costs("train.sync=local_sgd", "train.sync_every=1"), costs("train.sync=local_sgd", "train.sync_every=4")
+    every, fourth = (costs("train.sync=local_sgd", "train.sync_every=1"),
+                     costs("train.sync=local_sgd", "train.sync_every=4"))
     synced = every["sync"]["cross_replica_bytes_per_step"]
     psi = every["param_count"] * 4
     assert synced == pytest.approx(2 * 3 / 4 * psi, rel=0.3)  # one all-reduce of the parameters over 4 replicas
@@ -161,7 +162,8 @@ def test_streaming_fragments_cut_stacked_layers_into_equal_shares(tmp_path):
 
 
 def test_a_fragment_of_layers_is_the_outer_step_of_those_layers():
-    s = sync.Sync("diloco", replicas=2, every=2, fragments=(((1, (0, 1)),), ((1, (1, 2)), (0, None))))  # b, w in tree order
+    # b, w in tree order
+    s = sync.Sync("diloco", replicas=2, every=2, fragments=(((1, (0, 1)),), ((1, (1, 2)), (0, None))))
     w, b = jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([5.0])
     state = sync.init(s, lambda: TrainState(jnp.zeros((), jnp.int32), {"w": w, "b": b}, {}, ()))()
     moved = state.replace(params={"w": jnp.stack([w + 1, w - 3]), "b": jnp.stack([b, b + 2])})

@@ -14,9 +14,11 @@ from shard.errors import UserError
 from shard.plan import target
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
-HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins") is not None and importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+HAS_CUDA_PLUGIN = (importlib.util.find_spec("jax_plugins") is not None
+                   and importlib.util.find_spec("jax_plugins.xla_cuda12") is not None)
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install -e '.[tpu]')")
-needs_cuda = pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="the CUDA plugin is not installed (pip install -e '.[cuda]')")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA_PLUGIN,
+                                reason="the CUDA plugin is not installed (pip install -e '.[cuda]')")
 
 # The default GPT, small, with every dimension split over the 4 chips of a v5p-8 still a multiple of the
 # TPU's 128-wide tiles: the compiler pads a smaller piece up to a tile, which the plan does not count.

@@ -21,7 +21,8 @@ STEPS = ["train.steps=6", "run.log_every=1", "run.cpu_devices=8"]
 
 
 def analyse(tmp_path, *extra):
-    return analysis.analyse(config.load(None, overrides(tmp_path, *TINY_GPT, "data.batch_size=32", *extra)), jax.devices())
+    return analysis.analyse(config.load(None, overrides(tmp_path, *TINY_GPT, "data.batch_size=32", *extra)),
+                            jax.devices())
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,8 @@ def test_accum_dtype_is_the_dtype_of_the_microbatch_sum(tmp_path, curves):
 
 
 def test_zero2_sums_microbatches_split_and_zero1_reduces_once(plans):
-    k1, zero1, zero2 = plans("mesh=zero1"), plans("mesh=zero1", "train.grad_accum=4"), plans("mesh=zero2", "train.grad_accum=4")
+    k1, zero1, zero2 = (plans("mesh=zero1"), plans("mesh=zero1", "train.grad_accum=4"),
+                        plans("mesh=zero2", "train.grad_accum=4"))
     assert zero1["wire_bytes_per_device"] == pytest.approx(k1["wire_bytes_per_device"], rel=0.01)
     assert zero1["collectives"]["reduce-scatter"]["count"] == k1["collectives"]["reduce-scatter"]["count"]
     assert zero2["collectives"]["reduce-scatter"]["count"] == 4 * k1["collectives"]["reduce-scatter"]["count"]

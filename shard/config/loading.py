@@ -196,7 +196,8 @@ def _omegaconf_message(e: OmegaConfBaseException) -> str:
     key = key.removesuffix("_") if key.endswith("async_") else key
     msg = str(getattr(e, "msg", e)).splitlines()[0]
     expected = _field_type_name(key)
-    if expected and any(s in msg for s in ("could not be converted", "is not a subclass", "Invalid type", "is not a valid")):
+    if expected and any(s in msg for s in ("could not be converted", "is not a subclass", "Invalid type",
+                                           "is not a valid")):
         got = msg.split("'")[1] if "'" in msg else msg
         return f"{key}: expected {expected}, got {got!r}"
     if expected and any(s in msg for s in ("Cannot assign", "Invalid value assigned")):

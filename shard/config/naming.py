@@ -19,7 +19,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # and its resumption, so it keeps the folder: train.steps, eval, sample and log settings, the mesh (a checkpoint
 # restores onto any mesh), speed and memory knobs (remat, attention, prefetch, deterministic kernels,
 # grad_accum, offload) and what a non-finite step does (nonfinite, skip_nonfinite, max_rollbacks: the NaN error
-# says to rerun with them; they change nothing until a step is not finite). A new key that changes what is trained says `job=True`.
+# says to rerun with them; they change nothing until a step is not finite). A new key that changes what is
+# trained says `job=True`.
 JOB_SECTIONS = ("model", "data", "optimizer")
 
 
@@ -56,9 +57,9 @@ def job_values(cfg: "Config") -> dict[str, Any]:
 
 def default_run_dir(path: "str | Path | None", file_cfg: "Config", cfg: "Config") -> str:
     """`runs/<config file name>` for a config in configs/ as it is; with `-<8 hex digits>` after it, a
-    fingerprint of the values of what is trained (`job_values`) that the overrides change, resolved and keyed by name (so their
-    order, or restating the file's own value, changes nothing). A file elsewhere (two may share a name) is
-    fingerprinted by its job values that differ from the built-in defaults, so it always has the suffix;
+    fingerprint of the values of what is trained (`job_values`) that the overrides change, resolved and keyed by
+    name (so their order, or restating the file's own value, changes nothing). A file elsewhere (two may share a
+    name) is fingerprinted by its job values that differ from the built-in defaults, so it always has the suffix;
     with no file at all the name is `builtin`. The same command always gives the same folder: a preempted
     job started again resumes, and a job that trains something else never lands in another's folder."""
     own = path is not None and Path(path).resolve().parent == CONFIGS

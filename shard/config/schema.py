@@ -33,25 +33,26 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = option("text", "data source", choices=("text", "documents", "digits", "tabular", "arrays", "array_record",
-                                                       "synthetic"))
+    name: str = option("text", "data source",
+                       choices=("text", "documents", "digits", "tabular", "arrays", "array_record", "synthetic"))
     task: str = option("auto", "what is predicted; auto = the source's own task",
                        choices=("auto", "lm", "classification", "binary", "regression"))
     path: Optional[str] = option(None, "text: file, folder or glob (default: Python's own .py sources); documents: "
-                                 "file, folder or glob of .jsonl(.gz), .json, .parquet, .txt, .arrow files or a datasets "
-                                 "save_to_disk folder; tabular: diabetes (default), breast_cancer or a CSV; arrays: .npz "
-                                 "or folder; array_record: files")
+                                 "file, folder or glob of .jsonl(.gz), .json, .parquet, .txt, .arrow files or a "
+                                 "datasets save_to_disk folder; tabular: diabetes (default), breast_cancer or a CSV; "
+                                 "arrays: .npz or folder; array_record: files")
     mixture: dict = option({}, "documents: several corpora sampled by weight, {path: weight, ...} (each path as "
                            "data.path reads it; weights positive numbers, relative); eval reports each one's loss too; "
                            "instead of data.path")
     field: str = option("text", "documents: the column (JSON key) holding each document's text, or a chat's messages "
                         "(a list of {role, content}; rendered with the tokenizer's chat template, only the assistant's "
                         "turns trained)")
-    prompt_field: Optional[str] = option(None, "documents: with data.completion_field, rows are prompt/completion pairs "
-                                         "and only the completion (and its EOS) is trained; the prompt's column")
+    prompt_field: Optional[str] = option(None, "documents: with data.completion_field, rows are prompt/completion "
+                                         "pairs and only the completion (and its EOS) is trained; the "
+                                         "prompt's column")
     completion_field: Optional[str] = option(None, "documents: the completion's column (with data.prompt_field)")
-    chosen_field: Optional[str] = option(None, "documents, train.objective=dpo: the preferred answer's column (text, or "
-                                         "a chat's messages continuing data.prompt_field's)")
+    chosen_field: Optional[str] = option(None, "documents, train.objective=dpo: the preferred answer's column "
+                                         "(text, or a chat's messages continuing data.prompt_field's)")
     rejected_field: Optional[str] = option(None, "documents, train.objective=dpo: the dispreferred answer's column")
     answer_field: Optional[str] = option(None, "documents, train.objective=grpo: the reference answer's column, which "
                                          "train.grpo.rewards score each completion against")
@@ -171,8 +172,8 @@ class TrainConfig:
                                    "round the context devices, never whole on one)", choices=("all_gather", "ring"))
     attention: str = option("auto", "attention kernel: auto (splash on TPU, cudnn on an NVIDIA GPU where it "
                             "applies, else xla), xla (XLA's products, any device: the reference), cudnn (fused flash "
-                            "attention; NVIDIA GPU, bfloat16, head size <= 128) or splash (Pallas splash attention; TPU)",
-                            choices=("auto", "xla", "cudnn", "splash"))
+                            "attention; NVIDIA GPU, bfloat16, head size <= 128) or splash "
+                            "(Pallas splash attention; TPU)", choices=("auto", "xla", "cudnn", "splash"))
     grouped_matmul: str = option("auto", "a mixture of experts' grouped products (dropless routing): auto (tokamax's "
                                  "kernels on TPU and NVIDIA GPUs, else tiled), tiled (a product per tile of rows and "
                                  "expert it meets), tokamax, or xla (jax.lax.ragged_dot as XLA lowers it: dense per "
@@ -180,7 +181,8 @@ class TrainConfig:
     attention_precision: str = option("float32", "the XLA attention's logits and softmax: float32, or bfloat16 "
                                       "(normalised after the value product; less memory, as MaxText does)",
                                       choices=("float32", "bfloat16"))
-    init_from: Optional[str] = option(None, "load parameters only from this checkpoint (run, checkpoints or step folder), e.g. to fine-tune", job=True)
+    init_from: Optional[str] = option(None, "load parameters only from this checkpoint (run, checkpoints or step "
+                                      "folder), e.g. to fine-tune", job=True)
     deterministic: bool = option(False, "bitwise-reproducible GPU kernels (XLA's --xla_gpu_deterministic_ops; "
                                  "slower); CPU runs are deterministic anyway")
     nonfinite: Optional[str] = option(None, "a step whose loss or gradients are not finite: stop (one line, exit 1), "
@@ -201,7 +203,8 @@ class TrainConfig:
                           choices=("none", "optimizer", "params"))
     sync: str = option("allreduce", "how the replicas (mesh.replica) meet: allreduce (gradients averaged every "
                        "step), local_sgd (parameters averaged every sync_every steps) or diloco (an outer Nesterov "
-                       "step on the averaged change every sync_every steps)", choices=("allreduce", "local_sgd", "diloco"), job=True)
+                       "step on the averaged change every sync_every steps)",
+                       choices=("allreduce", "local_sgd", "diloco"), job=True)
     sync_every: int = option(16, "local_sgd, diloco: steps between syncs (H)", min=1, job=True)
     sync_fragments: int = option(1, "local_sgd, diloco: parameter fragments synced at staggered steps (streaming "
                                  "DiLoCo; each sync moves 1/F of the model)", min=1, job=True)
@@ -227,7 +230,8 @@ class CheckpointConfig:
     keep: int = option(3, "how many of the newest checkpoints to keep", min=1)
     async_: bool = option(True, "write in the background while training goes on", key="async")
     dir: Optional[str] = option(None, "checkpoint folder; default: <run.dir>/checkpoints")
-    restore_from: Optional[str] = option(None, "start from another run's checkpoint (whole state: parameters, optimizer, step)", job=True)
+    restore_from: Optional[str] = option(None, "start from another run's checkpoint (whole state: parameters, "
+                                         "optimizer, step)", job=True)
 
 
 @dataclass
@@ -235,16 +239,19 @@ class MeshConfig:
     preset: str = option("dp", "mesh preset in meshes/ (also settable as mesh=NAME); auto = the fastest "
                          "estimated mesh that fits (see --compare)")
     replica: Optional[int] = option(None, "replica axis size: copies of the job that sync as train.sync says "
-                                    "(allreduce: one more data axis); -1 = remaining devices; default: preset's, else 1")
+                                    "(allreduce: one more data axis); "
+                                    "-1 = remaining devices; default: preset's, else 1")
     stage: Optional[int] = option(None, "pipeline axis size: the stacked layers are cut into this many stages "
                                   "(see pipeline.*); -1 = remaining devices; default: preset's, else 1")
     data: Optional[int] = option(None, "data-parallel axis size; -1 = remaining devices; default: preset's, else 1")
     expert: Optional[int] = option(None, "expert-parallel axis size (experts split over it; it also splits the batch); "
                                    "-1 = remaining devices; default: preset's, else 1")
-    fsdp: Optional[int] = option(None, "fully-sharded (ZeRO-3) axis size; -1 = remaining devices; default: preset's, else 1")
+    fsdp: Optional[int] = option(None, "fully-sharded (ZeRO-3) axis size; "
+                                 "-1 = remaining devices; default: preset's, else 1")
     context: Optional[int] = option(None, "context (sequence) axis size: each sequence is split over it (see "
                                     "train.context_strategy); -1 = remaining devices; default: preset's, else 1")
-    tensor: Optional[int] = option(None, "tensor (Megatron) axis size; -1 = remaining devices; default: preset's, else 1")
+    tensor: Optional[int] = option(None, "tensor (Megatron) axis size; "
+                                   "-1 = remaining devices; default: preset's, else 1")
     rules: dict = option({}, "logical axis -> mesh axis or list of axes (null = replicated), over the preset's")
     zero: Optional[int] = option(None, "ZeRO stage over the data axis: 1 splits the optimizer state over it, 2 also "
                                  "the gradients (parameters stay whole; fsdp is stage 3); default: preset's, else 0",
@@ -279,12 +286,13 @@ class PipelineConfig:
 class RunConfig:
     dir: Optional[str] = option(None, "run folder: resolved config, metrics.jsonl, checkpoints. null (the default): "
                                 "runs/<config file name>, plus -<8 hex digits> when the command line changes what "
-                                "is trained (a model, data or optimizer key but data.prefetch and data.cache_dir, or one marked [picks "
-                                "the folder] here; not train.steps, nor eval, sample, log, mesh or run keys), so the same command "
-                                "resumes its own run and another job gets another folder; "
-                                "a config file outside configs/ always gets the suffix")
+                                "is trained (a model, data or optimizer key but data.prefetch and data.cache_dir, or "
+                                "one marked [picks the folder] here; not train.steps, nor eval, sample, log, mesh or "
+                                "run keys), so the same command resumes its own run and another job gets another "
+                                "folder; a config file outside configs/ always gets the suffix")
     log_every: int = option(10, "log metrics every N steps", min=1)
-    cpu_devices: Optional[int] = option(None, "run on N simulated CPU devices per process (set before JAX starts)", min=1)
+    cpu_devices: Optional[int] = option(None, "run on N simulated CPU devices per process (set before JAX starts)",
+                                        min=1)
     distributed: str = option("auto", "join several processes into one mesh: auto = when the environment says so "
                               "(coordinator set, SLURM tasks, TPU pod), on = always (JAX detects the cluster), off",
                               choices=("auto", "on", "off"))
@@ -294,8 +302,8 @@ class RunConfig:
     init_timeout_s: int = option(300, "seconds to wait for every process to join before giving up", min=1)
     step_timeout_s: Optional[float] = option(None, "when no step finishes within this many seconds (a hung "
                                              "collective), write every thread's stack to <run.dir>/hang-*.txt and exit "
-                                             "(status 3) so the launcher restarts the job; null = off on CPU, else 100 x "
-                                             "the measured step time (at least 300 s); 0 = off", min=0)
+                                             "(status 3) so the launcher restarts the job; null = off on CPU, else "
+                                             "100 x the measured step time (at least 300 s); 0 = off", min=0)
     heartbeat_timeout_s: int = option(30, "seconds without a heartbeat before a process counts as dead and the "
                                       "others stop", min=1)
     peak_tflops: Optional[float] = option(None, "device peak TFLOP/s for MFU; default: known accelerators only", min=0)
@@ -323,7 +331,8 @@ class RunConfig:
     plot: bool = option(True, "draw <run.dir>/curves.png when the run ends (loss, eval loss, throughput)")
     profile_steps: Optional[str] = option(None, "START:END traces steps START..END-1 with jax.profiler into "
                                           "<run.dir>/profile (TensorBoard's profile plugin, XProf, Perfetto)")
-    compile_cache: Optional[str] = option(None, "folder for JAX's persistent compilation cache: restarts skip compiling")
+    compile_cache: Optional[str] = option(None, "folder for JAX's persistent compilation cache: "
+                                          "restarts skip compiling")
     reuse_host_memory: bool = option(True, "on CPU, glibc's malloc keeps the memory a step frees for the next step "
                                      "instead of unmapping it (XLA:CPU allocates every step's buffers anew; saves "
                                      "their page faults, ~17% of the default job's step); false, or any MALLOC_* or "

@@ -33,7 +33,8 @@ def load_preset(name: str) -> dict:
     preset = yaml_load(path.read_text()) or {}
     unknown = set(preset) - set(AXES) - {"rules", "zero"}
     if unknown:
-        raise UserError(f"mesh preset {name!r} has unknown keys {sorted(unknown)}; allowed: {', '.join(AXES)}, rules, zero")
+        raise UserError(f"mesh preset {name!r} has unknown keys {sorted(unknown)}; "
+                        f"allowed: {', '.join(AXES)}, rules, zero")
     if preset.get("zero", 0) not in (0, 1, 2):
         raise UserError(f"mesh preset {name!r}: zero={preset['zero']!r}; ZeRO stages over the data axis are 0, 1 or 2")
     return preset

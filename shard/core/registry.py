@@ -35,7 +35,8 @@ def resolve(name: str, trusted: bool = True, source: str = "") -> type:
     module_name, _, class_name = target.partition(":")
     if not trusted and name not in REGISTRY and not _in_library(module_name):
         raise UserError(f"{source or 'the run'} names model {name!r}, a module outside the model library: importing "
-                        "it would run its code; pass trust_code=True (--trust-code on the command line) if you trust it")
+                        "it would run its code; pass trust_code=True (--trust-code on the command line) if you "
+                        "trust it")
     try:
         module = _import(module_name)
     except (ImportError, ValueError, TypeError) as e:  # also '' or '..x' as a module name
@@ -44,7 +45,8 @@ def resolve(name: str, trusted: bool = True, source: str = "") -> type:
     if not isinstance(cls, type):
         raise UserError(f"model.name={name!r}: module {module_name!r} has no class {class_name!r}")
     if "rngs" not in inspect.signature(cls.__init__).parameters:
-        raise UserError(f"model.name={name!r}: the class must take an `rngs` argument (nnx.Rngs) to initialise its parameters")
+        raise UserError(f"model.name={name!r}: the class must take an `rngs` argument (nnx.Rngs) to initialise "
+                        "its parameters")
     return cls
 
 

@@ -85,7 +85,8 @@ def build(cfg, seed: int, cache_dir=None) -> Data:
     train_src, eval_src, own_task = load_splits(cfg, seed, cache_dir)
     task = own_task if cfg.task == "auto" else cfg.task
     if (task == "lm") != (own_task == "lm"):
-        raise UserError(f"data.task={task}: the {cfg.name} source's task is {own_task}; lm goes with text and documents only")
+        raise UserError(f"data.task={task}: the {cfg.name} source's task is {own_task}; "
+                        "lm goes with text and documents only")
     dtype = TARGET_DTYPES[task]
     # a packed batch's segment_ids, positions and loss_mask (shard/data/packing.py) pass through
     cast = lambda batch: {**batch, "targets": np.asarray(batch["targets"], dtype)}

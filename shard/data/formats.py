@@ -166,7 +166,8 @@ def template_tokens(tokenizer) -> dict[str, str]:
     """The special tokens' text a chat template may name (bos_token, eos_token, ...): those the tokenizer's
     config names, as transformers passes them."""
     config = tokenizer.found.config if tokenizer.found else {}
-    keys = [*tokenizer_files.SPECIAL_KEYS, *(k for k in config if k.endswith("_token") and k not in tokenizer_files.SPECIAL_KEYS)]
+    keys = [*tokenizer_files.SPECIAL_KEYS,
+            *(k for k in config if k.endswith("_token") and k not in tokenizer_files.SPECIAL_KEYS)]
     named = {key: text for key in keys if (text := tokenizer.special(key))}
     extra = config.get("extra_special_tokens")
     if isinstance(extra, dict):

@@ -19,7 +19,8 @@ from shard.errors import UserError
 def check(mixture: dict, path) -> None:
     """One line for a mixture that cannot be read: beside data.path, or a weight that is not a positive number."""
     if path is not None:
-        raise UserError("data.path and data.mixture are exclusive: give one corpus in data.path or several in data.mixture")
+        raise UserError("data.path and data.mixture are exclusive: give one corpus in data.path or several in "
+                        "data.mixture")
     for source, weight in mixture.items():
         if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not weight > 0:
             raise UserError(f"data.mixture: {source}: {weight!r} is not a weight; a weight is a positive number")

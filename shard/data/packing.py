@@ -80,9 +80,11 @@ class ConcatWindows:
 
 def splits(cfg, cache_dir) -> tuple:
     """(train source, eval source, the cache) of `data.name=documents`."""
-    cache = token_cache.load(documents.corpus_files(cfg.path), formats.columns(cfg), cfg.tokenizer, cfg.cache_dir or cache_dir)
+    cache = token_cache.load(documents.corpus_files(cfg.path), formats.columns(cfg), cfg.tokenizer,
+                             cfg.cache_dir or cache_dir)
     if cache.documents < 2:
-        raise UserError(f"data.path={cfg.path!r} holds {cache.documents} document; it needs at least 2 (one to hold out)")
+        raise UserError(f"data.path={cfg.path!r} holds {cache.documents} document; "
+                        "it needs at least 2 (one to hold out)")
     train_docs, eval_docs = held_out_indices(cache.documents, cfg.eval_fraction)
     if cfg.packing == "documents":
         train = PackedRows(Documents.of_cache(cache, train_docs), cfg.seq_len)

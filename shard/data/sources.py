@@ -234,7 +234,8 @@ def arrays(path: str | None, eval_fraction: float) -> tuple[Arrays, Arrays, str]
     elif os.path.isfile(path):
         with np.load(path) as npz:
             if not {"inputs", "targets"} <= set(npz.files):
-                raise UserError(f"data.path={path!r} must hold arrays named inputs and targets; it has: {', '.join(npz.files)}")
+                raise UserError(f"data.path={path!r} must hold arrays named inputs and targets; "
+                                f"it has: {', '.join(npz.files)}")
             loaded = {k: npz[k] for k in ("inputs", "targets")}
     else:
         raise UserError(f"data.path={path!r} does not exist")

@@ -120,7 +120,8 @@ def build(files: list[Path], names: tuple[str, ...], spec: str | None, tok, fold
                     part.unlink()
         np.save(scratch / "docs.npy", starts)
         tokens = np.memmap(scratch / "tokens.bin", token_dtype(tok.vocab_size), "r") if starts[-1] else np.zeros(0)
-        meta = {"largest_token": int(tokens.max()) if len(tokens) else -1,"format": FORMAT, "dtype": np.dtype(token_dtype(tok.vocab_size)).name, "tokens": int(starts[-1]),
+        meta = {"largest_token": int(tokens.max()) if len(tokens) else -1, "format": FORMAT,
+                "dtype": np.dtype(token_dtype(tok.vocab_size)).name, "tokens": int(starts[-1]),
                 "documents": len(doc_lengths), "vocab_size": tok.vocab_size, "bos": tok.bos, "eos": tok.eos,
                 "field": names[0] if len(names) == 1 else list(names), "masked": masked,
                 "tokenizer": spec or "bytes", "files": [str(f) for f in files]}
@@ -201,7 +202,8 @@ def _encode_job(job) -> tuple[int, tuple[np.ndarray, bool]]:
 _WORKER_TOKENIZER: dict = {}  # spec -> tokenizer, loaded once per worker process
 
 
-def _encode_file(index: int, path: Path, names: tuple[str, ...], spec, scratch: Path, tok=None) -> tuple[np.ndarray, bool]:
+def _encode_file(index: int, path: Path, names: tuple[str, ...], spec, scratch: Path,
+                 tok=None) -> tuple[np.ndarray, bool]:
     """Tokenize one file into `scratch`/tokens.<index>, bytes.<index> and mask.<index>: its documents' lengths,
     and whether any target is not trained on. A row (shard/data/formats.py) is tokenized whole, as
     transformers tokenizes it; a token is trained where its characters overlap a trained span. The special

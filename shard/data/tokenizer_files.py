@@ -28,7 +28,8 @@ TIKTOKEN_HINT = ("original/tokenizer.model is a tiktoken file, which is not read
                  "model's tokenizer.json, as its Hub repository has it")
 GENERATION = "generation_config.json"
 MODEL_CONFIG = "config.json"
-SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")  # transformers' order
+# transformers' order
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 @dataclass

@@ -134,8 +134,9 @@ def _rope_model(kind: str, get, c: dict, where: str) -> dict:
         theta, scaling, rotary_dim = _rope(kind, c, where, get, head_dim)
         extra = _gemma(kind, get, where) if kind == "gemma2" else {}
     return dict(**extra, vocab_size=get("vocab_size"), d_model=d, n_layers=get("num_hidden_layers"), n_heads=heads,
-                n_kv_heads=kv_heads, d_ff=get("intermediate_size"), head_dim=head_dim, max_len=get("max_position_embeddings"),
-                position="rope", norm="rmsnorm+1" if kind in GEMMAS else "rmsnorm",
+                n_kv_heads=kv_heads, d_ff=get("intermediate_size"), head_dim=head_dim,
+                max_len=get("max_position_embeddings"), position="rope",
+                norm="rmsnorm+1" if kind in GEMMAS else "rmsnorm",
                 mlp=mlp, norm_eps=get("rms_norm_eps"), rope_theta=theta, rope_scaling=scaling,
                 tie_embeddings=get("tie_word_embeddings"), embed_scale=kind in GEMMAS, **_biases(kind, get, where),
                 **({"rotary_dim": rotary_dim} if rotary_dim != head_dim else {}), **_options(kind, get, where))
@@ -178,7 +179,8 @@ def _gemma3_rope(c: dict, where: str) -> tuple[float, dict | None, float]:
     full.update(c.get("rope_scaling") or {})  # the older name, for the global layers: over rope_parameters
     full.setdefault("rope_theta", c.get("rope_theta", 1_000_000.0))
     local.setdefault("rope_theta", c.get("rope_local_base_freq", 10_000.0))
-    for name, p, allowed in (("full_attention", full, ("default", "linear")), ("sliding_attention", local, ("default",))):
+    for name, p, allowed in (("full_attention", full, ("default", "linear")),
+                             ("sliding_attention", local, ("default",))):
         rope_type, theta = p.get("rope_type", p.get("type", "default")), p["rope_theta"]
         if rope_type not in allowed:
             raise UserError(f"{where}: config.json has {name} rope_type={rope_type!r}, which is not supported for "

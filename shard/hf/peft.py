@@ -137,7 +137,8 @@ def export(run: str, overrides: list[str], step: int | None, out_arg: str | None
         raise UserError(f"--adapters-only writes PEFT adapters for Llama-style GPTs; this run's model is a {kind}: "
                         "export the merged model with --format hf")
     model_cls, kwargs = registry.load(cfg.model, trusted=trust_code, source=f"RUN={run!r} (its config.yaml)")
-    params = nnx.split(nnx.eval_shape(lambda: state_lib.build_model(model_cls, kwargs, cfg.train.seed)), nnx.Param, ...)[1]
+    params = nnx.split(nnx.eval_shape(lambda: state_lib.build_model(model_cls, kwargs, cfg.train.seed)),
+                       nnx.Param, ...)[1]
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(mesh_lib.AXES)), mesh_lib.AXES)
     site_list, _, held = lora.LoRA.adapters_target(cfg, model_cls, params, mesh)
     folder, at = ckpt_lib.open_named(run, "RUN", step)

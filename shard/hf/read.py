@@ -158,7 +158,8 @@ def _check_all_read(folder: Folder, read: set, tied: bool) -> None:
         if tied and head in unread else ""
     raise UserError(f"{folder.where}: {len(unread)} tensor{'s' * (len(unread) > 1)} of the folder would be read by "
                     f"nothing (the {folder.kind} model of config.json has no place for "
-                    f"{'them' if len(unread) > 1 else 'it'}): {', '.join(unread[:3])}{', ...' * (len(unread) > 3)}{why}")
+                    f"{'them' if len(unread) > 1 else 'it'}): "
+                    f"{', '.join(unread[:3])}{', ...' * (len(unread) > 3)}{why}")
 
 
 def check(path: str, params, kwargs: dict) -> None:

@@ -148,7 +148,8 @@ def _finish(scratch: Path, out: Path, files: list, total: int, config: dict, tok
         os.replace(scratch / name, scratch / final)
         weight_map.update({t: final for t in tensors})
     if len(files) > 1:
-        (scratch / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (scratch / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                indent=2))
     for name, content in tokenizer.items():
         (scratch / name).write_bytes(content)
     for k in SPECIAL_IDS if source is not None else ():  # the source model's ids where the tokenizer gave none

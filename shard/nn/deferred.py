@@ -30,10 +30,10 @@ def any_built(tree) -> bool:
 
 def in_layers(checkpointed: bool):
     """A stack's call of one layer, layer(x), with the layer's `Deferred` weights built first. What the call updates
-    besides the parameters (normalisation statistics) is written back to the layer the stack handed in. The backward pass builds each
-    layer's weights again rather than keeping them: under activation checkpointing (`checkpointed`, train.remat)
-    no policy keeps a built weight (none is a matrix product without batch dimensions, nor named); without it,
-    such a layer runs as under train.remat=dots, keeping its matrix products' outputs."""
+    besides the parameters (normalisation statistics) is written back to the layer the stack handed in. The backward
+    pass builds each layer's weights again rather than keeping them: under activation checkpointing (`checkpointed`,
+    train.remat) no policy keeps a built weight (none is a matrix product without batch dimensions, nor named);
+    without it, such a layer runs as under train.remat=dots, keeping its matrix products' outputs."""
     def run(one, x):
         graphdef, params, rest = nnx.split(one, nnx.Param, ...)
         # a fresh function each trace: jax.checkpoint caches a function's trace, and as_used's layout is the mesh's

@@ -69,7 +69,8 @@ def gathered_causal(q, k, v, order, n, segments=None, window=None, softcap=None,
         kseg = partition.constrain(segments.reshape(b, 2 * n, c)[:, keys], ("batch", "length", None, None))
         same_prefix = qseg[:, :, 1, :, None] == kseg[:, :, :n].reshape(b, n, 1, n * c)
         s_prefix = jnp.where(same_prefix[:, :, None, None], s_prefix, -jnp.inf)
-        mixed_seg = jnp.where(jnp.asarray(late)[None, :, :, None], qseg[:, :, 1:], qseg[:, :, :1])  # (b, device, N+1, chunk)
+        # (b, device, N+1, chunk)
+        mixed_seg = jnp.where(jnp.asarray(late)[None, :, :, None], qseg[:, :, 1:], qseg[:, :, :1])
         visible = visible & (mixed_seg[..., :, None] == kseg[:, :, n:, None, :])[:, :, :, None, None]
     s_blocks = jnp.where(visible, s_blocks, -jnp.inf)
     p_prefix, p_blocks = _softmax(s_prefix, s_blocks, jnp.asarray(late)[None, :, :, None, None, None])

@@ -20,12 +20,15 @@ contract). One call, `matmul(x, w, sizes, kernel)`, three ways to compute it:
 import jax
 import jax.numpy as jnp
 
+from shard.nn import attention
+
 KERNELS = ("auto", "xla", "tiled", "tokamax")
 
 
-def matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, kernel: str = "xla") -> jax.Array:
-    """x (m, k) rows sorted by group, w (g, k, n), sizes (g,) int32 rows per group -> (m, n), x's dtype."""
-    kernel = resolve(kernel)
+def matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, kernel: str = "xla", device=None) -> jax.Array:
+    """x (m, k) rows sorted by group, w (g, k, n), sizes (g,) int32 rows per group -> (m, n), x's dtype. `auto`
+    resolved for `device` (default: the first of the default backend)."""
+    kernel = resolve(kernel, device or jax.devices()[0])
     if kernel == "tokamax":
         import tokamax  # imported where used: a second or two, and only for backends with its kernels
         from absl import flags
@@ -38,12 +41,11 @@ def matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, kernel: str = "xla") ->
     return jax.lax.ragged_dot(x, w, sizes)
 
 
-def resolve(kernel: str) -> str:
-    """`auto` by the default backend: tokamax's kernels where they serve, else tiled."""
+def resolve(kernel: str, device) -> str:
+    """`auto` for a device: tokamax's kernels on a TPU or an NVIDIA GPU where tokamax imports, else tiled."""
     if kernel != "auto":
         return kernel
-    platform = jax.devices()[0].platform
-    if platform == "tpu" or (platform == "gpu" and "nvidia" in jax.devices()[0].device_kind.lower()):
+    if attention.family(device) in ("tpu", "nvidia"):
         try:
             import tokamax  # noqa: F401
             return "tokamax"

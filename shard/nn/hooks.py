@@ -341,4 +341,5 @@ def experts(mlp, x: jax.Array, top_e: jax.Array, top_p: jax.Array, weights: tupl
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
     """x (m, k) rows sorted by group times w (g, k, n), sizes[i] rows in group i (jax.lax.ragged_dot's contract)
     with the run's kernel (`train.grouped_matmul`, shard/nn/grouped.py); outside the framework, ragged_dot."""
-    return grouped.matmul(x, w, sizes, _GROUPED.get())
+    active = partition.active()
+    return grouped.matmul(x, w, sizes, _GROUPED.get(), active[0].devices.flat[0] if active else None)

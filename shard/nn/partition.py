@@ -162,7 +162,8 @@ def batch_axes(rules: dict, mesh_shape: dict[str, int]) -> tuple:
 
 
 def batch_shards(rules: dict, mesh_shape: dict[str, int]) -> int:
-    """How many pieces the batch axes (the `batch` rule, as the preset and mesh.rules set it) cut a global batch into."""
+    """How many pieces the batch axes (the `batch` rule, as the preset and mesh.rules set it) cut a global batch
+    into."""
     return math.prod(mesh_shape[a] for a in batch_axes(rules, mesh_shape))
 
 

@@ -11,13 +11,13 @@ the margin is r_chosen - r_rejected, and the loss (`train.dpo.loss`):
              tokens (IPO, Azar et al. 2023, as TRL computes it)
 
 `train.dpo.precompute=true` computes the reference's log-likelihoods once, before the first step, instead
-(shard/objectives/precomputed.py). `train.dpo.reference=none` needs no reference: each answer's log-likelihood is averaged over its tokens and
-r = beta * that average, the loss -log sigmoid(margin - gamma) with gamma = `train.dpo.margin` (SimPO, Meng
-et al. 2024; beta there is larger, about 2). Logged: `dpo/margin`, `dpo/chosen_reward`, `dpo/rejected_reward`,
-`dpo/accuracy` (the share of pairs whose margin is positive) and each answer's mean log-likelihood under the
-model, `dpo/chosen_logp` and `dpo/rejected_logp`. The model trained runs once over both answers of the pairs: what
-it records (a mixture of experts' load-balancing loss, logged as `aux_loss`) the step adds to the loss, as TRL adds
-router_aux_loss_coef x aux_loss; the reference's are not added.
+(shard/objectives/precomputed.py). `train.dpo.reference=none` needs no reference: each answer's log-likelihood is
+averaged over its tokens and r = beta * that average, the loss -log sigmoid(margin - gamma) with gamma =
+`train.dpo.margin` (SimPO, Meng et al. 2024; beta there is larger, about 2). Logged: `dpo/margin`,
+`dpo/chosen_reward`, `dpo/rejected_reward`, `dpo/accuracy` (the share of pairs whose margin is positive) and each
+answer's mean log-likelihood under the model, `dpo/chosen_logp` and `dpo/rejected_logp`. The model trained runs
+once over both answers of the pairs: what it records (a mixture of experts' load-balancing loss, logged as
+`aux_loss`) the step adds to the loss, as TRL adds router_aux_loss_coef x aux_loss; the reference's are not added.
 """
 
 import jax

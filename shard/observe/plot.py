@@ -164,7 +164,8 @@ def main(argv: list[str]) -> int:
     else:
         metrics = default_metrics(runs)
         if not metrics:
-            raise UserError(f"these runs logged no loss or throughput yet; they logged: {', '.join(logged) or 'nothing'}")
+            raise UserError(f"these runs logged no loss or throughput yet; "
+                            f"they logged: {', '.join(logged) or 'nothing'}")
     out = args.out or (str(paths.resolve(args.runs[0]) / "curves.png") if len(runs) == 1 else "compare.png")
     if not out.lower().endswith(".png"):
         raise UserError(f"--out {out}: the picture is a PNG; name a .png file")

@@ -88,7 +88,8 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "memory_per_device": {
             "params": state_lib.shard_bytes(sharded.params) + state_lib.shard_bytes(sharded.rest),
             "optimizer": state_lib.shard_bytes(sharded.opt_state),
-            "gradients": _gradient_bytes(prepared.abstract.params if (t := prepared.trained()) is None else t, prepared),
+            "gradients": _gradient_bytes(prepared.abstract.params if (t := prepared.trained()) is None else t,
+                                         prepared),
             "host": host,
             "arguments": memory.argument_size_in_bytes,
             "temp": memory.temp_size_in_bytes,

@@ -235,7 +235,8 @@ def collectives(text: str, n_devices: int) -> list[Collective]:
                 group, senders = started.get(operand.group(1) if operand else None, (n_devices, 1.0))
             else:
                 group, senders = group_size(line, n_devices), _senders(line, n_devices)
-            size = _result_bytes(shape, _operands(operands), producers, comps) if kind in ("all-reduce", "reduce-scatter") else shape_bytes(shape)
+            size = (_result_bytes(shape, _operands(operands), producers, comps)
+                    if kind in ("all-reduce", "reduce-scatter") else shape_bytes(shape))
             found.append(Collective(kind, size, group, runs[name], senders))
     return found
 
@@ -344,7 +345,8 @@ def _hits(outputs: int, size: int, stride: int, rhs_dilate: int, low: int, exten
     for w in range(size):
         start = w * rhs_dilate - low  # output o reads input o * stride + start
         if dilate == 1:  # the outputs whose read lands in [0, extent)
-            first, last = max(0, -(start // stride) if start < 0 else 0), min(outputs - 1, (extent - 1 - start) // stride)
+            first, last = (max(0, -(start // stride) if start < 0 else 0),
+                           min(outputs - 1, (extent - 1 - start) // stride))
             hits += max(0, last - first + 1)
         else:
             hits += sum(1 for o in range(outputs) if 0 <= (at := o * stride + start) < extent and at % dilate == 0)

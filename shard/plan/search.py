@@ -39,7 +39,8 @@ RECOMPUTE = {"none": 1.0, "dots": 1.1, "qkv": 1.25, "attention": 1.25, "full": 4
 # Share of a layer's ACTIVATION_WIDTHS kept in device memory for the backward: qkv keeps 3 of the 17 widths (query,
 # key, value), attention 4 (and attention's output), a grouped-query model less; offload keeps dots' on the host.
 KEPT = {"none": 1.0, "dots": 0.4, "qkv": 3 / 17, "attention": 4 / 17, "full": 0.0, "offload": 0.0}
-ACTIVATION_WIDTHS = 17  # values of d_model kept per token per layer without remat (Korthikanti et al.: 34 sbh bytes in 16-bit)
+# values of d_model kept per token per layer without remat (Korthikanti et al.: 34 sbh bytes in 16-bit)
+ACTIVATION_WIDTHS = 17
 
 
 @dataclasses.dataclass

@@ -23,7 +23,8 @@ from shard.errors import UserError
 from shard.plan import hardware
 
 GPUS_PER_NODE = 8
-INSTALL = {"tpu": 'pip install -e ".[tpu]"  (libtpu)', "gpu": 'pip install -e ".[cuda]"  (jax[cuda12]: the CUDA plugin)'}
+INSTALL = {"tpu": 'pip install -e ".[tpu]"  (libtpu)',
+           "gpu": 'pip install -e ".[cuda]"  (jax[cuda12]: the CUDA plugin)'}
 
 
 @functools.cache
@@ -157,7 +158,8 @@ def devices(target: Target) -> list:
             raise UserError(f"run.target={target.name} needs the {target.family.upper()} compiler, which is not "
                             f"installed here: {INSTALL[target.family]}") from None
         detail = (str(e).strip().splitlines() or [said()])[0]
-        raise UserError(f"run.target={target.name}: the compiler refused topology {target.topology}: {detail}") from None
+        raise UserError(f"run.target={target.name}: the compiler refused topology {target.topology}: "
+                        f"{detail}") from None
     return list(got.devices)
 
 

@@ -57,7 +57,8 @@ def with_retries(read, where: str, delays=None):
                 raise
             if attempt == len(delays):
                 raise UserError(f"checkpoint {where} could not be read after {attempt + 1} tries, for the storage's "
-                                f"sake ({first_line(e)}); nothing was skipped: check the storage and run again") from None
+                                f"sake ({first_line(e)}); nothing was skipped: "
+                                "check the storage and run again") from None
             warn(f"reading checkpoint {where} failed ({first_line(e)}); trying again in {delays[attempt]} s")
             time.sleep(delays[attempt])
 
@@ -185,7 +186,8 @@ def check_shapes(manager: ocp.CheckpointManager, step: int, target: TrainState, 
                             f"but this model's is {tuple(shape)}")
     extra = sorted(set(saved) - set(wanted))
     if extra:
-        raise UserError(f"checkpoint {where} has parameter {extra[0]} that this model lacks; it was saved from another model")
+        raise UserError(f"checkpoint {where} has parameter {extra[0]} that this model lacks; "
+                        "it was saved from another model")
 
 
 def _shapes(tree) -> dict:

@@ -26,7 +26,8 @@ def evaluate(eval_step, state, data: data_lib.Data, shardings: dict, cfg, object
     overall ones from all their sums together."""
     if not data.eval_parts:
         return objective.eval_metrics(eval_totals(eval_step, state, data.eval, data, shardings, cfg))
-    parts = {name: eval_totals(eval_step, state, batches, data, shardings, cfg) for name, batches in data.eval_parts.items()}
+    parts = {name: eval_totals(eval_step, state, batches, data, shardings, cfg)
+             for name, batches in data.eval_parts.items()}
     overall = {k: math.fsum(t[k] for t in parts.values()) for k in next(iter(parts.values()))}
     metrics = objective.eval_metrics(overall)
     for name, totals in parts.items():

@@ -182,7 +182,8 @@ def with_vocabulary(cfg, model_cls, kwargs: dict) -> dict:
         if isinstance(kwargs["vocab_size"], int) and kwargs["vocab_size"] < vocab and not hf.is_folder(
                 cfg.train.init_from):
             raise UserError(f"model.vocab_size={kwargs['vocab_size']} is smaller than data.tokenizer="
-                            f"{cfg.data.tokenizer}'s {vocab} tokens; raise it or leave it out (it then follows the tokenizer)")
+                            f"{cfg.data.tokenizer}'s {vocab} tokens; raise it or leave it out "
+                            "(it then follows the tokenizer)")
         return kwargs
     if "vocab_size" in inspect.signature(model_cls.__init__).parameters:
         return {**kwargs, "vocab_size": vocab}
@@ -205,7 +206,8 @@ def token_cache_dir(cfg) -> str:
     if cfg.data.cache_dir:
         return cfg.data.cache_dir
     run_dir = str(cfg.run.dir or "runs/x")
-    return os.path.join("runs" if paths.is_remote(run_dir) else os.path.dirname(os.path.abspath(run_dir)), ".token_cache")
+    return os.path.join("runs" if paths.is_remote(run_dir) else os.path.dirname(os.path.abspath(run_dir)),
+                        ".token_cache")
 
 
 def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None, training: bool = True,
@@ -262,8 +264,9 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         # train.quantize's products (traced on a batch's inputs: a model with none to quantize is refused)
         graphdef = quant_training.model_graph(cfg, work.graphdef, work.abstract, work.batch.get("inputs"))
         train_fn = step_lib.make_train_step(graphdef, work.tx, work.objective, work.dtype,
-                                            badsteps.policy(cfg.train) == "skip", reduction, moved, order, work.schedule,
-                                            options.get("trainable"), options.get("arrange"), options.get("reference"))
+                                            badsteps.policy(cfg.train) == "skip", reduction, moved, order,
+                                            work.schedule, options.get("trainable"), options.get("arrange"),
+                                            options.get("reference"))
         # e.g. GRPO's rollouts before its updates, lm's packed rows weighed over the whole batch
         train_fn = work.objective.around(train_fn, work.graphdef, work.dtype, options.get("trainable"))
         eval_fn = step_lib.make_eval_step(graphdef, work.objective, work.dtype, moved, order,

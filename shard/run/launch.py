@@ -236,7 +236,8 @@ def gke_command(cluster: str, workload: str, tpu_type: str | None, device_type: 
                 nodes: int, image: str | None, project: str | None, zone: str | None, args: list[str],
                 max_restarts: int = 0) -> list[str]:
     if (tpu_type is None) == (device_type is None):
-        raise LaunchError("gke: give exactly one of --tpu-type (e.g. v5litepod-256) or --device-type (e.g. h100-80gb-8)")
+        raise LaunchError("gke: give exactly one of --tpu-type (e.g. v5litepod-256) or --device-type "
+                          "(e.g. h100-80gb-8)")
     extra = "[tpu]" if tpu_type else "[cuda]"
     command = shlex.join(["python3", "train.py", *args, "run.distributed=on"])
     if not image:  # xpk builds an image from this folder on a base image: install the project first

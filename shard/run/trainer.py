@@ -87,7 +87,8 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest, devices: list | Non
             tokenizer_lib.keep(cfg.data, run_dir)  # the folder stays all a trained model needs
         checkpoints = None
         if cfg.checkpoint.enabled:
-            checkpoints = ckpt_lib.Checkpoints(job.checkpoint_dir, keep=cfg.checkpoint.keep, use_async=cfg.checkpoint.async_)
+            checkpoints = ckpt_lib.Checkpoints(job.checkpoint_dir, keep=cfg.checkpoint.keep,
+                                               use_async=cfg.checkpoint.async_)
     except OSError as e:
         raise UserError(f"run.dir={cfg.run.dir!r}: cannot write there ({e.strerror or e})") from None
 
@@ -114,7 +115,8 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest, devices: list | Non
             result = Result(graphdef=work.graphdef, shardings=job.shardings, mesh=job.mesh,
                             train_step=job.train_step, start_step=int(state.step))
             plan = {"model": cfg.model.name, "parameters": state_lib.count_params(work.abstract.params),
-                    "mesh": mesh_lib.describe(job.mesh), "devices": len(devices), "split": state_lib.split_summary(job.split)}
+                    "mesh": mesh_lib.describe(job.mesh), "devices": len(devices),
+                    "split": state_lib.split_summary(job.split)}
             log = metrics_log(cfg, run_dir, result.start_step, work, main, plan)
             if result.start_step >= cfg.train.steps:
                 say(f"the model is at step {result.start_step}, already past train.steps={cfg.train.steps}: nothing "
@@ -183,7 +185,8 @@ def start_state(cfg, checkpoints, job: Job, say) -> state_lib.TrainState:
     says (`job.take`); a strategy's state the checkpoint lacks is set from its model (`job.filled`)."""
     resumed = None
     if checkpoints and checkpoints.steps():
-        resumed = job.take(checkpoints.directory, checkpoints.steps()[-1], True) or checkpoints.restore_latest(job.target)
+        resumed = (job.take(checkpoints.directory, checkpoints.steps()[-1], True)
+                   or checkpoints.restore_latest(job.target))
     if resumed:
         state, meta = resumed
         say(f"resuming from step {meta['step']} of {checkpoints.directory}")
@@ -370,7 +373,8 @@ def _train_span(cfg, state, job: Job, checkpoints, log, result, devices, main, s
                 bad.saved()
             if stopping:
                 bar.close()
-                where = f"checkpoint at step {done} in {checkpoints.directory}" if checkpoints else "no checkpoint (disabled)"
+                where = (f"checkpoint at step {done} in {checkpoints.directory}" if checkpoints
+                         else "no checkpoint (disabled)")
                 if main:
                     print(f"{stopping}: stopped after step {done}; {where}; run again to resume", flush=True)
                 result.preempted = True

@@ -75,13 +75,14 @@ def serve(args, overrides, whole_mesh) -> int:
     log = logging.getLogger("shard.serve")
     loaded = load.load(args.run, overrides, step=args.step, whole_mesh=whole_mesh, key="RUN",
                        trust_code=args.trust_code)
-    folder = paths.resolve(args.run) if hf.is_folder(args.run) else paths.resolve(load.run_config(args.run, "RUN")).parent
+    folder = (paths.resolve(args.run) if hf.is_folder(args.run)
+              else paths.resolve(load.run_config(args.run, "RUN")).parent)
     tok = load.load_tokenizer(args.run, key="RUN")
     generator = serving.quantize_generator(generate.Generator(loaded.model, loaded.mesh if whole_mesh else None,
                                                               loaded.rules, loaded.cfg.train.dtype), args.quantize)
     if not generator.caches():
-        raise UserError(f"model {loaded.cfg.model.name}: its attention or recurrence does not go through shard.nn.hooks, "
-                        "so it keeps no cache to serve from; python -m shard.generate still runs it")
+        raise UserError(f"model {loaded.cfg.model.name}: its attention or recurrence does not go through "
+                        "shard.nn.hooks, so it keeps no cache to serve from; python -m shard.generate still runs it")
     # one engine per context: sizing builds the one at the wanted context, served as it is where it fits
     embedded = min(tok.vocab_size, generate.output_vocab(loaded.model))  # gemma-3: 2 tokens past its embedding
     build = functools.cache(lambda context: engine.Engine(generator, args.slots, context, embedded,
@@ -112,12 +113,13 @@ def serve(args, overrides, whole_mesh) -> int:
 
 
 def check_refill(generator, context: int) -> None:
-    """One line where a slot could pass the positions after which the model's cache is to be computed again (LongRoPE's
-    long factors): python -m shard.generate does that, as transformers does; the server's slots keep theirs."""
+    """One line where a slot could pass the positions after which the model's cache is to be computed again
+    (LongRoPE's long factors): python -m shard.generate does that, as transformers does; the server's slots keep
+    theirs."""
     if generator.refill_at is not None and context > generator.refill_at:
-        raise UserError(f"--context {context}: this model's LongRoPE (Phi-3's) turns to its long factors once a sequence "
-                        f"passes {generator.refill_at} positions, and transformers then recomputes that sequence's cache, "
-                        "which the server's slots do not; serve with --context at most "
+        raise UserError(f"--context {context}: this model's LongRoPE (Phi-3's) turns to its long factors once a "
+                        f"sequence passes {generator.refill_at} positions, and transformers then recomputes that "
+                        "sequence's cache, which the server's slots do not; serve with --context at most "
                         f"{generator.refill_at} (python -m shard.generate recomputes as transformers does)")
 
 

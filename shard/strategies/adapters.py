@@ -108,8 +108,8 @@ def sites(model_cls, params, targets, model_name: str) -> tuple[Site, ...]:
         hits = [(p, v, n, w) for w in rules for p, v, n in weights if p[-1] == w.name]
         ok = [h for h in hits if len(h[1].shape) >= h[3].in_dims + h[3].out_dims + (h[3].pick is not None)]
         if not ok:
-            raise UserError(f"train.lora.targets: {target!r} matches no weight of model {model_name!r}; its targets are: "
-                            f"{', '.join(targetable(model_cls, params))}")
+            raise UserError(f"train.lora.targets: {target!r} matches no weight of model {model_name!r}; "
+                            f"its targets are: {', '.join(targetable(model_cls, params))}")
         for p, v, n, w in ok:
             key = p + ((target,) if w.pick is not None else ())
             found.append(Site(p, key, target, w, tuple(v.shape), n))

@@ -1,15 +1,15 @@
 """A stacked layer's weight built inside the stack, one layer at a time (LoRA on a base stored bfloat16 or quantized).
 
-Dequantizing a quantized base and adding the adapters to it before the model would hold the whole stack's weights
-in float32 at once, more than the stored base saves (the compiler's peak for the 8B shape grew, bench/RESULTS.md).
+Dequantizing a quantized base and adding the adapters to it before the model would hold the whole stack's weights in
+float32 at once, more than the stored base saves (the compiler's peak for the 8B shape grew, bench/RESULTS.md).
 Instead each stacked weight the model sees is a `Built`: its stored value (codes or bfloat16), the scales and the
-adapters of every layer, a pytree whose arrays all keep the `layers` axis first (shard/nn/deferred.py's
-`Deferred`). The stack (shard/nn/hooks.py's `scan`, `unrolled`, a pipeline's stage, and generation's
-`scan_decoding` and `stack_caches`) slices it with the layers and calls `build()` for the one layer it runs, under a checkpoint that saves nothing, so the backward pass
-rebuilds the layer's weight from its codes instead of keeping every layer's; only the layer in hand exists as
-floats. The arithmetic is the whole-stack merge's (shard/strategies/adapters.py's `adapted`, shard/quant/base.py's
-`dequantize_value`), a layer at a time. A quantized base's parts are laid out for the layer's products before it
-(`as_used`), so that fsdp gathers the codes rather than the floats they stand for.
+adapters of every layer, a pytree whose arrays all keep the `layers` axis first (shard/nn/deferred.py's `Deferred`).
+The stack (shard/nn/hooks.py's `scan`, `unrolled`, a pipeline's stage, and generation's `scan_decoding` and
+`stack_caches`) slices it with the layers and calls `build()` for the one layer it runs, under a checkpoint that
+saves nothing, so the backward pass rebuilds the layer's weight from its codes instead of keeping every layer's;
+only the layer in hand exists as floats. The arithmetic is the whole-stack merge's (shard/strategies/adapters.py's
+`adapted`, shard/quant/base.py's `dequantize_value`), a layer at a time. A quantized base's parts are laid out for
+the layer's products before it (`as_used`), so that fsdp gathers the codes rather than the floats they stand for.
 """
 
 import jax

@@ -70,9 +70,11 @@ class LoRA(Strategy):
     keys = ("train.lora.rank", "train.lora.alpha", "train.lora.targets", "train.lora.base")
     switches = {"lora": "`train.lora.rank` > 0", "qlora": "`train.lora.base` nf4, int4 or int8"}
     refuses = {
-        ("qlora", "offload"): "the quantized base is dequantized in the step from device memory; use train.offload=none",
+        ("qlora", "offload"): "the quantized base is dequantized in the step from device memory; "
+                              "use train.offload=none",
         ("qlora", "sync"): "the replicas would average the quantized codes, not weights; use train.sync=allreduce",
-        ("lora", "zero"): "ZeRO splits optimizer state the size of the weights; the adapters' is small: use mesh.zero=0",
+        ("lora", "zero"): "ZeRO splits optimizer state the size of the weights; the adapters' is small: "
+                          "use mesh.zero=0",
         ("lora", "offload"): "the adapters' optimizer state is small, keep it on the device: use train.offload=none",
         ("lora", "ema"): "train.ema averages the frozen weights, not the adapters; use train.ema=0",
         ("lora", "sync"): "the replicas' syncs move the weights, not the adapters; use train.sync=allreduce",
@@ -240,8 +242,9 @@ class LoRA(Strategy):
     def plan(self, job, step_ops, n) -> dict:
         held = ckpt_lib.abstract_target(job.abstract.extra[KEY], self.device)
         frozen = state_lib.count_params(job.work.abstract.params)  # the model's own (4-bit codes are packed)
-        base = ckpt_lib.abstract_target({"codes": job.abstract.params, "scales": (job.abstract.extra or {}).get(BASE)},
-                                        {"codes": job.shardings.params, "scales": (job.shardings.extra or {}).get(BASE)})
+        base = ckpt_lib.abstract_target(
+            {"codes": job.abstract.params, "scales": (job.abstract.extra or {}).get(BASE)},
+            {"codes": job.shardings.params, "scales": (job.shardings.extra or {}).get(BASE)})
         as_float32 = ckpt_lib.abstract_target(job.work.abstract.params, job.shardings.params)
         return {"lora": {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets),
                          "weights_adapted": len(self.sites), "trainable_params": adapters.count(held),

@@ -12,7 +12,8 @@ from shard.strategies import sync as sync_lib
 from shard.strategies import sync_io
 from shard.strategies.base import Strategy, mb
 
-VMAP = "each replica's step runs under a vmap, which {} cannot run in; leave it at its default or use train.sync=allreduce"
+VMAP = ("each replica's step runs under a vmap, which {} cannot run in; leave it at its default or use "
+        "train.sync=allreduce")
 
 
 class LowCommunication(Strategy):
@@ -114,6 +115,7 @@ class LowCommunication(Strategy):
         if not (sync := plan.get("sync")):
             return []
         when = "every step" if sync["mode"] == "allreduce" else (
-            f"every {sync['every']} steps" + (f", {sync['fragments']} fragments staggered" if sync["fragments"] > 1 else ""))
+            f"every {sync['every']} steps"
+            + (f", {sync['fragments']} fragments staggered" if sync["fragments"] > 1 else ""))
         return [f"replicas: {sync['replicas']} ({sync['mode']}, {when}); across replicas each device sends "
                 f"{mb(sync['cross_replica_bytes_per_step'])} per step, {mb(sync['bytes_per_sync_peak'])} at a sync"]

@@ -88,7 +88,8 @@ def settings(cfg, mesh_shape: dict, rules: dict, work) -> Schedule | None:
                         f"batch's rows, as many on every stage; use a multiple of {stages}")
     across = math.prod(mesh_shape[a] for a in partition.batch_axes(rules, mesh_shape) if a != "stage")
     # The train step hands the pipeline one accumulation microbatch at a time (train.grad_accum).
-    sizes = (("data.batch_size", work.data.batch_size, cfg.train.grad_accum), ("the eval batch", work.data.batch_size, 1))
+    sizes = (("data.batch_size", work.data.batch_size, cfg.train.grad_accum),
+             ("the eval batch", work.data.batch_size, 1))
     for name, size, accum in sizes:
         seen = size // accum
         if seen % micro or (seen // micro) % across:

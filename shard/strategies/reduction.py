@@ -51,7 +51,8 @@ class Reduction(Strategy):
                 raise UserError(f"train.grad_dtype={self.wire.name} sums each device's own gradient, and model "
                                 f"{self.model_name!r} has none: its examples meet in the forward pass "
                                 f"({self.interacts}); use train.grad_dtype=float32")
-            local, fallback = (), f"model {self.model_name!r} has examples that meet in the forward pass ({self.interacts})"
+            local, fallback = (), (f"model {self.model_name!r} has examples that meet in the forward pass "
+                                   f"({self.interacts})")
         if fallback and wanted:
             self.fallback = (f"gradients are reduced by XLA inside the backward pass, not once a step per device: "
                              f"{fallback}; " + "; ".join(wanted))
@@ -59,7 +60,8 @@ class Reduction(Strategy):
             shown = " x ".join(f"{a}={n}" for a, n in mesh_shape.items() if n > 1) or "one device"
             raise UserError(f"train.grad_dtype={self.wire.name} lowers the data axis's gradient reduction, and "
                             f"mesh {shown} splits the batch over no axis that leaves the parameters whole (fsdp and "
-                            "expert reduce inside the backward pass); add mesh.data > 1 or use train.grad_dtype=float32")
+                            "expert reduce inside the backward pass); add mesh.data > 1 or use "
+                            "train.grad_dtype=float32")
         return {"wire_dtype": self.wire, "local_axes": local if (wanted or lowered) else (),
                 "param_shardings": place.device_shardings.params, "fallback": self.fallback}
 

@@ -101,5 +101,5 @@ class Reference(Strategy):
     def report(plan: dict) -> list:
         if not (ref := plan.get("reference")):
             return []
-        return [f"reference ({ref.get('for', 'train.dpo.reference=init')}): {ref['kind']}, {mb(ref['bytes_per_device'])} per device "
-                "beside the trained state"]
+        return [f"reference ({ref.get('for', 'train.dpo.reference=init')}): {ref['kind']}, "
+                f"{mb(ref['bytes_per_device'])} per device beside the trained state"]

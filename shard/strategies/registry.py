@@ -21,8 +21,8 @@ from shard.strategies.zero import Zero
 
 # Their state is added and their steps wrapped in this order (the last wraps outermost): the replicas' vmap
 # wraps the ordinary step, the weights' average wraps what the replicas would make of it. The adapters' step
-# options come after the reduction's: their gradients are what it reduces. A DPO reference comes after the adapters: its eval
-# view takes the weights before theirs merges the adapters in.
+# options come after the reduction's: their gradients are what it reduces. A DPO reference comes after the
+# adapters: its eval view takes the weights before theirs merges the adapters in.
 ALL = (Accumulation, Pipeline, Context, Zero, Offload, Reduction, LoRA, Reference, LowCommunication, EMA)
 
 

@@ -83,7 +83,8 @@ def check(path: str, model: nnx.Module, inputs: np.ndarray) -> float:
         session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
         got = session.run(None, {session.get_inputs()[0].name: inputs})[0]
     except Exception as e:  # a graph the converter wrote but the runtime refuses
-        raise UserError(f"onnxruntime cannot run the converted model, so nothing was written: {first_line(e, 300)}") from None
+        raise UserError(f"onnxruntime cannot run the converted model, so nothing was written: "
+                        f"{first_line(e, 300)}") from None
     want = np.asarray(jax.jit(forward_fn(model))(jnp.asarray(inputs)))
     if got.shape != want.shape:
         raise UserError(f"the ONNX model's outputs have shape {got.shape}, the JAX model's {want.shape}")

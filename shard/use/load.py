@@ -81,8 +81,9 @@ def add_loading_arguments(parser) -> None:
                         "not one of the model library's (importing runs its code: only for runs you trust)")
     # declared so that the usage and --help show them (a default, or argparse requires one); parse_loading also
     # takes those argparse leaves over
-    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="the run's config changed for loading; a "
-                        "mesh or device setting (mesh=tp run.cpu_devices=4) lays the model over all devices")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="the run's config changed "
+                        "for loading; a mesh or device setting (mesh=tp run.cpu_devices=4) lays the model over all "
+                        "devices")
 
 
 def parse_loading(parser, argv: list[str]):
@@ -158,7 +159,8 @@ def load(path: str, overrides: list[str], step: int | None = None, whole_mesh: b
 
         params = load_params(Folder(path, key), target.params, cfg.model.kwargs)
         if jax.tree.leaves(rest):  # what no folder holds (a layer's own settings): built, the weights' init dropped
-            rest = jax.jit(lambda: nnx.split(state_lib.build_model(model_cls, kwargs, cfg.train.seed), nnx.Param, ...)[2],
+            rest = jax.jit(lambda: nnx.split(state_lib.build_model(model_cls, kwargs, cfg.train.seed),
+                                             nnx.Param, ...)[2],
                            out_shardings=shardings.rest)()
         return Loaded(nnx.merge(graphdef, params, rest), cfg, mesh, rules, 0)
     # A strategy that keeps the model elsewhere says where (DiLoCo's anchor, the weights' average); else the
