@@ -7,6 +7,7 @@ Q/K/V and the first MLP matrices by columns, the output projections by rows) and
 """
 
 import math
+from functools import partial
 
 import jax.numpy as jnp
 from flax import nnx
@@ -76,7 +77,7 @@ class GPT(nnx.Module):
         out_std = 0.02 / math.sqrt(2 * n_layers)  # GPT-2: keep the residual stream's variance flat in depth
         self.max_len, self.embed_scale = max_len, math.sqrt(d_model) if embed_scale else None
         self.logit_softcap = logit_softcap or None
-        self.mlp_bias = mlp_bias  # read by feed_forward, whose signature subclasses share
+        self.mlp_bias, self.norm_eps = mlp_bias, norm_eps  # read by feed_forward, whose signature subclasses share
         self.tok = param(rngs, (vocab_size, d_model), ("vocab", "embed"), 0.02)
         self.pos = param(rngs, (max_len, d_model), (None, "embed"), 0.01) if position == "learned" else None
         rope = rope_lib.make(rope_theta, rope_scaling, rotary_dim) if position == "rope" else None
@@ -89,15 +90,23 @@ class GPT(nnx.Module):
         # is made again after (shard/use/generate.py)
         self.refill_at = rope.longrope[2] if rope is not None and rope.longrope else None
 
-        def make_block(rngs, rotate=None, window=None):
+        def make_block(rngs, rotate=None, window=None, windows=windows, dense_ff=0):
             attn = Attention(d_model, n_heads, n_kv_heads, rope, out_std, causal=True, rngs=rngs, head_dim=head_dim,
                              qkv_bias=qkv_bias or bias, out_bias=bias, qk_norm=qk_norm, norm_kind=norm, eps=norm_eps,
                              rotate=rotate, window=window, windows=windows, local_rope=local_rope,
                              softcap=attn_softcap, scale=attn_scale)
-            ffn = self.feed_forward(d_model, d_ff, mlp, out_std, rngs, bias)
+            ffn = (GPT.feed_forward(self, d_model, dense_ff, mlp, out_std, rngs, bias) if dense_ff
+                   else self.feed_forward(d_model, d_ff, mlp, out_std, rngs, bias))
             return Block(d_model, norm, attn, ffn, rngs, norm_eps, norms)
 
-        self.blocks = stacked(n_layers, make_block, rngs, **settings)
+        first, first_ff = self.dense_first(n_layers, d_ff)
+        # with dense first layers, two stacks: each layer's settings (and the static windows) in the one that holds it
+        part = lambda cut: {k: v[cut] for k, v in settings.items()}  # noqa: E731
+        cut_windows = lambda cut: windows and windows[cut]  # noqa: E731
+        self.dense_blocks = stacked(first, partial(make_block, windows=cut_windows(slice(first)), dense_ff=first_ff),
+                                    rngs, **part(slice(first))) if first else None
+        self.blocks = stacked(n_layers - first, partial(make_block, windows=cut_windows(slice(first, None))), rngs,
+                              **part(slice(first, None))) if first else stacked(n_layers, make_block, rngs, **settings)
         self.ln_f = make_norm(norm, d_model, rngs, norm_eps)
         self.head = None if tie_embeddings else param(rngs, (d_model, vocab_size), ("embed", "vocab"), 0.02)
 
@@ -106,6 +115,12 @@ class GPT(nnx.Module):
         """The feed-forward part of each block (a subclass may swap it, e.g. for experts)."""
         gated = mlp != "gelu"
         return MLPBlock(d_model, d_ff, mlp, out_std, rngs, bias or self.mlp_bias, gate_bias=self.mlp_bias and gated)
+
+    def dense_first(self, n_layers: int, d_ff: int) -> tuple[int, int]:
+        """(k, width): the first k of the n_layers layers have the dense MLP of this width, stacked apart
+        (`dense_blocks`) before the others, whose MLP is `feed_forward`'s (a mixture of experts' first dense
+        layers); the GPT's layers are all one kind."""
+        return 0, d_ff
 
     def __call__(self, tokens):
         length = tokens.shape[1]
@@ -119,6 +134,8 @@ class GPT(nnx.Module):
         if self.pos is not None:
             x = x + self.pos[...][positions(length)]  # in the order the framework holds the tokens
         x = constrain(x, ("batch", "length", "embed"))
+        if self.dense_blocks is not None:
+            x = stack(self.dense_blocks, x)
         x = self.ln_f(stack(self.blocks, x))
         logits = x @ self.tok[...].T if self.head is None else x @ self.head[...]
         if self.logit_softcap is not None:

@@ -16,7 +16,10 @@ Two routings (`routing`):
   one per expert (n_experts times its FLOPs).
 
 The router's softmax is over all experts, then the top_k are taken; `norm_topk` renormalises the
-chosen weights to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob), else they stay the probabilities.
+chosen weights to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob), else they stay the probabilities. The other
+routers of the 2026 families, chosen by `router` and the options beside it, are models/routers.py's; around the
+routed experts a block may have shared experts (a dense MLP every token goes through, its output added, sigmoid-gated
+or not), and the model's first `dense_layers` blocks may keep a dense MLP (DeepSeek-V3's first_k_dense_replace).
 
 The load-balancing loss (Switch Transformer): n_experts x sum_e f_e x p_e, where f_e is the share
 of routing choices that picked expert e and p_e the mean router probability of e. It is 1 when
@@ -38,12 +41,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.nn.hooks import experts, grouped_matmul, layout
+from shard.nn.hooks import dense, experts, grouped_matmul, layout
 from shard.nn.partition import constrain
 from shard.nn.recorded import AuxLoss, Stat
 
+from . import routers
 from .gpt import GPT
-from .layers import check_choice, param
+from .layers import MLPBlock, check_choice, param
 
 
 class ExpertLoad(nnx.Variable):
@@ -54,23 +58,54 @@ class RouterMean(nnx.Variable):
     """Mean router probability per expert in the last forward pass (not trained, not logged)."""
 
 
+class ScoreCorrection(nnx.Variable):
+    """Per expert, added to the router's scores for choosing experts only (DeepSeek-V3's e_score_correction_bias).
+    Never trained: loaded, or moved once per optimizer step by the load the step tallied (`correction_rate`)."""
+
+
+class ExpertTally(nnx.Variable):
+    """The shares of routing choices per expert summed over the forward passes since the last optimizer update (its
+    microbatches'), which `after_update` turns into the correction's step and clears."""
+
+
 ROUTINGS = ("capacity", "dropless")
 BALANCING = ("per_layer", "pooled")
 
 
 class MoELayer(nnx.Module):
+    """The experts of one block and their router; the keyword options are the MoE's of the same names (its
+    docstring), shared_d_ff the shared MLP's whole width (0: none) and norm_eps the router input norm's epsilon."""
+
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, capacity_factor: float,
                  aux_loss_weight: float, swiglu: bool, out_std: float, rngs: nnx.Rngs, routing: str = "capacity",
-                 norm_topk: bool = True):
+                 norm_topk: bool = True, *, router: str = "softmax_topk", router_bias: bool = False,
+                 router_norm: bool = False, n_group: int = 1, topk_group: int = 1, routed_scaling: float = 1.0,
+                 score_correction: bool = False, correction_rate: float = 0.0, expert_scale: bool = False,
+                 weigh_inputs: bool = False, shared_d_ff: int = 0, shared_gate: bool = False, norm_eps: float = 1e-6):
+        routers.check(router, n_experts, top_k, n_group, topk_group, routed_scaling, score_correction, correction_rate)
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_loss_weight, self.routing, self.norm_topk = aux_loss_weight, routing, norm_topk
+        self.router_kind, self.routed_scaling = router, routed_scaling
+        self.n_group, self.topk_group = n_group, topk_group
+        self.correction_rate, self.weigh_inputs, self.norm_eps = correction_rate, weigh_inputs, norm_eps
         # The router stays float32 under bfloat16 training (the step does not cast it), and its logits and
-        # softmax are computed in float32: top-k must not choose from rounded scores (Switch Transformer).
+        # softmax are computed in float32: top-k must not choose from rounded scores (Switch Transformer). So do the
+        # parameters that shape its choice or weights.
         self.router = nnx.Param(0.02 * jax.random.normal(rngs.params(), (d_model, n_experts)),
                                 out_sharding=("embed", None), full_precision=True)
+        self.router_bias = nnx.Param(jnp.zeros((n_experts,)), out_sharding=(None,), full_precision=True,
+                                     role="bias") if router_bias else None
+        self.router_scale = nnx.Param(jnp.ones((d_model,)), out_sharding=("embed",), full_precision=True,
+                                      role="norm") if router_norm else None
+        self.expert_scale = nnx.Param(jnp.ones((n_experts,)), out_sharding=(None,),
+                                      full_precision=True) if expert_scale else None
+        self.correction = ScoreCorrection(jnp.zeros((n_experts,))) if score_correction else None
+        self.tally = ExpertTally(jnp.zeros((n_experts,))) if correction_rate else None
         self.w_in = param(rngs, (n_experts, d_model, d_ff), ("experts", "embed", "mlp"), 0.02)
         self.w_gate = param(rngs, (n_experts, d_model, d_ff), ("experts", "embed", "mlp"), 0.02) if swiglu else None
         self.w_out = param(rngs, (n_experts, d_ff, d_model), ("experts", "mlp", "embed"), out_std)
+        self.shared = MLPBlock(d_model, shared_d_ff, swiglu, out_std, rngs) if shared_d_ff else None
+        self.shared_gate = param(rngs, (d_model, 1), ("embed", None), 0.02) if shared_gate else None
         self.load = ExpertLoad(jnp.zeros((n_experts,)))
         self.router_mean = RouterMean(jnp.zeros((n_experts,)))
 
@@ -79,17 +114,45 @@ class MoELayer(nnx.Module):
         return max(1, math.ceil(self.capacity_factor * length * self.top_k / self.n_experts))
 
     def __call__(self, x):  # (batch, length, d_model)
-        probs = jax.nn.softmax(jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.router[...]), axis=-1)
-        top_p, top_e = jax.lax.top_k(probs, self.top_k)           # (b, t, k)
-        if self.norm_topk:
-            top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)  # the chosen experts' weights sum to 1
+        top_p, top_e, probs = self.route(x)                       # (b, t, k) twice, (b, t, n)
         chosen = jax.nn.one_hot(top_e, self.n_experts, dtype=jnp.float32)  # (b, t, k, n)
-        y = self.dropless(x, top_p, top_e) if self.routing == "dropless" else self.by_capacity(x, top_p, chosen)
+        if self.routing == "dropless":
+            y = self.dropless(x, top_p, top_e, weigh_inputs=self.weigh_inputs)
+        else:
+            y = self.by_capacity(x, top_p, chosen)
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.shared_gate is not None:  # Qwen3-Next and 3.5: a sigmoid gate per token
+                shared = jax.nn.sigmoid(dense(x, self.shared_gate[...])) * shared
+            y = y + shared
 
         share = jnp.mean(chosen, axis=(0, 1, 2))  # f_e: share of all routing choices
         self.load.set_value(share)
         self.router_mean.set_value(jnp.mean(probs, axis=(0, 1)))
+        if self.tally is not None:  # summed over a step's microbatches (a pipeline's: averaged, the same signs)
+            self.tally.set_value(self.tally.get_value() + share)
         return constrain(y, ("batch", "length", "embed"))
+
+    def route(self, x):
+        """(top_p, top_e, probs): each token's chosen experts' weights and indices, its distribution over all experts
+        for the balancing loss (models/routers.py), from float32 logits."""
+        h = x.astype(jnp.float32)
+        if self.router_scale is not None:
+            h = routers.input_norm(h, self.router_scale[...], self.norm_eps)
+        logits = jnp.einsum("btd,de->bte", h, self.router[...])
+        if self.router_bias is not None:
+            logits = logits + self.router_bias[...]
+        vector = lambda v: None if v is None else v[...]  # noqa: E731
+        return routers.route(logits, self.router_kind, self.top_k, self.norm_topk, vector(self.correction),
+                             self.n_group, self.topk_group, vector(self.expert_scale), self.routed_scaling)
+
+    def after_update(self):
+        """Once per optimizer step (shard/nn/recorded.py's after_update): the correction moved by the step's load,
+        the tally cleared; never by gradient, nor by evaluation or generation, which run no update."""
+        if self.tally is not None:
+            tally = self.tally.get_value()
+            self.correction.set_value(routers.corrected(self.correction.get_value(), tally, self.correction_rate))
+            self.tally.set_value(jnp.zeros_like(tally))
 
     def dropless(self, x, top_p, top_e, weigh_inputs: bool = False):
         """Each (token, choice) pair through its expert (shard.nn.hooks.experts: each device sorts its own tokens by
@@ -116,6 +179,8 @@ class MoELayer(nnx.Module):
         slot = jax.nn.one_hot(jnp.sum(position * kept, axis=-1).astype(jnp.int32), cap, dtype=jnp.float32)
         dispatch = jnp.einsum("btkn,btkc->btnc", kept, slot)                        # 0/1: token -> (expert, slot)
         combine = jnp.einsum("btkn,btkc,btk->btnc", kept, slot, top_p).astype(x.dtype)
+        if self.weigh_inputs:  # Llama 4: the weight scales what goes into the expert, its output added as it is
+            dispatch, combine = combine, dispatch.astype(x.dtype)
 
         xe = constrain(jnp.einsum("btnc,btd->nbcd", dispatch.astype(x.dtype), x), ("experts", "batch", None, "embed"))
         h = jnp.einsum("nbcd,ndf->nbcf", xe, self.w_in[...])
@@ -141,19 +206,50 @@ class MoE(GPT):
     norm_topk: the chosen experts' weights renormalised to sum to 1; aux_loss_weight weights the
     load-balancing loss, balancing says how layers combine in it ("per_layer" or transformers' "pooled").
     d_ff is each expert's hidden width (0 = 4 x d_model, 8/3 x d_model for SwiGLU).
+
+    The router (models/routers.py): router picks how logits become choices and weights ("softmax_topk", the default;
+    "topk_softmax": GPT-OSS; "sigmoid": DeepSeek-V3, GLM-4.5; "topk_sigmoid": Llama 4); router_bias: a learned bias on
+    its logits (GPT-OSS); router_norm: its input RMS-normalised (norm_eps), times a learned scale and 1/sqrt(d_model)
+    (Gemma 4); n_group, topk_group: group-limited choice, only the experts of a token's topk_group best of n_group
+    groups eligible (1, 1: none); routed_scaling: a factor on every chosen weight (DeepSeek-V3's routed_scaling_factor);
+    score_correction: a per-expert bias on the scores that choose, not on the weights (DeepSeek-V3), not trained: it
+    stays as loaded, or with correction_rate > 0 moves that much per optimizer step against the step's load
+    (auxiliary-loss-free balancing); expert_scale: a learned factor per expert on its weight (Gemma 4);
+    weigh_inputs: the weight multiplies the expert's input, its output added unweighted (Llama 4).
+    shared_experts: that many experts of width shared_d_ff (0 = d_ff) every token goes through, one dense MLP whose
+    output is added (DeepSeek-V3, Llama 4); shared_gate: that output times sigmoid(x . w) per token (Qwen3-Next, 3.5).
+    dense_layers: the first that many layers keep a dense MLP of width dense_d_ff (0 = d_ff), stacked apart
+    (`dense_blocks`) before the experts' layers (DeepSeek-V3's first_k_dense_replace).
     """
 
     def __init__(self, n_experts: int = 8, top_k: int = 2, capacity_factor: float = 1.25,
                  aux_loss_weight: float = 0.01, routing: str = "capacity", norm_topk: bool = True,
-                 balancing: str = "per_layer", *, rngs: nnx.Rngs, **gpt):
+                 balancing: str = "per_layer", router: str = "softmax_topk", router_bias: bool = False,
+                 router_norm: bool = False, n_group: int = 1, topk_group: int = 1, routed_scaling: float = 1.0,
+                 score_correction: bool = False, correction_rate: float = 0.0, expert_scale: bool = False,
+                 weigh_inputs: bool = False, shared_experts: int = 0, shared_d_ff: int = 0, shared_gate: bool = False,
+                 dense_layers: int = 0, dense_d_ff: int = 0, *, rngs: nnx.Rngs, **gpt):
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
         if capacity_factor <= 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be positive")
         check_choice("routing", routing, ROUTINGS)
         check_choice("balancing", balancing, BALANCING)
+        routers.check(router, n_experts, top_k, n_group, topk_group, routed_scaling, score_correction, correction_rate)
+        for name, value in (("shared_experts", shared_experts), ("shared_d_ff", shared_d_ff),
+                            ("dense_layers", dense_layers), ("dense_d_ff", dense_d_ff)):
+            if value < 0:
+                raise ValueError(f"{name}={value} must be >= 0")
+        if shared_gate and not shared_experts:
+            raise ValueError("shared_gate=true gates the shared experts: set shared_experts >= 1")
         self.n_experts, self.top_k, self.routing, self.norm_topk = n_experts, top_k, routing, norm_topk
         self.capacity_factor, self.aux_loss_weight, self.balancing = capacity_factor, aux_loss_weight, balancing
+        self.dense_layers, self.dense_d_ff = dense_layers, dense_d_ff
+        self.shared_experts, self.shared_d_ff = shared_experts, shared_d_ff
+        self.layer_options = dict(router=router, router_bias=router_bias, router_norm=router_norm, n_group=n_group,
+                                  topk_group=topk_group, routed_scaling=routed_scaling,
+                                  score_correction=score_correction, correction_rate=correction_rate,
+                                  expert_scale=expert_scale, weigh_inputs=weigh_inputs, shared_gate=shared_gate)
         super().__init__(**gpt, rngs=rngs)
         self.min_expert_share = Stat(jnp.zeros(()))
         self.aux_loss = AuxLoss(jnp.zeros(()))
@@ -162,7 +258,14 @@ class MoE(GPT):
         if mlp == "geglu" or bias or self.mlp_bias:
             raise ValueError("the experts take mlp=gelu or swiglu, without biases")
         return MoELayer(d_model, d_ff, self.n_experts, self.top_k, self.capacity_factor, self.aux_loss_weight,
-                        mlp == "swiglu", out_std, rngs, self.routing, self.norm_topk)
+                        mlp == "swiglu", out_std, rngs, self.routing, self.norm_topk, **self.layer_options,
+                        shared_d_ff=self.shared_experts * (self.shared_d_ff or d_ff), norm_eps=self.norm_eps)
+
+    def dense_first(self, n_layers: int, d_ff: int) -> tuple[int, int]:
+        if not self.dense_layers < n_layers:
+            raise ValueError(f"dense_layers={self.dense_layers} must leave at least one of the n_layers={n_layers} "
+                             "layers to the experts")
+        return self.dense_layers, self.dense_d_ff or d_ff
 
     def __call__(self, tokens):
         logits = super().__call__(tokens)

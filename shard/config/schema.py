@@ -175,7 +175,7 @@ class TrainConfig:
                             "attention; NVIDIA GPU, bfloat16, head size <= 128) or splash "
                             "(Pallas splash attention; TPU)", choices=("auto", "xla", "cudnn", "splash"))
     grouped_matmul: str = option("auto", "a mixture of experts' grouped products (dropless routing): auto (tokamax's "
-                                 "kernels on TPU and NVIDIA GPUs, else tiled), tiled (a product per tile of rows and "
+                                 "kernel on TPU, else tiled), tiled (a product per tile of rows and "
                                  "expert it meets), tokamax, or xla (jax.lax.ragged_dot as XLA lowers it: dense per "
                                  "expert on CPU and GPU)", choices=("auto", "xla", "tiled", "tokamax"))
     attention_precision: str = option("float32", "the XLA attention's logits and softmax: float32, or bfloat16 "

@@ -70,6 +70,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, go
 
     def step_parts(state: TrainState, batch: dict, params, put, gradient):
         (total, (rest, loss, stats)), grads = gradient(params, state.rest, batch)
+        rest = recorded.after_update(graphdef, state.params, rest)  # once a step: a router bias moved by its load
         updates, opt_state = tx.update(grads, state.opt_state, params)
         new_state = put(state.replace(step=state.step + 1, rest=rest, opt_state=opt_state),
                         optax.apply_updates(params, updates))

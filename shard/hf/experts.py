@@ -1,10 +1,10 @@
 """Mixture-of-experts families (Mixtral, Qwen3-MoE, OLMoE): config.json <-> the library MoE's arguments.
 
 Their attention, norms and RoPE are their dense relatives' (Mistral's, Qwen3's; OLMoE's a Llama's with q/k norms
-over the whole projection, qk_norm=projection), read and written by config_in.py and config_out.py; this module reads and writes the
-experts. Each family routes as transformers does: a softmax over all experts
-in float32, the top num_experts_per_tok taken, their weights renormalised (Mixtral always; Qwen3-MoE with
-norm_topk_prob), every token computed by each of its experts (routing=dropless: no capacity, no token dropped).
+over the whole projection, qk_norm=projection), read and written by config_in.py and config_out.py; this module
+reads and writes the experts. Each family routes as transformers does: a softmax over all experts in float32,
+the top num_experts_per_tok taken, their weights renormalised (Mixtral always; Qwen3-MoE with norm_topk_prob),
+every token computed by each of its experts (routing=dropless: no capacity, no token dropped).
 
 The load-balancing loss: transformers adds router_aux_loss_coef x its load_balancing_loss_func to the training
 loss only where output_router_logits is true, so the import sets aux_loss_weight to the coefficient then (with
@@ -109,7 +109,13 @@ def _check_olmoe(c: dict, where: str) -> None:
 
 def from_moe(kwargs: dict) -> dict:
     """The config.json of an MoE model's arguments; UserError where no family holds it."""
-    dense = {k: v for k, v in kwargs.items() if k not in MOE_ARGS}
+    routing = _routing_defaults()
+    changed = [f"{k}={v!r}" for k, v in kwargs.items() if k in routing and v != routing[k]]
+    if changed:
+        raise UserError(f"--format hf: model 'moe' with {', '.join(changed)} routes as none of the mixture-of-experts "
+                        f"architectures written here ({', '.join(RELATIVE)}); leave the MoE's router, shared-expert "
+                        "and dense-layer options at their defaults")
+    dense = {k: v for k, v in kwargs.items() if k not in MOE_ARGS and k not in routing}
     g = {**_moe_defaults(), **kwargs, **config_out.with_defaults(dense)}
     olmoe = g["qk_norm"] == "projection" and g["norms"] == "pre"  # a Llama's attention, q/k normed over all heads
     if olmoe:
@@ -151,3 +157,15 @@ def _moe_defaults() -> dict:
     from shard.models.moe import MoE
 
     return {k: p.default for k, p in inspect.signature(MoE.__init__).parameters.items() if k in MOE_ARGS}
+
+
+def _routing_defaults() -> dict:
+    """The MoE's options no family here has (its other routers, shared experts, dense layers), with their defaults."""
+    import inspect
+
+    from shard.models.gpt import GPT
+    from shard.models.moe import MoE
+
+    gpt = inspect.signature(GPT.__init__).parameters
+    return {k: p.default for k, p in inspect.signature(MoE.__init__).parameters.items()
+            if k not in gpt and k not in MOE_ARGS and p.default is not inspect.Parameter.empty}

@@ -14,7 +14,9 @@ contract). One call, `matmul(x, w, sizes, kernel)`, three ways to compute it:
   gradients (rows and matrices) are computed the same way, each matrix's gradient accumulated in place. For a
   backend without a grouped kernel (CPU, and GPUs where tokamax does not import).
 
-`auto`: tokamax on a TPU or an NVIDIA GPU where it imports, else tiled.
+`auto`: tokamax on a TPU where it imports, else tiled. (On NVIDIA GPUs tokamax picks its kernel by the default
+device, so a compile-only GPU target here gets its XLA fallback, and its Triton and Mosaic kernels' gradients are
+not yet measured on a GPU: `tokamax` is there to ask for them.)
 """
 
 import jax
@@ -42,10 +44,10 @@ def matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, kernel: str = "xla", de
 
 
 def resolve(kernel: str, device) -> str:
-    """`auto` for a device: tokamax's kernels on a TPU or an NVIDIA GPU where tokamax imports, else tiled."""
+    """`auto` for a device: tokamax's kernels on a TPU where tokamax imports, else tiled."""
     if kernel != "auto":
         return kernel
-    if attention.family(device) in ("tpu", "nvidia"):
+    if attention.family(device) == "tpu":
         try:
             import tokamax  # noqa: F401
             return "tokamax"

@@ -6,6 +6,12 @@ loss (e.g. a mixture of experts' load-balancing term) and logs their sum as `aux
 `Stat` (a scalar) is logged under its attribute name. Neither names a mesh or a strategy. The step does
 so for every objective (`added`): the lm loss, DPO's and GRPO's (shard/objectives/) alike, from the
 trained model's last forward pass (a frozen reference is another module: its values are never added).
+
+A module may also keep state it changes by a rule of its own rather than by gradient, once per optimizer step (an
+auxiliary-loss-free router's bias, moved by the load its forward passes tallied): its `after_update()` method, which
+the train step calls on the model's state after the update (`after_update` here). Evaluation and generation run no
+update, so they never call it; its forward passes only tally (sums over a step's microbatches, or a pipeline's mean
+of them, keep what the step saw).
 """
 
 import jax
@@ -38,3 +44,15 @@ def added(model: nnx.Module, loss: jax.Array, stats: dict) -> tuple[jax.Array, d
     if aux is None:
         return loss, {**recorded, **stats}
     return loss + aux, {"aux_loss": aux, **recorded, **stats}
+
+
+def after_update(graphdef: nnx.GraphDef, params, rest):
+    """The model's non-parameter state after an optimizer step: every module's `after_update()` called on it (see the
+    module's docstring); `rest` itself where no module has one."""
+    model = nnx.merge(graphdef, params, rest, copy=True)
+    modules = [m for _, m in nnx.iter_modules(model) if callable(getattr(m, "after_update", None))]
+    if not modules:
+        return rest
+    for module in modules:
+        module.after_update()
+    return nnx.state(model, nnx.Not(nnx.Param))
