@@ -1,5 +1,7 @@
 """Tests run on 8 simulated CPU devices: enough for every mesh. Set before JAX initialises."""
 
+import collections
+import json
 import os
 import subprocess
 import sys
@@ -104,3 +106,18 @@ def subprocess_env() -> dict:
 def run_cli(*args, cwd=ROOT, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=subprocess_env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+
+# Each test file's seconds in a full run (--durations=0, summed per file; the numbers' order is what counts, so a
+# busy machine's run serves): the order the files are handed to the workers. A file not listed counts its tests.
+FILE_SECONDS = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest files first (each file's own order kept): with -n 2 a file runs on one worker (--dist loadfile),
+    handed out in this order, so the long ones start early and the short ones fill the end (xdist's own order, by
+    test count, left the two-process and compile-only files for last)."""
+    count = collections.Counter(item.path.name for item in items)
+    cost = lambda item: FILE_SECONDS.get(item.path.name, count[item.path.name])  # noqa: E731
+    items.sort(key=lambda item: (-cost(item), item.path.name))

@@ -15,9 +15,9 @@ DROPLESS = [*TINY_MODELS["moe"], "model.routing=dropless", "train.steps=6", "run
 
 
 @pytest.mark.parametrize("mesh", [
-    ["mesh=ep", "run.cpu_devices=4"],                                     # 2 of the 8 experts a device
-    ["mesh=ep", "mesh.expert=4", "mesh.fsdp=2", "run.cpu_devices=8"],     # fsdp inside each expert group
-    ["mesh=ep", "run.cpu_devices=4", "train.grad_accum=2"],               # microbatches, each with its own routing
+    ["mesh=ep", "run.cpu_devices=4"],  # 2 of the 8 experts a device
+    # fsdp inside each expert group, and microbatches, each routed on its own
+    ["mesh=ep", "mesh.expert=4", "mesh.fsdp=2", "run.cpu_devices=8", "train.grad_accum=2"],
 ])
 def test_dropless_expert_parallel_curve_equals_one_device(train, mesh):
     accumulate = [a for a in mesh if a.startswith("train.")]
