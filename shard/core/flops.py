@@ -64,16 +64,24 @@ def jaxpr_flops(jaxpr: Jaxpr) -> float:
             lhs = eqn.invars[0].aval.shape
             return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
         if eqn.primitive.name == "ragged_dot_general":  # each row times its group's matrix only: the grouped work
-            numbers = eqn.params["ragged_dot_dimension_numbers"]
-            (_, rhs_contract), (_, rhs_batch) = numbers.dot_dimension_numbers
-            rhs, skip = eqn.invars[1].aval.shape, {*rhs_contract, *rhs_batch, *numbers.rhs_group_dimensions}
-            return 2.0 * math.prod(eqn.invars[0].aval.shape) * math.prod(n for d, n in enumerate(rhs) if d not in skip)
+            return _ragged_flops(eqn)
         if eqn.primitive.name == "conv_general_dilated":
             rhs, spec = eqn.invars[1].aval.shape, eqn.params["dimension_numbers"].rhs_spec
             # rhs_spec: (output features, input features per group, spatial...)
             per_output = math.prod(rhs[d] for d in spec[1:])
             return 2.0 * math.prod(eqn.outvars[0].aval.shape) * per_output
         return None
+
+    return _walk(jaxpr, eqn_flops)
+
+
+def grouped_flops(jaxpr: Jaxpr) -> float:
+    """Forward FLOPs of the grouped products (jax.lax.ragged_dot: a mixture of experts' experts) in a forward
+    jaxpr, as their groups' work: what a grouped-matmul kernel the compiler cannot see computes."""
+    def eqn_flops(eqn) -> float:
+        if eqn.primitive.name != "ragged_dot_general":
+            return None
+        return _ragged_flops(eqn)
 
     return _walk(jaxpr, eqn_flops)
 
@@ -87,6 +95,14 @@ def attention_flops(jaxpr: Jaxpr) -> float:
         return attention.flops(*(v.aval.shape for v in eqn.invars[:3]), *call)  # q, k, v (then segment ids)
 
     return _walk(jaxpr, eqn_flops)
+
+
+def _ragged_flops(eqn) -> float:
+    """2 x the rows' elements x the columns each row's group matrix gives it (not every group's)."""
+    numbers = eqn.params["ragged_dot_dimension_numbers"]
+    (_, rhs_contract), (_, rhs_batch) = numbers.dot_dimension_numbers
+    rhs, skip = eqn.invars[1].aval.shape, {*rhs_contract, *rhs_batch, *numbers.rhs_group_dimensions}
+    return 2.0 * math.prod(eqn.invars[0].aval.shape) * math.prod(n for d, n in enumerate(rhs) if d not in skip)
 
 
 def _attention_call(eqn) -> tuple | None:

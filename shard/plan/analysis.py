@@ -147,15 +147,19 @@ def compiler_figures(step, text: str, work, flops_device: float, peak: float | N
     the matrix products of the loops' other iterations added; the time scales each loop body's share of the
     program (weighed by the compiler's per-instruction estimates) by its trip count, and leaves the work
     outside loops (optimizer, embedding, loss) counted once. Custom-call kernels (Pallas splash attention,
-    cuDNN's) are opaque to the cost model (zero FLOPs, zero time): where the program runs them, attention's
-    analytic FLOPs (forward, backward, and the forward again under remat) are added, at the chip's peak."""
+    cuDNN's, tokamax's grouped products) are opaque to the cost model (zero FLOPs, zero time): where the program
+    runs them, attention's or the grouped products' analytic FLOPs (forward, backward, and the forward again under
+    remat) are added, at the chip's peak."""
     cost = step.cost_analysis()
     cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})  # a list in older JAX
     once = hlo.dot_flops(text, loops=False, convolutions=True)
     extra = hlo.dot_flops(text, convolutions=True) - once  # the loops' other iterations' matrix products
     scale, basis = hlo.loop_scale(text)
-    kernels = hlo.kernel_calls(text)
-    kernel_flops = work.attention_flops * (3 + (remat != "none")) / n if kernels else 0.0
+    kernels, grouped = hlo.kernel_calls(text), hlo.kernel_calls(text, "grouped")
+    # a forward, two in the backward pass, and the forward again under remat (its own work, at the chip's peak)
+    passes = (3 + (remat != "none")) / n
+    kernel_flops = passes * ((work.attention_flops if kernels > grouped else 0.0)
+                             + (work.grouped_flops if grouped else 0.0))
     kernel_s = kernel_flops / peak if kernel_flops and peak else 0.0
     raw_s = cost.get("optimal_seconds")
     raw_s = raw_s if raw_s and raw_s > 0 else None  # the TPU cost model answers a negative time where it has none
@@ -165,7 +169,8 @@ def compiler_figures(step, text: str, work, flops_device: float, peak: float | N
     raw_flops = cost.get("flops")
     return {"flops_per_device": raw_flops + extra + kernel_flops if raw_flops else None,
             "raw_flops_per_device": raw_flops, "raw_step_s": raw_s, "loop_factor": scale, "loop_basis": basis,
-            "kernel_calls": kernels, "kernel_flops_per_device": kernel_flops, "kernel_s": kernel_s,
+            "kernel_calls": kernels, "grouped_kernel_calls": grouped, "kernel_flops_per_device": kernel_flops,
+            "kernel_s": kernel_s,
             "bytes_accessed": cost.get("bytes accessed"), "step_s": seconds,
             "mfu": flops_device / (seconds * peak) if seconds and peak else None,
             "per_s": items / seconds if seconds else None, "unit": "tokens" if lm else "samples"}
@@ -233,8 +238,11 @@ def compiler_lines(plan: dict) -> list[str]:
     lines.append(f"  {whose}: {c['flops_per_device']:.3g} FLOPs per device per step{loops}; the model's share: "
                  f"{plan['flops_per_device']:.3g}")
     if c.get("kernel_calls"):
-        lines.append(f"  {c['kernel_calls']} custom-call kernel runs (attention) the cost model cannot see: counted as "
-                     f"attention's {c['kernel_flops_per_device']:.3g} FLOPs at peak, {c['kernel_s'] * 1e3:.3g} ms")
+        grouped = c.get("grouped_kernel_calls", 0)
+        kinds = ", ".join(f"{what} {count}" for what, count in (("attention", c["kernel_calls"] - grouped),
+                                                                 ("grouped products", grouped)) if count)
+        lines.append(f"  {c['kernel_calls']} custom-call kernel runs ({kinds}) the cost model cannot see: counted as "
+                     f"their analytic {c['kernel_flops_per_device']:.3g} FLOPs at peak, {c['kernel_s'] * 1e3:.3g} ms")
     if c["step_s"]:
         mfu = f", MFU {c['mfu']:.0%}" if c["mfu"] is not None else ""
         lines.append(f"  {whose} estimates the step at {c['step_s'] * 1e3:.3g} ms{mfu}, {c['per_s']:,.0f} "

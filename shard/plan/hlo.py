@@ -375,11 +375,17 @@ def loop_scale(text: str) -> tuple[float, str]:
     return (sum(w * runs.get(name, 0) for name, w in weights.items()) / counted if counted else 1.0), basis
 
 
-def kernel_calls(text: str) -> int:
-    """Executions per call of the custom-call kernels (Pallas, cuDNN attention) the program runs."""
+def kernel_calls(text: str, kind: str | None = None) -> int:
+    """Executions per call of the custom-call kernels (Pallas, cuDNN attention) the program runs; kind: only
+    "grouped" products' (tokamax's ragged_dot kernels, named so in the program) or "attention"'s (the others)."""
     comps, entry = computations(text)
     runs = executions(comps, entry)
-    return sum(runs.get(name, 0) for name, lines in comps.items() for line in lines if _KERNEL.search(line))
+    wanted = lambda line: kind is None or (kind == "grouped") == bool(_GROUPED.search(line))  # noqa: E731
+    return sum(runs.get(name, 0) for name, lines in comps.items() for line in lines
+               if _KERNEL.search(line) and wanted(line))
+
+
+_GROUPED = re.compile(r"%ragged[-_]dot")
 
 
 _GEMM = re.compile(r'custom_call_target="__cublas\$(?:lt\$)?(?:gemm|matmul)[^"]*"')

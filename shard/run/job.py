@@ -56,6 +56,7 @@ class Workload:
     stacks: tuple = ()     # the layer count of each stack the model runs through shard.nn.hooks.stack
     attention_flops: float = 0.0  # of those, attention's forward (a fused kernel's work: the plan counts it apart)
     objective: object = None  # train.objective's (shard/objectives/): its data, loss and eval sums
+    grouped_flops: float = 0.0  # of the FLOPs, the grouped products' forward (experts' kernels: counted apart too)
 
 
 @dataclass
@@ -167,7 +168,8 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
             train_jaxpr = jax.make_jaxpr(train_fn)(abstract, batch)
     flops = flops_lib.train_step_flops(train_jaxpr.jaxpr, forward.jaxpr)
     return Workload(model_cls, kwargs, resolved, data, tx, schedule, dtype, graphdef, abstract, init,
-                    batch, eval_batch, flops, tuple(stacks), flops_lib.attention_flops(forward.jaxpr), goal)
+                    batch, eval_batch, flops, tuple(stacks), flops_lib.attention_flops(forward.jaxpr), goal,
+                    grouped_flops=flops_lib.grouped_flops(forward.jaxpr))
 
 
 def with_vocabulary(cfg, model_cls, kwargs: dict) -> dict:
