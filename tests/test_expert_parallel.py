@@ -1,6 +1,7 @@
 """Expert parallelism by all-to-all for dropless routing (shard/nn/dropless.py), through the trainer: the tiny MoE's
-loss curve under `ep` equals one device's, with fsdp inside the expert group and with gradient accumulation
-(whose balancing loss is each microbatch's, on one device as on the mesh); the plan shows the pairs moving by
+loss curve under `ep` equals one device's, with fsdp inside the expert group and gradient accumulation (whose
+balancing loss is each microbatch's, on one device as on the mesh), with context parallelism, and with QLoRA
+adapters on 4-bit experts; the plan shows the pairs moving by
 all-to-all, each device doing about its share of the matrix products (not every expert's on every token, as
 before) and sending about what capacity routing sends on the same mesh."""
 
@@ -18,9 +19,13 @@ DROPLESS = [*TINY_MODELS["moe"], "model.routing=dropless", "train.steps=6", "run
     ["mesh=ep", "run.cpu_devices=4"],  # 2 of the 8 experts a device
     # fsdp inside each expert group, and microbatches, each routed on its own
     ["mesh=ep", "mesh.expert=4", "mesh.fsdp=2", "run.cpu_devices=8", "train.grad_accum=2"],
+    # the sequence split over context devices too: each device's block of positions routed and sent on its own
+    ["mesh=ep", "mesh.expert=4", "mesh.context=2", "run.cpu_devices=8"],
+    # QLoRA on the experts: 4-bit frozen experts, their adapters trained through the exchange
+    ["mesh=ep", "run.cpu_devices=4", "train.lora.rank=4", "train.lora.targets=[mlp]", "train.lora.base=nf4"],
 ])
 def test_dropless_expert_parallel_curve_equals_one_device(train, mesh):
-    accumulate = [a for a in mesh if a.startswith("train.")]
+    accumulate = [a for a in mesh if a.startswith("train.")]  # the one-device run's too
     same_curve_as_one_device(train, [*DROPLESS, *accumulate], [a for a in mesh if a not in accumulate])
 
 
