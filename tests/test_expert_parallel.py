@@ -47,3 +47,6 @@ def test_plan_dropless_under_ep_moves_pairs_by_all_to_all_and_does_its_share(tmp
     assert dropless["executed_flops_per_device"] <= 1.45 * dropless["flops_per_device"]
     sent = lambda p: p["collectives"]["all-to-all"]["bytes"]  # noqa: E731
     assert sent(dropless) <= 1.25 * sent(capacity)
+    # the rounds are a loop as long as the data asks, which the plan counts once and says so; capacity has none
+    assert dropless["data_dependent_loops"] == 2 and capacity["data_dependent_loops"] == 0  # forward, backward
+    assert "loop(s) run as often as the data asks" in analysis.report(dropless)

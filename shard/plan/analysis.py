@@ -84,6 +84,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "flops_per_step": work.flops_per_step,
         "flops_per_device": flops_device,
         "executed_flops_per_device": hlo.dot_flops(text),
+        "data_dependent_loops": hlo.data_dependent_loops(text),
         "matrix_products": hlo.dot_types(text),  # executions per step by operand type
         "memory_per_device": {
             "params": state_lib.shard_bytes(sharded.params) + state_lib.shard_bytes(sharded.rest),
@@ -199,6 +200,9 @@ def report(plan: dict) -> str:
         lines.append(f"  each device executes {plan['executed_flops_per_device']:.3g} matrix-product FLOPs per step, "
              f"{plan['executed_flops_per_device'] / max(plan['flops_per_device'], 1):.2f}x its share of the model's "
              "(recomputation, masked attention, pipeline bubbles, work repeated across stages)")
+    if plan.get("data_dependent_loops"):
+        lines.append(f"  {plan['data_dependent_loops']} loop(s) run as often as the data asks (e.g. dropless experts' "
+                     "exchange rounds, one where no bucket overflows): their work and bytes counted once")
     lines.append(f"  {plan['sharding']}")
     for r in plan["auto_split"][:AUTO_SHOWN]:
         lines.append(f"    auto: {r['param']} {tuple(r['shape'])} -> {r['spec']}")

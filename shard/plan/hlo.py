@@ -129,9 +129,10 @@ def _balance(line: str, depth: int, quoted: bool) -> tuple[int, bool]:
     return depth, quoted
 
 
-def trip_count(line: str, comps: dict[str, list[str]]) -> int:
+def trip_count(line: str, comps: dict[str, list[str]], unknown: int = 1) -> int:
     """A while loop's iterations: XLA's `known_trip_count` where the backend records it (CPU, GPU), else
-    its condition's `counter < N` with N a constant (the TPU compiler's scans, counting from 0), else 1."""
+    its condition's `counter < N` with N a constant (the TPU compiler's scans, counting from 0), else `unknown`
+    (a data-dependent loop, e.g. dropless experts' exchange rounds: counted once)."""
     trip = _TRIP.search(line)
     if trip:
         return int(trip.group(1))
@@ -139,7 +140,14 @@ def trip_count(line: str, comps: dict[str, list[str]]) -> int:
     lines = comps.get(cond.group(1), []) if cond else []
     constants = dict(m.groups() for m in map(_CONSTANT.match, lines) if m)
     bound = next((m.group(1) for m in map(_LESS.match, lines) if m), None)
-    return int(constants[bound]) if bound in constants else 1
+    return int(constants[bound]) if bound in constants else unknown
+
+
+def data_dependent_loops(text: str) -> int:
+    """The program's while loops whose trip count depends on the data (each counted once in its figures)."""
+    comps, _ = computations(text)
+    return sum(1 for lines in comps.values() for line in lines
+               if _WHILE.search(line) and trip_count(line, comps, unknown=0) == 0 and not _TRIP.search(line))
 
 
 def executions(comps: dict[str, list[str]], entry: str, loops: bool = True) -> dict[str, int]:
