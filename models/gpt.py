@@ -31,10 +31,10 @@ class GPT(nnx.Module):
     gate (GPT-2); mlp_bias: on every MLP layer, the gate's included (Llama's mlp_bias).
     norm_eps: the norms' epsilon. embed_scale: multiply the embeddings by sqrt(d_model) (Gemma).
     rope_scaling: Llama 3's {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}, or with
-    rope_type linear ({factor}) or longrope (models/rope.py's make). rotary_dim: the channels of each head that rotate,
-    its first ones (0 = all; Phi's partial rotary factor). rope_layers: one 1 (rotates) or 0 (no positions at all)
-    per layer (SmolLM3's), or 2 (rotates by local_rope_theta, unscaled: Gemma 3's local layers); None = every layer
-    rotates.
+    rope_type linear ({factor}), longrope or yarn (models/rope.py's make). rotary_dim: the channels of each head
+    that rotate, its first ones (0 = all; Phi's partial rotary factor). rope_layers: one 1 (rotates) or 0 (no
+    positions at all) per layer (SmolLM3's), or 2 (rotates by local_rope_theta, unscaled: Gemma 3's and OLMo 3's
+    local layers); None = every layer rotates.
     qk_norm: none, head (a norm on each query and key head before rotation: Qwen3) or projection (over all heads
     together: OLMo 2). norms: each block's norms before its attention and MLP (pre), after them before the residual
     sum (post: OLMo 2), or both (Gemma 2).

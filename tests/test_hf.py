@@ -36,6 +36,11 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_fact
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0]}
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
+# OLMo 3: YaRN on the global layers alone (its original context 16, the ratio to max_position_embeddings; attention
+# factor derived; betas putting the ramp's rounded ends inside the 8 frequencies), its local layers' own base
+OLMO3_ROPE = {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                 "original_max_position_embeddings": 16, "beta_fast": 0.25, "beta_slow": 0.05},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
 KINDS = {
     "llama": lambda T: T.LlamaForCausalLM(T.LlamaConfig(**COMMON, num_key_value_heads=2, rope_parameters=LLAMA3)),
     # sliding windows shorter than the 16 tokens (and the 15 generated) the tests run: every layer's (Mistral's), a
@@ -65,9 +70,13 @@ KINDS = {
     "gemma3": lambda T: T.Gemma3ForCausalLM(T.Gemma3TextConfig(**COMMON, num_key_value_heads=2, head_dim=16,
                                                                query_pre_attn_scalar=24, sliding_window=6,
                                                                sliding_window_pattern=2, rope_parameters=GEMMA3_ROPE)),
+    # OLMo 3: OLMo 2 with a local layer (window 6) before a global one, RoPE per layer kind
+    "olmo3": lambda T: T.Olmo3ForCausalLM(T.Olmo3Config(**COMMON, num_key_value_heads=2, sliding_window=6,
+                                                       layer_types=["sliding_attention", "full_attention"],
+                                                       rope_parameters=OLMO3_ROPE, **NO_IDS)),
 }
 # held to 1e-5 (the older families to the 1e-4 they were written with)
-NEW = ("qwen3", "smollm3", "olmo2", "phi3", "gemma2", "gemma3")
+NEW = ("qwen3", "smollm3", "olmo2", "phi3", "gemma2", "gemma3", "olmo3")
 MESHES = {"one": None, "fsdp": ["mesh=fsdp", "run.cpu_devices=4"], "tp": ["mesh=tp", "run.cpu_devices=2"],
           "fsdp_tp": ["mesh=fsdp_tp", "run.cpu_devices=4"]}
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
@@ -397,6 +406,11 @@ def test_bfloat16_weights_read_into_float32(folders, tmp_path):
     ("gemma3", "rope_parameters", dict(GEMMA3_ROPE, full_attention={"rope_type": "yarn", "factor": 2.0}),
      "full_attention rope_type='yarn', which is not supported for gemma3_text (supported: default, linear)"),
     ("gemma3", "use_bidirectional_attention", True, "use_bidirectional_attention=true; only causal attention"),
+    ("olmo3", "rope_parameters", dict(OLMO3_ROPE, sliding_attention=OLMO3_ROPE["full_attention"]),
+     "sliding_attention rope_type='yarn', which is not supported for olmo3 (supported: default)"),
+    ("olmo3", "rope_parameters", dict(OLMO3_ROPE, full_attention={"rope_type": "llama3", "factor": 2.0}),
+     "full_attention rope_type='llama3', which is not supported for olmo3 (supported: default, yarn)"),
+    ("olmo3", "sliding_window", None, "sliding_window=null; olmo3 needs a window"),
     ("phi3", "partial_rotary_factor", 0.3125, "partial_rotary_factor=0.3125; it must be in (0, 1] and rotate an even "
      "number of head_dim=16's channels"),
 ])
@@ -432,6 +446,30 @@ def test_gemma_options_export_as_their_family_and_back_or_are_refused_in_one_lin
                          (dict(gemma3, rope_layers=[1, 2]), "fits no gemma3_text config.json"),
                          (dict(gemma3, rope_layers=None), "Gemma 3's local layers rotate by rope_local_base_freq"),
                          (dict(gemma2, norm="rmsnorm", embed_scale=False), "none of the architectures")):
+        with pytest.raises(UserError, match=re.escape(said)) as e:
+            arch.from_gpt(kwargs, "gpt")
+        assert "\n" not in str(e.value)
+
+
+def test_olmo_options_export_as_olmo3_and_back_or_are_refused_in_one_line():
+    """OLMo 2's options with sliding layers (rotating by their own base) or YaRN are OLMo 3; its config.json reads
+    back to the same options; what no OLMo 3 config.json holds is refused in one line (no model built)."""
+    olmo2 = dict(vocab_size=VOCAB, d_model=64, n_layers=4, n_heads=4, d_ff=96, position="rope", norm="rmsnorm",
+                 mlp="swiglu", qk_norm="projection", norms="post")
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0,
+                attention_factor=1.1)
+    olmo3 = dict(olmo2, windows=[6, 6, 6, 0], rope_layers=[2, 2, 2, 1], local_rope_theta=100.0, rope_scaling=yarn)
+    assert arch.from_gpt(olmo2, "gpt")["model_type"] == "olmo2"
+    for kwargs in (olmo3, dict(olmo2, rope_scaling=yarn), dict(olmo2, windows=[6, 6, 6, 0])):
+        config = arch.from_gpt(kwargs, "gpt")
+        assert config["model_type"] == "olmo3"
+        back = arch.to_gpt(config, "x")
+        assert {k: back.get(k) for k in kwargs} == kwargs
+    assert arch.from_gpt(olmo3, "gpt")["layer_types"] == ["sliding_attention"] * 3 + ["full_attention"]
+    for kwargs, said in ((dict(olmo3, windows=[6, 4, 6, 0]), "fits no olmo3 config.json"),
+                         (dict(olmo3, windows=[6, 6, 0, 0]), "fits no olmo3 config.json"),
+                         (dict(olmo3, rope_layers=None), "OLMo 3's sliding layers rotate unscaled"),
+                         (dict(olmo3, bias=True, mlp_bias=True), "none of the architectures")):
         with pytest.raises(UserError, match=re.escape(said)) as e:
             arch.from_gpt(kwargs, "gpt")
         assert "\n" not in str(e.value)

@@ -17,14 +17,15 @@ MLPS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "gelu"}
 
 def transformers_options(kind: str, fields: dict) -> dict:
     """The GPT's options, derived from the attributes of transformers' config class of `kind`, built with `fields`
-    alone (transformers 5 keeps RoPE's settings in rope_parameters: per layer type for Gemma 3)."""
+    alone (transformers 5 keeps RoPE's settings in rope_parameters: per layer type for Gemma 3 and OLMo 3)."""
     c = transformers.AutoConfig.for_model(kind, **fields)
     if kind == "gpt2":
         return dict(vocab_size=c.vocab_size, d_model=c.n_embd, n_layers=c.n_layer, n_heads=c.n_head,
                     d_ff=c.n_inner or 4 * c.n_embd, max_len=c.n_positions, mlp=MLPS[c.activation_function],
                     norm_eps=c.layer_norm_epsilon, tie_embeddings=c.tie_word_embeddings)
     n, heads, rope = c.num_hidden_layers, c.num_attention_heads, c.rope_parameters
-    full, local = (rope["full_attention"], rope["sliding_attention"]) if kind == "gemma3_text" else (rope, None)
+    typed = kind in ("gemma3_text", "olmo3")
+    full, local = (rope["full_attention"], rope["sliding_attention"]) if typed else (rope, None)
     assert full["rope_type"] == "default"
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     # the modeling files: a layer slides where layer_types says so, or every layer where the config has none
@@ -42,7 +43,7 @@ def transformers_options(kind: str, fields: dict) -> dict:
     if kind in ("gemma2", "gemma3_text"):
         out.update(attn_scale=c.query_pre_attn_scalar ** -0.5, attn_softcap=c.attn_logit_softcapping,
                    logit_softcap=c.final_logit_softcapping)
-    if kind == "gemma3_text":
+    if typed and "sliding_attention" in types:
         out.update(local_rope_theta=local["rope_theta"], rope_layers=[2 if t == "sliding_attention" else 1
                                                                       for t in types])
     if kind == "smollm3":

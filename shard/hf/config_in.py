@@ -11,12 +11,14 @@ settings of transformers' own loop, not of the model, and are not read.
 import math
 
 from shard.errors import UserError
+from shard.hf.typed_rope import LAYER_TYPES, typed_rope
 
-DENSE = ("llama", "mistral", "qwen2", "gemma", "gpt2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2", "gemma3_text")
+DENSE = ("llama", "mistral", "qwen2", "gemma", "gpt2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2", "gemma3_text",
+         "olmo3")
 DENSE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "gemma": "GemmaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM",
                        "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM",
-                       "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                       "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "olmo3": "Olmo3ForCausalLM"}
 SILU = ("silu", "swish")  # transformers' two names of one function
 TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_python_tanh")  # one function: 0.5 x (1 + tanh(...))
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -24,7 +26,7 @@ LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 # transformers 5's defaults (configuration_<model_type>.py) for the fields read here, where config.json leaves
 # them out. None: derived from other fields (kv heads = heads, head_dim = hidden_size / heads).
 _ROPE = dict(num_key_value_heads=None, head_dim=None, hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False,
-             rope_theta=10000.0)  # (Gemma 3's two bases: _gemma3_rope)
+             rope_theta=10000.0)  # (Gemma 3's and OLMo 3's two bases: shard/hf/typed_rope.py)
 DEFAULTS = {
     "llama": dict(_ROPE, vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                   num_attention_heads=32, max_position_embeddings=2048, attention_bias=False, mlp_bias=False),
@@ -49,6 +51,9 @@ DEFAULTS = {
                     rope_theta=2_000_000.0),
     "olmo2": dict(_ROPE, vocab_size=50304, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                   num_attention_heads=32, max_position_embeddings=2048, attention_bias=False, rms_norm_eps=1e-5),
+    "olmo3": dict(_ROPE, vocab_size=50304, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=2048, attention_bias=False, rms_norm_eps=1e-5,
+                  sliding_window=4096, layer_types=None, rope_theta=500_000.0),
     "phi3": dict(_ROPE, vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
                  num_attention_heads=32, max_position_embeddings=4096, original_max_position_embeddings=4096,
                  rms_norm_eps=1e-5, sliding_window=None),
@@ -128,8 +133,11 @@ def _rope_model(kind: str, get, c: dict, where: str) -> dict:
         raise UserError(f"{where}: config.json has use_bidirectional_attention=true; only causal attention is "
                         "supported")
     if kind == "gemma3_text":
-        theta, scaling, local_theta = _gemma3_rope(c, where)
+        theta, scaling, local_theta = typed_rope(kind, c, where, get)
         rotary_dim, extra = head_dim, _gemma(kind, get, where, local_theta)
+    elif kind == "olmo3":
+        theta, scaling, local_theta = typed_rope(kind, c, where, get)
+        rotary_dim, extra = head_dim, _local_rope(kind, get, where, local_theta)
     else:
         theta, scaling, rotary_dim = _rope(kind, c, where, get, head_dim)
         extra = _gemma(kind, get, where) if kind == "gemma2" else {}
@@ -144,6 +152,7 @@ def _rope_model(kind: str, get, c: dict, where: str) -> dict:
 
 # The GPT's options each family sets beyond Llama's (its per-layer and norm settings; RoPE is _rope's).
 FAMILY_OPTIONS = {"qwen3": dict(qk_norm="head"), "olmo2": dict(qk_norm="projection", norms="post"),
+                  "olmo3": dict(qk_norm="projection", norms="post"),
                   "gemma2": dict(norms="both"), "gemma3_text": dict(norms="both", qk_norm="head")}
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 
@@ -161,42 +170,16 @@ def _gemma(kind: str, get, where: str, local_theta: float | None = None) -> dict
             raise UserError(f"{where}: config.json has {name}={cap!r}; it must be positive (or null for none)")
         if cap:
             out[option] = cap
-    if local_theta is not None:
-        out.update(local_rope_theta=local_theta,
-                   rope_layers=[2 if t == "sliding_attention" else 1 for t in _layer_types(kind, get, where)])
-    return out
+    return dict(out, **({} if local_theta is None else _local_rope(kind, get, where, local_theta)))
 
 
-def _gemma3_rope(c: dict, where: str) -> tuple[float, dict | None, float]:
-    """(global theta, its scaling or None, the local layers' theta) as transformers 5 reads Gemma 3: rope_parameters
-    by layer type, or the older rope_theta, rope_scaling (global layers) and rope_local_base_freq."""
-    params = c.get("rope_parameters")
-    if params is not None and not (isinstance(params, dict) and set(params) <= set(LAYER_TYPES)):
-        raise UserError(f"{where}: config.json has rope_parameters={params!r}; gemma3_text reads one mapping per layer "
-                        f"type ({', '.join(LAYER_TYPES)})")
-    params = params or {}
-    full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
-    full.update(c.get("rope_scaling") or {})  # the older name, for the global layers: over rope_parameters
-    full.setdefault("rope_theta", c.get("rope_theta", 1_000_000.0))
-    local.setdefault("rope_theta", c.get("rope_local_base_freq", 10_000.0))
-    for name, p, allowed in (("full_attention", full, ("default", "linear")),
-                             ("sliding_attention", local, ("default",))):
-        rope_type, theta = p.get("rope_type", p.get("type", "default")), p["rope_theta"]
-        if rope_type not in allowed:
-            raise UserError(f"{where}: config.json has {name} rope_type={rope_type!r}, which is not supported for "
-                            f"gemma3_text (supported: {', '.join(allowed)})")
-        if not _number(theta) or theta <= 0:
-            raise UserError(f"{where}: config.json has {name} rope_theta={theta!r}; it must be a positive number")
-        if p.get("partial_rotary_factor", 1.0) != 1.0:
-            raise UserError(f"{where}: config.json has partial_rotary_factor={p['partial_rotary_factor']!r}; only 1.0 "
-                            "is supported for gemma3_text")
-    scaling = None
-    if full.get("rope_type", full.get("type", "default")) == "linear":
-        if not _number(full.get("factor")) or full["factor"] <= 0:
-            raise UserError(f"{where}: config.json has rope_scaling factor={full.get('factor')!r}; it must be a "
-                            "positive number")
-        scaling = dict(rope_type="linear", factor=float(full["factor"]))
-    return float(full["rope_theta"]), scaling, float(local["rope_theta"])
+def _local_rope(kind: str, get, where: str, local_theta: float) -> dict:
+    """Gemma 3's and OLMo 3's local layers' own RoPE (layer_types' sliding_attention layers rotate by it, unscaled);
+    none where every layer is global (OLMo 3's)."""
+    rotations = [2 if t == "sliding_attention" else 1 for t in _layer_types(kind, get, where)]
+    if kind == "olmo3" and 2 not in rotations:
+        return {}
+    return dict(local_rope_theta=local_theta, rope_layers=rotations)
 
 
 def _options(kind: str, get, where: str) -> dict:
@@ -222,7 +205,7 @@ def _biases(kind: str, get, where: str) -> dict:
     Mistral's none (the fields are not read there)."""
     if kind == "qwen2":
         return dict(qkv_bias=True)
-    attention = get("attention_bias") if kind in ("llama", "gemma", "qwen3", "smollm3", "olmo2") else False
+    attention = get("attention_bias") if kind in ("llama", "gemma", "qwen3", "smollm3", "olmo2", "olmo3") else False
     mlp = get("mlp_bias") if kind in ("llama", "smollm3") else False
     if attention and not mlp:
         raise UserError(f"{where}: config.json has attention_bias=true, and {kind}'s MLP then has no biases: biases on "
@@ -232,14 +215,16 @@ def _biases(kind: str, get, where: str) -> dict:
 
 WINDOWED = ("mistral", "phi3")  # every layer slides where sliding_window is set
 LAYER_TYPED = ("qwen2", "qwen3", "smollm3")  # with use_sliding_window, the layers layer_types names slide
-PATTERNED = ("gemma2", "gemma3_text")  # the layers layer_types names slide, by default all but every n-th
-LAYER_TYPES = ("full_attention", "sliding_attention")
+PATTERNED = ("gemma2", "gemma3_text", "olmo3")  # the layers layer_types names slide, by default all but every n-th
 
 
 def _windows(kind: str, get, where: str, rotate: list | None = None) -> dict:
     """The GPT's `windows` (one per layer, 0 = global) as transformers 5 reads them, or {} where no layer slides.
     Mistral and Phi-3: every layer, where sliding_window is set. Qwen2 and Qwen3: with use_sliding_window, the
-    layers layer_types marks sliding_attention (`_layer_types`); SmolLM3 the same; Gemma 2 and 3 those layers."""
+    layers layer_types marks sliding_attention (`_layer_types`); SmolLM3 the same; Gemma 2 and 3 and OLMo 3
+    those layers."""
+    if kind == "olmo3" and get("sliding_window") is None:  # transformers' OLMo 3 makes a sliding mask in any case
+        raise UserError(f"{where}: config.json has sliding_window=null; olmo3 needs a window (a number of tokens)")
     if kind not in WINDOWED + LAYER_TYPED + PATTERNED or get("sliding_window") is None:
         return {}
     if kind in LAYER_TYPED and not get("use_sliding_window"):  # transformers drops the window then
@@ -255,11 +240,11 @@ def _windows(kind: str, get, where: str, rotate: list | None = None) -> dict:
 
 def _layer_types(kind: str, get, where: str, rotate: list | None = None) -> list[str]:
     """Each layer's kind: layer_types, or by default Qwen2's and Qwen3's sliding from max_window_layers on,
-    SmolLM3's its rope-less layers (`rotate`, one 0 or 1 per layer), Gemma 2's every other layer and Gemma 3's all
-    but every sliding_window_pattern-th."""
+    SmolLM3's its rope-less layers (`rotate`, one 0 or 1 per layer), Gemma 2's every other layer, OLMo 3's all but
+    every 4th and Gemma 3's all but every sliding_window_pattern-th."""
     n, types = get("num_hidden_layers"), get("layer_types")
     if types is None and kind in PATTERNED:
-        every = 2 if kind == "gemma2" else get("sliding_window_pattern")
+        every = {"gemma2": 2, "olmo3": 4}.get(kind) or get("sliding_window_pattern")
         if not every:
             raise UserError(f"{where}: config.json has sliding_window_pattern=0; it must be at least 1")
         types = [LAYER_TYPES[(i + 1) % every != 0] for i in range(n)]

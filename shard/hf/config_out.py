@@ -17,8 +17,8 @@ def dense_from_gpt(kwargs: dict, model_name: str) -> dict:
                         f"Hugging Face folder can hold ({', '.join(DENSE)}): GPT-2 needs position=learned, "
                         "norm=layernorm, mlp=gelu, bias=true; the others position=rope, mlp=swiglu or geglu, with "
                         "rmsnorm (Llama, Qwen2 with qkv_bias; Qwen3 with qk_norm=head, OLMo 2 with qk_norm=projection "
-                        "and norms=post, SmolLM3 with rope_layers, Phi-3 with rotary_dim or longrope, each unbiased "
-                        "but SmolLM3) or rmsnorm+1 and embed_scale (Gemma)")
+                        "and norms=post, OLMo 3 with those and windows or yarn, SmolLM3 with rope_layers, Phi-3 with "
+                        "rotary_dim or longrope, each unbiased but SmolLM3) or rmsnorm+1 and embed_scale (Gemma)")
     kind, windows = _window_fields(kind, g)
     common = dict(model_type=kind, architectures=[DENSE_ARCHITECTURES[kind]], vocab_size=g["vocab_size"],
                   tie_word_embeddings=g["tie_embeddings"], torch_dtype="float32",
@@ -48,7 +48,7 @@ def dense_from_gpt(kwargs: dict, model_name: str) -> dict:
                max_position_embeddings=g["max_len"], rms_norm_eps=g["norm_eps"], rope_theta=g["rope_theta"],
                rope_parameters=rope, rope_scaling=rope if scaling else None,
                hidden_act="silu" if g["mlp"] == "swiglu" else "gelu_pytorch_tanh", **biases)
-    if kind in PATTERNED:  # Gemma 2 and 3 name their activation hidden_activation
+    if kind in ("gemma2", "gemma3_text"):  # Gemma 2 and 3 name their activation hidden_activation
         out["hidden_activation"] = out.pop("hidden_act")
     return dict(out, **extra)
 
@@ -56,6 +56,8 @@ def dense_from_gpt(kwargs: dict, model_name: str) -> dict:
 def _window_fields(kind: str, g: dict) -> tuple[str, dict]:
     """The family and the config.json fields that hold the GPT's `windows`: an unbiased Llama whose layers all
     slide alike is a Mistral; Qwen2, Qwen3 and SmolLM3 name each layer's kind, with one window size."""
+    if kind == "olmo3":
+        return kind, _olmo3_fields(g)
     if kind in PATTERNED:
         return kind, _gemma_fields(kind, g)
     windows = list(g.get("windows") or [])
@@ -76,7 +78,7 @@ def _window_fields(kind: str, g: dict) -> tuple[str, dict]:
 # transformers' default special token ids of the families that have them: written as null where past a model's
 # vocabulary (transformers would index its embedding with them), unless the tokenizer or source folder gives them
 ID_DEFAULTS = {"phi3": dict(bos_token_id=1, eos_token_id=32000, pad_token_id=32000),
-               "olmo2": dict(pad_token_id=1, eos_token_id=50279),
+               "olmo2": dict(pad_token_id=1, eos_token_id=50279), "olmo3": dict(pad_token_id=1, eos_token_id=50279),
                "smollm3": dict(pad_token_id=128004, bos_token_id=128000, eos_token_id=128001),
                "gemma2": dict(pad_token_id=0, eos_token_id=1, bos_token_id=2),
                "gemma3_text": dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)}
@@ -110,6 +112,27 @@ def _gemma_fields(kind: str, g: dict) -> dict:
     return out
 
 
+def _olmo3_fields(g: dict) -> dict:
+    """OLMo 3's fields: each layer's kind (sliding where it rotates by the local base, or where it has a window), one
+    window on exactly those layers, the RoPE per layer kind (any scaling on the global layers alone)."""
+    n = g["n_layers"]
+    windows, rotations = list(g["windows"] or [0] * n), list(g["rope_layers"] or [1] * n)
+    sliding = [r == 2 for r in rotations] if 2 in rotations else [bool(w) for w in windows]
+    sizes = sorted({w for w in windows if w})
+    if len(sizes) > 1 or sliding != [bool(w) for w in windows]:
+        raise UserError(f"--format hf: windows={windows} with rope_layers={g['rope_layers']} fits no olmo3 "
+                        "config.json: one window, on exactly the layers that rotate by the local base where any does")
+    local = g["local_rope_theta"] if 2 in rotations else g["rope_theta"]
+    if any(sliding) and 2 not in rotations and g["rope_scaling"]:
+        raise UserError("--format hf: OLMo 3's sliding layers rotate unscaled: give them rope_layers value 2 with "
+                        f"local_rope_theta (here {g['rope_layers']}) or the global RoPE unscaled")
+    full = dict(g["rope_scaling"] or {"rope_type": "default"}, rope_theta=g["rope_theta"])
+    return dict(layer_types=[LAYER_TYPES[s] for s in sliding], sliding_window=sizes[0] if sizes else
+                DEFAULTS["olmo3"]["sliding_window"], rope_scaling=None,
+                rope_parameters={"full_attention": full, "sliding_attention": dict(rope_type="default",
+                                                                                   rope_theta=local)})
+
+
 def with_defaults(kwargs: dict) -> dict:
     import inspect
 
@@ -136,12 +159,18 @@ def _kind(g: dict) -> str | None:
     if g["position"] != "rope" or g["mlp"] == "gelu" or g["embed_scale"] != (g["norm"] == "rmsnorm+1"):
         return None
     unbiased = not (g["qkv_bias"] or g["bias"] or g["mlp_bias"])
-    gemma_only = bool(g["attn_softcap"] or g["logit_softcap"] or g["attn_scale"] or g["local_rope_theta"])
+    gemma_only = bool(g["attn_softcap"] or g["logit_softcap"] or g["attn_scale"])
     if g["norm"] == "rmsnorm+1":
         return _gemma_kind(g, unbiased, plain, scaling)
     if gemma_only:
         return None
     if g["norm"] != "rmsnorm":
+        return None
+    olmo = (g["qk_norm"], g["norms"], partial) == ("projection", "post", False)
+    if olmo and (g["rope_layers"] is not None or g["windows"] and any(g["windows"]) or scaling == "yarn"):
+        # OLMo 3: sliding layers (rotating by the local base), any scaling on the global ones but Llama 3's
+        return "olmo3" if unbiased and set(g["rope_layers"] or [1]) <= {1, 2} and scaling in (None, "yarn") else None
+    if g["local_rope_theta"] or scaling == "yarn":
         return None
     if g["qkv_bias"] and not g["bias"]:  # q, k and v alone: Qwen2's
         return "qwen2" if not g["mlp_bias"] and plain else None

@@ -119,6 +119,7 @@ _LLAMA = _llama_like()  # Mistral, Qwen2, Gemma and SmolLM3 name their tensors a
 TABLES = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gemma": _LLAMA, "gpt2": _gpt2(),
           "qwen3": _llama_like(qk_norm="head"), "smollm3": _LLAMA,
           "olmo2": _llama_like(OLMO2_NORMS, qk_norm="projection"), "phi3": _llama_like(fused=True),
+          "olmo3": _llama_like(OLMO2_NORMS, qk_norm="projection"),
           "gemma2": _llama_like(GEMMA2_NORMS), "gemma3_text": _llama_like(GEMMA2_NORMS, qk_norm="head")}
 
 
