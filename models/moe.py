@@ -82,7 +82,6 @@ class MoELayer(nnx.Module):
                  router_norm: bool = False, n_group: int = 1, topk_group: int = 1, routed_scaling: float = 1.0,
                  score_correction: bool = False, correction_rate: float = 0.0, expert_scale: bool = False,
                  weigh_inputs: bool = False, shared_d_ff: int = 0, shared_gate: bool = False, norm_eps: float = 1e-6):
-        routers.check(router, n_experts, top_k, n_group, topk_group, routed_scaling, score_correction, correction_rate)
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_loss_weight, self.routing, self.norm_topk = aux_loss_weight, routing, norm_topk
         self.router_kind, self.routed_scaling = router, routed_scaling

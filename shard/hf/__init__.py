@@ -15,6 +15,8 @@ shard.load_model) and written from a run (python -m shard.export RUN --format hf
 
 from pathlib import Path
 
+INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map of tensor -> .safetensors file
+
 
 def is_folder(path) -> bool:
     """Whether `path` is (meant as) a Hugging Face model folder: a local folder with a config.json or

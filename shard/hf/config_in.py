@@ -11,7 +11,7 @@ settings of transformers' own loop, not of the model, and are not read.
 import math
 
 from shard.errors import UserError
-from shard.hf.typed_rope import LAYER_TYPES, typed_rope
+from shard.hf.typed_rope import LAYER_TYPES, is_number, typed_rope
 
 DENSE = ("llama", "mistral", "qwen2", "gemma", "gpt2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2", "gemma3_text",
          "olmo3")
@@ -269,12 +269,12 @@ def _rope(kind: str, c: dict, where: str, get, head_dim: int) -> tuple[float, di
     theta = params.get("rope_theta", c.get("rope_theta", DEFAULTS[kind]["rope_theta"]))
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+    if not is_number(theta) or theta <= 0:
         raise UserError(f"{where}: config.json has rope_theta={theta!r}; it must be a positive number")
     rotary_dim = head_dim
     if kind == "phi3":
         rope_type = "longrope" if rope_type in ("su", "yarn") else rope_type
-        if not _number(partial) or not 0 < partial <= 1 or int(head_dim * partial) % 2:
+        if not is_number(partial) or not 0 < partial <= 1 or int(head_dim * partial) % 2:
             raise UserError(f"{where}: config.json has partial_rotary_factor={partial!r}; it must be in (0, 1] and "
                             f"rotate an even number of head_dim={head_dim}'s channels")
         rotary_dim = int(head_dim * partial)
@@ -294,15 +294,11 @@ def _rope(kind: str, c: dict, where: str, get, head_dim: int) -> tuple[float, di
     missing = [k for k in LLAMA3_KEYS if k not in params]
     if missing:
         raise UserError(f"{where}: config.json's llama3 rope_scaling lacks {', '.join(missing)}")
-    bad = [k for k in LLAMA3_KEYS if not _number(params[k])]
+    bad = [k for k in LLAMA3_KEYS if not is_number(params[k])]
     if bad:
         raise UserError(f"{where}: config.json has rope_scaling {bad[0]}={params[bad[0]]!r}; it must be a number")
     return float(theta), {k: float(params[k]) if k != LLAMA3_KEYS[-1] else int(params[k]) for k in LLAMA3_KEYS}, \
         rotary_dim
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _longrope(params: dict, where: str, get, rotary_dim: int) -> dict:
@@ -311,13 +307,13 @@ def _longrope(params: dict, where: str, get, rotary_dim: int) -> dict:
     attention factor transformers derives from the context's growth where none is given."""
     for name in ("short_factor", "long_factor"):
         f = params.get(name)
-        if not isinstance(f, list) or len(f) != rotary_dim // 2 or not all(_number(x) for x in f):
+        if not isinstance(f, list) or len(f) != rotary_dim // 2 or not all(is_number(x) for x in f):
             raise UserError(f"{where}: config.json has rope_scaling {name}={f!r}; transformers reads a list of "
                             f"{rotary_dim // 2} numbers (half the rotated channels)")
     original = get("original_max_position_embeddings")
     factor, attention = params.get("factor"), params.get("attention_factor")
     for name, value in (("factor", factor), ("attention_factor", attention)):
-        if value is not None and not _number(value):
+        if value is not None and not is_number(value):
             raise UserError(f"{where}: config.json has rope_scaling {name}={value!r}; it must be a number")
     if not original:
         raise UserError(f"{where}: config.json has original_max_position_embeddings=0; it must be at least 1")

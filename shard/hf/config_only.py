@@ -14,12 +14,10 @@ from pathlib import Path
 from shard import hf
 from shard.data import tokenizer_files
 
-INDEX = "model.safetensors.index.json"
-
 
 def has_weights(folder) -> bool:
     folder = Path(folder).expanduser()
-    return (folder / INDEX).is_file() or any(folder.glob("*.safetensors"))
+    return (folder / hf.INDEX).is_file() or any(folder.glob("*.safetensors"))
 
 
 def has_tokenizer(folder) -> bool:

@@ -13,9 +13,7 @@ import jax
 import numpy as np
 
 from shard.errors import UserError
-from shard.hf import arch, config_only, tables
-
-INDEX = "model.safetensors.index.json"
+from shard.hf import INDEX, arch, config_only, tables
 
 
 class Folder:

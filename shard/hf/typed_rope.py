@@ -34,14 +34,14 @@ def typed_rope(kind: str, c: dict, where: str, get) -> tuple[float, dict | None,
         if rope_type not in allowed:
             raise UserError(f"{where}: config.json has {name} rope_type={rope_type!r}, which is not supported for "
                             f"{kind} (supported: {', '.join(allowed)})")
-        if not _number(theta) or theta <= 0:
+        if not is_number(theta) or theta <= 0:
             raise UserError(f"{where}: config.json has {name} rope_theta={theta!r}; it must be a positive number")
         if p.get("partial_rotary_factor", 1.0) != 1.0:
             raise UserError(f"{where}: config.json has partial_rotary_factor={p['partial_rotary_factor']!r}; only 1.0 "
                             f"is supported for {kind}")
     rope_type = full.get("rope_type", full.get("type", "default"))
     scaling = None
-    if rope_type != "default" and (not _number(full.get("factor")) or full["factor"] <= 0):
+    if rope_type != "default" and (not is_number(full.get("factor")) or full["factor"] <= 0):
         raise UserError(f"{where}: config.json has rope_scaling factor={full.get('factor')!r}; it must be a "
                         "positive number")
     if rope_type == "linear":
@@ -57,9 +57,9 @@ def _yarn(p: dict, where: str, get) -> dict:
     none is given (the ratio of two such by mscale and mscale_all_dim where both are set)."""
     original = p.get("original_max_position_embeddings", get("max_position_embeddings"))
     for name in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-        if p.get(name) is not None and not _number(p[name]):
+        if p.get(name) is not None and not is_number(p[name]):
             raise UserError(f"{where}: config.json has rope_scaling {name}={p[name]!r}; it must be a number")
-    if not _number(original) or original < 1:
+    if not is_number(original) or original < 1:
         raise UserError(f"{where}: config.json has rope_scaling original_max_position_embeddings={original!r}; it "
                         "must be a positive number")
     factor, attention = float(p["factor"]), p.get("attention_factor")
@@ -72,5 +72,6 @@ def _yarn(p: dict, where: str, get) -> dict:
                 attention_factor=float(attention))
 
 
-def _number(x) -> bool:
+def is_number(x) -> bool:
+    """An int or float of config.json (JSON's true and false are not numbers here)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)

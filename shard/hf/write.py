@@ -16,8 +16,8 @@ import jax
 import numpy as np
 
 from shard.errors import UserError
-from shard.hf import arch, tables
-from shard.hf.read import INDEX, Folder, flat_paths
+from shard.hf import INDEX, arch, tables
+from shard.hf.read import Folder, flat_paths
 
 SHARD_BYTES = 2 * 1024**3
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # config.json's names; numpy's, bfloat16 from ml_dtypes

@@ -24,9 +24,6 @@ import jax.numpy as jnp
 
 from shard.nn import attention
 
-KERNELS = ("auto", "xla", "tiled", "tokamax")
-
-
 def matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, kernel: str = "xla", device=None) -> jax.Array:
     """x (m, k) rows sorted by group, w (g, k, n), sizes (g,) int32 rows per group -> (m, n), x's dtype. `auto`
     resolved for `device` (default: the first of the default backend)."""

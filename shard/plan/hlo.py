@@ -129,7 +129,7 @@ def _balance(line: str, depth: int, quoted: bool) -> tuple[int, bool]:
     return depth, quoted
 
 
-def trip_count(line: str, comps: dict[str, list[str]], unknown: int = 1) -> int:
+def trip_count(line: str, comps: dict[str, list[str]], unknown: int | None = 1) -> int | None:
     """A while loop's iterations: XLA's `known_trip_count` where the backend records it (CPU, GPU), else
     its condition's `counter < N` with N a constant (the TPU compiler's scans, counting from 0), else `unknown`
     (a data-dependent loop, e.g. dropless experts' exchange rounds: counted once)."""
@@ -147,7 +147,7 @@ def data_dependent_loops(text: str) -> int:
     """The program's while loops whose trip count depends on the data (each counted once in its figures)."""
     comps, _ = computations(text)
     return sum(1 for lines in comps.values() for line in lines
-               if _WHILE.search(line) and trip_count(line, comps, unknown=0) == 0 and not _TRIP.search(line))
+               if _WHILE.search(line) and trip_count(line, comps, unknown=None) is None)
 
 
 def executions(comps: dict[str, list[str]], entry: str, loops: bool = True) -> dict[str, int]:
