@@ -27,8 +27,10 @@ class GPT(nnx.Module):
     as an offset from 1, Gemma's); mlp: "gelu", "swiglu" or "geglu"; n_kv_heads: key/value heads (0 =
     n_heads; fewer = grouped-query attention); tie_embeddings: the output layer reuses the token embedding.
     d_ff=0 means 4 x d_model (8/3 x d_model for the gated MLPs). head_dim: each head's width (0 = d_model /
-    n_heads). qkv_bias: biases on queries, keys and values (Qwen2); bias: on every linear layer but a gated MLP's
-    gate (GPT-2); mlp_bias: on every MLP layer, the gate's included (Llama's mlp_bias).
+    n_heads). qkv_bias: biases on queries, keys and values (Qwen2); attn_bias: on those and the attention's output
+    (Llama's attention_bias; GPT-OSS); bias: on every linear layer but a gated MLP's gate (GPT-2); mlp_bias: on
+    every MLP layer, the gate's included (Llama's mlp_bias). attn_sinks: a learned logit per query head joining each
+    attention softmax's denominator (GPT-OSS's sinks).
     norm_eps: the norms' epsilon. embed_scale: multiply the embeddings by sqrt(d_model) (Gemma).
     rope_scaling: Llama 3's {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}, or with
     rope_type linear ({factor}), longrope or yarn (models/rope.py's make). rotary_dim: the channels of each head
@@ -52,7 +54,8 @@ class GPT(nnx.Module):
                  norm_eps: float = 1e-6, embed_scale: bool = False, rope_scaling: dict | None = None,
                  mlp_bias: bool = False, qk_norm: str = "none", norms: str = "pre", rotary_dim: int = 0,
                  rope_layers: list | None = None, windows: list | None = None, local_rope_theta: float = 0.0,
-                 attn_softcap: float = 0.0, attn_scale: float = 0.0, logit_softcap: float = 0.0, *, rngs: nnx.Rngs):
+                 attn_softcap: float = 0.0, attn_scale: float = 0.0, logit_softcap: float = 0.0,
+                 attn_bias: bool = False, attn_sinks: bool = False, *, rngs: nnx.Rngs):
         n_kv_heads = n_kv_heads or n_heads
         check_choice("position", position, ("learned", "rope"))
         check_choice("norm", norm, ("layernorm", "rmsnorm", "rmsnorm+1"))
@@ -92,9 +95,10 @@ class GPT(nnx.Module):
 
         def make_block(rngs, rotate=None, window=None, windows=windows, dense_ff=0):
             attn = Attention(d_model, n_heads, n_kv_heads, rope, out_std, causal=True, rngs=rngs, head_dim=head_dim,
-                             qkv_bias=qkv_bias or bias, out_bias=bias, qk_norm=qk_norm, norm_kind=norm, eps=norm_eps,
+                             qkv_bias=qkv_bias or bias or attn_bias, out_bias=bias or attn_bias, qk_norm=qk_norm,
+                             norm_kind=norm, eps=norm_eps,
                              rotate=rotate, window=window, windows=windows, local_rope=local_rope,
-                             softcap=attn_softcap, scale=attn_scale)
+                             softcap=attn_softcap, scale=attn_scale, sinks=attn_sinks)
             ffn = (GPT.feed_forward(self, d_model, dense_ff, mlp, out_std, rngs, bias) if dense_ff
                    else self.feed_forward(d_model, d_ff, mlp, out_std, rngs, bias))
             return Block(d_model, norm, attn, ffn, rngs, norm_eps, norms)

@@ -113,13 +113,14 @@ class Attention(nnx.Module):
     layers); None: it does where the model has a rope. window: this layer's traced sliding window (stacked's
     setting; 0 = global) and windows every layer's, static (shard.nn.hooks.attention's (value, windows)); None:
     global. local_rope: the rotation of layers whose `rotate` is 2 (Gemma 3's local layers' own base). softcap:
-    attention-logit soft-capping (0: none); scale: the factor on q.k (0: 1/sqrt(head_dim))."""
+    attention-logit soft-capping (0: none); scale: the factor on q.k (0: 1/sqrt(head_dim)). sinks: one learned logit
+    per query head that joins the softmax's denominator and weighs no value (GPT-OSS's attention sinks)."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, rope: "Rope | float | None", out_std: float,
                  causal: bool, rngs: nnx.Rngs, head_dim: int = 0, qkv_bias: bool = False, out_bias: bool = False,
                  qk_norm: str = "none", norm_kind: str = "rmsnorm", eps: float = 1e-6, rotate=None, window=None,
                  windows: tuple | None = None, local_rope: "Rope | None" = None, softcap: float = 0.0,
-                 scale: float = 0.0):
+                 scale: float = 0.0, sinks: bool = False):
         head_dim = head_dim or d_model // n_heads
         check_choice("qk_norm", qk_norm, QK_NORMS)
         self.rope = Rope(rope) if isinstance(rope, (int, float)) and rope else rope
@@ -135,6 +136,10 @@ class Attention(nnx.Module):
         self.rotate = None if rotate is None else per_layer(rotate)
         self.window, self.windows = (None, None) if window is None else (per_layer(window), tuple(windows))
         self.local_rope, self.softcap, self.scale = local_rope, softcap or None, scale or None
+        # a logit beside the scores: float32 under bfloat16 training, as the softmax it joins (and zeros at first:
+        # the sink then weighs as one key of logit 0 would)
+        self.sinks = nnx.Param(jnp.zeros((n_heads,)), out_sharding=("heads",), full_precision=True,
+                               role="bias") if sinks else None
 
     def __call__(self, x):
         q = jnp.einsum("bte,ehd->bthd", x, self.q[...])
@@ -148,8 +153,9 @@ class Attention(nnx.Module):
         if self.rope:
             q, k = self.rotated(q), self.rotated(k)
         window = None if self.window is None else (self.window[...], self.windows)
-        y = attention(q, k, v, is_causal=self.causal, window=window, softcap=self.softcap,
-                      scale=self.scale)  # handles grouped K/V heads itself
+        sinks = None if self.sinks is None else self.sinks[...]
+        y = attention(q, k, v, is_causal=self.causal, window=window, softcap=self.softcap, scale=self.scale,
+                      sinks=sinks)  # handles grouped K/V heads itself
         y = jnp.einsum("bthd,hde->bte", y, self.out[...])
         return y if self.out_bias is None else y + self.out_bias[...]
 

@@ -47,7 +47,7 @@ from shard.nn.recorded import AuxLoss, Stat
 
 from . import routers
 from .gpt import GPT
-from .layers import MLPBlock, check_choice, param
+from .layers import MLPBlock, check_choice, param, zeros
 
 
 class ExpertLoad(nnx.Variable):
@@ -69,6 +69,7 @@ class ExpertTally(nnx.Variable):
 
 
 ROUTINGS = ("capacity", "dropless")
+EXPERT_ARRAYS = ("w_in", "w_out", "w_gate", "b_in", "b_out", "b_gate")  # each with the experts first
 BALANCING = ("per_layer", "pooled")
 
 
@@ -81,7 +82,8 @@ class MoELayer(nnx.Module):
                  norm_topk: bool = True, *, router: str = "softmax_topk", router_bias: bool = False,
                  router_norm: bool = False, n_group: int = 1, topk_group: int = 1, routed_scaling: float = 1.0,
                  score_correction: bool = False, correction_rate: float = 0.0, expert_scale: bool = False,
-                 weigh_inputs: bool = False, shared_d_ff: int = 0, shared_gate: bool = False, norm_eps: float = 1e-6):
+                 weigh_inputs: bool = False, shared_d_ff: int = 0, shared_gate: bool = False, norm_eps: float = 1e-6,
+                 expert_bias: bool = False, swiglu_limit: float = 0.0, swiglu_alpha: float = 1.702):
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_loss_weight, self.routing, self.norm_topk = aux_loss_weight, routing, norm_topk
         self.router_kind, self.routed_scaling = router, routed_scaling
@@ -103,6 +105,11 @@ class MoELayer(nnx.Module):
         self.w_in = param(rngs, (n_experts, d_model, d_ff), ("experts", "embed", "mlp"), 0.02)
         self.w_gate = param(rngs, (n_experts, d_model, d_ff), ("experts", "embed", "mlp"), 0.02) if swiglu else None
         self.w_out = param(rngs, (n_experts, d_ff, d_model), ("experts", "mlp", "embed"), out_std)
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
+        # GPT-OSS's experts have biases: per expert, on each matrix's output
+        self.b_in = zeros((n_experts, d_ff), ("experts", "mlp")) if expert_bias else None
+        self.b_gate = zeros((n_experts, d_ff), ("experts", "mlp")) if expert_bias and swiglu else None
+        self.b_out = zeros((n_experts, d_model), ("experts", "embed")) if expert_bias else None
         self.shared = MLPBlock(d_model, shared_d_ff, swiglu, out_std, rngs) if shared_d_ff else None
         self.shared_gate = param(rngs, (d_model, 1), ("embed", None), 0.02) if shared_gate else None
         self.load = ExpertLoad(jnp.zeros((n_experts,)))
@@ -158,13 +165,31 @@ class MoELayer(nnx.Module):
         expert; under expert parallelism they travel to the experts' devices in buckets of capacity_factor times a
         fair share), one grouped product per matrix over the experts' runs. weigh_inputs: each pair's token times
         its weight goes in, the outputs are summed unweighted (Llama 4)."""
-        def mlp(xs, sizes, weights):
-            h = grouped_matmul(xs, weights[0], sizes)
-            h = jax.nn.silu(grouped_matmul(xs, weights[2], sizes)) * h if len(weights) == 3 else jax.nn.gelu(h)
-            return grouped_matmul(h, weights[1], sizes)
+        names = [n for n in EXPERT_ARRAYS if getattr(self, n) is not None]
 
-        weights = (self.w_in[...], self.w_out[...]) + ((self.w_gate[...],) if self.w_gate is not None else ())
+        def mlp(xs, sizes, weights):
+            w = dict(zip(names, weights))
+            if "b_in" in w:  # each row's expert's bias; rows past the runs stay zero, as the products write them
+                expert = jnp.repeat(jnp.arange(sizes.shape[0]), sizes, total_repeat_length=xs.shape[0])
+                real = (jnp.arange(xs.shape[0]) < jnp.sum(sizes))[:, None]
+            add = lambda h, b: h if b not in w else h + jnp.where(real, w[b][expert], 0).astype(h.dtype)  # noqa: E731
+            h = add(grouped_matmul(xs, w["w_in"], sizes), "b_in")
+            gate = add(grouped_matmul(xs, w["w_gate"], sizes), "b_gate") if "w_gate" in w else None
+            return add(grouped_matmul(self.activation(h, gate), w["w_out"], sizes), "b_out")
+
+        weights = tuple(getattr(self, n)[...] for n in names)
         return experts(mlp, x, top_e, top_p, weights, slack=self.capacity_factor, weigh_inputs=weigh_inputs)
+
+    def activation(self, h, gate):
+        """The experts' hidden activation of the up projection h and the gate (None: GELU of h). With swiglu_limit,
+        GPT-OSS's clamped SwiGLU: the gate clamped above and h on both sides at the limit, (h + 1) times
+        gate x sigmoid(swiglu_alpha x gate); else silu(gate) x h."""
+        if gate is None:
+            return jax.nn.gelu(h)
+        if not self.swiglu_limit:
+            return jax.nn.silu(gate) * h
+        gate, h = jnp.minimum(gate, self.swiglu_limit), jnp.clip(h, -self.swiglu_limit, self.swiglu_limit)
+        return (h + 1) * gate * jax.nn.sigmoid(self.swiglu_alpha * gate)
 
     def by_capacity(self, x, top_p, chosen):
         b, t, _ = x.shape
@@ -182,13 +207,14 @@ class MoELayer(nnx.Module):
             dispatch, combine = combine, dispatch.astype(x.dtype)
 
         xe = constrain(jnp.einsum("btnc,btd->nbcd", dispatch.astype(x.dtype), x), ("experts", "batch", None, "embed"))
-        h = jnp.einsum("nbcd,ndf->nbcf", xe, self.w_in[...])
-        if self.w_gate is not None:
-            h = jax.nn.silu(jnp.einsum("nbcd,ndf->nbcf", xe, self.w_gate[...])) * h
-        else:
-            h = jax.nn.gelu(h)
+        per_expert = lambda b: 0 if b is None else b[...][:, None, None]  # noqa: E731  (n, 1, 1, width)
+        h = jnp.einsum("nbcd,ndf->nbcf", xe, self.w_in[...]) + per_expert(self.b_in)
+        gate = None if self.w_gate is None else \
+            jnp.einsum("nbcd,ndf->nbcf", xe, self.w_gate[...]) + per_expert(self.b_gate)
+        h = self.activation(h, gate)
         h = constrain(h, ("experts", "batch", None, "mlp"))
-        ye = constrain(jnp.einsum("nbcf,nfd->nbcd", h, self.w_out[...]), ("experts", "batch", None, "embed"))
+        ye = jnp.einsum("nbcf,nfd->nbcd", h, self.w_out[...]) + per_expert(self.b_out)
+        ye = constrain(ye, ("experts", "batch", None, "embed"))
         return jnp.einsum("nbcd,btnc->btd", ye, combine)
 
 
@@ -219,6 +245,8 @@ class MoE(GPT):
     output is added (DeepSeek-V3, Llama 4); shared_gate: that output times sigmoid(x . w) per token (Qwen3-Next, 3.5).
     dense_layers: the first that many layers keep a dense MLP of width dense_d_ff (0 = d_ff), stacked apart
     (`dense_blocks`) before the experts' layers (DeepSeek-V3's first_k_dense_replace).
+    expert_bias: each expert's matrices have biases (GPT-OSS); swiglu_limit: the experts' SwiGLU clamped at it and
+    offset as GPT-OSS's, (clip(up) + 1) x gate x sigmoid(swiglu_alpha x gate) with the gate clamped above (0: plain).
     """
 
     def __init__(self, n_experts: int = 8, top_k: int = 2, capacity_factor: float = 1.25,
@@ -227,7 +255,8 @@ class MoE(GPT):
                  router_norm: bool = False, n_group: int = 1, topk_group: int = 1, routed_scaling: float = 1.0,
                  score_correction: bool = False, correction_rate: float = 0.0, expert_scale: bool = False,
                  weigh_inputs: bool = False, shared_experts: int = 0, shared_d_ff: int = 0, shared_gate: bool = False,
-                 dense_layers: int = 0, dense_d_ff: int = 0, *, rngs: nnx.Rngs, **gpt):
+                 dense_layers: int = 0, dense_d_ff: int = 0, expert_bias: bool = False, swiglu_limit: float = 0.0,
+                 swiglu_alpha: float = 1.702, *, rngs: nnx.Rngs, **gpt):
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
         if capacity_factor <= 0:
@@ -239,6 +268,9 @@ class MoE(GPT):
                             ("dense_layers", dense_layers), ("dense_d_ff", dense_d_ff)):
             if value < 0:
                 raise ValueError(f"{name}={value} must be >= 0")
+        if swiglu_limit < 0 or swiglu_limit and gpt.get("mlp") != "swiglu":
+            raise ValueError(f"swiglu_limit={swiglu_limit} clamps a SwiGLU's experts: give a limit > 0 with "
+                             "mlp=swiglu, or 0 for none")
         if shared_gate and not shared_experts:
             raise ValueError("shared_gate=true gates the shared experts: set shared_experts >= 1")
         self.n_experts, self.top_k, self.routing, self.norm_topk = n_experts, top_k, routing, norm_topk
@@ -248,7 +280,8 @@ class MoE(GPT):
         self.layer_options = dict(router=router, router_bias=router_bias, router_norm=router_norm, n_group=n_group,
                                   topk_group=topk_group, routed_scaling=routed_scaling,
                                   score_correction=score_correction, correction_rate=correction_rate,
-                                  expert_scale=expert_scale, weigh_inputs=weigh_inputs, shared_gate=shared_gate)
+                                  expert_scale=expert_scale, weigh_inputs=weigh_inputs, shared_gate=shared_gate,
+                                  expert_bias=expert_bias, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
         super().__init__(**gpt, rngs=rngs)
         self.min_expert_share = Stat(jnp.zeros(()))
         self.aux_loss = AuxLoss(jnp.zeros(()))

@@ -20,9 +20,9 @@ class Rope:
     longrope: (short factors, long factors, original context, attention factor): each frequency divided by its
     factor, the long ones for a call whose last position is past the original context (as transformers
     decides per call), and cos and sin multiplied by the attention factor. yarn: (factor, original context,
-    beta_fast, beta_slow, attention factor): frequencies turning more than beta_fast times over the original context
-    kept, fewer than beta_slow divided by `factor`, a linear ramp between (its ends rounded outwards), and cos and
-    sin multiplied by the attention factor."""
+    beta_fast, beta_slow, attention factor, truncate): frequencies turning more than beta_fast times over the
+    original context kept, fewer than beta_slow divided by `factor`, a linear ramp between (its ends rounded outwards
+    unless truncate is false: GPT-OSS's), and cos and sin multiplied by the attention factor."""
     theta: float = 10000.0
     scaling: tuple | None = None
     dims: int = 0
@@ -35,11 +35,14 @@ class Rope:
         if self.linear != 1.0:
             freqs = freqs / self.linear
         if self.yarn is not None:
-            factor, original, fast, slow, _ = self.yarn
+            factor, original, fast, slow, _, rounded = self.yarn
 
             def pair(turns):  # the channel pair whose frequency turns `turns` times over the original context
                 return half * math.log(original / (turns * 2 * math.pi)) / math.log(self.theta)
-            low, high = max(math.floor(pair(fast)), 0), min(math.ceil(pair(slow)), 2 * half - 1)
+            low, high = pair(fast), pair(slow)
+            if rounded:
+                low, high = math.floor(low), math.ceil(high)
+            low, high = max(low, 0), min(high, 2 * half - 1)
             high = high + 0.001 if high == low else high  # a ramp of one step, not a division by zero
             kept = 1 - jnp.clip((jnp.arange(half, dtype=jnp.float32) - low) / (high - low), 0, 1)
             return freqs / factor * (1 - kept) + freqs * kept
@@ -62,22 +65,24 @@ def make(theta: float, scaling: dict | None = None, dims: int = 0) -> Rope:
     """A Rope from a GPT's settings. scaling: None or {} for none; Llama 3's four keys (rope_type "llama3" or
     none given); {"rope_type": "linear", "factor"}; or {"rope_type": "longrope", short_factor, long_factor,
     original_max_position_embeddings, attention_factor}; or {"rope_type": "yarn", factor,
-    original_max_position_embeddings, beta_fast, beta_slow, attention_factor}."""
+    original_max_position_embeddings, beta_fast, beta_slow, attention_factor} and optionally truncate (default
+    true)."""
     if not scaling:
         return Rope(theta, dims=dims)
     scaling = dict(scaling)
     kind = scaling.pop("rope_type", "llama3")
     keys = {"llama3": LLAMA3_KEYS, "linear": ("factor",), "longrope": LONGROPE_KEYS, "yarn": YARN_KEYS}.get(kind)
-    if keys is None or set(scaling) != set(keys):
+    truncate = scaling.pop("truncate", True) if kind == "yarn" else True
+    if keys is None or set(scaling) != set(keys) or not isinstance(truncate, bool):
         raise ValueError(f"rope_scaling={scaling | {'rope_type': kind}}: give rope_type llama3 with "
                          f"{', '.join(LLAMA3_KEYS)}; linear with factor; longrope with {', '.join(LONGROPE_KEYS)}; or "
-                         f"yarn with {', '.join(YARN_KEYS)}")
+                         f"yarn with {', '.join(YARN_KEYS)} (and optionally truncate, true or false)")
     if kind == "llama3":
         return Rope(theta, tuple(float(scaling[k]) for k in LLAMA3_KEYS), dims)
     if kind == "linear":
         return Rope(theta, dims=dims, linear=float(scaling["factor"]))
     if kind == "yarn":
-        return Rope(theta, dims=dims, yarn=tuple(float(scaling[k]) for k in YARN_KEYS))
+        return Rope(theta, dims=dims, yarn=(*(float(scaling[k]) for k in YARN_KEYS), truncate))
     short, long = (tuple(float(f) for f in scaling[k]) for k in LONGROPE_KEYS[:2])
     return Rope(theta, dims=dims, longrope=(short, long, int(scaling["original_max_position_embeddings"]),
                                             float(scaling["attention_factor"])))
@@ -91,7 +96,7 @@ def rotary(x, rope: "Rope | float"):
     half = dims // 2
     freqs = rope.frequencies(half)
     at = positions(x.shape[1]).astype(jnp.float32)  # (length,); packed or decoding: (batch, length)
-    scale = rope.yarn[-1] if rope.yarn is not None else 1.0
+    scale = rope.yarn[4] if rope.yarn is not None else 1.0
     if rope.longrope is not None:
         short, long, original, scale = rope.longrope
         freqs = freqs / jnp.where(jnp.max(at) + 1 > original, jnp.asarray(long), jnp.asarray(short))

@@ -26,7 +26,7 @@ def transformers_options(kind: str, fields: dict) -> dict:
     n, heads, rope = c.num_hidden_layers, c.num_attention_heads, c.rope_parameters
     typed = kind in ("gemma3_text", "olmo3")
     full, local = (rope["full_attention"], rope["sliding_attention"]) if typed else (rope, None)
-    assert full["rope_type"] == "default"
+    assert full["rope_type"] == ("yarn" if kind == "gpt_oss" else "default")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     # the modeling files: a layer slides where layer_types says so, or every layer where the config has none
     types = getattr(c, "layer_types", None) or ["sliding_attention"] * n
@@ -38,7 +38,8 @@ def transformers_options(kind: str, fields: dict) -> dict:
                tie_embeddings=c.tie_word_embeddings, rope_theta=full["rope_theta"], rope_scaling=None,
                windows=[window if t == "sliding_attention" else 0 for t in types] if window else None,
                rotary_dim=int(head_dim * full.get("partial_rotary_factor", 1.0)))
-    out.update({ours: getattr(c, name) for name, ours in (("attention_bias", "bias"), ("mlp_bias", "mlp_bias"),
+    bias = "attn_bias" if kind == "gpt_oss" else "bias"  # GPT-OSS's attention alone: its experts' are their own
+    out.update({ours: getattr(c, name) for name, ours in (("attention_bias", bias), ("mlp_bias", "mlp_bias"),
                                                           ("norm_topk_prob", "norm_topk")) if hasattr(c, name)})
     if kind in ("gemma2", "gemma3_text"):
         out.update(attn_scale=c.query_pre_attn_scalar ** -0.5, attn_softcap=c.attn_logit_softcapping,
@@ -49,8 +50,15 @@ def transformers_options(kind: str, fields: dict) -> dict:
     if kind == "smollm3":
         out.update(rope_layers=c.no_rope_layers)
     if kind in arch.experts.RELATIVE:
-        out.update(n_experts=c.num_experts, top_k=c.num_experts_per_tok,
+        out.update(n_experts=c.num_experts if kind != "gpt_oss" else c.num_local_experts, top_k=c.num_experts_per_tok,
                    aux_loss_weight=c.router_aux_loss_coef if c.output_router_logits else 0.0)
+    if kind == "gpt_oss":  # YaRN by default, its attention factor as transformers computes it
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate")
+        out.update(rope_scaling=dict(rope_type="yarn", **{k: full[k] for k in keys},
+                                     attention_factor=ROPE_INIT_FUNCTIONS["yarn"](c, "cpu")[1]),
+                   swiglu_limit=c.swiglu_limit, swiglu_alpha=c.swiglu_alpha, attn_sinks=True)
     return out
 
 

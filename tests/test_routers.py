@@ -1,10 +1,10 @@
-"""The MoE's routers (models/routers.py) and the options around them, each against transformers' own module with
-random weights, float32: Qwen3-MoE's softmax-then-top-k (with and without norm_topk_prob), GPT-OSS's biased
-top-k-then-softmax, DeepSeek-V3's and GLM-4.5's sigmoid scores with a correction bias, groups and a routed scale and
-their shared experts, Llama 4's top-1 sigmoid scaling the expert's input beside its shared expert, Qwen3.5's gated
-shared expert, Gemma 4's router (its input norm and per-expert scale); a whole tiny GLM-4.5 (a dense first layer)
-against transformers' logits. The correction's auxiliary-loss-free update once per optimizer step, and each option's
-refusal of a bad value in one line."""
+"""The MoE's routers (models/routers.py) and the options around them, each against transformers' own module with random
+weights, float32: Qwen3-MoE's softmax-then-top-k (with and without norm_topk_prob), GPT-OSS's biased top-k-then-
+softmax with its experts (biases, clamped SwiGLU), DeepSeek-V3's and GLM-4.5's sigmoid scores with a correction
+bias, groups and a routed scale and their shared experts, Llama 4's top-1 sigmoid scaling the expert's input beside
+its shared expert, Qwen3.5's gated shared expert, Gemma 4's router (its input norm and per-expert scale); a whole
+tiny GLM-4.5 (a dense first layer) against transformers' logits. The correction's auxiliary-loss-free update once
+per optimizer step, and each option's refusal of a bad value in one line."""
 
 import jax
 import jax.numpy as jnp
@@ -89,23 +89,29 @@ def test_softmax_then_top_k_equals_qwen3_moe(routing, norm):
 
 
 @pytest.mark.parametrize("routing", ROUTINGS)
-def test_biased_top_k_then_softmax_equals_gpt_oss_router(routing):
-    """GPT-OSS's router (its experts, with biases and a clamped activation, are another issue's) feeding Mixtral's
-    experts."""
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
-    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+def test_gpt_oss_block_equals_transformers(routing):
+    """GPT-OSS's MLP whole: its biased router (top-k of the logits, softmax over those), its experts with biases, gate
+    and up interleaved in one gate_up_proj, and the clamped SwiGLU; a scale that drives activations past the limit."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-    router = randomize(GptOssTopKRouter(transformers.GptOssConfig(hidden_size=H, num_local_experts=N,
-                                                                  num_experts_per_tok=2)))
-    experts = randomize(MixtralExperts(transformers.MixtralConfig(hidden_size=H, intermediate_size=F,
-                                                                  num_local_experts=N)), seed=1)
-    ours = layer(2, routing, router="topk_softmax", router_bias=True)
-    ours.router.set_value(array(router.weight).T)
-    ours.router_bias.set_value(array(router.bias))
-    put_experts(ours, experts.gate_up_proj, experts.down_proj)
+    config = transformers.GptOssConfig(hidden_size=H, intermediate_size=F, num_local_experts=N, num_experts_per_tok=2,
+                                       swiglu_limit=0.5)
+    config._experts_implementation = "eager"
+    block = randomize(GptOssMLP(config), scale=0.6)
+    ours = layer(2, routing, router="topk_softmax", router_bias=True, expert_bias=True, swiglu_limit=0.5)
+    ours.router.set_value(array(block.router.weight).T)
+    ours.router_bias.set_value(array(block.router.bias))
+    gate_up, bias = array(block.experts.gate_up_proj), array(block.experts.gate_up_proj_bias)  # (E, H, 2F), (E, 2F)
+    ours.w_gate.set_value(gate_up[..., 0::2])
+    ours.w_in.set_value(gate_up[..., 1::2])
+    ours.b_gate.set_value(bias[..., 0::2])
+    ours.b_in.set_value(bias[..., 1::2])
+    ours.w_out.set_value(array(block.experts.down_proj))
+    ours.b_out.set_value(array(block.experts.down_proj_bias))
     with torch.no_grad():
-        _, weights, chosen = router(tokens())
-        compare(ours, experts(tokens(), chosen, weights), chosen)
+        h = jnp.asarray(X.reshape(-1, H)) @ ours.w_gate[...][0] + ours.b_gate[...][0]
+        assert np.max(np.asarray(h)) > 0.5  # the clamp bites
+        compare(ours, block(torch.tensor(X))[0], block.router(tokens())[2])
 
 
 def sigmoid_block(kind: str, **config):

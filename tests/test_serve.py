@@ -307,9 +307,10 @@ def test_chat_messages_go_through_the_tokenizers_template_or_the_plain_one(tmp_p
 
 # a local layer (window 6) beside a global one, its prompts prefilled in chunks of 8 (the first right-padded)
 WINDOWED = [*TINY_GPT, "model.position=rope", "model.windows=[6,0]"]
+SINKS = [*WINDOWED, "model.attn_sinks=true"]  # and GPT-OSS's attention sinks, on both kinds of layer
 
 
-@pytest.mark.parametrize("name", ["gpt", "lstm", "windowed"])
+@pytest.mark.parametrize("name", ["gpt", "lstm", "windowed", "sinks"])
 def test_a_request_joining_mid_way_decodes_as_it_would_alone(name):
     """The scheduler driven by hand (no thread): one request runs three steps alone, a second joins; each
     one's tokens are its prompt's alone. The LSTM's carry passes over its prompt's right padding unchanged; the
@@ -317,13 +318,13 @@ def test_a_request_joining_mid_way_decodes_as_it_would_alone(name):
     from shard.core import registry
     from shard.core import state as state_lib
 
-    cfg = config.load(None, WINDOWED if name == "windowed" else TINY_MODELS[name])
-    generator = generate.Generator(state_lib.build_model(*registry.load(cfg.model),
-                                                         seed=3 if name == "windowed" else 1))
+    windowed = name in ("windowed", "sinks")
+    cfg = config.load(None, {"windowed": WINDOWED, "sinks": SINKS}.get(name) or TINY_MODELS[name])
+    generator = generate.Generator(state_lib.build_model(*registry.load(cfg.model), seed=3 if windowed else 1))
     slots = engine.Engine(generator, slots=2, context=32, vocab=generate.BYTES, burst=1,
-                          **dict(chunk=8) if name == "windowed" else {})
+                          **dict(chunk=8) if windowed else {})
     slots.allocate()
-    if name == "windowed":  # (layers of a kind, slots, positions, heads, head_dim): the ring, and every position
+    if windowed:  # (layers of a kind, slots, positions, heads, head_dim): the ring, and every position
         assert {kind: c["k"].shape for kind, c in slots.cache[0][0].caches.items()} == {
             0: (1, 2, 32, 8, 4), 6: (1, 2, 6, 8, 4)}
     queue = scheduler.Scheduler(slots, _Bytes(), 4)

@@ -11,7 +11,7 @@ settings of transformers' own loop, not of the model, and are not read.
 import math
 
 from shard.errors import UserError
-from shard.hf.typed_rope import LAYER_TYPES, is_number, typed_rope
+from shard.hf.typed_rope import LAYER_TYPES, is_number, typed_rope, yarn
 
 DENSE = ("llama", "mistral", "qwen2", "gemma", "gpt2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2", "gemma3_text",
          "olmo3")
@@ -68,10 +68,18 @@ DEFAULTS = {
                         tie_word_embeddings=True, attention_bias=False, query_pre_attn_scalar=256,
                         sliding_window=4096, layer_types=None, final_logit_softcapping=None,
                         attn_logit_softcapping=None, use_bidirectional_attention=False, sliding_window_pattern=6),
+    # GPT-OSS's attention, norms and RoPE (its experts: shard/hf/experts.py); its rope_parameters YaRN by default
+    "gpt_oss": dict(_ROPE, vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                    rms_norm_eps=1e-5, sliding_window=128, layer_types=None, attention_bias=True,
+                    rope_theta=150000.0),
     "gpt2": dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
                  activation_function="gelu_new", layer_norm_epsilon=1e-5, scale_attn_weights=True,
                  scale_attn_by_inverse_layer_idx=False, add_cross_attention=False, tie_word_embeddings=True),
 }
+# The RoPE a family's config class gives where config.json has none (GPT-OSS's: YaRN over a 4096-token original)
+ROPE_DEFAULTS = {"gpt_oss": dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                 original_max_position_embeddings=4096)}
 # The type each field must have (transformers checks them strictly: no int for a float, no 1 for true).
 _FLOATS = {"rms_norm_eps", "layer_norm_epsilon", "final_logit_softcapping", "attn_logit_softcapping"}
 _TEXTS = {"hidden_act", "activation_function", "hidden_activation"}
@@ -153,7 +161,8 @@ def _rope_model(kind: str, get, c: dict, where: str) -> dict:
 # The GPT's options each family sets beyond Llama's (its per-layer and norm settings; RoPE is _rope's).
 FAMILY_OPTIONS = {"qwen3": dict(qk_norm="head"), "olmo2": dict(qk_norm="projection", norms="post"),
                   "olmo3": dict(qk_norm="projection", norms="post"),
-                  "gemma2": dict(norms="both"), "gemma3_text": dict(norms="both", qk_norm="head")}
+                  "gemma2": dict(norms="both"), "gemma3_text": dict(norms="both", qk_norm="head"),
+                  "gpt_oss": dict(attn_sinks=True)}
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 
 
@@ -205,6 +214,8 @@ def _biases(kind: str, get, where: str) -> dict:
     Mistral's none (the fields are not read there)."""
     if kind == "qwen2":
         return dict(qkv_bias=True)
+    if kind == "gpt_oss":  # on q, k, v and o; its experts' own are the MoE's
+        return dict(attn_bias=get("attention_bias"))
     attention = get("attention_bias") if kind in ("llama", "gemma", "qwen3", "smollm3", "olmo2", "olmo3") else False
     mlp = get("mlp_bias") if kind in ("llama", "smollm3") else False
     if attention and not mlp:
@@ -215,7 +226,7 @@ def _biases(kind: str, get, where: str) -> dict:
 
 WINDOWED = ("mistral", "phi3")  # every layer slides where sliding_window is set
 LAYER_TYPED = ("qwen2", "qwen3", "smollm3")  # with use_sliding_window, the layers layer_types names slide
-PATTERNED = ("gemma2", "gemma3_text", "olmo3")  # the layers layer_types names slide, by default all but every n-th
+PATTERNED = ("gemma2", "gemma3_text", "olmo3", "gpt_oss")  # layer_types' sliding layers; by default all but every n-th
 
 
 def _windows(kind: str, get, where: str, rotate: list | None = None) -> dict:
@@ -240,11 +251,12 @@ def _windows(kind: str, get, where: str, rotate: list | None = None) -> dict:
 
 def _layer_types(kind: str, get, where: str, rotate: list | None = None) -> list[str]:
     """Each layer's kind: layer_types, or by default Qwen2's and Qwen3's sliding from max_window_layers on,
-    SmolLM3's its rope-less layers (`rotate`, one 0 or 1 per layer), Gemma 2's every other layer, OLMo 3's all but
+    SmolLM3's its rope-less layers (`rotate`, one 0 or 1 per layer), Gemma 2's and GPT-OSS's every other layer (the
+    first sliding), OLMo 3's all but
     every 4th and Gemma 3's all but every sliding_window_pattern-th."""
     n, types = get("num_hidden_layers"), get("layer_types")
     if types is None and kind in PATTERNED:
-        every = {"gemma2": 2, "olmo3": 4}.get(kind) or get("sliding_window_pattern")
+        every = {"gemma2": 2, "gpt_oss": 2, "olmo3": 4}.get(kind) or get("sliding_window_pattern")
         if not every:
             raise UserError(f"{where}: config.json has sliding_window_pattern=0; it must be at least 1")
         types = [LAYER_TYPES[(i + 1) % every != 0] for i in range(n)]
@@ -262,7 +274,7 @@ def _rope(kind: str, c: dict, where: str, get, head_dim: int) -> tuple[float, di
     """(theta, the GPT's rope_scaling or None, rotated channels per head), read as transformers 5 does:
     rope_scaling (the older name) over rope_parameters, the theta inside over rope_theta beside it. Phi-3 reads
     its partial rotary factor and LongRoPE (su and yarn its old names); the others default or Llama 3's."""
-    params = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    params = c.get("rope_scaling") or c.get("rope_parameters") or ROPE_DEFAULTS.get(kind, {})
     if not isinstance(params, dict):
         raise UserError(f"{where}: config.json has rope_parameters={params!r}; transformers reads a mapping")
     params = dict(params)
@@ -280,7 +292,7 @@ def _rope(kind: str, c: dict, where: str, get, head_dim: int) -> tuple[float, di
         rotary_dim = int(head_dim * partial)
     elif partial != 1.0:
         raise UserError(f"{where}: config.json has partial_rotary_factor={partial!r}; only 1.0 is supported for {kind}")
-    allowed = ("default", "longrope") if kind == "phi3" else ("default", "llama3")
+    allowed = {"phi3": ("default", "longrope"), "gpt_oss": ("default", "yarn")}.get(kind, ("default", "llama3"))
     if rope_type not in allowed:
         raise UserError(f"{where}: config.json has rope_type={rope_type!r}, which is not supported for {kind} "
                         f"(supported: {', '.join(allowed)})")
@@ -288,6 +300,8 @@ def _rope(kind: str, c: dict, where: str, get, head_dim: int) -> tuple[float, di
         return float(theta), None, rotary_dim
     if rope_type == "longrope":
         return float(theta), _longrope(params, where, get, rotary_dim), rotary_dim
+    if rope_type == "yarn":
+        return float(theta), yarn(params, where, get), rotary_dim
     # transformers takes original_max_position_embeddings from beside the parameters first, else max_len
     params["original_max_position_embeddings"] = c.get("original_max_position_embeddings", params.get(
         "original_max_position_embeddings", get("max_position_embeddings")))

@@ -158,6 +158,8 @@ def _kind(g: dict) -> str | None:
             and g["head_dim"] * g["n_heads"] == g["d_model"] and plain and not g["rope_scaling"] else None
     if g["position"] != "rope" or g["mlp"] == "gelu" or g["embed_scale"] != (g["norm"] == "rmsnorm+1"):
         return None
+    if g["attn_sinks"] or g["attn_bias"]:  # GPT-OSS's attention: an MoE's (shard/hf/experts.py)
+        return None
     unbiased = not (g["qkv_bias"] or g["bias"] or g["mlp_bias"])
     gemma_only = bool(g["attn_softcap"] or g["logit_softcap"] or g["attn_scale"])
     if g["norm"] == "rmsnorm+1":

@@ -18,9 +18,10 @@ from shard.hf import config_in, config_out
 
 # Each family's dense relative: the architecture whose attention and norms it has (config_in.py reads them), and the
 # one config_out.py exports a model with those to.
-RELATIVE = {"mixtral": "mistral", "qwen3_moe": "qwen3", "olmoe": "llama"}
+RELATIVE = {"mixtral": "mistral", "qwen3_moe": "qwen3", "olmoe": "llama", "gpt_oss": "gpt_oss"}
 EXPORTED = {"llama": "mixtral", "qwen3": "qwen3_moe"}
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                 "gpt_oss": "GptOssForCausalLM"}
 # transformers 5's defaults (configuration_<model_type>.py) for every field read, where config.json leaves one out
 DEFAULTS = {
     "mixtral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -40,7 +41,12 @@ DEFAULTS = {
                   max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
                   rope_theta=10000.0, clip_qkv=None, num_local_experts=64, num_experts_per_tok=8,
                   output_router_logits=False, router_aux_loss_coef=0.01, norm_topk_prob=False),
+    "gpt_oss": dict(num_local_experts=128, num_experts_per_tok=4, output_router_logits=False,
+                    router_aux_loss_coef=0.001, swiglu_alpha=1.702, swiglu_limit=7.0),
 }
+# GPT-OSS's experts as the MoE's options: its biased router (top-k of the logits, a softmax over those), biases on
+# every expert matrix, the clamped SwiGLU (its limit and alpha read from config.json)
+GPT_OSS = dict(router="topk_softmax", router_bias=True, expert_bias=True)
 # Fields the dense relative reads that the family has not: their value in its modeling file (Qwen3-MoE's window,
 # where use_sliding_window sets one, is every layer's: its config has no layer_types nor max_window_layers)
 NOT_READ = {"olmoe": dict(mlp_bias=False), "qwen3_moe": dict(max_window_layers=0, layer_types=None)}
@@ -76,9 +82,14 @@ def to_moe(kind: str, config: dict, where: str) -> dict:
             raise UserError(f"{where}: config.json has head_dim={kwargs['head_dim']} x num_attention_heads="
                             f"{kwargs['n_heads']} != hidden_size={kwargs['d_model']}, the width of OLMoE's query norm")
         kwargs["qk_norm"] = "projection"
+    if kind == "gpt_oss":
+        limit, alpha = field("swiglu_limit", float), field("swiglu_alpha", float)
+        if limit <= 0:
+            raise UserError(f"{where}: config.json has swiglu_limit={limit!r}; it must be positive")
+        kwargs.update(GPT_OSS, swiglu_limit=limit, swiglu_alpha=alpha)
     coef = field("router_aux_loss_coef", float)
     return dict(kwargs, n_experts=n, top_k=k, routing="dropless", balancing="pooled",
-                norm_topk=kind == "mixtral" or field("norm_topk_prob", bool),
+                norm_topk=kind in ("mixtral", "gpt_oss") or field("norm_topk_prob", bool),
                 aux_loss_weight=coef if field("output_router_logits", bool) else 0.0)
 
 
@@ -110,6 +121,8 @@ def _check_olmoe(c: dict, where: str) -> None:
 def from_moe(kwargs: dict) -> dict:
     """The config.json of an MoE model's arguments; UserError where no family holds it."""
     routing = _routing_defaults()
+    if _is_gpt_oss(kwargs, routing):
+        return _gpt_oss_config(kwargs)
     changed = [f"{k}={v!r}" for k, v in kwargs.items() if k in routing and v != routing[k]]
     if changed:
         raise UserError(f"--format hf: model 'moe' with {', '.join(changed)} routes as none of the mixture-of-experts "
@@ -169,3 +182,42 @@ def _routing_defaults() -> dict:
     gpt = inspect.signature(GPT.__init__).parameters
     return {k: p.default for k, p in inspect.signature(MoE.__init__).parameters.items()
             if k not in gpt and k not in MOE_ARGS and p.default is not inspect.Parameter.empty}
+
+
+def _is_gpt_oss(kwargs: dict, routing: dict) -> bool:
+    """An MoE with GPT-OSS's router and experts (its other options checked by _gpt_oss_config)."""
+    ours = {k: kwargs.get(k, routing[k]) for k in routing}
+    return all(ours[k] == v for k, v in GPT_OSS.items()) and ours["swiglu_limit"] > 0 and \
+        all(ours[k] == routing[k] for k in routing if k not in (*GPT_OSS, "swiglu_limit", "swiglu_alpha"))
+
+
+def _gpt_oss_config(kwargs: dict) -> dict:
+    """GPT-OSS's config.json: its attention with sinks, every other layer or none sliding, YaRN or no scaling."""
+    g = {**_moe_defaults(), **config_out.with_defaults(kwargs)}
+    scaling = dict(g["rope_scaling"] or {})
+    windows = list(g["windows"] or [0] * g["n_layers"])
+    sizes = sorted({w for w in windows if w})
+    fits = (g["position"], g["norm"], g["mlp"], g["qk_norm"], g["norms"], g["routing"]) == \
+        ("rope", "rmsnorm", "swiglu", "none", "pre", "dropless") and g["attn_sinks"] and \
+        not (g["qkv_bias"] and not g["attn_bias"]) and not (g["bias"] or g["mlp_bias"] or g["embed_scale"]) and \
+        g["rope_layers"] is None and g["rotary_dim"] in (0, g["head_dim"]) and len(sizes) <= 1 and \
+        not (g["attn_softcap"] or g["logit_softcap"] or g["attn_scale"] or g["local_rope_theta"]) and \
+        scaling.get("rope_type", "yarn") == "yarn"
+    if not fits:
+        raise UserError("--format hf: model 'moe' with GPT-OSS's router and experts is a gpt_oss folder only with its "
+                        "attention: position=rope, norm=rmsnorm, mlp=swiglu, attn_sinks=true, attn_bias true or "
+                        "false (no other biases), one window on the sliding layers or none, yarn or no rope_scaling, "
+                        "routing=dropless")
+    scaling.pop("rope_type", None)
+    rope = dict(rope_type="yarn", **scaling) if scaling else dict(rope_type="default")
+    return dict(model_type="gpt_oss", architectures=[ARCHITECTURES["gpt_oss"]], vocab_size=g["vocab_size"],
+                hidden_size=g["d_model"], num_hidden_layers=g["n_layers"], num_attention_heads=g["n_heads"],
+                num_key_value_heads=g["n_kv_heads"], head_dim=g["head_dim"], intermediate_size=g["d_ff"],
+                max_position_embeddings=g["max_len"], rms_norm_eps=g["norm_eps"], hidden_act="silu",
+                rope_parameters=dict(rope, rope_theta=g["rope_theta"]), attention_bias=g["attn_bias"],
+                layer_types=[config_in.LAYER_TYPES[bool(w)] for w in windows], sliding_window=sizes[0] if sizes
+                else None, tie_word_embeddings=g["tie_embeddings"], num_local_experts=g["n_experts"],
+                num_experts_per_tok=g["top_k"], router_aux_loss_coef=float(g["aux_loss_weight"]),
+                output_router_logits=g["balancing"] == "pooled" and g["aux_loss_weight"] > 0,
+                swiglu_limit=float(g["swiglu_limit"]), swiglu_alpha=float(g["swiglu_alpha"]), torch_dtype="float32",
+                pad_token_id=None, bos_token_id=None, eos_token_id=None)

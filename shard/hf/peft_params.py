@@ -1,12 +1,13 @@
 """Adapters on bare parameters in PEFT's layout (its `target_parameters`, `lora.ParamWrapper`): a mixture of
 experts' router weight and its experts' 3-D stacks, as transformers 5's modules hold them (tables.FUSED).
 
-PEFT adapts a parameter (experts, out, in) with lora_A (experts x R, in), expert-major rows, and lora_B
-(out, R x experts), expert-minor columns: every expert its own rank-R pair, as ours. Several of our weights may
-fill one parameter (the gate and up projections in gate_up_proj): their pairs go side by side along the rank,
-each B placed at its part's rows, so the parameter's rank is R = parts x r (`rank_pattern`) and its scale
-alpha / r kept (`alpha_pattern`): B A sums our deltas exactly. Several parameters of one module are wrapped
-nested, the first in the module's order innermost (named `base_layer.` once per wrapper around it).
+PEFT adapts a parameter (experts, out, in), or (experts, in, out) where the module says so (GPT-OSS's), with lora_A
+(experts x R, in), expert-major rows, and lora_B (out, R x experts), expert-minor columns: every expert its own
+rank-R pair, as ours. Several of our weights may fill one parameter (the gate and up projections in gate_up_proj):
+their pairs go side by side along the rank, each B placed at its part's rows, so the parameter's rank is R = parts x
+r (`rank_pattern`) and its scale alpha / r kept (`alpha_pattern`): B A sums our deltas exactly. Several parameters
+of one module are wrapped nested, the first in the module's order innermost (named `base_layer.` once per wrapper
+around it).
 """
 
 import re
@@ -27,6 +28,8 @@ def _pair(r: tables.Row, site, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray
     letters = r.letters()[len(r.groups()) == 3:]  # without the experts axis
     size = {"s": 2, **dict(zip(letters, site.shape[len(site.shape) - len(letters):]))}
     their_out, their_in = r.groups()[-2:]
+    if len(r.groups()) == 3 and r.theirs in tables.EXPERTS_IN_OUT:  # (experts, in, out): A and B as for the other
+        their_out, their_in = their_in, their_out
     ins, outs = letters[:site.split[1]], letters[site.split[1]:]
     a = a.transpose([ins.index(l) for l in their_in] + [len(ins)]).reshape(-1, a.shape[-1])
     kept = [l for l in their_out if l in outs]

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from shard.errors import UserError
-from shard.hf import INDEX, arch, config_only, tables
+from shard.hf import INDEX, arch, config_only, mxfp4, tables
 
 
 class Folder:
@@ -37,6 +37,13 @@ class Folder:
         add = not any(name.startswith(prefix) for name in stored)
         self.names = {(prefix + n if add and not n.startswith("lm_head.") else n): n for n in stored}
         self.files = {name: stored[n] for name, n in self.names.items()}  # our name -> its file
+        # MXFP4 weights: each read as one float tensor under its own name, from its blocks and scales
+        self.packed = mxfp4.packed(self.files, self.config, self.where)
+        self._stored_files = dict(self.files)
+        for name, parts in self.packed.items():
+            self.files[name] = self.files[parts[0]]
+            for part in parts:
+                del self.files[part]
         self.table = tables.layout(self.kind, self.files)  # its experts one tensor each, or stacked
 
     def _files(self) -> dict[str, Path]:
@@ -57,6 +64,10 @@ class Folder:
                 out.update({name: f for name in st.keys()})
         return out
 
+    def _file(self, name: str) -> Path:
+        """The file holding a stored tensor (a packed weight's blocks and scales may lie in two)."""
+        return self.files.get(name) or self._stored_files[name]
+
     def gpt_kwargs(self) -> dict:
         kwargs = arch.to_gpt(self.config, self.where)
         embed, head = tied_pair(self.kind)
@@ -73,7 +84,15 @@ class Folder:
     def shape(self, name: str) -> tuple:
         from safetensors import safe_open
 
-        with safe_open(self.files[name], framework="numpy") as st:
+        if name in self.packed:
+            blocks, scales = (self._stored_shape(part) for part in self.packed[name])
+            return mxfp4.shape(blocks, scales, name, self.where)
+        return self._stored_shape(name)
+
+    def _stored_shape(self, name: str) -> tuple:
+        from safetensors import safe_open
+
+        with safe_open(self._file(name), framework="numpy") as st:
             return tuple(st.get_slice(self.names[name]).get_shape())
 
 
@@ -239,12 +258,14 @@ def _read(folder: Folder, name: str, index: tuple) -> np.ndarray:
     through JAX's reader."""
     from safetensors import safe_open
 
-    stored = folder.names[name]
-    with safe_open(folder.files[name], framework="numpy") as st:
+    if name in folder.packed:
+        return mxfp4.read(lambda part, at: _read(folder, part, at), folder.packed[name], index, folder.shape(name))
+    stored, file = folder.names[name], folder._file(name)
+    with safe_open(file, framework="numpy") as st:
         view = st.get_slice(stored)
         if view.get_dtype() != "BF16":
             return np.asarray(view[index])
-    with safe_open(folder.files[name], framework="flax") as st:
+    with safe_open(file, framework="flax") as st:
         return np.asarray(st.get_slice(stored)[index])
 
 

@@ -123,11 +123,16 @@ TABLES = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gemma": _LLAMA, 
           "gemma2": _llama_like(GEMMA2_NORMS), "gemma3_text": _llama_like(GEMMA2_NORMS, qk_norm="head")}
 
 
+def _attention_rows(qk_norm: str | None) -> list[Row]:
+    """A Llama's rows but its MLP's: the embeddings, attention, norms and output layer a mixture of experts keeps."""
+    return [r for r in _llama_like(qk_norm=qk_norm) if not r.ours.startswith("blocks.ffn.")]
+
+
 def _experts(qk_norm: str | None, block: str, gate: str, up: str, down: str) -> tuple[Row, ...]:
     """A mixture of experts' table: Llama's names for the rest, and for each block's router (`block`.gate) and
     experts (`block`.experts.{x}.`gate`, `up`, `down`)."""
     L, E = f"model.layers.{{i}}.{block}.", f"model.layers.{{i}}.{block}.experts.{{x}}."
-    rest = [r for r in _llama_like(qk_norm=qk_norm) if not r.ours.startswith("blocks.ffn.")]
+    rest = _attention_rows(qk_norm)
     return tuple(rest + [Row("blocks.ffn.router", L + "gate.weight", "x e", "e x"),
                          Row("blocks.ffn.w_gate", E + gate + ".weight", "f e", "x e f"),
                          Row("blocks.ffn.w_in", E + up + ".weight", "f e", "x e f"),
@@ -139,13 +144,34 @@ def _fused_experts(qk_norm: str | None) -> tuple[Row, ...]:
     side by side in gate_up_proj), under mlp (Mixtral's block_sparse_moe renamed). Its save_pretrained writes the
     per-expert tensors back by default; with save_original_format=False it writes these."""
     L = "model.layers.{i}.mlp."
-    rest = [r for r in _llama_like(qk_norm=qk_norm) if not r.ours.startswith("blocks.ffn.")]
+    rest = _attention_rows(qk_norm)
     return tuple(rest + [Row("blocks.ffn.router", L + "gate.weight", "x e", "e x"),
                          Row("blocks.ffn.w_gate", L + "experts.gate_up_proj", "x (s f) e", "x e f", {"s": 0}),
                          Row("blocks.ffn.w_in", L + "experts.gate_up_proj", "x (s f) e", "x e f", {"s": 1}),
                          Row("blocks.ffn.w_out", L + "experts.down_proj", "x e f", "x f e")])
 
 
+def _gpt_oss() -> tuple[Row, ...]:
+    """GPT-OSS: Llama's attention with its biases and sinks; the router a Linear with a bias; the experts stacked
+    (experts, in, out), gate and up interleaved along gate_up_proj's last axis (gate at the even columns), with
+    their biases. A checkpoint's MXFP4 experts (`_blocks`, `_scales`) are read as these (shard/hf/mxfp4.py)."""
+    L = "model.layers.{i}.mlp."
+    rest = _attention_rows(None)
+    return tuple(rest + [Row("blocks.attn.sinks", "model.layers.{i}.self_attn.sinks", "h", "h"),
+                         Row("blocks.ffn.router", L + "router.weight", "x e", "e x"),
+                         Row("blocks.ffn.router_bias", L + "router.bias", "x", "x"),
+                         Row("blocks.ffn.w_gate", L + "experts.gate_up_proj", "x e (f s)", "x e f", {"s": 0}),
+                         Row("blocks.ffn.w_in", L + "experts.gate_up_proj", "x e (f s)", "x e f", {"s": 1}),
+                         Row("blocks.ffn.b_gate", L + "experts.gate_up_proj_bias", "x (f s)", "x f", {"s": 0}),
+                         Row("blocks.ffn.b_in", L + "experts.gate_up_proj_bias", "x (f s)", "x f", {"s": 1}),
+                         Row("blocks.ffn.w_out", L + "experts.down_proj", "x f e", "x f e"),
+                         Row("blocks.ffn.b_out", L + "experts.down_proj_bias", "x e", "x e")])
+
+
+TABLES["gpt_oss"] = _gpt_oss()
+# Bare expert stacks held (experts, in, out), the transpose of the others' (transformers' is_transposed): PEFT's
+# adapters on them take their in and out features from those axes (shard/hf/peft_params.py)
+EXPERTS_IN_OUT = {r.theirs for r in TABLES["gpt_oss"] if r.theirs.endswith(("gate_up_proj", "down_proj"))}
 TABLES["mixtral"] = _experts(None, "block_sparse_moe", "w1", "w3", "w2")
 TABLES["qwen3_moe"] = _experts("head", "mlp", "gate_proj", "up_proj", "down_proj")
 TABLES["olmoe"] = _experts("projection", "mlp", "gate_proj", "up_proj", "down_proj")
@@ -154,7 +180,7 @@ TABLES["olmoe"] = _experts("projection", "mlp", "gate_proj", "up_proj", "down_pr
 QK_NORMS = {"mixtral": None, "qwen3_moe": "head", "olmoe": "projection"}
 FUSED = {kind: f"{kind}:fused" for kind in QK_NORMS}
 TABLES.update({FUSED[kind]: _fused_experts(qk_norm) for kind, qk_norm in QK_NORMS.items()})
-BARE = r"\.mlp\.(gate\.weight|experts\.(gate_up|down)_proj)$"
+BARE = r"\.mlp\.((gate|router)\.weight|experts\.(gate_up|down)_proj)$"  # GPT-OSS's router: no Linear either
 # The base model's prefix: a folder saved from the base model alone (GPT2Model, LlamaModel: the Hub's gpt2)
 # names its tensors without it, and transformers adds it when it reads them into the causal LM.
 PREFIX = {kind: "model." for kind in TABLES}

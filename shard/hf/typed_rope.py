@@ -47,14 +47,15 @@ def typed_rope(kind: str, c: dict, where: str, get) -> tuple[float, dict | None,
     if rope_type == "linear":
         scaling = dict(rope_type="linear", factor=float(full["factor"]))
     if rope_type == "yarn":
-        scaling = _yarn(full, where, get)
+        scaling = yarn(full, where, get)
     return float(full["rope_theta"]), scaling, float(local["rope_theta"])
 
 
-def _yarn(p: dict, where: str, get) -> dict:
+def yarn(p: dict, where: str, get) -> dict:
     """YaRN's settings, resolved as transformers' do: the original context max_position_embeddings where none is
     given, beta_fast and beta_slow 32 and 1 where absent or 0, the attention factor 0.1 ln(factor) + 1 where
-    none is given (the ratio of two such by mscale and mscale_all_dim where both are set)."""
+    none is given (the ratio of two such by mscale and mscale_all_dim where both are set), the ramp's ends rounded
+    unless truncate is false (GPT-OSS's)."""
     original = p.get("original_max_position_embeddings", get("max_position_embeddings"))
     for name in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
         if p.get(name) is not None and not is_number(p[name]):
@@ -62,6 +63,11 @@ def _yarn(p: dict, where: str, get) -> dict:
     if not is_number(original) or original < 1:
         raise UserError(f"{where}: config.json has rope_scaling original_max_position_embeddings={original!r}; it "
                         "must be a positive number")
+    if not is_number(p.get("factor")) or p["factor"] <= 0:
+        raise UserError(f"{where}: config.json has rope_scaling factor={p.get('factor')!r}; it must be a positive "
+                        "number")
+    if not isinstance(p.get("truncate", True), bool):
+        raise UserError(f"{where}: config.json has rope_scaling truncate={p['truncate']!r}; it must be true or false")
     factor, attention = float(p["factor"]), p.get("attention_factor")
     mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0  # noqa: E731
     if attention is None:
@@ -69,7 +75,7 @@ def _yarn(p: dict, where: str, get) -> dict:
         attention = mscale(p["mscale"]) / mscale(p["mscale_all_dim"]) if both else mscale(1)
     return dict(rope_type="yarn", factor=factor, original_max_position_embeddings=int(original),
                 beta_fast=float(p.get("beta_fast") or 32), beta_slow=float(p.get("beta_slow") or 1),
-                attention_factor=float(attention))
+                attention_factor=float(attention), **({} if p.get("truncate", True) else {"truncate": False}))
 
 
 def is_number(x) -> bool:

@@ -131,7 +131,7 @@ def capped(scores, softcap: float | None):
 
 # ----------------------------------------------------------------------------- choosing
 
-def _cudnn_misfit(q, k, segments, window, is_causal, softcap=None) -> str:
+def _cudnn_misfit(q, k, segments, window, is_causal, softcap=None, sinks=None) -> str:
     """Why cuDNN's fused attention cannot take this call ("" if it can; its dtype is `check`'s)."""
     if q.shape[-1] > 128 or q.shape[-1] % 8:
         return f"a head size <= 128 and a multiple of 8, got {q.shape[-1]}"
@@ -141,21 +141,25 @@ def _cudnn_misfit(q, k, segments, window, is_causal, softcap=None) -> str:
         return "a causal mask with a sliding window (cuDNN's window looks back only)"
     if softcap is not None:
         return "no attention-logit soft-capping (jax.nn.dot_product_attention's cuDNN path has none)"
+    if sinks is not None:
+        return "no attention sinks (jax.nn.dot_product_attention's cuDNN path has none; splash's kernel takes them)"
     return ""
 
 
-def choose(kernel: str, q, k, segments=None, window=None, is_causal=True, device=None, softcap=None) -> str:
+def choose(kernel: str, q, k, segments=None, window=None, is_causal=True, device=None, softcap=None,
+           sinks=None) -> str:
     """The kernel that runs this call: `auto` resolved by the device and the call's shapes; an explicit cudnn
-    or splash that cannot take the call refused in one line (the device itself is checked by `check`)."""
+    or splash that cannot take the call refused in one line (the device itself is checked by `check`). Splash's
+    kernel takes attention sinks (its online softmax starts from them), cuDNN's has none."""
     if kernel == "auto":
         where = family(device or _device())
         if where == "tpu" and not splash.misfit(q, k):
             return "splash"
         if where == "nvidia" and str(q.dtype) in CUDNN_DTYPES and not _cudnn_misfit(q, k, segments, window, is_causal,
-                                                                                     softcap):
+                                                                                     softcap, sinks):
             return "cudnn"
         return "xla"
-    why = (_cudnn_misfit(q, k, segments, window, is_causal, softcap) if kernel == "cudnn"
+    why = (_cudnn_misfit(q, k, segments, window, is_causal, softcap, sinks) if kernel == "cudnn"
            else splash.misfit(q, k) if kernel == "splash" else "")
     if why:
         raise UserError(f"train.attention={kernel} needs {why}; use train.attention=auto or xla")
@@ -163,16 +167,17 @@ def choose(kernel: str, q, k, segments=None, window=None, is_causal=True, device
 
 
 def run(q, k, v, is_causal: bool, kernel: str, segments=None, window=None, softcap: float | None = None,
-        scale: float | None = None) -> jax.Array:
+        scale: float | None = None, sinks=None) -> jax.Array:
     """Attention over (batch, length, heads, head_dim) arrays with `kernel` (auto resolved here). `segments`
     (batch, length): a packed batch's document ids, a query seeing only its own document's keys. `window`: a
     query sees only the `window` nearest keys on each side, itself included (causal: the latest ones); None, an
     int or (value, windows) as `windows` reads it. `softcap`: the logits soft-capped (`capped`) before the mask
-    and softmax. `scale`: the factor on q.k (None: 1/sqrt(head_dim))."""
+    and softmax. `scale`: the factor on q.k (None: 1/sqrt(head_dim)). `sinks` (heads,): each query head's sink
+    logit, one more in its softmax, weighing no value (`sink_logits`; None: none), a traced argument."""
     value, sizes = windows(window)
     if softcap is not None and not softcap > 0:
         raise UserError(f"attention: a logit soft-cap of {softcap}; it must be a positive number")
-    kernel = choose(kernel, q, k, segments, window, is_causal, softcap=softcap)
+    kernel = choose(kernel, q, k, segments, window, is_causal, softcap=softcap, sinks=sinks)
     precision = _SETTINGS.get().precision if kernel == "xla" else "float32"
     layout = splash.layout(q.shape, k.shape) if kernel == "splash" else None
     cpu = kernel == "xla" and family(_device()) == "cpu"
@@ -180,31 +185,33 @@ def run(q, k, v, is_causal: bool, kernel: str, segments=None, window=None, softc
     softcap = None if softcap is None else float(softcap)
     # Everything the trace depends on is a static argument: JAX caches a jitted function's trace by its
     # arguments, not by the context (mesh, rules, settings) it was traced under.
-    return _named(bool(is_causal), sizes, softcap, scale)(q, k, v, segments, value, kernel=kernel,
+    return _named(bool(is_causal), sizes, softcap, scale)(q, k, v, segments, value, sinks, kernel=kernel,
                                                           precision=precision, layout=layout, cpu=cpu)
 
 
 @functools.cache
 def _named(is_causal: bool, sizes: tuple, softcap: float | None, scale: float):
-    def fn(q, k, v, segments, value, kernel, precision, layout, cpu):  # flops.py reads (q, k, v): the first three
+    def fn(q, k, v, segments, value, sinks, kernel, precision, layout, cpu):  # flops.py reads (q, k, v): the first 3
         if value is None:
-            return _static(q, k, v, segments, fixed(sizes), kernel, precision, layout, cpu)
+            return _static(q, k, v, segments, sinks, fixed(sizes), kernel, precision, layout, cpu)
         if kernel == "xla":  # the traced window is part of the mask
-            return _static(q, k, v, segments, jnp.asarray(value, jnp.int32), kernel, precision, layout, cpu)
+            return _static(q, k, v, segments, sinks, jnp.asarray(value, jnp.int32), kernel, precision, layout, cpu)
         # a fused kernel takes a static window: one call compiled per distinct window, the layer's chosen by its value
         index = sum(jnp.where(value == w, i, 0) for i, (w, _) in enumerate(sizes))
         branches = [functools.partial(_static, window=w or None, kernel=kernel, precision=precision, layout=layout,
                                       cpu=cpu) for w, _ in sizes]
-        return jax.lax.switch(index, branches, q, k, v, segments)
+        return jax.lax.switch(index, branches, q, k, v, segments, sinks)
 
-    def _static(q, k, v, segments, window, kernel, precision, layout, cpu):
+    def _static(q, k, v, segments, sinks, window, kernel, precision, layout, cpu):
         if kernel == "splash":
-            return splash.splash(q, k, v, is_causal, segments, window, layout=layout, softcap=softcap, scale=scale)
+            return splash.splash(q, k, v, is_causal, segments, window, layout=layout, softcap=softcap, scale=scale,
+                                 sinks=sinks)
         if kernel == "xla" and cpu:
-            return xla_cpu(q, k, v, is_causal, segments, window, precision, scale=scale, softcap=softcap)
+            return xla_cpu(q, k, v, is_causal, segments, window, precision, scale=scale, softcap=softcap, sinks=sinks)
         traced = not isinstance(window, (int, type(None)))
-        if kernel == "xla" and (precision == "bfloat16" or softcap is not None or traced):
-            return xla_grouped(q, k, v, is_causal, segments, window, precision, scale=scale, softcap=softcap)
+        if kernel == "xla" and (precision == "bfloat16" or softcap is not None or traced or sinks is not None):
+            return xla_grouped(q, k, v, is_causal, segments, window, precision, scale=scale, softcap=softcap,
+                               sinks=sinks)
         # XLA's own (float32 logits and softmax) or cuDNN's fused kernel
         mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
         sides = None if window is None else (window - 1, 0 if is_causal else window - 1)
@@ -262,18 +269,32 @@ def _visible(t: int, s: int, is_causal: bool, window):
     return visible(np.arange(t), np.arange(s), is_causal, window)
 
 
-def _softmax_values(scores, mask, v, product, precision):
+def sink_logits(sinks, kv_heads: int):
+    """(kv_heads, group, 1) float32: each query head's sink logit (GPT-OSS's attention sinks, a (heads,) array) laid
+    out as the grouped kernels lay out heads (head = kv_head * group + g), to broadcast against a row of scores;
+    None without sinks."""
+    return None if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(kv_heads, -1, 1)
+
+
+def _softmax_values(scores, mask, v, product, precision, sink=None):
     """softmax(scores) . v over the last axis of scores, where `product(p, v)` is the weighted sum. float32:
     JAX's softmax on float32 logits. bfloat16 (MaxText's): exp(s - max) in bfloat16, its product with v,
-    then division by the row sums accumulated in float32; no (rows, keys) array is normalised or kept in float32."""
+    then division by the row sums accumulated in float32; no (rows, keys) array is normalised or kept in float32.
+    `sink` (broadcasting to scores[..., :1]): one more logit in each row's softmax, whose value is zero: it adds
+    to the denominator only (a row that sees no key comes out zero, not the mean of its masked values)."""
     if mask is not None:
         scores = jnp.where(mask, scores, MASKED)
-    if precision == "float32":
+    if precision == "float32" and sink is None:
         return product(jax.nn.softmax(scores, axis=-1).astype(v.dtype), v)
-    peak = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))  # any shift gives the same result
+    peak = scores.max(axis=-1, keepdims=True)
+    peak = jax.lax.stop_gradient(peak if sink is None else jnp.maximum(peak, sink.astype(peak.dtype)))  # any shift
     weights = jnp.exp(scores - peak)
-    out = product(weights, v.astype(weights.dtype), jnp.float32)
-    return out / weights.sum(axis=-1, dtype=jnp.float32)[..., None]
+    total = weights.sum(axis=-1, keepdims=True, dtype=jnp.float32)
+    if sink is not None:
+        total = total + jnp.exp(sink - peak.astype(jnp.float32))
+    if precision == "float32":
+        return product((weights / total).astype(v.dtype), v)
+    return product(weights, v.astype(weights.dtype), jnp.float32) / total
 
 
 def _logits(q, k, spec: str, precision: str):
@@ -283,13 +304,14 @@ def _logits(q, k, spec: str, precision: str):
     return jnp.einsum(spec, q, k, preferred_element_type=jnp.float32)
 
 
-def xla_cpu(q, k, v, is_causal, segments=None, window=None, precision="float32", scale=None, softcap=None):
+def xla_cpu(q, k, v, is_causal, segments=None, window=None, precision="float32", scale=None, softcap=None,
+            sinks=None):
     """The XLA kernel written so XLA's CPU backend compiles it faster: the scale applied to the queries rather
     than the scores, the causal mask one (length, length) table rather than a mask the size of the scores, and
     the products as 3-D batched products over (batch x key/value heads) with a query head's group folded into
     its rows, rather than 4-D products and a vmap over groups. The default GPT's step on 2 cores: 62.9 -> 59.6
-    ms for the first two, about 2 ms more for the 3-D products (bench/RESULTS.md). `scale` (None: 1/sqrt(head_dim))
-    and `softcap` as `run` takes them; a window may be a traced int (0: global)."""
+    ms for the first two, about 2 ms more for the 3-D products (bench/RESULTS.md). `scale` (None: 1/sqrt(head_dim)),
+    `softcap` and `sinks` as `run` takes them; a window may be a traced int (0: global)."""
     b, t, heads, d = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     groups = heads // kv_heads  # query heads per key/value head (heads = kv_head * groups + group, as JAX's)
@@ -304,28 +326,34 @@ def xla_cpu(q, k, v, is_causal, segments=None, window=None, precision="float32",
         same = jnp.broadcast_to(same[:, None, None], (b, kv_heads, groups, t, s)).reshape(b * kv_heads, groups * t, s)
         mask = same if mask is None else mask & same
     product = lambda p, v, acc=None: jnp.einsum("nqs,nsd->nqd", p, v, preferred_element_type=acc)  # noqa: E731
-    out = _softmax_values(scores, mask, v, product, precision).astype(v.dtype)
+    sink = sink_logits(sinks, kv_heads)  # each row's, as the query rows lie: (b x kv_heads, groups x t, 1)
+    sink = None if sink is None else jnp.broadcast_to(sink, (b, kv_heads, groups, t)).reshape(b * kv_heads, -1, 1)
+    out = _softmax_values(scores, mask, v, product, precision, sink).astype(v.dtype)
     return out.reshape(b, kv_heads, groups, t, -1).transpose(0, 3, 1, 2, 4).reshape(b, t, heads, -1)
 
 
-def xla_grouped(q, k, v, is_causal, segments=None, window=None, precision="bfloat16", scale=None, softcap=None):
+def xla_grouped(q, k, v, is_causal, segments=None, window=None, precision="bfloat16", scale=None, softcap=None,
+                sinks=None):
     """The XLA kernel on any device with a query head's group as its own axis (each array keeps the batch and
-    head axes the mesh splits): train.attention_precision=bfloat16 off the CPU, a soft-cap, a traced window."""
+    head axes the mesh splits): train.attention_precision=bfloat16 off the CPU, a soft-cap, a traced window,
+    sinks (jax.nn.dot_product_attention has none)."""
     t, s = q.shape[1], k.shape[1]
     mask = _visible(t, s, is_causal, window)
     if segments is not None:  # packed rows, as in xla_cpu
         same = (segments[:, :, None] == segments[:, None, :])[:, None, None]  # (b, 1, 1, t, s)
         mask = same if mask is None else mask & same
-    return grouped(q, k, v, mask, precision, scale, softcap)
+    return grouped(q, k, v, mask, precision, scale, softcap, sinks)
 
 
-def grouped(q, k, v, mask, precision="float32", scale=None, softcap=None):
+def grouped(q, k, v, mask, precision="float32", scale=None, softcap=None, sinks=None):
     """softmax(capped(scale q.k)) . v with a mask that broadcasts to (batch, kv_heads, group, queries, keys) (None:
-    none), written for XLA: xla_grouped's, and context parallelism's over gathered keys and values."""
+    none), and each query head's sink logit (`sinks`) in its softmax, written for XLA: xla_grouped's, context
+    parallelism's over gathered keys and values, generation's."""
     b, t, heads, d = q.shape
     kv_heads = k.shape[2]
     qg = (q * jnp.asarray(d ** -0.5 if scale is None else scale, q.dtype)).reshape(b, t, kv_heads, heads // kv_heads, d)
     scores = capped(_logits(qg, k, "btkgd,bskd->bkgts", precision), softcap)
     product = lambda p, v, acc=None: jnp.einsum("bkgts,bskd->bkgtd", p, v, preferred_element_type=acc)  # noqa: E731
-    out = _softmax_values(scores, mask, v, product, precision).astype(v.dtype)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, -1)
+    sink = sink_logits(sinks, kv_heads)
+    out = _softmax_values(scores, mask, v, product, precision, None if sink is None else sink[..., None])
+    return out.astype(v.dtype).transpose(0, 3, 1, 2, 4).reshape(b, t, heads, -1)

@@ -130,24 +130,25 @@ class Calls:
 
 
 def attend(q, k, v, is_causal: bool, calls: Calls, window=None, softcap: float | None = None,
-           scale: float | None = None):
+           scale: float | None = None, sinks=None):
     """Attention of the new tokens' queries (batch, new, heads, head_dim) over each row's cached slots: the
     new keys and values are written at the row's `index` first (zeros for padding). A query sees the slots
     from its row's `start` up to its own (all written ones without `is_causal`), within its sliding `window`
-    (shard.nn.hooks.attention's; slots lie as far apart as positions); a padding query, only itself."""
+    (shard.nn.hooks.attention's; slots lie as far apart as positions); a padding query, only itself. `softcap`,
+    `scale` and `sinks` as the hook takes them."""
     real = calls.real(q.shape[1])[:, :, None, None]
     k, v = jnp.where(real, k, 0), jnp.where(real, v, 0)
     value, sizes = attn.windows(window)
     ring = attn.fixed(sizes) if value is None else None
     if ring is not None and is_causal and ring < calls.spans:
-        return _attend_ring(q, k, v, calls, ring, softcap, scale)
+        return _attend_ring(q, k, v, calls, ring, softcap, scale, sinks)
     if value is not None and is_causal and len(set(kinds := cache_kinds(window[1], calls.spans))) > 1:
-        return _attend_kinds(q, k, v, calls, kinds, value, softcap, scale)
+        return _attend_kinds(q, k, v, calls, kinds, value, softcap, scale, sinks)
     cache = calls.write({"k": k, "v": v})
-    return _attend_written(q, cache, calls, is_causal, ring if value is None else value, softcap, scale)
+    return _attend_written(q, cache, calls, is_causal, ring if value is None else value, softcap, scale, sinks)
 
 
-def _attend_written(q, cache, calls: Calls, is_causal: bool, window, softcap, scale):
+def _attend_written(q, cache, calls: Calls, is_causal: bool, window, softcap, scale, sinks=None):
     """The queries over a cache that holds every position at its slot, this call's keys written: its first `seen`
     slots (a server attends over the slots in use, not the whole context), `window` (an int, a traced one with 0
     global, or None) masking by position."""
@@ -159,20 +160,20 @@ def _attend_written(q, cache, calls: Calls, is_causal: bool, window, softcap, sc
     mask = mask if near is None else mask & near
     mask = mask | (seen == new)
     return _attention(q, cache["k"][:, :width].astype(q.dtype), cache["v"][:, :width].astype(q.dtype), mask,
-                      softcap, scale)
+                      softcap, scale, sinks)
 
 
-def _attend_ring(q, k, v, calls: Calls, window: int, softcap, scale):
+def _attend_ring(q, k, v, calls: Calls, window: int, softcap, scale, sinks=None):
     """`attend` for a causal layer whose every query sees the `window` latest keys (every layer of the stack
     alike: one static window): its cache holds `window` slots, slot s at s mod window, so that a long generation
     keeps a window of keys per layer rather than every position. The new queries attend over the keys held
     before this call and their own; then the call's keys go into the ring."""
-    out = _over_ring(q, k, v, calls, calls.take(), window, softcap, scale)
+    out = _over_ring(q, k, v, calls, calls.take(), window, softcap, scale, sinks)
     calls.write({"k": k, "v": v}, ring=window)
     return out
 
 
-def _over_ring(q, k, v, calls: Calls, held: dict | None, window: int, softcap, scale):
+def _over_ring(q, k, v, calls: Calls, held: dict | None, window: int, softcap, scale, sinks=None):
     """The new queries over the keys a ring of `window` slots held before this call (None: a fresh row, nothing
     held) and the call's own."""
     own = calls.slots(q.shape[1])
@@ -184,7 +185,7 @@ def _over_ring(q, k, v, calls: Calls, held: dict | None, window: int, softcap, s
     new, seen = own[:, :, None], keys[:, None, :]
     mask = (seen >= calls.start[:, None, None]) & (seen >= 0) & (seen <= new) & (new - seen < window)
     mask = mask | (seen == new)
-    return _attention(q, both["k"].astype(q.dtype), both["v"].astype(q.dtype), mask, softcap, scale)
+    return _attention(q, both["k"].astype(q.dtype), both["v"].astype(q.dtype), mask, softcap, scale, sinks)
 
 
 # ----------------------------------------------------------------------------- stacks of local and global layers
@@ -211,7 +212,7 @@ class Kinds:
     caches: dict
 
 
-def _attend_kinds(q, k, v, calls: Calls, kinds: tuple, value, softcap, scale):
+def _attend_kinds(q, k, v, calls: Calls, kinds: tuple, value, softcap, scale, sinks=None):
     """`attend` for a causal layer of a stack whose layers keep caches of different `kinds` (cache_kinds), this
     layer's window the traced `value` (0: global)."""
     names = sorted(set(kinds))
@@ -238,8 +239,8 @@ def _attend_kinds(q, k, v, calls: Calls, kinds: tuple, value, softcap, scale):
     def branch(kind):
         if kind == 0:
             return lambda q: _attend_written(q, layer_of(0, calls.seen or calls.capacity), calls, True, value,
-                                             softcap, scale)
-        return lambda q: _over_ring(q, k, v, calls, layer_of(kind, kind), kind, softcap, scale)
+                                             softcap, scale, sinks)
+        return lambda q: _over_ring(q, k, v, calls, layer_of(kind, kind), kind, softcap, scale, sinks)
 
     if 0 in caches:  # a global layer attends over its cache with its keys in it: written first
         caches[0] = written(0, calls.slots(length))
@@ -255,18 +256,18 @@ SCORES = 1 << 22  # queries x keys past which attention runs over blocks of keys
 KEY_BLOCK = 2048
 
 
-def _attention(q, k, v, mask, softcap=None, scale=None):
-    """Attention with a (batch, queries, keys) mask, the logits scaled by `scale` (None: 1/sqrt(head_dim)) and
-    soft-capped by `softcap`. Where the scores would be large (a long prompt's chunk over a long context) it runs
-    over blocks of keys, keeping each query's running maximum, sum and output (the online softmax), so that its
-    memory is bounded by a block, not by the context."""
+def _attention(q, k, v, mask, softcap=None, scale=None, sinks=None):
+    """Attention with a (batch, queries, keys) mask, the logits scaled by `scale` (None: 1/sqrt(head_dim)),
+    soft-capped by `softcap`, each query head's sink logit (`sinks`) in its softmax. Where the scores would be
+    large (a long prompt's chunk over a long context) it runs over blocks of keys, keeping each query's running
+    maximum, sum and output (the online softmax), so that its memory is bounded by a block, not by the context."""
     batch, length, heads, dim = q.shape
     width, groups = k.shape[1], heads // k.shape[2]
     scale = dim ** -0.5 if scale is None else scale
-    if length * width <= SCORES and softcap is None:
+    if length * width <= SCORES and softcap is None and sinks is None:
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
     if length * width <= SCORES:
-        return attn.grouped(q, k, v, mask[:, None, None], "float32", scale, softcap)
+        return attn.grouped(q, k, v, mask[:, None, None], "float32", scale, softcap, sinks)
     blocks = -(-width // KEY_BLOCK)
     pad = blocks * KEY_BLOCK - width
     k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (k, v))
@@ -280,7 +281,8 @@ def _attention(q, k, v, mask, softcap=None, scale=None):
         return softmax.fold(state, jnp.where(mb[:, None, None], scores, -jnp.inf), vb, "bkglw,bwkd->bkgld"), None
 
     blocked = (split(k), split(v), split(mask.transpose(0, 2, 1)).transpose(0, 1, 3, 2))
-    state, _ = jax.lax.scan(fold, softmax.start((batch, k.shape[2], groups, length), dim), blocked)
+    start = softmax.start((batch, k.shape[2], groups, length), dim, attn.sink_logits(sinks, k.shape[2]))
+    state, _ = jax.lax.scan(fold, start, blocked)
     out, _ = softmax.finish(state)  # (batch, kv heads, groups, queries, dim)
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, dim).astype(q.dtype)
 

@@ -34,11 +34,12 @@ def _blocks(n: int):
     return keys, late
 
 
-def gathered_causal(q, k, v, order, n, segments=None, window=None, softcap=None, scale=None):
+def gathered_causal(q, k, v, order, n, segments=None, window=None, softcap=None, scale=None, sinks=None):
     """Causal attention of split queries over gathered keys and values in the load-balanced layout, computing
     only the 2N+1 visible blocks of each device (the softmax is taken over all of a query's blocks at once).
-    `window` (an int, or a traced int with 0 for global), `softcap` and `scale` as shard.nn.hooks.attention's: the
-    window masks by position inside the blocks (blocks wholly outside it are still computed)."""
+    `window` (an int, or a traced int with 0 for global), `softcap`, `scale` and `sinks` as
+    shard.nn.hooks.attention's: the window masks by position inside the blocks (blocks wholly outside it are still
+    computed); a sink joins each query's softmax."""
     b, t, h, d = q.shape
     kv, c = k.shape[2], t // (2 * n)
     keys, late = _blocks(n)
@@ -73,7 +74,8 @@ def gathered_causal(q, k, v, order, n, segments=None, window=None, softcap=None,
         mixed_seg = jnp.where(jnp.asarray(late)[None, :, :, None], qseg[:, :, 1:], qseg[:, :, :1])
         visible = visible & (mixed_seg[..., :, None] == kseg[:, :, n:, None, :])[:, :, :, None, None]
     s_blocks = jnp.where(visible, s_blocks, -jnp.inf)
-    p_prefix, p_blocks = _softmax(s_prefix, s_blocks, jnp.asarray(late)[None, :, :, None, None, None])
+    p_prefix, p_blocks = _softmax(s_prefix, s_blocks, jnp.asarray(late)[None, :, :, None, None, None],
+                                  attn.sink_logits(sinks, kv))
     p_prefix, p_blocks = p_prefix.astype(v.dtype), p_blocks.astype(v.dtype)  # normalised before PV, as jax.nn's
     o_prefix = jnp.einsum("bingcjs,bijsnd->bicngd", p_prefix.reshape(b, n, kv, h // kv, c, n, c), vs[:, :, :n],
                           preferred_element_type=jnp.float32)
@@ -85,16 +87,29 @@ def gathered_causal(q, k, v, order, n, segments=None, window=None, softcap=None,
 
 
 @jax.custom_jvp
-def _softmax(s_prefix, s_blocks, is_late):
+def _softmax(s_prefix, s_blocks, is_late, sink):
     """One softmax per query chunk over all its blocks: the late chunk's prefix (b, device, kv, group, chunk, keys)
-    and blocks, the early chunk's blocks (b, device, block, kv, group, chunk, keys); is_late says whose a block is."""
+    and blocks, the early chunk's blocks (b, device, block, kv, group, chunk, keys); is_late says whose a block is.
+    `sink` (kv, group, 1): each head's sink logit, one more term of every query's softmax (None: none)."""
+    return _probabilities(s_prefix, s_blocks, is_late, sink)[:2]
+
+
+def _probabilities(s_prefix, s_blocks, is_late, sink):
+    """_softmax's, and the sink's probability per query chunk, (late, early) (None without a sink)."""
     block_max = s_blocks.max(-1)
     m_late = jnp.maximum(s_prefix.max(-1), jnp.where(is_late, block_max, -jnp.inf).max(2))
     m_early = jnp.where(is_late, -jnp.inf, block_max).max(2)
+    if sink is not None:
+        m_late, m_early = jnp.maximum(m_late, sink), jnp.maximum(m_early, sink)
     p_prefix = jnp.exp(s_prefix - m_late[..., None])
     p_blocks = jnp.exp(s_blocks - _per_block(m_late, m_early, is_late)[..., None])
     l_late, l_early = _per_query(p_prefix.sum(-1), p_blocks.sum(-1), is_late)
-    return p_prefix / l_late[..., None], p_blocks / _per_block(l_late, l_early, is_late)[..., None]
+    p_sink = None
+    if sink is not None:
+        e_late, e_early = jnp.exp(sink - m_late), jnp.exp(sink - m_early)
+        l_late, l_early = l_late + e_late, l_early + e_early
+        p_sink = e_late / l_late, e_early / l_early
+    return p_prefix / l_late[..., None], p_blocks / _per_block(l_late, l_early, is_late)[..., None], p_sink
 
 
 def _per_query(prefix_sums, block_sums, is_late):
@@ -109,10 +124,12 @@ def _per_block(late, early, is_late):
 
 @_softmax.defjvp
 def _softmax_jvp(primals, tangents):
-    # As jax.nn.softmax's: dp = p (ds - sum(p ds)) over each query's keys, so the backward is a single pass over the
-    # scores rather than autodiff's through the maxima, exponentials and sums.
-    (p_prefix, p_blocks), (ds_prefix, ds_blocks, _) = _softmax(*primals), tangents
+    # As jax.nn.softmax's: dp = p (ds - sum(p ds)) over each query's keys (and its sink), so the backward is a single
+    # pass over the scores rather than autodiff's through the maxima, exponentials and sums.
+    (p_prefix, p_blocks, p_sink), (ds_prefix, ds_blocks, _, d_sink) = _probabilities(*primals), tangents
     is_late = primals[2]
     late, early = _per_query((p_prefix * ds_prefix).sum(-1), (p_blocks * ds_blocks).sum(-1), is_late)
+    if p_sink is not None:
+        late, early = late + p_sink[0] * d_sink, early + p_sink[1] * d_sink
     return (p_prefix, p_blocks), (p_prefix * (ds_prefix - late[..., None]),
                                   p_blocks * (ds_blocks - _per_block(late, early, is_late)[..., None]))

@@ -270,7 +270,7 @@ def layer(fn):
 # The kernels, and which one runs, are shard/nn/attention.py's.
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, window=None,
-              softcap: float | None = None, scale: float | None = None) -> jax.Array:
+              softcap: float | None = None, scale: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Scaled dot-product attention over (batch, length, heads, head_dim) arrays with the active kernel
     (`train.attention`: XLA's products, cuDNN's or splash's fused kernel), or over the context devices, the
     packed documents or the generation cache where the run has them. A model calls this instead of choosing a
@@ -288,10 +288,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, wind
       the scale and before the mask and softmax. cuDNN has none: `auto` runs XLA's kernel then, and an
       explicit train.attention=cudnn is refused in one line.
     scale: the factor on q.k (None: 1/sqrt(head_dim)).
+    sinks: attention sinks (GPT-OSS's), a (heads,) array with one logit per query head (head = kv_head * groups
+      + group): it joins its head's softmax as one more key that weighs no value, so a query may attend to
+      nothing: out = sum_j exp(l_j) v_j / (exp(sinks[h]) + sum_j exp(l_j)). Every path takes them, with their
+      gradient; cuDNN's kernel has none: `auto` runs XLA's kernel then, an explicit train.attention=cudnn is refused.
     """
+    if sinks is not None and tuple(jnp.shape(sinks)) != (q.shape[2],):
+        raise UserError(f"attention: sinks of shape {tuple(jnp.shape(sinks))}; one logit per query head, "
+                        f"({q.shape[2]},)")
     q, k, v = (checkpoint_name(x, name) for x, name in ((q, attn.QUERY), (k, attn.KEY), (v, attn.VALUE)))
     split = _CONTEXT.get()
-    options = dict(window=window, softcap=softcap, scale=scale)
+    options = dict(window=window, softcap=softcap, scale=scale, sinks=sinks)
     if (calls := _DECODE.get()) is not None:  # generating: over the cached keys and values
         return decoding.attend(q, k, v, bool(is_causal), calls, **options)
     segments = None

@@ -69,11 +69,11 @@ def positions(split: Split | None, length: int) -> jax.Array:
 
 
 def attention(q, k, v, is_causal: bool, split: Split, segments=None, window=None, softcap: float | None = None,
-              scale: float | None = None) -> jax.Array:
+              scale: float | None = None, sinks=None) -> jax.Array:
     """Attention over (batch, length, heads, head_dim) arrays split on length over `context`. `segments`
     (batch, length), a packed batch's document ids: a query sees only keys of its own document. `window`,
-    `softcap` and `scale` as shard.hooks.attention takes them: the window masks by the tokens' positions (a
-    layer's traced one too), so it holds over the split sequence whatever the layout."""
+    `softcap`, `scale` and `sinks` as shard.hooks.attention takes them: the window masks by the tokens' positions
+    (a layer's traced one too), so it holds over the split sequence whatever the layout."""
     pos = positions(split, q.shape[1])
     value, sizes = attn.windows(window)
     window = attn.fixed(sizes) if value is None else value  # None (global), an int, or a traced int (0: global)
@@ -87,13 +87,13 @@ def attention(q, k, v, is_causal: bool, split: Split, segments=None, window=None
         steps = ring_steps(laid, q.shape[1], split.size, is_causal, widest)
         run = jax.shard_map(partial(_ring, causal=is_causal, n=split.size, halves=halves, steps=steps, softcap=softcap,
                                     scale=1 / math.sqrt(q.shape[-1]) if scale is None else scale), mesh=mesh,
-                            in_specs=(spec, spec, spec, PartitionSpec(AXIS), spec, PartitionSpec()), out_specs=spec,
-                            axis_names={AXIS})
-        return run(q, k, v, pos, segments, win)
+                            in_specs=(spec, spec, spec, PartitionSpec(AXIS), spec, PartitionSpec(), PartitionSpec()),
+                            out_specs=spec, axis_names={AXIS})
+        return run(q, k, v, pos, segments, win, sinks)
     # all_gather: keys and values whole along length on every device; queries stay split.
     k, v = (partition.constrain(t, ("batch", None, "kv_heads", "head_dim")) for t in (k, v))
     if is_causal and split.order is not None and len(split.order) == q.shape[1]:
-        return gathered_causal(q, k, v, split.order, split.size, segments, window, softcap, scale)
+        return gathered_causal(q, k, v, split.order, split.size, segments, window, softcap, scale, sinks)
     mask = attn.visible(pos, pos, is_causal, window)
     if mask is not None:
         mask = partition.constrain(mask, ("length", None))[None, None]
@@ -101,9 +101,9 @@ def attention(q, k, v, is_causal: bool, split: Split, segments=None, window=None
         same = partition.constrain(segments[:, :, None] == partition.constrain(segments, ("batch", None))[:, None],
                                    ("batch", "length", None))[:, None]
         mask = same if mask is None else mask & same
-    if softcap is None:
+    if softcap is None and sinks is None:
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
-    return attn.grouped(q, k, v, None if mask is None else mask[:, :, None], "float32", scale, softcap)
+    return attn.grouped(q, k, v, None if mask is None else mask[:, :, None], "float32", scale, softcap, sinks)
 
 
 # ----------------------------------------------------------------------------- ring attention
@@ -164,11 +164,11 @@ def ring_steps(order: tuple | None, length: int, n: int, causal: bool, window: i
     return tuple(s for s in range(1, n) if any(meets(i, (i - s) % n) for i in range(n)))
 
 
-def _forward(q, k, v, pos, seg, win, causal, n, halves, steps, softcap, scale):
+def _forward(q, k, v, pos, seg, win, sinks, causal, n, halves, steps, softcap, scale):
     """Output and log-sum-exp of each query over every chunk: the device's own first (its diagonal, so
     every query has a visible key from the start), then the chunks passed on round the ring, those of `steps`
     (ring_steps). With `halves` (causal, load-balanced layout) only the visible half of each passed-on block is
-    computed; with a window, none of a block no query sees."""
+    computed; with a window, none of a block no query sees. Sinks are in the softmax's state from the start."""
     qg = _grouped(q, k)
 
     def fold(state, qg, qpos, k, v, kpos, qseg=None, kseg=None):
@@ -192,7 +192,8 @@ def _forward(q, k, v, pos, seg, win, causal, n, halves, steps, softcap, scale):
 
         return jax.lax.cond(kpos[0] < pos[0], first_keys, last_queries, state)
 
-    state = fold(softmax.start(qg.shape[:-1], v.shape[-1]), qg, pos, k, v, pos, seg, seg)
+    state = fold(softmax.start(qg.shape[:-1], v.shape[-1], attn.sink_logits(sinks, k.shape[2])), qg, pos, k, v, pos,
+                 seg, seg)
 
     # A Python loop (unrolled): XLA's CPU runtime (jaxlib 0.10) does not keep a collective inside a loop in order
     # with the program's others; devices that took the ring's permutes and FSDP's all-gathers in different orders
@@ -214,22 +215,34 @@ def _if_seen(qpos, kpos, causal, win, fold, state):
     return jax.lax.cond(jnp.any(attn.visible(qpos, kpos, causal, win)), fold, lambda state: state, state)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
-def _ring(q, k, v, pos, seg, win, causal, n, halves, steps, softcap, scale):
-    return _forward(q, k, v, pos, seg, win, causal, n, halves, steps, softcap, scale)[0]
+def _ring(q, k, v, pos, seg, win, sinks, causal, n, halves, steps, softcap, scale):
+    """Ring attention on a device's chunks. The sinks, the same on every device, are made varying over `context`
+    first: each device's gradient of them is its own queries' share, which autodiff then sums over the devices."""
+    sinks = None if sinks is None else jax.lax.pcast(sinks, AXIS, to="varying")
+    return _ringed(q, k, v, pos, seg, win, sinks, causal, n, halves, steps, softcap, scale)
 
 
-def _ring_fwd(q, k, v, pos, seg, win, causal, n, halves, steps, softcap, scale):
-    out, lse = _forward(q, k, v, pos, seg, win, causal, n, halves, steps, softcap, scale)
-    return out, (q, k, v, pos, seg, win, out, lse)
+@partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
+def _ringed(q, k, v, pos, seg, win, sinks, causal, n, halves, steps, softcap, scale):
+    return _forward(q, k, v, pos, seg, win, sinks, causal, n, halves, steps, softcap, scale)[0]
+
+
+def _ring_fwd(q, k, v, pos, seg, win, sinks, causal, n, halves, steps, softcap, scale):
+    out, lse = _forward(q, k, v, pos, seg, win, sinks, causal, n, halves, steps, softcap, scale)
+    return out, (q, k, v, pos, seg, win, sinks, out, lse)
 
 
 def _ring_bwd(causal, n, halves, steps, softcap, scale, residuals, d_out):
     """The backward ring: each chunk's keys and values travel again, over the same `steps`, with their gradients
-    accumulated along the way; after the last one a pass brings every chunk's gradients home."""
-    q, k, v, pos, seg, win, out, lse = residuals
+    accumulated along the way; after the last one a pass brings every chunk's gradients home. A sink's gradient
+    needs no ring: -sum over its queries of p_sink (dO . O), p_sink = exp(sink - lse)."""
+    q, k, v, pos, seg, win, sinks, out, lse = residuals
     qg, dog = _grouped(q, k), _grouped(d_out.astype(jnp.float32), k)
     delta = jnp.sum(dog * _grouped(out.astype(jnp.float32), k), axis=-1)  # rowsum(dO * O)
+    d_sinks = None
+    if sinks is not None:  # (b, kv_heads, group, chunk) -> (heads,)
+        p_sink = jnp.exp(attn.sink_logits(sinks, k.shape[2]) - lse)
+        d_sinks = -jnp.sum(p_sink * delta, axis=(0, 3)).reshape(sinks.shape).astype(sinks.dtype)
 
     def fold(dq, qg, dog, lse, delta, qpos, k, v, kpos, dk, dv, qseg=None, kseg=None):
         s, slope = _scores(qg, k, qpos, kpos, causal, qseg, kseg, win, softcap, scale)
@@ -277,7 +290,8 @@ def _ring_bwd(causal, n, halves, steps, softcap, scale, residuals, d_out):
     b, t, h, d = q.shape
     dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
     no_grad = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), no_grad(pos), no_grad(seg), no_grad(win)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), no_grad(pos), no_grad(seg), no_grad(win),
+            d_sinks)
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+_ringed.defvjp(_ring_fwd, _ring_bwd)

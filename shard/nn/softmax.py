@@ -5,15 +5,19 @@ values; a block of keys updates all three, rescaling what came before to the new
 sequence then holds one block's scores at a time, never a whole row's. Ring attention folds the context devices'
 chunks with it as they pass (shard/nn/ring.py), generation folds blocks of a long cache (shard/nn/decoding.py).
 A query that has seen no key yet (every score of the blocks so far masked, -inf) keeps nothing: no NaN.
+Attention sinks (GPT-OSS's) are in the state from the start: a key of the sink's logit whose value is zero.
 """
 
 import jax.numpy as jnp
 
 
-def start(queries: tuple, dim: int) -> tuple:
+def start(queries: tuple, dim: int, sink=None) -> tuple:
     """The state before any block, for queries of shape `queries` and values of `dim` channels: (maximum, sum,
-    weighted values), float32."""
-    return jnp.full(queries, -jnp.inf), jnp.zeros(queries), jnp.zeros((*queries, dim))
+    weighted values), float32. `sink`: each query's sink logit (broadcasting to `queries`; None: none), one more
+    term of its softmax that weighs no value: the maximum starts at it and the sum at exp(0) (as splash's kernel)."""
+    if sink is None:
+        return jnp.full(queries, -jnp.inf), jnp.zeros(queries), jnp.zeros((*queries, dim))
+    return jnp.broadcast_to(jnp.asarray(sink, jnp.float32), queries), jnp.ones(queries), jnp.zeros((*queries, dim))
 
 
 def fold(state: tuple, scores, values, product: str) -> tuple:

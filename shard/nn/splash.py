@@ -58,30 +58,33 @@ def layout(q_shape, kv_shape) -> Layout | None:
 
 
 def splash(q, k, v, is_causal: bool, segments=None, window: int | None = None, *, layout: Layout | None = None,
-           softcap: float | None = None, scale: float | None = None, interpret: bool = False) -> jax.Array:
+           softcap: float | None = None, scale: float | None = None, sinks=None, interpret: bool = False) -> jax.Array:
     """Pallas splash attention over (batch, length, heads, head_dim) arrays: the kernel works on one example's
     (heads, length, head_dim), so it is mapped over the batch, and under a mesh (`layout`) each device maps it
     over its own block (a shard_map: the partitioner cannot split a Mosaic kernel). Grouped key/value heads are
-    the kernel's own (a single one: its MQA form). `softcap`: the kernel's own logit soft-cap. `interpret`: Pallas'
-    interpreter, on any device (tests)."""
-    def local(q, k, v, segments):
+    the kernel's own (a single one: its MQA form). `softcap`: the kernel's own logit soft-cap. `sinks` (heads,): the
+    kernel's own attention sinks (its running maximum and sum start from each head's), their gradient its own too.
+    `interpret`: Pallas' interpreter, on any device (tests)."""
+    def local(q, k, v, segments, sinks):
         kernel = _splash_kernel(q.shape[2], k.shape[2], q.shape[1], k.shape[1], is_causal, window, interpret, softcap)
         # splash does not scale the logits; heads first, as it takes them
         q = (q * jnp.asarray(q.shape[-1] ** -0.5 if scale is None else scale, q.dtype)).transpose(0, 2, 1, 3)
         k, v = (a.transpose(0, 2, 1, 3) for a in (k, v))
         if k.shape[1] == 1:  # one key/value head: the kernel's MQA form takes it without the head axis
             k, v = k[:, 0], v[:, 0]
+        extra = {} if sinks is None else {"sinks": sinks.astype(jnp.float32)}  # every example's the same
         if segments is None:
-            out = jax.vmap(kernel)(q, k, v)
+            out = jax.vmap(lambda q, k, v: kernel(q, k, v, **extra))(q, k, v)
         else:
-            out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=_segment_ids(s)))(q, k, v, segments)
+            out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=_segment_ids(s), **extra))(q, k, v, segments)
         return out.transpose(0, 2, 1, 3)
 
     if layout is None:
-        return local(q, k, v, segments)
-    specs = (layout.q, layout.kv, layout.kv, None if segments is None else layout.segments)
+        return local(q, k, v, segments, sinks)
+    specs = (layout.q, layout.kv, layout.kv, None if segments is None else layout.segments,
+             None if sinks is None else PartitionSpec(layout.q[2]))  # a device's query heads' sinks
     return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=layout.q, check_vma=False)(
-        q, k, v, segments)
+        q, k, v, segments, sinks)
 
 
 def _segment_ids(s):
