@@ -102,6 +102,35 @@ def test_skewed_routing_takes_more_rounds_and_drops_nothing(inputs, weigh_inputs
                                rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", ["xla", "tiled"])
+def test_split_inside_a_vmap_over_replicas_equals_each_replica_on_one_device(inputs, kernel):
+    """Local SGD and DiLoCo run each replica's step under a vmap whose dimension `replica` splits (spmd_axis_name,
+    shard/strategies/sync.py): the exchange's shard_map is batched over the replicas (it did not compile). Each
+    replica's outputs and gradients as on one device, with fsdp inside the expert group, the tiled kernel's loop,
+    and one replica's routing skewed so that it takes more rounds than the other."""
+    mesh = make_mesh((2, 1, 1, 2, 2, 1, 1))
+    x, top_e, top_p, weights = inputs
+    skewed = jnp.broadcast_to(jnp.array([0, 1]), top_e.shape)  # every pair to experts 0 and 1: buckets overflow
+    xs, es, ps = jnp.stack([x, x[::-1]]), jnp.stack([top_e, skewed]), jnp.stack([top_p, top_p])
+    ws = jax.tree.map(lambda w: jnp.stack([w, w[::-1]]), weights)
+
+    def mlp_with(xs, sizes, weights):
+        h = jax.nn.gelu(grouped.matmul(xs, weights[0], sizes, kernel))
+        return grouped.matmul(h, weights[1], sizes, kernel)
+
+    def per_replica(fn):
+        total = lambda x, e, p, w: jnp.sum(jnp.sin(fn(mlp_with, x, e, p, w)))  # noqa: E731
+        return jax.value_and_grad(total, argnums=(0, 3))
+
+    want = jax.vmap(per_replica(dropless.local))(xs, es, ps, ws)
+    rules = partition.without_batch_axes(partition.RULES, ("replica",))  # as sync.local_step's vmap sets them
+    split = lambda *a: dropless.split(*a, mesh, rules)  # noqa: E731
+    ws = jax.tree.map(lambda w: jax.device_put(w, NamedSharding(mesh, PartitionSpec("replica", "expert"))), ws)
+    got = jax.jit(jax.vmap(per_replica(split), spmd_axis_name="replica"))(xs, es, ps, ws)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("sizes", [[10, 20, 30, 0], [0, 0, 37, 0], [0, 0, 0, 0], [3, 1, 4, 1]])
 @pytest.mark.parametrize("kernel", ["tiled", "tokamax"])
 def test_grouped_products_equal_ragged_dot_with_both_gradients(sizes, kernel):

@@ -76,8 +76,17 @@ def split(mlp, x, top_e, top_p, weights, mesh, rules, slack: float = 1.25, weigh
         ys = _exchange(mlp, route, xs, tuple(weights))[jnp.argsort(order)].reshape(*x.shape[:-1], k, d)
         return _combine(ys, top_p, weigh_inputs, x.dtype)
 
+    # Inside a vmap over mesh axes (spmd_axis_name: local SGD's and DiLoCo's replicas, shard/strategies/sync.py),
+    # JAX batches this shard_map by adding those axes to its specs, so they must be manual here too; no collective
+    # names them, so each replica routes its own tokens. JAX 0.10 cannot yet batch the body's loops (the rounds,
+    # the tiled kernel's scan) with their manual axes' types tracked (its while-loop and broadcasting batching rules
+    # drop the vmapped axes from the types), so there the body runs untyped (check_vma=False): the weights'
+    # gradients are then summed over the manual axes their spec does not name by shard_map's own transpose, where
+    # grouped.reduced_like does it when typed (it finds nothing to sum untyped).
+    vmapped = {a for a in partition.vmapped_axes() if a in sizes}
     return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, *[held] * len(weights)),
-                         out_specs=tokens, axis_names=set(manual))(x, top_e, top_p, *weights)
+                         out_specs=tokens, axis_names=set(manual) | vmapped,
+                         check_vma=not vmapped)(x, top_e, top_p, *weights)
 
 
 def _inputs(x, p, order, k: int, weigh: bool):

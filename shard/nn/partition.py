@@ -183,6 +183,20 @@ def from_microbatches(a: jax.Array) -> jax.Array:
     return a.swapaxes(0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
+def vmapped_axes() -> frozenset:
+    """The mesh axes that the vmaps being traced split their mapped dimension over (`spmd_axis_name`: each
+    replica's step under local SGD and DiLoCo, each data shard's gradient, each pipeline stage). A shard_map
+    inside such a vmap must count them among its manual axes (`axis_names`): JAX's batching of it puts the
+    mapped dimension on them in its specs, and an axis a value varies over there must be manual (JAX 0.10
+    raises "Axes mentioned in `manual_axis_type` ... should be of type `Manual`" otherwise). Read from JAX's
+    axis environment, which is what its own shard_map consults; empty where that cannot be read."""
+    try:
+        from jax._src import core  # not public API: the vmaps' spmd names live only here
+        return frozenset(core.get_axis_env().spmd_axis_names)
+    except (ImportError, AttributeError):  # pragma: no cover - another JAX release
+        return frozenset()
+
+
 def active() -> tuple | None:
     """(mesh, rules) while a step is traced under `activate`, else None."""
     return _ACTIVE.get()

@@ -199,7 +199,7 @@ def report(plan: dict) -> str:
     if plan["executed_flops_per_device"]:  # the TPU compiler's dots live in fusions as convolutions: not counted
         lines.append(f"  each device executes {plan['executed_flops_per_device']:.3g} matrix-product FLOPs per step, "
              f"{plan['executed_flops_per_device'] / max(plan['flops_per_device'], 1):.2f}x its share of the model's "
-             "(recomputation, masked attention, pipeline bubbles, work repeated across stages)")
+             "(recomputation, padding, masked attention, pipeline bubbles, work repeated across stages)")
     if plan.get("data_dependent_loops"):
         lines.append(f"  {plan['data_dependent_loops']} loop(s) run as often as the data asks (e.g. dropless experts' "
                      "exchange rounds, one where no bucket overflows): their work and bytes counted once")
