@@ -30,7 +30,10 @@ class GPT(nnx.Module):
     n_heads). qkv_bias: biases on queries, keys and values (Qwen2); attn_bias: on those and the attention's output
     (Llama's attention_bias; GPT-OSS); bias: on every linear layer but a gated MLP's gate (GPT-2); mlp_bias: on
     every MLP layer, the gate's included (Llama's mlp_bias). attn_sinks: a learned logit per query head joining each
-    attention softmax's denominator (GPT-OSS's sinks).
+    attention softmax's denominator (GPT-OSS's sinks). rope_interleaved: RoPE rotates adjacent channel pairs (Llama
+    4's). chunks: one chunk size per layer, a query seeing only the keys of its own chunk of positions (0 = none;
+    Llama 4's chunked layers). attn_temperature_floor: the queries of the layers that do not rotate (rope_layers 0)
+    scaled by 1 + attn_temperature_scale x log(1 + floor((position + 1) / floor)) (0 = none; Llama 4's).
     norm_eps: the norms' epsilon. embed_scale: multiply the embeddings by sqrt(d_model) (Gemma).
     rope_scaling: Llama 3's {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}, or with
     rope_type linear ({factor}), longrope or yarn (models/rope.py's make). rotary_dim: the channels of each head
@@ -55,7 +58,9 @@ class GPT(nnx.Module):
                  mlp_bias: bool = False, qk_norm: str = "none", norms: str = "pre", rotary_dim: int = 0,
                  rope_layers: list | None = None, windows: list | None = None, local_rope_theta: float = 0.0,
                  attn_softcap: float = 0.0, attn_scale: float = 0.0, logit_softcap: float = 0.0,
-                 attn_bias: bool = False, attn_sinks: bool = False, *, rngs: nnx.Rngs):
+                 attn_bias: bool = False, attn_sinks: bool = False, rope_interleaved: bool = False,
+                 chunks: list | None = None, attn_temperature_floor: float = 0.0, attn_temperature_scale: float = 0.1,
+                 *, rngs: nnx.Rngs):
         n_kv_heads = n_kv_heads or n_heads
         check_choice("position", position, ("learned", "rope"))
         check_choice("norm", norm, ("layernorm", "rmsnorm", "rmsnorm+1"))
@@ -76,6 +81,13 @@ class GPT(nnx.Module):
                 not isinstance(w, int) or isinstance(w, bool) or w < 0 for w in windows)):
             raise ValueError(f"windows={windows}: give one window per layer, {n_layers} in all, each a number of keys "
                              ">= 1 or 0 for a global layer")
+        if chunks is not None and (len(chunks) != n_layers or any(
+                not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in chunks)):
+            raise ValueError(f"chunks={chunks}: give one chunk size per layer, {n_layers} in all, each a number of "
+                             "positions >= 1 or 0 for an unchunked layer")
+        if attn_temperature_floor < 0 or attn_temperature_floor and rope_layers is None:
+            raise ValueError(f"attn_temperature_floor={attn_temperature_floor} scales the queries of the layers "
+                             "without RoPE: give a floor > 0 with rope_layers naming them (0), or 0 for none")
         d_ff = d_ff or (4 * d_model if mlp == "gelu" else 8 * d_model // 3)
         out_std = 0.02 / math.sqrt(2 * n_layers)  # GPT-2: keep the residual stream's variance flat in depth
         self.max_len, self.embed_scale = max_len, math.sqrt(d_model) if embed_scale else None
@@ -83,22 +95,27 @@ class GPT(nnx.Module):
         self.mlp_bias, self.norm_eps = mlp_bias, norm_eps  # read by feed_forward, whose signature subclasses share
         self.tok = param(rngs, (vocab_size, d_model), ("vocab", "embed"), 0.02)
         self.pos = param(rngs, (max_len, d_model), (None, "embed"), 0.01) if position == "learned" else None
-        rope = rope_lib.make(rope_theta, rope_scaling, rotary_dim) if position == "rope" else None
+        rope = rope_lib.make(rope_theta, rope_scaling, rotary_dim, rope_interleaved) if position == "rope" else None
         local_rope = rope_lib.Rope(local_rope_theta, dims=rotary_dim) if local_rope_theta and rope else None
         settings = {} if rope_layers is None else dict(rotate=rope_layers)
         windows = tuple(windows) if windows and any(windows) else None
         if windows is not None:
             settings["window"] = windows
+        chunks = tuple(chunks) if chunks and any(chunks) else None
+        if chunks is not None:
+            settings["chunk"] = chunks
+        temperature = (attn_temperature_floor, attn_temperature_scale) if attn_temperature_floor else None
         # LongRoPE picks its factors by how far a call reaches: a cache made before it passes the original context
         # is made again after (shard/use/generate.py)
         self.refill_at = rope.longrope[2] if rope is not None and rope.longrope else None
 
-        def make_block(rngs, rotate=None, window=None, windows=windows, dense_ff=0):
+        def make_block(rngs, rotate=None, window=None, windows=windows, chunk=None, chunks=chunks, dense_ff=0):
             attn = Attention(d_model, n_heads, n_kv_heads, rope, out_std, causal=True, rngs=rngs, head_dim=head_dim,
                              qkv_bias=qkv_bias or bias or attn_bias, out_bias=bias or attn_bias, qk_norm=qk_norm,
                              norm_kind=norm, eps=norm_eps,
                              rotate=rotate, window=window, windows=windows, local_rope=local_rope,
-                             softcap=attn_softcap, scale=attn_scale, sinks=attn_sinks)
+                             softcap=attn_softcap, scale=attn_scale, sinks=attn_sinks, temperature=temperature,
+                             chunk=chunk, chunks=chunks)
             ffn = (GPT.feed_forward(self, d_model, dense_ff, mlp, out_std, rngs, bias) if dense_ff
                    else self.feed_forward(d_model, d_ff, mlp, out_std, rngs, bias))
             return Block(d_model, norm, attn, ffn, rngs, norm_eps, norms)
@@ -106,11 +123,13 @@ class GPT(nnx.Module):
         first, first_ff = self.dense_first(n_layers, d_ff)
         # with dense first layers, two stacks: each layer's settings (and the static windows) in the one that holds it
         part = lambda cut: {k: v[cut] for k, v in settings.items()}  # noqa: E731
-        cut_windows = lambda cut: windows and windows[cut]  # noqa: E731
-        self.dense_blocks = stacked(first, partial(make_block, windows=cut_windows(slice(first)), dense_ff=first_ff),
-                                    rngs, **part(slice(first))) if first else None
-        self.blocks = stacked(n_layers - first, partial(make_block, windows=cut_windows(slice(first, None))), rngs,
-                              **part(slice(first, None))) if first else stacked(n_layers, make_block, rngs, **settings)
+        cut = lambda fixed, where: fixed and fixed[where]  # noqa: E731
+        early, late = slice(first), slice(first, None)
+        self.dense_blocks = stacked(first, partial(make_block, windows=cut(windows, early), chunks=cut(chunks, early),
+                                                   dense_ff=first_ff), rngs, **part(early)) if first else None
+        self.blocks = stacked(n_layers - first, partial(make_block, windows=cut(windows, late),
+                                                        chunks=cut(chunks, late)), rngs, **part(late)) \
+            if first else stacked(n_layers, make_block, rngs, **settings)
         self.ln_f = make_norm(norm, d_model, rngs, norm_eps)
         self.head = None if tie_embeddings else param(rngs, (d_model, vocab_size), ("embed", "vocab"), 0.02)
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.nn.hooks import NOT_MODEL_FLOPS, attention, dense
+from shard.nn.hooks import NOT_MODEL_FLOPS, attention, dense, positions
 from shard.nn.partition import constrain
 
 from .rope import Rope, rotary  # noqa: F401  (rotary: here for the models that import it from layers)
@@ -85,6 +85,12 @@ class AxesRMSNorm(nnx.Module):
         return (h * (1 + w if self.offset else w)).astype(x.dtype)
 
 
+def rms(x, eps: float):
+    """x over the RMS of its last axis, computed in float32, without a weight (Llama 4's query and key norm)."""
+    h = x.astype(jnp.float32)
+    return (h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 def norm(kind: str, dim: int, rngs: nnx.Rngs, eps: float = 1e-6) -> nnx.Module:
     """layernorm (with bias), rmsnorm, or rmsnorm+1 (the weight an offset from 1)."""
     if kind == "rmsnorm+1":
@@ -101,26 +107,34 @@ def check_choice(name: str, value: str, allowed: tuple) -> None:
         raise ValueError(f"{name}={value!r}; choose one of {', '.join(allowed)}")
 
 
-QK_NORMS = ("none", "head", "projection")
+QK_NORMS = ("none", "head", "projection", "l2")
 
 
 class Attention(nnx.Module):
     """Self-attention, causal or not; with n_kv_heads < n_heads, groups of query heads share key/value heads.
     qkv_bias: biases on the query, key and value projections (Qwen2); out_bias: on the output one (GPT-2).
     qk_norm: RMSNorm (of kind `norm_kind`) on queries and keys before rotation, over each head's channels
-    ("head": Qwen3, Gemma 3) or over the whole projection, all heads together ("projection": OLMo 2). rotate:
+    ("head": Qwen3, Gemma 3) or over the whole projection, all heads together ("projection": OLMo 2); "l2": without
+    a weight, on the layers that rotate, after the rotation (Llama 4's; the same up to rounding: a rotation keeps
+    each head's norm). rotate:
     this layer's traced flag (stacked's setting) whether it rotates positions at all (SmolLM3's rope-less
     layers); None: it does where the model has a rope. window: this layer's traced sliding window (stacked's
     setting; 0 = global) and windows every layer's, static (shard.nn.hooks.attention's (value, windows)); None:
     global. local_rope: the rotation of layers whose `rotate` is 2 (Gemma 3's local layers' own base). softcap:
     attention-logit soft-capping (0: none); scale: the factor on q.k (0: 1/sqrt(head_dim)). sinks: one learned logit
-    per query head that joins the softmax's denominator and weighs no value (GPT-OSS's attention sinks)."""
+    per query head that joins the softmax's denominator and weighs no value (GPT-OSS's attention sinks).
+    temperature: (floor, scale) or None: the queries of the layers that do not rotate multiplied by
+    1 + scale x log(1 + floor((position + 1) / floor)), sharper attention far into a long context (Llama 4's
+    attention temperature tuning). chunk: this layer's traced chunk size (stacked's setting; 0 = none) and chunks
+    every layer's, static: a query sees only the keys of its own chunk of positions (Llama 4's chunked attention;
+    shard.nn.hooks.attention's (value, chunks))."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, rope: "Rope | float | None", out_std: float,
                  causal: bool, rngs: nnx.Rngs, head_dim: int = 0, qkv_bias: bool = False, out_bias: bool = False,
                  qk_norm: str = "none", norm_kind: str = "rmsnorm", eps: float = 1e-6, rotate=None, window=None,
                  windows: tuple | None = None, local_rope: "Rope | None" = None, softcap: float = 0.0,
-                 scale: float = 0.0, sinks: bool = False):
+                 scale: float = 0.0, sinks: bool = False, temperature: tuple | None = None, chunk=None,
+                 chunks: tuple | None = None):
         head_dim = head_dim or d_model // n_heads
         check_choice("qk_norm", qk_norm, QK_NORMS)
         self.rope = Rope(rope) if isinstance(rope, (int, float)) and rope else rope
@@ -133,8 +147,11 @@ class Attention(nnx.Module):
         self.out_bias = zeros((d_model,), ("embed",)) if out_bias else None
         self.q_norm, self.k_norm = (self.qk_norm(qk_norm, heads, axis, head_dim, norm_kind, eps)
                                     for heads, axis in ((n_heads, "heads"), (n_kv_heads, "kv_heads")))
+        self.l2_eps = eps if qk_norm == "l2" else None
+        self.temperature = temperature
         self.rotate = None if rotate is None else per_layer(rotate)
         self.window, self.windows = (None, None) if window is None else (per_layer(window), tuple(windows))
+        self.chunk, self.chunks = (None, None) if chunk is None else (per_layer(chunk), tuple(chunks))
         self.local_rope, self.softcap, self.scale = local_rope, softcap or None, scale or None
         # a logit beside the scores: float32 under bfloat16 training, as the softmax it joins (and zeros at first:
         # the sink then weighs as one key of logit 0 would)
@@ -152,20 +169,36 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = self.rotated(q), self.rotated(k)
+        if self.l2_eps is not None:
+            q, k = (self.where_rotating(rms(x, self.l2_eps), x) for x in (q, k))
+        if self.temperature is not None:
+            q = self.where_rotating(q, q * self.temperature_factor(q.shape[1]).astype(q.dtype))
         window = None if self.window is None else (self.window[...], self.windows)
         sinks = None if self.sinks is None else self.sinks[...]
+        more = {} if self.chunk is None else dict(chunk=(self.chunk[...], self.chunks))
         y = attention(q, k, v, is_causal=self.causal, window=window, softcap=self.softcap, scale=self.scale,
-                      sinks=sinks)  # handles grouped K/V heads itself
+                      sinks=sinks, **more)  # handles grouped K/V heads itself
         y = jnp.einsum("bthd,hde->bte", y, self.out[...])
         return y if self.out_bias is None else y + self.out_bias[...]
 
     @staticmethod
     def qk_norm(kind: str, heads: int, axis: str, head_dim: int, norm_kind: str, eps: float):
-        if kind == "none":
+        if kind in ("none", "l2"):
             return None
         if kind == "projection":  # the weight spans the heads too: the mean is over all of them
             return AxesRMSNorm((heads, head_dim), (axis, "head_dim"), eps, norm_kind == "rmsnorm+1")
         return AxesRMSNorm((head_dim,), ("head_dim",), eps, norm_kind == "rmsnorm+1")
+
+    def where_rotating(self, rotating, still):
+        """`rotating` on a layer that rotates positions, `still` on one that does not (every layer rotates where the
+        model gives no per-layer setting)."""
+        return rotating if self.rotate is None else jnp.where(self.rotate[...] != 0, rotating, still)
+
+    def temperature_factor(self, length: int):
+        """Llama 4's query scale by position, (length, 1, 1) or packed/decoding (batch, length, 1, 1)."""
+        floor, scale = self.temperature
+        at = positions(length).astype(jnp.float32)
+        return (jnp.log1p(jnp.floor((at + 1.0) / floor)) * scale + 1.0)[..., None, None]
 
     def rotated(self, x):
         if self.rotate is None:

@@ -1,10 +1,10 @@
 """Rotary position embeddings (RoPE) in the half-split layout (channel i pairs with i + rotated/2, as
-Llama's Hugging Face weights expect), over all of a head's channels or its first few, with the frequency
+Llama's Hugging Face weights expect) or the interleaved one (2i with 2i + 1: Llama 4's), over all of a head's channels or its first few, with the frequency
 scalings of Llama 3 (smooth stretching of long wavelengths), linear (every position divided by a factor) and
 LongRoPE (per-frequency factors, short or long by how far the call reaches, and cos/sin scaled)."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax.numpy as jnp
 
@@ -22,13 +22,15 @@ class Rope:
     decides per call), and cos and sin multiplied by the attention factor. yarn: (factor, original context,
     beta_fast, beta_slow, attention factor, truncate): frequencies turning more than beta_fast times over the
     original context kept, fewer than beta_slow divided by `factor`, a linear ramp between (its ends rounded outwards
-    unless truncate is false: GPT-OSS's), and cos and sin multiplied by the attention factor."""
+    unless truncate is false: GPT-OSS's), and cos and sin multiplied by the attention factor. interleaved: the rotated
+    pairs are adjacent channels (2i, 2i + 1), as Llama 4's complex rotation takes them, rather than (i, i + dims/2)."""
     theta: float = 10000.0
     scaling: tuple | None = None
     dims: int = 0
     linear: float = 1.0
     longrope: tuple | None = None
     yarn: tuple | None = None
+    interleaved: bool = False
 
     def frequencies(self, half: int):
         freqs = self.theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
@@ -61,7 +63,11 @@ LONGROPE_KEYS = ("short_factor", "long_factor", "original_max_position_embedding
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor")
 
 
-def make(theta: float, scaling: dict | None = None, dims: int = 0) -> Rope:
+def make(theta: float, scaling: dict | None = None, dims: int = 0, interleaved: bool = False) -> Rope:
+    return replace(_make(theta, scaling, dims), interleaved=interleaved)
+
+
+def _make(theta: float, scaling: dict | None = None, dims: int = 0) -> Rope:
     """A Rope from a GPT's settings. scaling: None or {} for none; Llama 3's four keys (rope_type "llama3" or
     none given); {"rope_type": "linear", "factor"}; or {"rope_type": "longrope", short_factor, long_factor,
     original_max_position_embeddings, attention_factor}; or {"rope_type": "yarn", factor,
@@ -102,6 +108,10 @@ def rotary(x, rope: "Rope | float"):
         freqs = freqs / jnp.where(jnp.max(at) + 1 > original, jnp.asarray(long), jnp.asarray(short))
     angles = at[..., None] * freqs  # (length, half); packed: (batch, length, half)
     cos, sin = (f(angles)[..., None, :] * scale for f in (jnp.cos, jnp.sin))  # a heads axis to broadcast over
+    if rope.interleaved:
+        x1, x2 = x[..., 0:dims:2].astype(jnp.float32), x[..., 1:dims:2].astype(jnp.float32)
+        pairs = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(*x.shape[:-1], dims)
+        return jnp.concatenate([pairs, x[..., dims:].astype(jnp.float32)], axis=-1).astype(x.dtype)
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:dims].astype(jnp.float32)
     parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., dims:].astype(jnp.float32)]
     return jnp.concatenate(parts, axis=-1).astype(x.dtype)

@@ -47,11 +47,17 @@ def transformers_options(kind: str, fields: dict) -> dict:
     if typed and "sliding_attention" in types:
         out.update(local_rope_theta=local["rope_theta"], rope_layers=[2 if t == "sliding_attention" else 1
                                                                       for t in types])
-    if kind == "smollm3":
+    if kind in ("smollm3", "llama4_text"):
         out.update(rope_layers=c.no_rope_layers)
+    if kind == "llama4_text":  # chunks on the layers layer_types names, Llama 4's own query norm and temperature
+        out.update(chunks=[c.attention_chunk_size if t == "chunked_attention" else 0 for t in c.layer_types],
+                   qk_norm="l2" if c.use_qk_norm else "none", rope_interleaved=True, attn_bias=c.attention_bias,
+                   attn_temperature_floor=float(c.floor_scale) if c.attn_temperature_tuning else 0.0,
+                   attn_temperature_scale=c.attn_scale, windows=None)
+        out.pop("bias")
     if kind in arch.experts.RELATIVE:
-        out.update(n_experts=c.num_experts if kind != "gpt_oss" else c.num_local_experts, top_k=c.num_experts_per_tok,
-                   aux_loss_weight=c.router_aux_loss_coef if c.output_router_logits else 0.0)
+        out.update(n_experts=getattr(c, "num_experts", None) or c.num_local_experts, top_k=c.num_experts_per_tok,
+                   aux_loss_weight=c.router_aux_loss_coef if c.output_router_logits and kind != "llama4_text" else 0.0)
     if kind == "gpt_oss":  # YaRN by default, its attention factor as transformers computes it
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

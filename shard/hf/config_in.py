@@ -73,6 +73,12 @@ DEFAULTS = {
                     num_attention_heads=64, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
                     rms_norm_eps=1e-5, sliding_window=128, layer_types=None, attention_bias=True,
                     rope_theta=150000.0),
+    # Llama 4's text model: its attention and RoPE (its experts and dense layers: shard/hf/experts.py)
+    "llama4_text": dict(_ROPE, vocab_size=202048, hidden_size=5120, intermediate_size=8192, num_hidden_layers=48,
+                        num_attention_heads=40, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                        rms_norm_eps=1e-5, attention_bias=False, rope_theta=500000.0, no_rope_layers=None,
+                        no_rope_layer_interval=4, layer_types=None, attention_chunk_size=8192, use_qk_norm=True,
+                        attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1),
     "gpt2": dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
                  activation_function="gelu_new", layer_norm_epsilon=1e-5, scale_attn_weights=True,
                  scale_attn_by_inverse_layer_idx=False, add_cross_attention=False, tie_word_embeddings=True),
@@ -81,12 +87,14 @@ DEFAULTS = {
 ROPE_DEFAULTS = {"gpt_oss": dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                                  original_max_position_embeddings=4096)}
 # The type each field must have (transformers checks them strictly: no int for a float, no 1 for true).
-_FLOATS = {"rms_norm_eps", "layer_norm_epsilon", "final_logit_softcapping", "attn_logit_softcapping"}
+_FLOATS = {"rms_norm_eps", "layer_norm_epsilon", "final_logit_softcapping", "attn_logit_softcapping", "attn_scale"}
 _TEXTS = {"hidden_act", "activation_function", "hidden_activation"}
 _BOOLS = {"tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "scale_attn_weights",
-          "scale_attn_by_inverse_layer_idx", "add_cross_attention", "use_bidirectional_attention"}
+          "scale_attn_by_inverse_layer_idx", "add_cross_attention", "use_bidirectional_attention", "use_qk_norm",
+          "attn_temperature_tuning"}
 _OPTIONAL = {"num_key_value_heads", "head_dim", "sliding_window", "n_inner", "layer_types",
-             "use_bidirectional_attention", "no_rope_layers", "final_logit_softcapping", "attn_logit_softcapping"}
+             "use_bidirectional_attention", "no_rope_layers", "final_logit_softcapping", "attn_logit_softcapping",
+             "attention_chunk_size"}
 _LISTS = {"layer_types", "no_rope_layers"}
 GPT2_NAMES = {"hidden_size": "n_embd", "max_position_embeddings": "n_positions", "num_attention_heads": "n_head",
               "num_hidden_layers": "n_layer"}  # GPT2Config's attribute_map: both spellings are read
@@ -194,7 +202,7 @@ def _local_rope(kind: str, get, where: str, local_theta: float) -> dict:
 def _options(kind: str, get, where: str) -> dict:
     """FAMILY_OPTIONS, SmolLM3's rope-less layers, and the sliding windows (`_windows`)."""
     options = dict(FAMILY_OPTIONS.get(kind, {}))
-    if kind == "smollm3":
+    if kind in ("smollm3", "llama4_text"):
         n, every = get("num_hidden_layers"), get("no_rope_layer_interval")
         rotate = get("no_rope_layers")
         if rotate is None and not every:
@@ -205,7 +213,34 @@ def _options(kind: str, get, where: str) -> dict:
                             f"positions) or 0 (none) per layer, {n} in all")
         if 0 in rotate:
             options["rope_layers"] = rotate
+    if kind == "llama4_text":
+        options.update(_llama4(get, where, rotate))
     return dict(options, **_windows(kind, get, where, options.get("rope_layers")))
+
+
+def _llama4(get, where: str, rotate: list) -> dict:
+    """Llama 4's attention: RoPE on adjacent channel pairs; a weightless norm of the queries and keys of the layers
+    that rotate (use_qk_norm); the queries of those that do not scaled up with the position (attn_temperature_tuning:
+    floor_scale, attn_scale); chunked attention on the layers layer_types names (by default those that rotate)."""
+    out = dict(rope_interleaved=True, **({"qk_norm": "l2"} if get("use_qk_norm") else {}))
+    if get("attn_temperature_tuning") and 0 in rotate:
+        if not get("floor_scale"):
+            raise UserError(f"{where}: config.json has floor_scale=0; attention temperature tuning divides by it")
+        out.update(attn_temperature_floor=float(get("floor_scale")), attn_temperature_scale=get("attn_scale"))
+    size, types = get("attention_chunk_size"), get("layer_types")
+    types = types or ["chunked_attention" if r and size is not None else "full_attention" for r in rotate]
+    if len(types) != len(rotate) or any(t not in LLAMA4_TYPES for t in types):
+        raise UserError(f"{where}: config.json has layer_types={types!r}; llama4_text reads one of "
+                        f"{', '.join(LLAMA4_TYPES)} per layer, {len(rotate)} in all")
+    if "chunked_attention" in types:
+        if not size:
+            raise UserError(f"{where}: config.json has attention_chunk_size={size!r} with chunked_attention layers; "
+                            "it must be at least 1")
+        out["chunks"] = [size if t == "chunked_attention" else 0 for t in types]
+    return out
+
+
+LLAMA4_TYPES = ("full_attention", "chunked_attention")
 
 
 def _biases(kind: str, get, where: str) -> dict:
@@ -214,7 +249,7 @@ def _biases(kind: str, get, where: str) -> dict:
     Mistral's none (the fields are not read there)."""
     if kind == "qwen2":
         return dict(qkv_bias=True)
-    if kind == "gpt_oss":  # on q, k, v and o; its experts' own are the MoE's
+    if kind in ("gpt_oss", "llama4_text"):  # on q, k, v and o; GPT-OSS's experts' own are the MoE's
         return dict(attn_bias=get("attention_bias"))
     attention = get("attention_bias") if kind in ("llama", "gemma", "qwen3", "smollm3", "olmo2", "olmo3") else False
     mlp = get("mlp_bias") if kind in ("llama", "smollm3") else False

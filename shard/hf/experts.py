@@ -18,10 +18,11 @@ from shard.hf import config_in, config_out
 
 # Each family's dense relative: the architecture whose attention and norms it has (config_in.py reads them), and the
 # one config_out.py exports a model with those to.
-RELATIVE = {"mixtral": "mistral", "qwen3_moe": "qwen3", "olmoe": "llama", "gpt_oss": "gpt_oss"}
+RELATIVE = {"mixtral": "mistral", "qwen3_moe": "qwen3", "olmoe": "llama", "gpt_oss": "gpt_oss",
+            "llama4_text": "llama4_text"}
 EXPORTED = {"llama": "mixtral", "qwen3": "qwen3_moe"}
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-                 "gpt_oss": "GptOssForCausalLM"}
+                 "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM"}
 # transformers 5's defaults (configuration_<model_type>.py) for every field read, where config.json leaves one out
 DEFAULTS = {
     "mixtral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -43,10 +44,14 @@ DEFAULTS = {
                   output_router_logits=False, router_aux_loss_coef=0.01, norm_topk_prob=False),
     "gpt_oss": dict(num_local_experts=128, num_experts_per_tok=4, output_router_logits=False,
                     router_aux_loss_coef=0.001, swiglu_alpha=1.702, swiglu_limit=7.0),
+    "llama4_text": dict(num_local_experts=16, num_experts_per_tok=1, output_router_logits=False,
+                        router_aux_loss_coef=0.001, moe_layers=None, interleave_moe_layer_step=1),
 }
 # GPT-OSS's experts as the MoE's options: its biased router (top-k of the logits, a softmax over those), biases on
 # every expert matrix, the clamped SwiGLU (its limit and alpha read from config.json)
 GPT_OSS = dict(router="topk_softmax", router_bias=True, expert_bias=True)
+# Llama 4's: the top-k logits' sigmoids scale each chosen expert's input, a shared expert of the experts' width beside
+LLAMA4 = dict(router="topk_sigmoid", weigh_inputs=True, shared_experts=1)
 # Fields the dense relative reads that the family has not: their value in its modeling file (Qwen3-MoE's window,
 # where use_sliding_window sets one, is every layer's: its config has no layer_types nor max_window_layers)
 NOT_READ = {"olmoe": dict(mlp_bias=False), "qwen3_moe": dict(max_window_layers=0, layer_types=None)}
@@ -87,10 +92,31 @@ def to_moe(kind: str, config: dict, where: str) -> dict:
         if limit <= 0:
             raise UserError(f"{where}: config.json has swiglu_limit={limit!r}; it must be positive")
         kwargs.update(GPT_OSS, swiglu_limit=limit, swiglu_alpha=alpha)
+    if kind == "llama4_text":
+        _llama4_layers(c, kwargs["n_layers"], field, where)
+        kwargs.update(LLAMA4)
     coef = field("router_aux_loss_coef", float)
+    if kind == "llama4_text":  # transformers' Llama 4 adds no load-balancing loss to its training loss
+        coef = 0.0
     return dict(kwargs, n_experts=n, top_k=k, routing="dropless", balancing="pooled",
-                norm_topk=kind in ("mixtral", "gpt_oss") or field("norm_topk_prob", bool),
+                norm_topk=kind in ("mixtral", "gpt_oss") or kind != "llama4_text" and field("norm_topk_prob", bool),
                 aux_loss_weight=coef if field("output_router_logits", bool) else 0.0)
+
+
+def _llama4_layers(c: dict, n_layers: int, field, where: str) -> None:
+    """Llama 4's mixture-of-experts layers (moe_layers, or every interleave_moe_layer_step-th layer): all of them,
+    as Scout's; one line for dense layers among them (Maverick's interleaving)."""
+    moe = c["moe_layers"]
+    if moe is None:
+        step = field("interleave_moe_layer_step", int)
+        moe = list(range(step - 1, n_layers, step))
+    if not isinstance(moe, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in moe):
+        raise UserError(f"{where}: config.json has moe_layers={moe!r}; transformers reads a list of layer indices")
+    dense = [i for i in range(n_layers) if i not in moe]
+    if dense:
+        raise UserError(f"{where}: config.json makes layer{'s' * (len(dense) > 1)} {', '.join(map(str, dense[:4]))}"
+                        f"{', ...' * (len(dense) > 4)} of {n_layers} dense MLPs among the experts' layers (Llama 4 "
+                        "Maverick's interleaving); only models whose every layer is a mixture of experts are supported")
 
 
 def _check_all_sparse(c: dict, n_layers: int, field, where: str) -> None:
@@ -123,6 +149,8 @@ def from_moe(kwargs: dict) -> dict:
     routing = _routing_defaults()
     if _is_gpt_oss(kwargs, routing):
         return _gpt_oss_config(kwargs)
+    if _routes_as(LLAMA4, kwargs, routing):
+        return _llama4_config(kwargs)
     changed = [f"{k}={v!r}" for k, v in kwargs.items() if k in routing and v != routing[k]]
     if changed:
         raise UserError(f"--format hf: model 'moe' with {', '.join(changed)} routes as none of the mixture-of-experts "
@@ -184,16 +212,22 @@ def _routing_defaults() -> dict:
             if k not in gpt and k not in MOE_ARGS and p.default is not inspect.Parameter.empty}
 
 
+def _routes_as(options: dict, kwargs: dict, routing: dict, free: tuple = ()) -> bool:
+    """Whether an MoE has a family's routing `options` and every other routing option (but `free`) at its default."""
+    ours = {k: kwargs.get(k, routing[k]) for k in routing}
+    return all(ours[k] == v for k, v in options.items()) and \
+        all(ours[k] == routing[k] for k in routing if k not in (*options, *free))
+
+
 def _is_gpt_oss(kwargs: dict, routing: dict) -> bool:
     """An MoE with GPT-OSS's router and experts (its other options checked by _gpt_oss_config)."""
-    ours = {k: kwargs.get(k, routing[k]) for k in routing}
-    return all(ours[k] == v for k, v in GPT_OSS.items()) and ours["swiglu_limit"] > 0 and \
-        all(ours[k] == routing[k] for k in routing if k not in (*GPT_OSS, "swiglu_limit", "swiglu_alpha"))
+    return _routes_as(GPT_OSS, kwargs, routing, ("swiglu_limit", "swiglu_alpha")) and \
+        kwargs.get("swiglu_limit", 0) > 0
 
 
 def _gpt_oss_config(kwargs: dict) -> dict:
     """GPT-OSS's config.json: its attention with sinks, every other layer or none sliding, YaRN or no scaling."""
-    g = {**_moe_defaults(), **config_out.with_defaults(kwargs)}
+    g = {**_moe_defaults(), **_routing_defaults(), **config_out.with_defaults(kwargs)}
     scaling = dict(g["rope_scaling"] or {})
     windows = list(g["windows"] or [0] * g["n_layers"])
     sizes = sorted({w for w in windows if w})
@@ -221,3 +255,42 @@ def _gpt_oss_config(kwargs: dict) -> dict:
                 output_router_logits=g["balancing"] == "pooled" and g["aux_loss_weight"] > 0,
                 swiglu_limit=float(g["swiglu_limit"]), swiglu_alpha=float(g["swiglu_alpha"]), torch_dtype="float32",
                 pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+def _llama4_config(kwargs: dict) -> dict:
+    """Llama 4's text config.json: its attention (interleaved RoPE, the weightless q/k norm, temperature tuning on the
+    layers without RoPE, one chunk size on the chunked layers), every layer a mixture of experts with a shared one."""
+    g = {**_moe_defaults(), **_routing_defaults(), **config_out.with_defaults(kwargs)}
+    scaling = dict(g["rope_scaling"] or {})
+    rotate = list(g["rope_layers"] or [1] * g["n_layers"])
+    chunks = list(g["chunks"] or [0] * g["n_layers"])
+    sizes = sorted({c for c in chunks if c})
+    floor = g["attn_temperature_floor"]
+    fits = (g["position"], g["norm"], g["mlp"], g["norms"], g["routing"]) == \
+        ("rope", "rmsnorm", "swiglu", "pre", "dropless") and g["rope_interleaved"] and g["qk_norm"] in ("l2", "none") \
+        and not (g["qkv_bias"] and not g["attn_bias"]) and not (g["bias"] or g["mlp_bias"] or g["embed_scale"]) and \
+        set(rotate) <= {0, 1} and g["rotary_dim"] in (0, g["head_dim"]) and len(sizes) <= 1 and \
+        not any(g["windows"] or []) and not (g["attn_softcap"] or g["logit_softcap"] or g["attn_scale"] or
+                                              g["local_rope_theta"] or g["attn_sinks"]) and \
+        scaling.get("rope_type", "llama3") == "llama3" and g["shared_d_ff"] in (0, g["d_ff"]) and \
+        float(floor).is_integer()
+    if not fits:
+        raise UserError("--format hf: model 'moe' with Llama 4's router and shared expert is a llama4_text folder only "
+                        "with its attention: position=rope, norm=rmsnorm, mlp=swiglu, rope_interleaved=true, qk_norm l2 "
+                        "or none, no biases but attn_bias, rope_layers of 0 and 1, one chunk size, no windows, Llama "
+                        "3's or no rope_scaling, a whole attn_temperature_floor, shared_d_ff = d_ff")
+    scaling.pop("rope_type", None)
+    rope = dict(rope_type="llama3", **scaling) if scaling else dict(rope_type="default")
+    return dict(model_type="llama4_text", architectures=[ARCHITECTURES["llama4_text"]], vocab_size=g["vocab_size"],
+                hidden_size=g["d_model"], num_hidden_layers=g["n_layers"], num_attention_heads=g["n_heads"],
+                num_key_value_heads=g["n_kv_heads"], head_dim=g["head_dim"], intermediate_size=g["d_ff"],
+                intermediate_size_mlp=g["d_ff"], max_position_embeddings=g["max_len"], rms_norm_eps=g["norm_eps"],
+                hidden_act="silu", rope_parameters=dict(rope, rope_theta=g["rope_theta"]),
+                attention_bias=g["attn_bias"], no_rope_layers=rotate, use_qk_norm=g["qk_norm"] == "l2",
+                attn_temperature_tuning=bool(floor), floor_scale=int(floor or 8192),
+                attn_scale=float(g["attn_temperature_scale"]), attention_chunk_size=sizes[0] if sizes else None,
+                layer_types=["chunked_attention" if c else "full_attention" for c in chunks],
+                tie_word_embeddings=g["tie_embeddings"], num_local_experts=g["n_experts"],
+                num_experts_per_tok=g["top_k"], moe_layers=list(range(g["n_layers"])), interleave_moe_layer_step=1,
+                output_router_logits=False, router_aux_loss_coef=0.001, torch_dtype="float32", pad_token_id=None,
+                bos_token_id=None, eos_token_id=None)

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from shard.errors import UserError
+from shard.errors import UserError, warn
 from shard.hf import INDEX, arch, config_only, mxfp4, tables
 
 
@@ -29,13 +29,14 @@ class Folder:
             self.config = json.loads((self.path / "config.json").read_text())
         except (OSError, ValueError) as e:
             raise UserError(f"{self.where}: config.json is not readable JSON: {e}") from None
-        self.kind = arch.model_type(self.config, self.where)
         stored = self._files() if weights or config_only.has_weights(self.path) else {}
+        self.config, stored, inner = text_model(self.config, stored, self.where)
+        self.kind = arch.model_type(self.config, self.where)
         # A base model's folder (the Hub's gpt2) names its tensors without the causal LM's prefix: read as
         # transformers does, with it added.
         prefix = tables.PREFIX[self.kind]
         add = not any(name.startswith(prefix) for name in stored)
-        self.names = {(prefix + n if add and not n.startswith("lm_head.") else n): n for n in stored}
+        self.names = {(prefix + n if add and not n.startswith("lm_head.") else n): inner + n for n in stored}
         self.files = {name: stored[n] for name, n in self.names.items()}  # our name -> its file
         # MXFP4 weights: each read as one float tensor under its own name, from its blocks and scales
         self.packed = mxfp4.packed(self.files, self.config, self.where)
@@ -94,6 +95,30 @@ class Folder:
 
         with safe_open(self._file(name), framework="numpy") as st:
             return tuple(st.get_slice(self.names[name]).get_shape())
+
+
+# Multimodal folders whose language model is read alone: model_type -> (the field holding its config, the prefix
+# of its tensors, the towers' prefixes skipped)
+MULTIMODAL = {"llama4": ("text_config", "language_model.", ("vision_model.", "multi_modal_projector."))}
+
+
+def text_model(config: dict, stored: dict, where: str) -> tuple[dict, dict, str]:
+    """A multimodal folder's language model: its config (text_config), its tensors without their prefix and the
+    prefix, the towers' tensors left out with one line saying so; any other folder as it is."""
+    if config.get("model_type") not in MULTIMODAL:
+        return config, stored, ""
+    field, prefix, towers = MULTIMODAL[config["model_type"]]
+    text = config.get(field)
+    if not isinstance(text, dict):
+        raise UserError(f"{where}: config.json of model_type {config['model_type']!r} has {field}={text!r}; its "
+                        "language model's config is read from there (a mapping)")
+    skipped = sorted({t.rstrip(".") for n in stored for t in towers if n.startswith(t)})
+    unknown = sorted(n for n in stored if not n.startswith(prefix) and not n.startswith(towers))
+    if unknown:
+        raise UserError(f"{where}: tensor {unknown[0]} is neither the language model's ({prefix}...) nor a tower's")
+    warn(f"{where}: a {config['model_type']} folder: its language model is read, "
+         f"{' and '.join(skipped) or 'no tower'} skipped (text only)")
+    return text, {n[len(prefix):]: f for n, f in stored.items() if n.startswith(prefix)}, prefix
 
 
 _SAME: dict = {}

@@ -169,9 +169,27 @@ def _gpt_oss() -> tuple[Row, ...]:
 
 
 TABLES["gpt_oss"] = _gpt_oss()
+
+
+def _llama4() -> tuple[Row, ...]:
+    """Llama 4's text model: Llama's attention and norms; per layer a router (a Linear), the experts stacked (experts,
+    in, out) with gate and up side by side in gate_up_proj, a shared expert (a Llama MLP), all under feed_forward."""
+    L = "model.layers.{i}.feed_forward."
+    return tuple(_attention_rows(None) + [
+        Row("blocks.ffn.router", L + "router.weight", "x e", "e x"),
+        Row("blocks.ffn.w_gate", L + "experts.gate_up_proj", "x e (s f)", "x e f", {"s": 0}),
+        Row("blocks.ffn.w_in", L + "experts.gate_up_proj", "x e (s f)", "x e f", {"s": 1}),
+        Row("blocks.ffn.w_out", L + "experts.down_proj", "x f e", "x f e"),
+        Row("blocks.ffn.shared.w_gate", L + "shared_expert.gate_proj.weight", "f e", "e f"),
+        Row("blocks.ffn.shared.w_in", L + "shared_expert.up_proj.weight", "f e", "e f"),
+        Row("blocks.ffn.shared.w_out", L + "shared_expert.down_proj.weight", "e f", "f e")])
+
+
+TABLES["llama4_text"] = _llama4()
 # Bare expert stacks held (experts, in, out), the transpose of the others' (transformers' is_transposed): PEFT's
 # adapters on them take their in and out features from those axes (shard/hf/peft_params.py)
-EXPERTS_IN_OUT = {r.theirs for r in TABLES["gpt_oss"] if r.theirs.endswith(("gate_up_proj", "down_proj"))}
+EXPERTS_IN_OUT = {r.theirs for kind in ("gpt_oss", "llama4_text") for r in TABLES[kind]
+                  if r.theirs.endswith(("gate_up_proj", "down_proj"))}
 TABLES["mixtral"] = _experts(None, "block_sparse_moe", "w1", "w3", "w2")
 TABLES["qwen3_moe"] = _experts("head", "mlp", "gate_proj", "up_proj", "down_proj")
 TABLES["olmoe"] = _experts("projection", "mlp", "gate_proj", "up_proj", "down_proj")
