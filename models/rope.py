@@ -1,7 +1,8 @@
 """Rotary position embeddings (RoPE) in the half-split layout (channel i pairs with i + rotated/2, as
-Llama's Hugging Face weights expect) or the interleaved one (2i with 2i + 1: Llama 4's), over all of a head's channels or its first few, with the frequency
-scalings of Llama 3 (smooth stretching of long wavelengths), linear (every position divided by a factor) and
-LongRoPE (per-frequency factors, short or long by how far the call reaches, and cos/sin scaled)."""
+Llama's Hugging Face weights expect) or the interleaved one (2i with 2i + 1: Llama 4's), over all of a head's
+channels or its first few, with the frequency scalings of Llama 3 (smooth stretching of long wavelengths), linear
+(every position divided by a factor), LongRoPE (per-frequency factors, short or long by how far the call reaches,
+and cos/sin scaled) and YaRN."""
 
 import math
 from dataclasses import dataclass, replace
