@@ -277,8 +277,8 @@ def _llama4_config(kwargs: dict) -> dict:
     if not fits:
         raise UserError("--format hf: model 'moe' with Llama 4's router and shared expert is a llama4_text folder only "
                         "with its attention: position=rope, norm=rmsnorm, mlp=swiglu, rope_interleaved=true, qk_norm "
-                        "l2 or none, no biases but attn_bias, rope_layers of 0 and 1, one chunk size, no windows, Llama "
-                        "3's or no rope_scaling, a whole attn_temperature_floor, shared_d_ff = d_ff")
+                        "l2 or none, no biases but attn_bias, rope_layers of 0 and 1, one chunk size, no windows, "
+                        "Llama 3's or no rope_scaling, a whole attn_temperature_floor, shared_d_ff = d_ff")
     scaling.pop("rope_type", None)
     rope = dict(rope_type="llama3", **scaling) if scaling else dict(rope_type="default")
     return dict(model_type="llama4_text", architectures=[ARCHITECTURES["llama4_text"]], vocab_size=g["vocab_size"],
