@@ -1,8 +1,8 @@
-"""Mixture-of-experts Hugging Face folders (Mixtral, Qwen3-MoE, OLMoE, GPT-OSS): tiny random models built offline with
-transformers, every parameter perturbed, read into the library's MoE with dropless routing: the same logits
-on one device and under fsdp, tp, fsdp_tp and ep (experts split), the same greedy tokens, the same first
-training loss and load-balancing loss, and an export transformers reads back with the same logits. Bad
-config values are refused in one line."""
+"""Mixture-of-experts Hugging Face folders (Mixtral, Qwen3-MoE, OLMoE, GPT-OSS, Llama 4's text model): tiny random
+models built offline with transformers, every parameter perturbed, read into the library's MoE with dropless
+routing: the same logits on one device and under fsdp, tp, fsdp_tp and ep (experts split), the same greedy tokens
+(past every window and chunk), the same first training loss and load-balancing loss, and an export transformers
+reads back with the same logits. Bad config values are refused in one line."""
 
 import json
 import shutil
@@ -39,7 +39,13 @@ KINDS = {  # Mixtral adds its load-balancing loss to the training loss (output_r
     "gpt_oss": lambda T: T.GptOssForCausalLM(T.GptOssConfig(**COMMON, intermediate_size=32, num_local_experts=4,
                                                             head_dim=8, sliding_window=6, swiglu_limit=0.3,
                                                             rope_parameters=GPT_OSS_ROPE, **NO_IDS)),
+    "llama4_text": lambda T: T.Llama4ForCausalLM(T.Llama4TextConfig(**{**COMMON, **LLAMA4_TEXT})),
 }
+# Llama 4: chunks of 6 on the rotating layers, every other layer without RoPE (its queries' temperature tuned from
+# position 3 on), the weightless q/k norm, the top-1 sigmoid router and a shared expert
+LLAMA4_TEXT = dict(intermediate_size=24, intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1,
+                   head_dim=8, attention_chunk_size=6, floor_scale=4, attn_scale=0.5, no_rope_layer_interval=2,
+                   **NO_IDS)
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 16, "rope_theta": 1000.0}
 ROWS = np.random.default_rng(1).integers(0, VOCAB, (4, 16))
@@ -70,7 +76,7 @@ def test_greedy_generate_equals_transformers(folders, kind):
     greedy_generate_equals_transformers(folders, kind)  # test_hf's check, on these folders
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "gpt_oss"])  # OLMoE's export: the test after the next
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "gpt_oss", "llama4_text"])  # OLMoE's: below
 def test_fine_tune_first_loss_and_export_round_trip(folders, kind, tmp_path):
     """One step under ep: the loss is transformers' cross-entropy and the aux loss its router_aux_loss_coef x
     load-balancing loss (Mixtral's output_router_logits; none for Qwen3-MoE); the export reads back in
@@ -172,7 +178,7 @@ def test_any_adapters_are_peft_weights_of_our_merged_model(folders, kind, tmp_pa
                                   tmp_path)
 
 
-@pytest.mark.parametrize("kind", [k for k in KINDS if k != "gpt_oss"])  # GPT-OSS's experts are only ever stacked
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in ("gpt_oss", "llama4_text")])  # only ever stacked
 def test_stacked_experts_read_and_write_back_per_expert(folders, kind, tmp_path):
     """transformers 5's own layout (save_pretrained(save_original_format=False)): each layer's experts one 3-D
     tensor per matrix, gate and up side by side in gate_up_proj, under mlp: read bitwise as the per-expert

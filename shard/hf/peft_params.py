@@ -23,12 +23,14 @@ def row(table: str, site) -> tables.Row | None:
     return next((r for r in tables.TABLES[table] if r.ours == ours and re.search(tables.BARE, r.theirs)), None)
 
 
-def _pair(r: tables.Row, site, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _pair(r: tables.Row, site, a: np.ndarray, b: np.ndarray, table: str) -> tuple[np.ndarray, np.ndarray]:
     """One layer and expert: A (r, in) and B (their whole out, r), B's rows at this part's place in them."""
     letters = r.letters()[len(r.groups()) == 3:]  # without the experts axis
     size = {"s": 2, **dict(zip(letters, site.shape[len(site.shape) - len(letters):]))}
     their_out, their_in = r.groups()[-2:]
-    if len(r.groups()) == 3 and r.theirs in tables.EXPERTS_IN_OUT:  # (experts, in, out): A and B as for the other
+    stacked = len(r.groups()) == 3
+    flipped = stacked and table in tables.EXPERTS_FLIPPED
+    if stacked and (table in tables.EXPERTS_IN_OUT or flipped):  # (experts, in, out)
         their_out, their_in = their_in, their_out
     ins, outs = letters[:site.split[1]], letters[site.split[1]:]
     a = a.transpose([ins.index(l) for l in their_in] + [len(ins)]).reshape(-1, a.shape[-1])
@@ -37,13 +39,15 @@ def _pair(r: tables.Row, site, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray
     full = np.zeros((b.shape[0], *(size[l] for l in their_out)), b.dtype)
     full[(slice(None), *(slice(r.at.get(l, 0), r.at.get(l, 0) + size[l]) if l in outs else r.at[l]
                          for l in their_out))] = b
+    if flipped:  # PEFT takes the stack's in axis for its out: its A is our B, its B our A
+        return full.reshape(b.shape[0], -1), a
     return a.T, full.reshape(b.shape[0], -1).T
 
 
-def _layer(r: tables.Row, site, values: dict, i: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def _layer(r: tables.Row, site, values: dict, i: int, table: str) -> list[tuple[np.ndarray, np.ndarray]]:
     """Layer i's (A, B) per expert (one pair where the parameter has no experts axis)."""
     a, b = (np.asarray(values[site.key][k][i]) for k in ("lora_a", "lora_b"))
-    return [_pair(r, site, *ab) for ab in zip(a, b)] if len(r.groups()) == 3 else [_pair(r, site, a, b)]
+    return [_pair(r, site, *ab, table) for ab in zip(a, b)] if len(r.groups()) == 3 else [_pair(r, site, a, b, table)]
 
 
 def tensors(table: str, site_list, values: dict, n_layers: int) -> tuple[dict, list[str], dict]:
@@ -60,7 +64,7 @@ def tensors(table: str, site_list, values: dict, n_layers: int) -> tuple[dict, l
         around = [n for n in names if n.rsplit(".", 1)[0] == module]
         nested = "base_layer." * (len(around) - 1 - around.index(theirs))
         for i in range(n_layers):
-            each = [_layer(r, s, values, i) for r, s in pairs]
+            each = [_layer(r, s, values, i, table) for r, s in pairs]
             a = [np.concatenate([p[x][0] for p in each]) for x in range(len(each[0]))]      # (R, in) per expert
             b = [np.concatenate([p[x][1] for p in each], axis=1) for x in range(len(each[0]))]  # (out, R)
             name = f"base_model.model.{module.format(i=i)}.{nested}"

@@ -37,7 +37,7 @@ class Folder:
         prefix = tables.PREFIX[self.kind]
         add = not any(name.startswith(prefix) for name in stored)
         self.names = {(prefix + n if add and not n.startswith("lm_head.") else n): inner + n for n in stored}
-        self.files = {name: stored[n] for name, n in self.names.items()}  # our name -> its file
+        self.files = {name: stored[n[len(inner):]] for name, n in self.names.items()}  # our name -> its file
         # MXFP4 weights: each read as one float tensor under its own name, from its blocks and scales
         self.packed = mxfp4.packed(self.files, self.config, self.where)
         self._stored_files = dict(self.files)

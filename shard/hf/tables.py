@@ -186,10 +186,11 @@ def _llama4() -> tuple[Row, ...]:
 
 
 TABLES["llama4_text"] = _llama4()
-# Bare expert stacks held (experts, in, out), the transpose of the others' (transformers' is_transposed): PEFT's
-# adapters on them take their in and out features from those axes (shard/hf/peft_params.py)
-EXPERTS_IN_OUT = {r.theirs for kind in ("gpt_oss", "llama4_text") for r in TABLES[kind]
-                  if r.theirs.endswith(("gate_up_proj", "down_proj"))}
+# The tables whose bare expert stacks are held (experts, in, out), the transpose of the others' (transformers'
+# is_transposed): PEFT's adapters on them take their in and out features from those axes (shard/hf/peft_params.py)
+EXPERTS_IN_OUT = {"gpt_oss"}
+# Llama 4's stacks are (experts, in, out) too, but its module does not say so: PEFT takes their in axis for its out
+EXPERTS_FLIPPED = {"llama4_text"}
 TABLES["mixtral"] = _experts(None, "block_sparse_moe", "w1", "w3", "w2")
 TABLES["qwen3_moe"] = _experts("head", "mlp", "gate_proj", "up_proj", "down_proj")
 TABLES["olmoe"] = _experts("projection", "mlp", "gate_proj", "up_proj", "down_proj")
@@ -198,7 +199,8 @@ TABLES["olmoe"] = _experts("projection", "mlp", "gate_proj", "up_proj", "down_pr
 QK_NORMS = {"mixtral": None, "qwen3_moe": "head", "olmoe": "projection"}
 FUSED = {kind: f"{kind}:fused" for kind in QK_NORMS}
 TABLES.update({FUSED[kind]: _fused_experts(qk_norm) for kind, qk_norm in QK_NORMS.items()})
-BARE = r"\.mlp\.((gate|router)\.weight|experts\.(gate_up|down)_proj)$"  # GPT-OSS's router: no Linear either
+# (GPT-OSS's router is no Linear either; Llama 4's is one, its experts under feed_forward)
+BARE = r"\.mlp\.((gate|router)\.weight|experts\.(gate_up|down)_proj)$|\.feed_forward\.experts\.(gate_up|down)_proj$"
 # The base model's prefix: a folder saved from the base model alone (GPT2Model, LlamaModel: the Hub's gpt2)
 # names its tensors without it, and transformers adds it when it reads them into the causal LM.
 PREFIX = {kind: "model." for kind in TABLES}
