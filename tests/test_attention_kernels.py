@@ -171,7 +171,7 @@ def test_attention_names_its_inputs_and_output_and_counts_a_windows_flops():
     names = [e.params["name"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "name"]
     assert names == [attention.QUERY, attention.KEY, attention.VALUE, attention.OUTPUT]
     call = next(e.params["name"] for e in jaxpr.jaxpr.eqns if e.primitive.name in ("pjit", "jit"))
-    assert attention.call_of(call) == (True, 3)
+    assert attention.call_of(call) == (True, 3, None)
     # query i sees keys i-2..i: 1 + 2 + 3 x 6 pairs, 2 FLOPs x (4 + 4) each, 2 heads
     assert attention.flops(q.shape, k.shape, v.shape, True, 3) == 2 * 2 * 21 * 8
     assert attention.flops(q.shape, k.shape, v.shape, True) == 2 * 2 * 36 * 8  # causal: L(L+1)/2 pairs

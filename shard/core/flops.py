@@ -12,9 +12,10 @@ cuDNN's or splash's fused kernel, which has no dot_general to count) is counted 
 value shapes: forward 2 x (query, key) pairs x (head_dim + value dim) per head, backward twice that.
 Causal attention counts the pairs on or below the diagonal, about half the square: the work actually
 needed (the convention of MaxText's and PaLM's MFU), not the masked square XLA's kernel computes.
-A sliding window counts the pairs inside it; a stack whose layers have different windows (the call's
-name lists them with their layer counts) counts each call at the mean over its layers, so the scan's
-trip count makes it the sum of every layer's own.
+A sliding window counts the pairs inside it, a chunk (Llama 4's chunked attention) the causal pairs inside each
+query's chunk; a stack whose layers have different windows or chunks (the call's name lists them with their layer
+counts) counts each call at the mean over its layers, so the scan's trip count makes it the sum of every layer's
+own.
 With activation checkpointing the recomputed forward is counted too (it is work the device does);
 MFU and the plan count a trace without it (shard/run/job.py).
 """
@@ -106,7 +107,7 @@ def _ragged_flops(eqn) -> float:
 
 
 def _attention_call(eqn) -> tuple | None:
-    """(is_causal, window) of an equation that calls an attention kernel (shard/nn/attention.py), else None."""
+    """(is_causal, window, chunk) of an equation that calls an attention kernel (shard/nn/attention.py), else None."""
     if eqn.primitive.name not in ("pjit", "jit"):
         return None
     return attention.call_of(eqn.params.get("name") or "")

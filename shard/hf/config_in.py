@@ -205,6 +205,8 @@ def _options(kind: str, get, where: str) -> dict:
     if kind in ("smollm3", "llama4_text"):
         n, every = get("num_hidden_layers"), get("no_rope_layer_interval")
         rotate = get("no_rope_layers")
+        if kind == "llama4_text" and rotate == []:  # Llama 4's config class takes an empty list for its default
+            rotate = None
         if rotate is None and not every:
             raise UserError(f"{where}: config.json has no_rope_layer_interval=0; it must be at least 1")
         rotate = [int((i + 1) % every != 0) for i in range(n)] if rotate is None else rotate

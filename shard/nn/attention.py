@@ -14,6 +14,7 @@ OUTPUT) and hands the call here unless generation or a context split takes it.
 import contextlib
 import contextvars
 import functools
+import re
 from dataclasses import dataclass
 
 import jax
@@ -21,16 +22,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from shard.nn import partition, splash
+from shard.nn.masks import chunk_segments, chunks, effective, fixed, visible, windows
 from shard.errors import UserError
 
 # jax.ad_checkpoint.checkpoint_name's names for attention's inputs and output, which remat policies keep or drop.
 QUERY, KEY, VALUE, OUTPUT = "query", "key", "value", "attention"
 
 # Every attention call is a jitted function of (q, k, v), and a packed batch's segment ids, with one of these
-# names (a sliding window's size after them, or a stack's windows and how many layers have each), so that
+# names (a sliding window's or chunk's size after them, or a stack's and how many layers have each), so that
 # shard/core/flops.py finds it in a step's jaxpr and counts its FLOPs from the shapes, whichever kernel runs
 # inside (fused ones have no matrix product to count).
 CAUSAL_NAME, FULL_NAME, WINDOW, WINDOWS = "shard_attention_causal", "shard_attention_full", "_window", "_windows"
+CHUNK, CHUNKS = "_chunk", "_chunks"  # after the window's part: a chunk size, or a stack's with their layer counts
 
 CUDNN_DTYPES = ("bfloat16", "float16")
 MASKED = -0.7 * float(np.finfo(np.float32).max)  # JAX's large negative for masked logits (finite: no NaN)
@@ -84,43 +87,6 @@ def check(kernel: str, device, dtype) -> None:
                         "use train.attention=auto or xla")
 
 
-# ----------------------------------------------------------------------------- windows
-# A sliding window, as models hand it to shard.nn.hooks.attention: None or 0 (global attention), a positive int (that
-# many keys), or (value, windows) for layers that differ inside one scanned stack: `windows` the static tuple of
-# every layer's window (0: a global layer), `value` this layer's, a traced int32 (models/layers.py's PerLayer).
-
-def windows(window) -> tuple:
-    """(value, sizes) of a call's window: `sizes` ((window, layers), ...) the distinct windows (0: global) and how
-    many layers have each, static; `value` None where there is one size (then static), else the traced one."""
-    value, every = window if isinstance(window, tuple) else (window, (window,))
-    every = tuple(0 if w is None else w for w in every)
-    if any(not isinstance(w, (int, np.integer)) or isinstance(w, bool) or w < 0 for w in every):
-        raise UserError(f"attention: sliding windows {every}; each is a number of keys >= 1, or 0 for a global layer")
-    sizes = tuple((int(w), every.count(w)) for w in sorted(set(every)))
-    return (None if len(sizes) == 1 else value), sizes
-
-
-def fixed(sizes: tuple) -> int | None:
-    """The one static window of `sizes` (None: global, or several sizes)."""
-    return sizes[0][0] or None if len(sizes) == 1 else None
-
-
-def visible(qpos, kpos, is_causal: bool, window=None):
-    """(..., t, s) bool: which keys each query sees by position, from qpos (..., t) and kpos (..., s), NumPy or
-    JAX arrays; None where it sees all. `window`: an int, or a traced int32 where 0 means global."""
-    if not is_causal and window is None:
-        return None
-    static = isinstance(qpos, np.ndarray) and isinstance(kpos, np.ndarray) and isinstance(window, (int, type(None)))
-    xp = np if static else jnp
-    apart = xp.asarray(qpos)[..., :, None] - xp.asarray(kpos)[..., None, :]  # how far back each key lies
-    seen = apart >= 0 if is_causal else None
-    if window is not None:
-        near = xp.abs(apart) < window
-        near = near if isinstance(window, int) else near | (window == 0)
-        seen = near if seen is None else seen & near
-    return seen
-
-
 def capped(scores, softcap: float | None):
     """Attention-logit soft-capping (Gemma 2's): softcap * tanh(scores / softcap), in the scores' dtype."""
     if softcap is None:
@@ -131,7 +97,7 @@ def capped(scores, softcap: float | None):
 
 # ----------------------------------------------------------------------------- choosing
 
-def _cudnn_misfit(q, k, segments, window, is_causal, softcap=None, sinks=None) -> str:
+def _cudnn_misfit(q, k, segments, window, is_causal, softcap=None, sinks=None, chunk=None) -> str:
     """Why cuDNN's fused attention cannot take this call ("" if it can; its dtype is `check`'s)."""
     if q.shape[-1] > 128 or q.shape[-1] % 8:
         return f"a head size <= 128 and a multiple of 8, got {q.shape[-1]}"
@@ -143,130 +109,151 @@ def _cudnn_misfit(q, k, segments, window, is_causal, softcap=None, sinks=None) -
         return "no attention-logit soft-capping (jax.nn.dot_product_attention's cuDNN path has none)"
     if sinks is not None:
         return "no attention sinks (jax.nn.dot_product_attention's cuDNN path has none; splash's kernel takes them)"
+    if chunk is not None and any(c for c, _ in chunks(chunk, is_causal, window)[1]):
+        return ("no chunked attention (attention_chunk_size: jax.nn.dot_product_attention's cuDNN path has no chunk "
+                "mask; XLA's and splash's kernels take it)")
     return ""
 
 
 def choose(kernel: str, q, k, segments=None, window=None, is_causal=True, device=None, softcap=None,
-           sinks=None) -> str:
+           sinks=None, chunk=None) -> str:
     """The kernel that runs this call: `auto` resolved by the device and the call's shapes; an explicit cudnn
     or splash that cannot take the call refused in one line (the device itself is checked by `check`). Splash's
-    kernel takes attention sinks (its online softmax starts from them), cuDNN's has none."""
+    kernel takes attention sinks (its online softmax starts from them) and chunks (its ChunkedCausalMask), cuDNN's
+    neither."""
+    misfit = lambda: _cudnn_misfit(q, k, segments, window, is_causal, softcap, sinks, chunk)  # noqa: E731
     if kernel == "auto":
         where = family(device or _device())
         if where == "tpu" and not splash.misfit(q, k):
             return "splash"
-        if where == "nvidia" and str(q.dtype) in CUDNN_DTYPES and not _cudnn_misfit(q, k, segments, window, is_causal,
-                                                                                     softcap, sinks):
+        if where == "nvidia" and str(q.dtype) in CUDNN_DTYPES and not misfit():
             return "cudnn"
         return "xla"
-    why = (_cudnn_misfit(q, k, segments, window, is_causal, softcap, sinks) if kernel == "cudnn"
-           else splash.misfit(q, k) if kernel == "splash" else "")
+    why = misfit() if kernel == "cudnn" else splash.misfit(q, k) if kernel == "splash" else ""
     if why:
         raise UserError(f"train.attention={kernel} needs {why}; use train.attention=auto or xla")
     return kernel
 
 
 def run(q, k, v, is_causal: bool, kernel: str, segments=None, window=None, softcap: float | None = None,
-        scale: float | None = None, sinks=None) -> jax.Array:
+        scale: float | None = None, sinks=None, chunk=None, places=None) -> jax.Array:
     """Attention over (batch, length, heads, head_dim) arrays with `kernel` (auto resolved here). `segments`
     (batch, length): a packed batch's document ids, a query seeing only its own document's keys. `window`: a
     query sees only the `window` nearest keys on each side, itself included (causal: the latest ones); None, an
     int or (value, windows) as `windows` reads it. `softcap`: the logits soft-capped (`capped`) before the mask
     and softmax. `scale`: the factor on q.k (None: 1/sqrt(head_dim)). `sinks` (heads,): each query head's sink
-    logit, one more in its softmax, weighing no value (`sink_logits`; None: none), a traced argument."""
+    logit, one more in its softmax, weighing no value (`sink_logits`; None: none), a traced argument. `chunk`:
+    Llama 4's chunked attention (shard/nn/masks.py), read as a window is; over packed rows by each token's
+    position in its document (`places`, (batch, length); None: found from the segment ids)."""
     value, sizes = windows(window)
+    cut, cuts = chunks(chunk, is_causal, window)
     if softcap is not None and not softcap > 0:
         raise UserError(f"attention: a logit soft-cap of {softcap}; it must be a positive number")
-    kernel = choose(kernel, q, k, segments, window, is_causal, softcap=softcap, sinks=sinks)
+    kernel = choose(kernel, q, k, segments, window, is_causal, softcap=softcap, sinks=sinks, chunk=chunk)
     precision = _SETTINGS.get().precision if kernel == "xla" else "float32"
     layout = splash.layout(q.shape, k.shape) if kernel == "splash" else None
     cpu = kernel == "xla" and family(_device()) == "cpu"
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     softcap = None if softcap is None else float(softcap)
+    places = None if segments is None or not any(c for c, _ in cuts) else places  # chunked packed rows' only
     # Everything the trace depends on is a static argument: JAX caches a jitted function's trace by its
     # arguments, not by the context (mesh, rules, settings) it was traced under.
-    return _named(bool(is_causal), sizes, softcap, scale)(q, k, v, segments, value, sinks, kernel=kernel,
-                                                          precision=precision, layout=layout, cpu=cpu)
+    return _named(bool(is_causal), sizes, cuts, softcap, scale)(q, k, v, segments, value, sinks, cut, places,
+                                                                kernel=kernel, precision=precision, layout=layout,
+                                                                cpu=cpu)
 
 
 @functools.cache
-def _named(is_causal: bool, sizes: tuple, softcap: float | None, scale: float):
-    def fn(q, k, v, segments, value, sinks, kernel, precision, layout, cpu):  # flops.py reads (q, k, v): the first 3
-        if value is None:
-            return _static(q, k, v, segments, sinks, fixed(sizes), kernel, precision, layout, cpu)
-        if kernel == "xla":  # the traced window is part of the mask
-            return _static(q, k, v, segments, sinks, jnp.asarray(value, jnp.int32), kernel, precision, layout, cpu)
-        # a fused kernel takes a static window: one call compiled per distinct window, the layer's chosen by its value
-        index = sum(jnp.where(value == w, i, 0) for i, (w, _) in enumerate(sizes))
-        branches = [functools.partial(_static, window=w or None, kernel=kernel, precision=precision, layout=layout,
-                                      cpu=cpu) for w, _ in sizes]
+def _named(is_causal: bool, sizes: tuple, cuts: tuple, softcap: float | None, scale: float):
+    def fn(q, k, v, segments, value, sinks, cut, places, kernel, precision, layout, cpu):  # flops.py reads q, k, v
+        chunk = effective(cut, cuts)
+        if segments is not None and chunk is not None:  # packed rows: each document's chunks documents of their own
+            segments, chunk = chunk_segments(segments, places, chunk), None
+        static = functools.partial(_static, kernel=kernel, precision=precision, layout=layout, cpu=cpu)
+        if kernel == "xla" or (value is None and isinstance(chunk, (int, type(None)))):  # XLA masks by a traced one
+            return static(q, k, v, segments, sinks, effective(value, sizes), chunk)
+        # a fused kernel takes a static window and chunk: one call compiled per distinct one (a call has a window or
+        # a chunk, not both: masks.chunks), the layer's chosen by its value
+        picked, spec = (value, sizes) if value is not None else (chunk, cuts)
+        index = sum(jnp.where(picked == w, i, 0) for i, (w, _) in enumerate(spec))
+        branches = [functools.partial(static, window=w or None, chunk=None) if value is not None
+                    else functools.partial(static, window=None, chunk=w or None) for w, _ in spec]
         return jax.lax.switch(index, branches, q, k, v, segments, sinks)
 
-    def _static(q, k, v, segments, sinks, window, kernel, precision, layout, cpu):
+    def _static(q, k, v, segments, sinks, window, chunk, kernel, precision, layout, cpu):
         if kernel == "splash":
             return splash.splash(q, k, v, is_causal, segments, window, layout=layout, softcap=softcap, scale=scale,
-                                 sinks=sinks)
+                                 sinks=sinks, chunk=chunk)
+        options = dict(scale=scale, softcap=softcap, sinks=sinks, chunk=chunk)
         if kernel == "xla" and cpu:
-            return xla_cpu(q, k, v, is_causal, segments, window, precision, scale=scale, softcap=softcap, sinks=sinks)
+            return xla_cpu(q, k, v, is_causal, segments, window, precision, **options)
         traced = not isinstance(window, (int, type(None)))
-        if kernel == "xla" and (precision == "bfloat16" or softcap is not None or traced or sinks is not None):
-            return xla_grouped(q, k, v, is_causal, segments, window, precision, scale=scale, softcap=softcap,
-                               sinks=sinks)
+        if kernel == "xla" and (precision == "bfloat16" or softcap is not None or traced or sinks is not None
+                                or chunk is not None):
+            return xla_grouped(q, k, v, is_causal, segments, window, precision, **options)
         # XLA's own (float32 logits and softmax) or cuDNN's fused kernel
         mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
         sides = None if window is None else (window - 1, 0 if is_causal else window - 1)
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=is_causal,
                                             local_window_size=sides, implementation=kernel)
 
-    name = CAUSAL_NAME if is_causal else FULL_NAME
-    if len(sizes) > 1:
-        name += WINDOWS + "_".join(f"{w}x{n}" for w, n in sizes)
-    elif fixed(sizes):
-        name += f"{WINDOW}{fixed(sizes)}"
+    name = (CAUSAL_NAME if is_causal else FULL_NAME) + _suffix(sizes, WINDOW, WINDOWS) + _suffix(cuts, CHUNK, CHUNKS)
     fn.__name__ = fn.__qualname__ = name
     return jax.jit(fn, static_argnames=("kernel", "precision", "layout", "cpu"))
 
 
+def _suffix(sizes: tuple, one: str, several: str) -> str:
+    """The name's part for a window's or chunk's sizes: "" (none), `one` and the size, or `several` and each size
+    with its layer count."""
+    if len(sizes) > 1:
+        return several + "_".join(f"{w}x{n}" for w, n in sizes)
+    return f"{one}{fixed(sizes)}" if fixed(sizes) else ""
+
+
+_CALL = re.compile(r"(?P<base>{}|{})(?:{}(?P<w>\d+)|{}(?P<ws>\d+x\d+(?:_\d+x\d+)*))?(?:{}(?P<c>\d+)|{}(?P<cs>\d+x\d+"
+                   r"(?:_\d+x\d+)*))?".format(CAUSAL_NAME, FULL_NAME, WINDOW, WINDOWS, CHUNK, CHUNKS))
+
+
 def call_of(name: str) -> tuple | None:
-    """(is_causal, window) of a jitted attention call by its name, else None (shard/core/flops.py): window None,
-    an int, or ((window, layers), ...) for a stack's windows (0: global)."""
-    for base, causal in ((CAUSAL_NAME, True), (FULL_NAME, False)):
-        if name == base:
-            return causal, None
-        size = name[len(base) + len(WINDOW):]
-        if name.startswith(base + WINDOW) and size.isdigit():
-            return causal, int(size)
-        spec = name[len(base) + len(WINDOWS):].split("_")
-        if name.startswith(base + WINDOWS) and all(len(p.split("x")) == 2 and p.replace("x", "").isdigit()
-                                                   for p in spec):
-            return causal, tuple(tuple(int(n) for n in p.split("x")) for p in spec)
-    return None
+    """(is_causal, window, chunk) of a jitted attention call by its name, else None (shard/core/flops.py): each of
+    window and chunk None, an int, or ((size, layers), ...) for a stack's (0: none)."""
+    if not (found := _CALL.fullmatch(name)):
+        return None
+    read = lambda one, several: (int(one) if one else None if several is None else  # noqa: E731
+                                 tuple(tuple(int(n) for n in p.split("x")) for p in several.split("_")))
+    return found["base"] == CAUSAL_NAME, read(found["w"], found["ws"]), read(found["c"], found["cs"])
 
 
-def flops(q_shape, k_shape, v_shape, is_causal: bool, window=None) -> float:
+def flops(q_shape, k_shape, v_shape, is_causal: bool, window=None, chunk=None) -> float:
     """Forward FLOPs of one attention call: the scores Q.K^T and the weighted sum P.V, 2 FLOPs per
     multiply-add, over the (query, key) pairs the output depends on. Causal attention counts only the
-    pairs on or below the diagonal (L(L+1)/2 of L^2 for equal lengths), a window only the pairs inside it:
-    the work actually needed, which is what a fused kernel does; XLA's own computes the full square.
-    `window` ((window, layers), ...), a stack's windows: the mean over its layers (the call runs once a layer)."""
+    pairs on or below the diagonal (L(L+1)/2 of L^2 for equal lengths), a window only the pairs inside it, a chunk
+    only the pairs inside a query's chunk: the work actually needed, which is what a fused kernel does; XLA's own
+    computes the full square. `window` or `chunk` ((size, layers), ...), a stack's: the mean over its layers (the
+    call runs once a layer). Positions as in a row (a packed batch's documents are not counted apart)."""
     if isinstance(window, tuple):
-        total = sum(n * flops(q_shape, k_shape, v_shape, is_causal, w or None) for w, n in window)
-        return total / sum(n for _, n in window)
+        return sum(n * flops(q_shape, k_shape, v_shape, is_causal, w or None, chunk) for w, n in window) / sum(
+            n for _, n in window)
+    if isinstance(chunk, tuple):
+        return sum(n * flops(q_shape, k_shape, v_shape, is_causal, window, c or None) for c, n in chunk) / sum(
+            n for _, n in chunk)
     batch, q_len, heads, head_dim = q_shape
     k_len, v_dim = k_shape[1], v_shape[-1]
     i = np.arange(q_len, dtype=np.int64)  # query i sees keys lo..hi (JAX's causal mask aligned at the top left)
     reach = k_len if window is None else window - 1
     hi = np.minimum(i if is_causal else i + reach, k_len - 1)
     lo = np.maximum(i - reach, 0) if window is not None else 0
+    lo = lo if chunk is None else np.maximum(lo, i // chunk * chunk)  # its chunk's first position
     pairs = int(np.maximum(hi - lo + 1, 0).sum())
     return 2.0 * batch * heads * pairs * (head_dim + v_dim)
 
 
 # ----------------------------------------------------------------------------- xla
 
-def _visible(t: int, s: int, is_causal: bool, window):
-    """(t, s): which keys each query sees by position in a row (None: all); a traced window gives a traced mask."""
-    return visible(np.arange(t), np.arange(s), is_causal, window)
+def _visible(t: int, s: int, is_causal: bool, window, chunk=None):
+    """(t, s): which keys each query sees by position in a row (None: all); a traced window or chunk gives a traced
+    mask."""
+    return visible(np.arange(t), np.arange(s), is_causal, window, chunk)
 
 
 def sink_logits(sinks, kv_heads: int):
@@ -305,13 +292,13 @@ def _logits(q, k, spec: str, precision: str):
 
 
 def xla_cpu(q, k, v, is_causal, segments=None, window=None, precision="float32", scale=None, softcap=None,
-            sinks=None):
+            sinks=None, chunk=None):
     """The XLA kernel written so XLA's CPU backend compiles it faster: the scale applied to the queries rather
     than the scores, the causal mask one (length, length) table rather than a mask the size of the scores, and
     the products as 3-D batched products over (batch x key/value heads) with a query head's group folded into
     its rows, rather than 4-D products and a vmap over groups. The default GPT's step on 2 cores: 62.9 -> 59.6
     ms for the first two, about 2 ms more for the 3-D products (bench/RESULTS.md). `scale` (None: 1/sqrt(head_dim)),
-    `softcap` and `sinks` as `run` takes them; a window may be a traced int (0: global)."""
+    `softcap` and `sinks` as `run` takes them; a window or `chunk` may be a traced int (0: none), by row place."""
     b, t, heads, d = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     groups = heads // kv_heads  # query heads per key/value head (heads = kv_head * groups + group, as JAX's)
@@ -319,7 +306,7 @@ def xla_cpu(q, k, v, is_causal, segments=None, window=None, precision="float32",
     q = q.reshape(b, t, kv_heads, groups, d).transpose(0, 2, 3, 1, 4).reshape(b * kv_heads, groups * t, d)
     k, v = (a.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, a.shape[-1]) for a in (k, v))
     scores = capped(_logits(q, k, "nqd,nsd->nqs", precision), softcap)
-    mask = _visible(t, s, is_causal, window)
+    mask = _visible(t, s, is_causal, window, chunk)
     mask = None if mask is None else jnp.tile(mask, (groups, 1))
     if segments is not None:  # packed rows: a query sees its own document's keys only
         same = segments[:, :, None] == segments[:, None, :]  # (b, t, s)
@@ -333,12 +320,12 @@ def xla_cpu(q, k, v, is_causal, segments=None, window=None, precision="float32",
 
 
 def xla_grouped(q, k, v, is_causal, segments=None, window=None, precision="bfloat16", scale=None, softcap=None,
-                sinks=None):
+                sinks=None, chunk=None):
     """The XLA kernel on any device with a query head's group as its own axis (each array keeps the batch and
     head axes the mesh splits): train.attention_precision=bfloat16 off the CPU, a soft-cap, a traced window,
-    sinks (jax.nn.dot_product_attention has none)."""
+    sinks, a chunk (jax.nn.dot_product_attention has none of the last three)."""
     t, s = q.shape[1], k.shape[1]
-    mask = _visible(t, s, is_causal, window)
+    mask = _visible(t, s, is_causal, window, chunk)
     if segments is not None:  # packed rows, as in xla_cpu
         same = (segments[:, :, None] == segments[:, None, :])[:, None, None]  # (b, 1, 1, t, s)
         mask = same if mask is None else mask & same

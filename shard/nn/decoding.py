@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from shard.nn import attention as attn
-from shard.nn import softmax
+from shard.nn import masks, softmax
 from shard.nn.partition import constrain
 
 CACHE_NAMES = ("batch", None, "kv_heads", "head_dim")  # (batch, position, key/value heads, head size)
@@ -130,34 +130,39 @@ class Calls:
 
 
 def attend(q, k, v, is_causal: bool, calls: Calls, window=None, softcap: float | None = None,
-           scale: float | None = None, sinks=None):
+           scale: float | None = None, sinks=None, chunk=None):
     """Attention of the new tokens' queries (batch, new, heads, head_dim) over each row's cached slots: the
     new keys and values are written at the row's `index` first (zeros for padding). A query sees the slots
     from its row's `start` up to its own (all written ones without `is_causal`), within its sliding `window`
-    (shard.nn.hooks.attention's; slots lie as far apart as positions); a padding query, only itself. `softcap`,
-    `scale` and `sinks` as the hook takes them."""
+    (shard.nn.hooks.attention's; slots lie as far apart as positions) or its `chunk` (by position: a chunk starts
+    at a row's start and every `chunk` slots after); a padding query, only itself. `softcap`, `scale` and `sinks`
+    as the hook takes them. A chunked layer keeps every position, as a global one."""
     real = calls.real(q.shape[1])[:, :, None, None]
     k, v = jnp.where(real, k, 0), jnp.where(real, v, 0)
-    value, sizes = attn.windows(window)
-    ring = attn.fixed(sizes) if value is None else None
+    value, sizes = masks.windows(window)
+    chunk = masks.effective(*masks.chunks(chunk, is_causal, window))
+    ring = masks.fixed(sizes) if value is None else None
     if ring is not None and is_causal and ring < calls.spans:
         return _attend_ring(q, k, v, calls, ring, softcap, scale, sinks)
     if value is not None and is_causal and len(set(kinds := cache_kinds(window[1], calls.spans))) > 1:
         return _attend_kinds(q, k, v, calls, kinds, value, softcap, scale, sinks)
     cache = calls.write({"k": k, "v": v})
-    return _attend_written(q, cache, calls, is_causal, ring if value is None else value, softcap, scale, sinks)
+    return _attend_written(q, cache, calls, is_causal, ring if value is None else value, softcap, scale, sinks, chunk)
 
 
-def _attend_written(q, cache, calls: Calls, is_causal: bool, window, softcap, scale, sinks=None):
+def _attend_written(q, cache, calls: Calls, is_causal: bool, window, softcap, scale, sinks=None, chunk=None):
     """The queries over a cache that holds every position at its slot, this call's keys written: its first `seen`
-    slots (a server attends over the slots in use, not the whole context), `window` (an int, a traced one with 0
-    global, or None) masking by position."""
+    slots (a server attends over the slots in use, not the whole context), `window` and `chunk` (an int, a traced
+    one with 0 for none, or None) masking by position."""
     width = calls.seen or calls.capacity
     new = calls.slots(q.shape[1])[:, :, None]            # (batch, new, 1): the queries' slots
     seen = jnp.arange(width)[None, None, :]               # the cache's slots attended over
     mask = (seen >= calls.start[:, None, None]) & (seen <= (new if is_causal else new[:, -1:]))
-    near = attn.visible(new[..., 0], seen[0, 0], False, window)
+    near = masks.visible(new[..., 0], seen[0, 0], False, window)
     mask = mask if near is None else mask & near
+    if chunk is not None:  # by position, slot - start: a row's chunks start at its first real token
+        first = calls.start[:, None]
+        mask = mask & masks.visible(new[..., 0] - first, seen[0] - first, False, None, chunk)
     mask = mask | (seen == new)
     return _attention(q, cache["k"][:, :width].astype(q.dtype), cache["v"][:, :width].astype(q.dtype), mask,
                       softcap, scale, sinks)

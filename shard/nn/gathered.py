@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shard.nn import attention as attn
-from shard.nn import partition
+from shard.nn import masks, partition
 
 # ----------------------------------------------------------------------------- all_gather, causal
 # Under the load-balanced layout device i's early chunk i sees key chunks 0..i and its late chunk 2N-1-i sees
@@ -34,12 +34,12 @@ def _blocks(n: int):
     return keys, late
 
 
-def gathered_causal(q, k, v, order, n, segments=None, window=None, softcap=None, scale=None, sinks=None):
+def gathered_causal(q, k, v, order, n, segments=None, window=None, softcap=None, scale=None, sinks=None, chunk=None):
     """Causal attention of split queries over gathered keys and values in the load-balanced layout, computing
     only the 2N+1 visible blocks of each device (the softmax is taken over all of a query's blocks at once).
-    `window` (an int, or a traced int with 0 for global), `softcap`, `scale` and `sinks` as
-    shard.nn.hooks.attention's: the window masks by position inside the blocks (blocks wholly outside it are still
-    computed); a sink joins each query's softmax."""
+    `window` and `chunk` (an int, or a traced int with 0 for none), `softcap`, `scale` and `sinks` as
+    shard.nn.hooks.attention's: the window and chunk mask by position inside the blocks (blocks wholly outside them
+    are still computed); a sink joins each query's softmax."""
     b, t, h, d = q.shape
     kv, c = k.shape[2], t // (2 * n)
     keys, late = _blocks(n)
@@ -61,9 +61,9 @@ def gathered_causal(q, k, v, order, n, segments=None, window=None, softcap=None,
     s_blocks = jnp.einsum("bijcngd,bijsnd->bijngcs", mixed_q, ks[:, :, n:], precision=precision,
                           preferred_element_type=jnp.float32) * scale
     s_prefix, s_blocks = attn.capped(s_prefix, softcap), attn.capped(s_blocks, softcap)
-    visible = attn.visible(qpos, kpos[:, n:], True, window)[:, :, None, None]  # (device, N+1, 1, 1, chunk, chunk)
-    if window is not None:  # the late chunk's prefix: causally all visible, not all within the window
-        near = attn.visible(pos[1::2], kpos[:, :n].reshape(n, n * c), True, window)  # (device, chunk, N x chunk)
+    visible = masks.visible(qpos, kpos[:, n:], True, window, chunk)[:, :, None, None]  # (device, N+1, 1, 1, c, c)
+    if window is not None or chunk is not None:  # the late chunk's prefix: causally all visible, not all near
+        near = masks.visible(pos[1::2], kpos[:, :n].reshape(n, n * c), True, window, chunk)  # (device, c, N x c)
         s_prefix = jnp.where(jnp.asarray(near)[None, :, None, None], s_prefix, -jnp.inf)
     if segments is not None:  # packed rows: a query's own document only (it always sees itself: no empty row)
         qseg = partition.constrain(segments.reshape(b, n, 2, c), ("batch", "length", None, None))

@@ -270,7 +270,8 @@ def layer(fn):
 # The kernels, and which one runs, are shard/nn/attention.py's.
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, window=None,
-              softcap: float | None = None, scale: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
+              softcap: float | None = None, scale: float | None = None, sinks: jax.Array | None = None,
+              chunk=None) -> jax.Array:
     """Scaled dot-product attention over (batch, length, heads, head_dim) arrays with the active kernel
     (`train.attention`: XLA's products, cuDNN's or splash's fused kernel), or over the context devices, the
     packed documents or the generation cache where the run has them. A model calls this instead of choosing a
@@ -292,26 +293,31 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, wind
       + group): it joins its head's softmax as one more key that weighs no value, so a query may attend to
       nothing: out = sum_j exp(l_j) v_j / (exp(sinks[h]) + sum_j exp(l_j)). Every path takes them, with their
       gradient; cuDNN's kernel has none: `auto` runs XLA's kernel then, an explicit train.attention=cudnn is refused.
+    chunk: chunked attention (Llama 4's attention_chunk_size C): causal, and a query at position p sees a key at s
+      only if s // C == p // C, positions as `positions` gives them (a packed document's from its start; a cache's
+      from the row's first real token). None or 0: unchunked; `(value, chunks)` per layer of a stack, as a window
+      (shard/nn/masks.py). Needs is_causal and no sliding window on the same call (one line otherwise); cuDNN has
+      no chunk mask: `auto` runs XLA's kernel then, an explicit train.attention=cudnn is refused.
     """
     if sinks is not None and tuple(jnp.shape(sinks)) != (q.shape[2],):
         raise UserError(f"attention: sinks of shape {tuple(jnp.shape(sinks))}; one logit per query head, "
                         f"({q.shape[2]},)")
     q, k, v = (checkpoint_name(x, name) for x, name in ((q, attn.QUERY), (k, attn.KEY), (v, attn.VALUE)))
     split = _CONTEXT.get()
-    options = dict(window=window, softcap=softcap, scale=scale, sinks=sinks)
+    options = dict(window=window, softcap=softcap, scale=scale, sinks=sinks, chunk=chunk)
     if (calls := _DECODE.get()) is not None:  # generating: over the cached keys and values
         return decoding.attend(q, k, v, bool(is_causal), calls, **options)
-    segments = None
+    segments = places = None
     if (rows := _PACKED.get()) is not None:
-        segments = rows[0]
+        segments, places = rows
         if segments.shape != q.shape[:2] or k.shape[1] != q.shape[1]:
             raise UserError(f"data.packing=documents: attention over {q.shape[:2]} (batch, length) queries and "
                             f"{k.shape[1]} keys does not match the batch's segment ids {segments.shape}; packed "
                             "rows need self-attention over whole rows (a pipeline's microbatches do not carry them)")
     if split is not None and split.size > 1:  # the sequence is split over the context devices
-        out = ring.attention(q, k, v, bool(is_causal), split, segments, **options)
+        out = ring.attention(q, k, v, bool(is_causal), split, segments, places=places, **options)
     else:
-        out = attn.run(q, k, v, bool(is_causal), _ATTENTION.get(), segments, **options)
+        out = attn.run(q, k, v, bool(is_causal), _ATTENTION.get(), segments, places=places, **options)
     return checkpoint_name(out, attn.OUTPUT)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from shard.nn import attention as attn
-from shard.nn import partition, softmax
+from shard.nn import masks, partition, softmax
 from shard.nn.gathered import gathered_causal
 
 AXIS = "context"
@@ -69,32 +69,40 @@ def positions(split: Split | None, length: int) -> jax.Array:
 
 
 def attention(q, k, v, is_causal: bool, split: Split, segments=None, window=None, softcap: float | None = None,
-              scale: float | None = None, sinks=None) -> jax.Array:
+              scale: float | None = None, sinks=None, chunk=None, places=None) -> jax.Array:
     """Attention over (batch, length, heads, head_dim) arrays split on length over `context`. `segments`
     (batch, length), a packed batch's document ids: a query sees only keys of its own document. `window`,
-    `softcap`, `scale` and `sinks` as shard.hooks.attention takes them: the window masks by the tokens' positions
-    (a layer's traced one too), so it holds over the split sequence whatever the layout."""
+    `softcap`, `scale`, `sinks` and `chunk` as shard.hooks.attention takes them: the window and chunk mask by the
+    tokens' positions (a layer's traced one too), so they hold over the split sequence whatever the layout; over
+    packed rows each document's chunks become documents of their own (masks.chunk_segments, from the tokens'
+    positions in their documents, `places` (batch, length); None: found from the segment ids)."""
     pos = positions(split, q.shape[1])
-    value, sizes = attn.windows(window)
-    window = attn.fixed(sizes) if value is None else value  # None (global), an int, or a traced int (0: global)
+    value, sizes = masks.windows(window)
+    cut, cuts = masks.chunks(chunk, is_causal, window)
+    window = masks.effective(value, sizes)  # None (global), an int, or a traced int (0: global)
+    chunk = masks.effective(cut, cuts)  # likewise
+    laid = split.order if split.order is not None and len(split.order) == q.shape[1] else None
+    if segments is not None and chunk is not None:
+        segments, chunk = masks.chunk_segments(segments, places, chunk, laid), None
     if split.strategy == "ring":
         mesh, _ = partition.active()
         spec = PartitionSpec(None, AXIS)
         halves = is_causal and split.order is not None and len(split.order) == q.shape[1]
-        win = None if window is None else jnp.asarray(window, jnp.int32)
-        widest = attn.fixed(sizes) if value is None else None if not all(w for w, _ in sizes) else sizes[-1][0]
-        laid = split.order if split.order is not None and len(split.order) == q.shape[1] else None
-        steps = ring_steps(laid, q.shape[1], split.size, is_causal, widest)
+        win, cut = (None if x is None else jnp.asarray(x, jnp.int32) for x in (window, chunk))
+        widest = masks.fixed(sizes) if value is None else None if not all(w for w, _ in sizes) else sizes[-1][0]
+        every = () if chunk is None or not all(c for c, _ in cuts) else tuple(c for c, _ in cuts)
+        steps = ring_steps(laid, q.shape[1], split.size, is_causal, widest, every)
         run = jax.shard_map(partial(_ring, causal=is_causal, n=split.size, halves=halves, steps=steps, softcap=softcap,
                                     scale=1 / math.sqrt(q.shape[-1]) if scale is None else scale), mesh=mesh,
-                            in_specs=(spec, spec, spec, PartitionSpec(AXIS), spec, PartitionSpec(), PartitionSpec()),
+                            in_specs=(spec, spec, spec, PartitionSpec(AXIS), spec, PartitionSpec(), PartitionSpec(),
+                                      PartitionSpec()),
                             out_specs=spec, axis_names={AXIS})
-        return run(q, k, v, pos, segments, win, sinks)
+        return run(q, k, v, pos, segments, win, cut, sinks)
     # all_gather: keys and values whole along length on every device; queries stay split.
     k, v = (partition.constrain(t, ("batch", None, "kv_heads", "head_dim")) for t in (k, v))
     if is_causal and split.order is not None and len(split.order) == q.shape[1]:
-        return gathered_causal(q, k, v, split.order, split.size, segments, window, softcap, scale, sinks)
-    mask = attn.visible(pos, pos, is_causal, window)
+        return gathered_causal(q, k, v, split.order, split.size, segments, window, softcap, scale, sinks, chunk)
+    mask = masks.visible(pos, pos, is_causal, window, chunk)
     if mask is not None:
         mask = partition.constrain(mask, ("length", None))[None, None]
     if segments is not None:  # each query's document against every (gathered) key's
@@ -115,22 +123,23 @@ def attention(q, k, v, is_causal: bool, split: Split, segments=None, window=None
 # the block's first half (chunk j) and none sees its second (2N-1-j > 2N-1-i); from a later one (j > i) the
 # device's second half (2N-1-i) sees the whole block and its first half sees none of it. So each passed-on
 # block costs half a block (`halves`): the whole sequence's attention costs about half of computing every
-# block, as the unsplit causal model's does. A sliding window masks by position inside each block, and skips what
-# lies wholly outside every query's window: a ring step whose block no device's queries see (the window's
-# widest, over a stack's layers, known when tracing: `ring_steps`) is neither computed nor passed on (the
-# blocks jump to the next step that is seen, in one permute), and on each device a block (or half block) none of
-# whose keys its queries see is skipped at run time (a layer's traced window: a local layer of a mixed stack).
+# block, as the unsplit causal model's does. A sliding window (or a chunk) masks by position inside each block, and
+# skips what lies wholly outside every query's window (chunk): a ring step whose block no device's queries see (the
+# window's widest, over a stack's layers, or every chunk size of its layers, known when tracing: `ring_steps`) is
+# neither computed nor passed on (the blocks jump to the next step that is seen, in one permute), and on each device
+# a block (or half block) none of whose keys its queries see is skipped at run time (a layer's traced window or
+# chunk: a local layer of a mixed stack).
 
 def _grouped(q, k):
     b, t, h, d = q.shape
     return q.reshape(b, t, k.shape[2], h // k.shape[2], d).transpose(0, 2, 3, 1, 4)
 
 
-def _scores(qg, k, qpos, kpos, causal, qseg=None, kseg=None, win=None, softcap=None, scale=1.0):
+def _scores(qg, k, qpos, kpos, causal, qseg=None, kseg=None, win=None, cut=None, softcap=None, scale=1.0):
     """The masked scores of a block, and (with a soft-cap) the cap's derivative at them (else None)."""
     s = attn.capped(jnp.einsum("bhgqd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale, softcap)
     slope = None if softcap is None else 1 - jnp.square(s / softcap)
-    seen = attn.visible(qpos, kpos, causal, win)
+    seen = masks.visible(qpos, kpos, causal, win, cut)
     s = s if seen is None else jnp.where(seen, s, -jnp.inf)
     if qseg is None:
         return s, slope
@@ -143,11 +152,13 @@ def _pass_on(tree, n, shift=1):
     return jax.lax.ppermute(tree, AXIS, [(i, (i + shift) % n) for i in range(n)])
 
 
-def ring_steps(order: tuple | None, length: int, n: int, causal: bool, window: int | None) -> tuple:
+def ring_steps(order: tuple | None, length: int, n: int, causal: bool, window: int | None,
+               chunks: tuple = ()) -> tuple:
     """The ring's steps (s in 1..n-1: the block of the device s back) whose keys some device's queries see, the
     tokens laid out in `order` (None: in order): all of them without a `window` (the widest of a stack's, a static
-    int); with one, those some query's window reaches."""
-    if window is None:
+    int) or `chunks` (every chunk size of a stack's layers, none 0; causal); with one, those some query's window or
+    chunk reaches."""
+    if window is None and not chunks:
         return tuple(range(1, n))
     pos = np.asarray(range(length) if order is None else order).reshape(n, length // n)
 
@@ -157,26 +168,32 @@ def ring_steps(order: tuple | None, length: int, n: int, causal: bool, window: i
         return [(int(r[0]), int(r[-1])) for r in np.split(p, cuts)]
 
     held = [runs(p) for p in pos]
-    # a query q of [qa, qb] sees a key k of [ka, kb] where q - k (qa - kb up to qb - ka) lies in [0, window) (causal)
-    # or (-window, window)
-    meets = lambda i, j: any(qa - kb < window and (qb - ka >= 0 if causal else ka - qb < window)  # noqa: E731
-                             for qa, qb in held[i] for ka, kb in held[j])
+    def sees(qa, qb, ka, kb):  # does a query of [qa, qb] see a key of [ka, kb]?
+        if window is not None:  # q - k (qa - kb up to qb - ka) in [0, window) (causal) or (-window, window)
+            return qa - kb < window and (qb - ka >= 0 if causal else ka - qb < window)
+        # chunks: q sees the keys from its chunk's start up to itself, so the first query at or after ka (whose
+        # chunk starts earliest) sees a key of [ka, kb] if any does
+        first = max(qa, ka)
+        return first <= qb and any(first // c * c <= kb for c in chunks)
+
+    meets = lambda i, j: any(sees(qa, qb, ka, kb) for qa, qb in held[i] for ka, kb in held[j])  # noqa: E731
     return tuple(s for s in range(1, n) if any(meets(i, (i - s) % n) for i in range(n)))
 
 
-def _forward(q, k, v, pos, seg, win, sinks, causal, n, halves, steps, softcap, scale):
+def _forward(q, k, v, pos, seg, win, cut, sinks, causal, n, halves, steps, softcap, scale):
     """Output and log-sum-exp of each query over every chunk: the device's own first (its diagonal, so
     every query has a visible key from the start), then the chunks passed on round the ring, those of `steps`
     (ring_steps). With `halves` (causal, load-balanced layout) only the visible half of each passed-on block is
-    computed; with a window, none of a block no query sees. Sinks are in the softmax's state from the start."""
+    computed; with a window or chunk, none of a block no query sees. Sinks are in the softmax's state from the start."""
     qg = _grouped(q, k)
 
     def fold(state, qg, qpos, k, v, kpos, qseg=None, kseg=None):
-        s, _ = _scores(qg, k, qpos, kpos, causal, qseg, kseg, win, softcap, scale)
+        s, _ = _scores(qg, k, qpos, kpos, causal, qseg, kseg, win, cut, softcap, scale)
         return softmax.fold(state, s, v, "bhgqk,bkhd->bhgqd")
 
     def seen(state, qg, qpos, k, v, kpos, qseg=None, kseg=None):
-        return _if_seen(qpos, kpos, causal, win, lambda state: fold(state, qg, qpos, k, v, kpos, qseg, kseg), state)
+        return _if_seen(qpos, kpos, causal, win, cut, lambda state: fold(state, qg, qpos, k, v, kpos, qseg, kseg),
+                        state)
 
     def fold_visible(state, k, v, kpos, kseg=None):
         if not halves:
@@ -207,36 +224,36 @@ def _forward(q, k, v, pos, seg, win, sinks, causal, n, halves, steps, softcap, s
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, -1).astype(q.dtype), lse
 
 
-def _if_seen(qpos, kpos, causal, win, fold, state):
-    """fold(state), or state as it is where a window leaves no query of `qpos` a key of `kpos` (decided on the
-    device, at run time: a traced window)."""
-    if win is None:
+def _if_seen(qpos, kpos, causal, win, cut, fold, state):
+    """fold(state), or state as it is where a window or chunk leaves no query of `qpos` a key of `kpos` (decided on
+    the device, at run time: a traced window or chunk)."""
+    if win is None and cut is None:
         return fold(state)
-    return jax.lax.cond(jnp.any(attn.visible(qpos, kpos, causal, win)), fold, lambda state: state, state)
+    return jax.lax.cond(jnp.any(masks.visible(qpos, kpos, causal, win, cut)), fold, lambda state: state, state)
 
 
-def _ring(q, k, v, pos, seg, win, sinks, causal, n, halves, steps, softcap, scale):
+def _ring(q, k, v, pos, seg, win, cut, sinks, causal, n, halves, steps, softcap, scale):
     """Ring attention on a device's chunks. The sinks, the same on every device, are made varying over `context`
     first: each device's gradient of them is its own queries' share, which autodiff then sums over the devices."""
     sinks = None if sinks is None else jax.lax.pcast(sinks, AXIS, to="varying")
-    return _ringed(q, k, v, pos, seg, win, sinks, causal, n, halves, steps, softcap, scale)
+    return _ringed(q, k, v, pos, seg, win, cut, sinks, causal, n, halves, steps, softcap, scale)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
-def _ringed(q, k, v, pos, seg, win, sinks, causal, n, halves, steps, softcap, scale):
-    return _forward(q, k, v, pos, seg, win, sinks, causal, n, halves, steps, softcap, scale)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
+def _ringed(q, k, v, pos, seg, win, cut, sinks, causal, n, halves, steps, softcap, scale):
+    return _forward(q, k, v, pos, seg, win, cut, sinks, causal, n, halves, steps, softcap, scale)[0]
 
 
-def _ring_fwd(q, k, v, pos, seg, win, sinks, causal, n, halves, steps, softcap, scale):
-    out, lse = _forward(q, k, v, pos, seg, win, sinks, causal, n, halves, steps, softcap, scale)
-    return out, (q, k, v, pos, seg, win, sinks, out, lse)
+def _ring_fwd(q, k, v, pos, seg, win, cut, sinks, causal, n, halves, steps, softcap, scale):
+    out, lse = _forward(q, k, v, pos, seg, win, cut, sinks, causal, n, halves, steps, softcap, scale)
+    return out, (q, k, v, pos, seg, win, cut, sinks, out, lse)
 
 
 def _ring_bwd(causal, n, halves, steps, softcap, scale, residuals, d_out):
     """The backward ring: each chunk's keys and values travel again, over the same `steps`, with their gradients
     accumulated along the way; after the last one a pass brings every chunk's gradients home. A sink's gradient
     needs no ring: -sum over its queries of p_sink (dO . O), p_sink = exp(sink - lse)."""
-    q, k, v, pos, seg, win, sinks, out, lse = residuals
+    q, k, v, pos, seg, win, cut, sinks, out, lse = residuals
     qg, dog = _grouped(q, k), _grouped(d_out.astype(jnp.float32), k)
     delta = jnp.sum(dog * _grouped(out.astype(jnp.float32), k), axis=-1)  # rowsum(dO * O)
     d_sinks = None
@@ -245,7 +262,7 @@ def _ring_bwd(causal, n, halves, steps, softcap, scale, residuals, d_out):
         d_sinks = -jnp.sum(p_sink * delta, axis=(0, 3)).reshape(sinks.shape).astype(sinks.dtype)
 
     def fold(dq, qg, dog, lse, delta, qpos, k, v, kpos, dk, dv, qseg=None, kseg=None):
-        s, slope = _scores(qg, k, qpos, kpos, causal, qseg, kseg, win, softcap, scale)
+        s, slope = _scores(qg, k, qpos, kpos, causal, qseg, kseg, win, cut, softcap, scale)
         p = jnp.exp(s - lse[..., None])
         dv = dv + jnp.einsum("bhgqk,bhgqd->bkhd", p, dog)
         ds = p * (jnp.einsum("bhgqd,bkhd->bhgqk", dog, v.astype(jnp.float32)) - delta[..., None])
@@ -255,7 +272,7 @@ def _ring_bwd(causal, n, halves, steps, softcap, scale, residuals, d_out):
         return dq, dk, dv
 
     def seen(dq, qg, dog, lse, delta, qpos, k, v, kpos, dk, dv, qseg=None, kseg=None):
-        return _if_seen(qpos, kpos, causal, win,
+        return _if_seen(qpos, kpos, causal, win, cut,
                         lambda grads: fold(grads[0], qg, dog, lse, delta, qpos, k, v, kpos, *grads[1:], qseg, kseg),
                         (dq, dk, dv))
 
@@ -291,7 +308,7 @@ def _ring_bwd(causal, n, halves, steps, softcap, scale, residuals, d_out):
     dq = dq.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
     no_grad = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), no_grad(pos), no_grad(seg), no_grad(win),
-            d_sinks)
+            no_grad(cut), d_sinks)
 
 
 _ringed.defvjp(_ring_fwd, _ring_bwd)

@@ -58,15 +58,19 @@ def layout(q_shape, kv_shape) -> Layout | None:
 
 
 def splash(q, k, v, is_causal: bool, segments=None, window: int | None = None, *, layout: Layout | None = None,
-           softcap: float | None = None, scale: float | None = None, sinks=None, interpret: bool = False) -> jax.Array:
+           softcap: float | None = None, scale: float | None = None, sinks=None, chunk: int | None = None,
+           interpret: bool = False) -> jax.Array:
     """Pallas splash attention over (batch, length, heads, head_dim) arrays: the kernel works on one example's
     (heads, length, head_dim), so it is mapped over the batch, and under a mesh (`layout`) each device maps it
     over its own block (a shard_map: the partitioner cannot split a Mosaic kernel). Grouped key/value heads are
     the kernel's own (a single one: its MQA form). `softcap`: the kernel's own logit soft-cap. `sinks` (heads,): the
     kernel's own attention sinks (its running maximum and sum start from each head's), their gradient its own too.
-    `interpret`: Pallas' interpreter, on any device (tests)."""
+    `chunk`: causal attention within chunks of that many row places (its ChunkedCausalMask, whose empty blocks it
+    skips; packed rows' chunks go in as segment ids instead, shard/nn/masks.py). `interpret`: Pallas' interpreter,
+    on any device (tests)."""
     def local(q, k, v, segments, sinks):
-        kernel = _splash_kernel(q.shape[2], k.shape[2], q.shape[1], k.shape[1], is_causal, window, interpret, softcap)
+        kernel = _splash_kernel(q.shape[2], k.shape[2], q.shape[1], k.shape[1], is_causal, window, interpret, softcap,
+                                chunk)
         # splash does not scale the logits; heads first, as it takes them
         q = (q * jnp.asarray(q.shape[-1] ** -0.5 if scale is None else scale, q.dtype)).transpose(0, 2, 1, 3)
         k, v = (a.transpose(0, 2, 1, 3) for a in (k, v))
@@ -94,12 +98,15 @@ def _segment_ids(s):
 
 @functools.lru_cache(maxsize=64)
 def _splash_kernel(heads: int, kv_heads: int, q_len: int, kv_len: int, is_causal: bool, window: int | None,
-                   interpret: bool, softcap: float | None = None):
+                   interpret: bool, softcap: float | None = None, chunk: int | None = None):
     """The kernel for one example's shapes (its mask's block map is worked out here, once, in NumPy)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     shape = (q_len, kv_len)
-    if window is not None:
+    if chunk is not None:
+        mask = masks.ChunkedCausalMask(shape, chunk)  # not among the package's exports
+    elif window is not None:
         mask = sa.LocalMask(shape, (window - 1, 0 if is_causal else window - 1), offset=0)
     else:
         mask = sa.CausalMask(shape) if is_causal else sa.FullMask(shape)
@@ -107,5 +114,6 @@ def _splash_kernel(heads: int, kv_heads: int, q_len: int, kv_len: int, is_causal
     blocks = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                            block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
     make = sa.make_splash_mqa if kv_heads == 1 else sa.make_splash_mha
-    return make(sa.MultiHeadMask([mask] * heads), block_sizes=blocks, head_shards=1, q_seq_shards=1,
-                attn_logits_soft_cap=softcap, interpret=interpret)
+    with jax.ensure_compile_time_eval():  # its block map as arrays, not values of the trace it is first made in
+        return make(sa.MultiHeadMask([mask] * heads), block_sizes=blocks, head_shards=1, q_seq_shards=1,
+                    attn_logits_soft_cap=softcap, interpret=interpret)
