@@ -167,7 +167,7 @@ def test_refusals_are_one_line():
 SPLASH = splash.splash
 
 
-@pytest.mark.parametrize("chunk,packed", [(48, False), ("traced", False), (48, True)])
+@pytest.mark.parametrize("chunk,packed", [("traced", False), (48, True)])  # traced: each static kernel switched
 def test_splash_takes_chunks(monkeypatch, chunk, packed):
     """The hook's splash path on 128 tokens: a static chunk of 48 (ChunkedCausalMask, chunks across the kernel's
     tiles), a layer's traced chunk (one kernel per chunk size, by jax.lax.switch), and packed documents (their chunks

@@ -157,7 +157,7 @@ def test_a_real_config_loads_with_transformers_logits_and_exports_back(folders, 
     out = tmp_path / "out"
     source = Folder(str(path))
     _, params, _ = nnx.split(loaded, nnx.Param, ...)
-    write.write_folder(params, "gpt", source.gpt_kwargs(), out, None, source=source)
+    write.write_folder(params, arch.model_name(source.kind), source.gpt_kwargs(), out, None, source=source)
     assert relative(torch_logits(reread(out)), want) < 1e-5
     written = json.loads((out / "config.json").read_text())
     assert (written["dtype"], written["torch_dtype"]) == ("float32", "float32")

@@ -29,9 +29,10 @@ class Folder:
             self.config = json.loads((self.path / "config.json").read_text())
         except (OSError, ValueError) as e:
             raise UserError(f"{self.where}: config.json is not readable JSON: {e}") from None
-        stored = self._files() if weights or config_only.has_weights(self.path) else {}
-        self.config, stored, inner = text_model(self.config, stored, self.where)
+        self.config, inner = text_config(self.config, self.where)
         self.kind = arch.model_type(self.config, self.where)
+        stored = self._files() if weights or config_only.has_weights(self.path) else {}
+        stored = text_tensors(stored, inner, self.where)
         # A base model's folder (the Hub's gpt2) names its tensors without the causal LM's prefix: read as
         # transformers does, with it added.
         prefix = tables.PREFIX[self.kind]
@@ -102,23 +103,33 @@ class Folder:
 MULTIMODAL = {"llama4": ("text_config", "language_model.", ("vision_model.", "multi_modal_projector."))}
 
 
-def text_model(config: dict, stored: dict, where: str) -> tuple[dict, dict, str]:
-    """A multimodal folder's language model: its config (text_config), its tensors without their prefix and the
-    prefix, the towers' tensors left out with one line saying so; any other folder as it is."""
+def text_config(config: dict, where: str) -> tuple[dict, str]:
+    """A multimodal folder's language model's config (text_config) and its tensors' prefix; any other folder's config
+    as it is, and no prefix."""
     if config.get("model_type") not in MULTIMODAL:
-        return config, stored, ""
-    field, prefix, towers = MULTIMODAL[config["model_type"]]
+        return config, ""
+    field, prefix, _ = MULTIMODAL[config["model_type"]]
     text = config.get(field)
     if not isinstance(text, dict):
         raise UserError(f"{where}: config.json of model_type {config['model_type']!r} has {field}={text!r}; its "
                         "language model's config is read from there (a mapping)")
+    return text, prefix
+
+
+def text_tensors(stored: dict, prefix: str, where: str) -> dict:
+    """The language model's tensors of a multimodal folder, without their prefix, the towers' left out with one line
+    saying so; any other folder's as they are."""
+    if not prefix:
+        return stored
+    kind = next(k for k, v in MULTIMODAL.items() if v[1] == prefix)
+    towers = MULTIMODAL[kind][2]
     skipped = sorted({t.rstrip(".") for n in stored for t in towers if n.startswith(t)})
     unknown = sorted(n for n in stored if not n.startswith(prefix) and not n.startswith(towers))
     if unknown:
         raise UserError(f"{where}: tensor {unknown[0]} is neither the language model's ({prefix}...) nor a tower's")
-    warn(f"{where}: a {config['model_type']} folder: its language model is read, "
-         f"{' and '.join(skipped) or 'no tower'} skipped (text only)")
-    return text, {n[len(prefix):]: f for n, f in stored.items() if n.startswith(prefix)}, prefix
+    warn(f"{where}: a {kind} folder: its language model is read, {' and '.join(skipped) or 'no tower'} skipped "
+         "(text only)")
+    return {n[len(prefix):]: f for n, f in stored.items() if n.startswith(prefix)}
 
 
 _SAME: dict = {}
