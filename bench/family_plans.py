@@ -126,10 +126,21 @@ PUBLISHED = {
         rope_scaling=None, sliding_window=None, use_sliding_window=False, attention_bias=False, num_experts=128,
         num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         output_router_logits=False, router_aux_loss_coef=0.001, tie_word_embeddings=False)),
+    # the fixture holds Scout's tokenizer alone: its published text_config's fields
+    "llama-4-scout-17b-16e": ("meta-llama/Llama-4-Scout-17B-16E config.json (text_config)", dict(
+        model_type="llama4_text", vocab_size=202048, hidden_size=5120, intermediate_size=8192,
+        intermediate_size_mlp=16384, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+        hidden_act="silu", max_position_embeddings=10485760, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0,
+                          original_max_position_embeddings=8192), attention_bias=False, attention_chunk_size=8192,
+        attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1, no_rope_layers=[], use_qk_norm=True,
+        num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=1, output_router_logits=False,
+        router_aux_loss_coef=0.001, tie_word_embeddings=False)),
 }
 # The real config.json files of fixtures/hf, read as they are.
 FIXTURE_FAMILIES = {"qwen3-4b": "qwen3-4b", "smollm3-3b": "smollm3-3b", "gemma-3-1b": "gemma-3-1b-it",
-                    "llama-3.2-3b": "llama-3.2-3b-instruct"}
+                    "llama-3.2-3b": "llama-3.2-3b-instruct", "gpt-oss-20b": "gpt-oss-20b",
+                    "olmo-3-32b": "olmo-3.1-32b-instruct"}
 ORDER = ["qwen3-4b", "qwen3-8b", "smollm3-3b", "gemma-2-9b", "gemma-3-1b", "gemma-3-12b", "phi-3-mini-4k",
          "phi-3-mini-128k", "olmo-2-7b", "mistral-7b", "mixtral-8x7b", "qwen3-30b-a3b", "llama-3.2-3b"]
 # What else is planned on a target, per family, after its `mesh=fsdp` row: (target, overrides). Found by these
