@@ -1,7 +1,7 @@
 """MaxText's train step and ours, compiled side by side for a TPU slice we do not have (issue 46).
 
-Both steps are compiled by the same TPU compiler (libtpu, for compile-only devices: nothing runs on a
-TPU) for the same model shape, batch, mesh (fsdp over every chip), remat (full) and compiler flags, and
+Both steps are compiled by the same TPU compiler (libtpu, for compile-only devices: nothing runs on a TPU) for
+the same model shape, batch, mesh (fsdp over every chip, or --mesh ep), remat (full) and compiler flags, and
 the script prints what that compiler says of each: its step-time estimate (the cost model's
 `optimal_seconds`), its FLOPs and the memory per chip (arguments + outputs not aliased + temporaries).
 Figures, not measurements.
@@ -50,8 +50,8 @@ GPU targets (h100x8 only: MaxText's `compile_topology=a3`): run this script with
 (the versions `pip list | grep nvidia` shows here). MaxText's GPU path compiles for jax.devices(); the worker
 hands it the CUDA plugin's compile-only H100s, and the flags go through XLA_FLAGS.
 
-Our side is `python train.py CONFIG run.target=TARGET --dry-run ...` in a subprocess; its plan file
-(<run.dir>/plan-TARGET.json, "compiler" section) has the figures.
+Our side is `python train.py CONFIG run.target=TARGET --dry-run ...` in a subprocess (--ours-worker: its step's
+HLO kept); its plan file (<run.dir>/plan-TARGET.json, "compiler" section) has the figures.
 
 Shapes (--shape):
   gpt_1b     configs/gpt_1b.yaml: d_model 2048, 20 layers, 16 heads of 128, SwiGLU 5632, vocab 256, seq 2048,
@@ -60,14 +60,28 @@ Shapes (--shape):
   llama3_8b  MaxText's model_name=llama3-8b (d 4096, 32 layers, 32 heads / 8 kv heads of 128, ffn 14336,
              vocab 128256, rope theta 500000), seq 8192, per-chip batch 1; ours: gpt_1b.yaml with the
              same shape as model.* overrides.
+  qwen3_30b_a3b  a mixture of experts (issue 58): MaxText's model_name=qwen3-30b-a3b (48 layers of 128 experts,
+             8 a token, expert ffn 768, d 2048, 32 heads / 4 kv heads of 128, vocab 151936), dropless
+             (sparse_matmul=true, capacity_factor=-1) through its megablox Pallas kernels (megablox=true,
+             use_tokamax_gmm=false: maxtext/kernels/megablox); ours: gpt_1b.yaml, train.init_from=a folder of
+             Qwen3-30B-A3B's config.json alone (bench/family_plans.py's), dropless, train.grouped_matmul=auto.
+             Seq 4096, per-chip batch 1. --mesh ep: the experts over every chip (ours mesh=ep; MaxText
+             ici_expert_parallelism=N, whose rules split the other weights over that axis too, as
+             ours-xla-embed-split does). Both sides' scatters stay on the TensorCore (MOE_FLAGS).
+             A grouped-matmul kernel carries its own cost estimate, which the TPU cost model counts (unlike
+             splash's): nothing analytic is added for it, only its loops' other iterations. megablox's estimate
+             counts its whole receive buffer, by default sized for the worst case (every token of the expert
+             group to one shard: 16x a fair share on 16 chips); maxtext-dot-buffer sizes it as ours are.
 
 Commands:
   python bench/anchor_compile.py --setup [--python /path/to/python3.12]   # once: the venv (PyPI only)
   python bench/anchor_compile.py --shape gpt_1b --target v5p-8           # every cell, a few minutes each
   python bench/anchor_compile.py --shape gpt_1b --layers unrolled --flags recommended --sides maxtext-dot
   python bench/anchor_compile.py --shape gpt_1b --table                  # the table from the results so far
+  python bench/anchor_compile.py --shape qwen3_30b_a3b --mesh ep --target v5p-32 --layers scanned \
+      --flags recommended --sides ours-xla,ours-xla-embed-split,maxtext-dot,maxtext-dot-buffer
 The venv is --venv (default: $SHARD_MAXTEXT_VENV, else .venv-maxtext beside the repository's folder).
-Each cell's figures are appended to --out (default runs/anchor_compile/SHAPE-TARGET.jsonl) as it
+Each cell's figures are appended to --out (default runs/anchor_compile/SHAPE-TARGET[-MESH].jsonl) as it
 finishes; a cell already there is not compiled again (--redo to recompile). Logs beside it. Run one
 at a time: each compile takes one to several CPU cores for minutes.
 
@@ -78,6 +92,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -114,17 +129,35 @@ SIDES = {  # column -> (framework, attention, more overrides)
     "ours-xla-bf16": ("ours", "xla", ["train.attention_precision=bfloat16"]),  # as MaxText's dot_product
     "ours-splash": ("ours", "splash", []),
     "ours-cudnn": ("ours", "cudnn", []),  # GPU targets
+    # --mesh ep: the weights other than the experts' split over the expert axis too, as MaxText's logical rules split
+    # their embed dimension (ours replicate them there, as data parallelism does)
+    "ours-xla-embed-split": ("ours", "xla", ["mesh.rules.embed=[fsdp,expert]"]),
     "maxtext-dot": ("maxtext", "dot_product", []),
     "maxtext-splash": ("maxtext", "flash", []),
     "maxtext-cudnn": ("maxtext", "cudnn_flash_jax", []),  # GPU: cuDNN through jax.nn.dot_product_attention
+    # a mixture of experts: the expert shards' receive buffers sized as ours are (1.25x a fair share, our default
+    # capacity_factor), not for the worst case (all the tokens to one shard, MaxText's dropless default), which is
+    # the rows megablox's cost estimate counts; past it MaxText drops tokens, where ours runs another round
+    "maxtext-dot-buffer": ("maxtext", "dot_product", ["ragged_buffer_factor=1.25"]),
 }
+# Mixtures of experts: (bench/family_plans.py's family, MaxText's model_name; its dimensions)
+MOE = {"qwen3_30b_a3b": ("qwen3-30b-a3b", dict(d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+                                               vocab=151936, seq=4096, experts=128, top_k=8, expert_ffn=768))}
+# Both sides' scatters kept on the TensorCore: the TPU cost model has no estimate for one offloaded to v5p's
+# SparseCores (its estimated_cycles INT64_MAX: optimal_seconds overflows negative); MoE routing sorts with them.
+MOE_FLAGS = {"xla_tpu_enable_offloading_scatter_to_sparsecore": False}
+SHAPES = ("gpt_1b", "llama3_8b", *MOE)
+MESHES = ("fsdp", "ep")
 LAYERS = ("scanned", "unrolled")
 FLAG_SETS = ("recommended", "none")
 RNG_FLAG = "--xla_tpu_spmd_rng_bit_generator_unsafe=true"  # what MaxText's train_compile.main adds
 
 
-def shape_spec(shape: str, chips: int) -> dict:
-    """Both frameworks' settings for one model shape on `chips` chips (fsdp over all of them)."""
+def shape_spec(shape: str, chips: int, mesh: str = "fsdp", work: Path | None = None) -> dict:
+    """Both frameworks' settings for one model shape on `chips` chips (fsdp, or expert parallelism for a mixture
+    of experts, over all of them); `work` holds the config.json folder of a model planned from one."""
+    if mesh != "fsdp" and shape not in MOE:
+        raise SystemExit(f"--mesh {mesh} is for a mixture of experts ({', '.join(MOE)}), not {shape}")
     if shape == "gpt_1b":
         dims = dict(d_model=2048, n_layers=20, n_heads=16, n_kv_heads=16, head_dim=128, d_ff=5632, vocab=256,
                     seq=2048, batch=8)
@@ -142,12 +175,26 @@ def shape_spec(shape: str, chips: int) -> dict:
                 "model.n_kv_heads=8", "model.d_ff=14336", "model.vocab_size=128256", "model.max_len=8192",
                 "model.rope_theta=500000", "model.norm_eps=1e-5", "data.seq_len=8192", f"data.batch_size={chips}"]
         maxtext = ["model_name=llama3-8b", "max_target_length=8192", "per_device_batch_size=1"]
+    elif shape in MOE:
+        import family_plans  # its config.json dicts (bench/ is this script's folder, first on sys.path)
+
+        family, dims = MOE[shape]
+        dims = {**dims, "batch": chips}
+        if mesh == "ep" and dims["experts"] % chips:
+            raise SystemExit(f"{family}'s {dims['experts']} experts do not split over {chips} chips")
+        folder = family_plans.config_folder(family, family_plans.family_config(family)[1], work)
+        ours = ["configs/gpt_1b.yaml", f"train.init_from={folder}", "model.routing=dropless",
+                f"data.seq_len={dims['seq']}", f"data.batch_size={chips}"]
+        maxtext = [f"model_name={family}", f"max_target_length={dims['seq']}", "per_device_batch_size=1",
+                   "sparse_matmul=true", "megablox=true", "use_tokamax_gmm=false", "capacity_factor=-1.0"]
     else:
-        raise SystemExit(f"unknown --shape {shape!r}: gpt_1b or llama3_8b")
-    ours += ["mesh=fsdp", "train.remat=full", "train.dtype=bfloat16"]
-    maxtext += [f"ici_fsdp_parallelism={chips}", "remat_policy=full", "dtype=bfloat16", "weight_dtype=float32",
-                "dataset_type=synthetic", "enable_checkpointing=false", "enable_dropout=false"]
-    return {"dims": dims, "ours": ours, "maxtext": maxtext}
+        raise SystemExit(f"unknown --shape {shape!r}: {', '.join(SHAPES)}")
+    ours += [f"mesh={mesh}", "train.remat=full", "train.dtype=bfloat16"]
+    maxtext += [f"ici_fsdp_parallelism={chips}"] if mesh == "fsdp" else [
+        "ici_fsdp_parallelism=1", f"ici_expert_parallelism={chips}"]
+    maxtext += ["remat_policy=full", "dtype=bfloat16", "weight_dtype=float32", "dataset_type=synthetic",
+                "enable_checkpointing=false", "enable_dropout=false"]
+    return {"dims": dims, "ours": ours, "maxtext": maxtext, "flags": MOE_FLAGS if shape in MOE else {}}
 
 
 # --------------------------------------------------------------------------------------------- setup
@@ -272,31 +319,61 @@ def our_cell(args, spec: dict, layers: str, flags: str, side: str, work: Path, e
     overrides = [*spec["ours"], f"run.target={args.target}", f"train.attention={attention}",
                  f"train.scan_layers={'true' if layers == 'scanned' else 'false'}",
                  f"run.recommended_flags={'true' if flags == 'recommended' else 'false'}", *more, f"run.dir={run_dir}"]
-    cmd = [sys.executable, "train.py", *overrides, "--dry-run"]
+    if spec["flags"]:
+        overrides.append("run.compiler_flags={" + ", ".join(f"{k}: {str(v).lower()}" for k, v in spec["flags"].items())
+                         + "}")
+    text_file = work / f"{name}.hlo.txt"
+    text_file.unlink(missing_ok=True)
+    # train.py itself, its compiled step's HLO kept (our_worker) to be read as MaxText's is
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--ours-worker", str(text_file), *overrides, "--dry-run"]
+    shown = "python " + " ".join(["train.py", *overrides, "--dry-run"])
     log = work / f"{name}.log"
     start = time.time()
     rc = run_logged(cmd, log, env, args.timeout_s)
     plans = sorted(run_dir.glob("plan*.json"))
     if rc or not plans:
-        return {"error": f"exit {rc}: {tail(log)}", "command": " ".join(cmd[1:])}
+        return {"error": f"exit {rc}: {tail(log)}", "command": shown}
     plan = json.loads(plans[0].read_text())
     c, mem = plan["compiler"], plan["memory_per_device"]
-    return {"command": "python " + " ".join(cmd[1:]), "wall_s": time.time() - start,
-            "step_s": c.get("step_s"), "raw_step_s": c.get("raw_step_s"), "loop_factor": c.get("loop_factor"),
+    read = {"step_s": c.get("step_s"), "raw_step_s": c.get("raw_step_s"), "loop_factor": c.get("loop_factor"),
             "kernel_s": c.get("kernel_s", 0.0), "kernel_calls": c.get("kernel_calls"),
-            "flops": c.get("flops_per_device"), "raw_flops": c.get("raw_flops_per_device"),
+            "flops": c.get("flops_per_device"), "raw_flops": c.get("raw_flops_per_device")}
+    again = text_file.exists() and reading(text_file.read_text(), c.get("raw_step_s"), c.get("raw_flops_per_device"),
+                                           spec["dims"], plan["devices"], plan["peak_tflops"] * 1e12)
+    if again and again["grouped_kernel_calls"]:
+        # The plan adds analytic FLOPs at peak for grouped products the cost model already counted (by the kernel's
+        # cost estimate), and takes tokamax's TPU kernels (gmm_megablox, ...) for attention's: read as MaxText's is.
+        read = {**again, "plan_step_s": c.get("step_s"), "plan_flops": c.get("flops_per_device")}
+    return {"command": shown, "wall_s": time.time() - start, **read,
             "memory": mem["total"], "temp": mem["temp"], "arguments": mem["arguments"],
             "model_flops_per_device": plan["flops_per_device"], "peak_tflops": plan.get("peak_tflops"),
-            "flags": plan.get("compiler_flags", {}), "flags_dropped": plan.get("compiler_flags_dropped", [])}
+            "flags": plan.get("compiler_flags", {}), "flags_dropped": plan.get("compiler_flags_dropped", []),
+            "collectives": {k: v["count"] for k, v in plan["collectives"].items() if v["count"]}}
 
 
-def maxtext_cell(args, spec: dict, layers: str, flags: dict, attention: str, work: Path, env: dict,
-                 tag: str) -> dict:
-    from shard.plan import hlo
+def our_worker(text_file: str, argv: list[str]) -> None:
+    """`python train.py ARGV` in this process, the HLO of the step its plan compiles written to text_file."""
+    import runpy
+
+    sys.path.insert(0, str(ROOT))
+    from shard.plan import analysis
+
+    figures = analysis.compiler_figures
+
+    def keep(step, text, *rest, **kwargs):
+        Path(text_file).write_text(text)
+        return figures(step, text, *rest, **kwargs)
+
+    analysis.compiler_figures = keep
+    sys.argv = [str(ROOT / "train.py"), *argv]
+    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+
+
+def maxtext_cell(args, spec: dict, layers: str, flags: dict, side: str, work: Path, env: dict, tag: str) -> dict:
     from shard.plan import target as target_lib
-    from shard.nn import attention as attention_lib
 
-    name = f"maxtext-{attention}-{layers}-{tag}"
+    _, attention, more = SIDES[side]
+    name = f"{side}-{layers}-{tag}" if more else f"maxtext-{attention}-{layers}-{tag}"
     out = work / f"{name}.json"
     out.unlink(missing_ok=True)
     tgt = target_lib.parse(args.target)
@@ -306,7 +383,7 @@ def maxtext_cell(args, spec: dict, layers: str, flags: dict, attention: str, wor
             raise SystemExit(f"MaxText's GPU topologies here: a3 (run.target=h100x8), not {args.target}")
         gpu = {"topology": tgt.topology, "target_config": target_lib.gpu_target_config(tgt.facts)}
     argv = [*spec["maxtext"], f"compile_topology={'a3' if gpu else args.target}", "compile_topology_num_slices=1",
-            f"attention={attention}", f"scan_layers={'true' if layers == 'scanned' else 'false'}",
+            f"attention={attention}", f"scan_layers={'true' if layers == 'scanned' else 'false'}", *more,
             f"run_name={name}", f"base_output_directory={work / 'maxtext-out'}"]
     written = " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in flags.items())
     if flags and gpu:  # on GPUs MaxText takes XLA's flags from XLA_FLAGS (its compile_xla_flags are libtpu's)
@@ -326,31 +403,66 @@ def maxtext_cell(args, spec: dict, layers: str, flags: dict, attention: str, wor
         return {"error": f"exit {rc}: {tail(log)}", "command": shown}
     got = json.loads(out.read_text())
     text = (work / f"{name}.hlo.txt").read_text()
-    # the same reading as shard.plan.compiler_figures
     n = tgt.chips_in_all()
-    peak = target_lib.per_device(tgt, n)["tflops"] * 1e12
-    dims = spec["dims"]
-    per_layer = attention_lib.flops((dims["batch"], dims["seq"], dims["n_heads"], dims["head_dim"]),
-                                    (dims["batch"], dims["seq"], dims["n_kv_heads"], dims["head_dim"]),
-                                    (dims["batch"], dims["seq"], dims["n_kv_heads"], dims["head_dim"]), True)
-    kernels = hlo.kernel_calls(text)
-    kernel_flops = per_layer * dims["n_layers"] * 4 / n if kernels else 0.0  # fwd + bwd (2x) + remat's fwd
-    kernel_s = kernel_flops / peak if kernel_flops else 0.0
-    once = hlo.dot_flops(text, loops=False, convolutions=True)
-    extra = hlo.dot_flops(text, convolutions=True) - once
-    scale, basis = hlo.loop_scale(text)
-    raw_s = got["cost"].get("optimal_seconds")
-    raw_s = raw_s if raw_s and raw_s > 0 else None
-    raw_flops = got["cost"].get("flops")
     m = got["memory"]
     total = m["argument_size_in_bytes"] + m["output_size_in_bytes"] - m["alias_size_in_bytes"] \
         + m["temp_size_in_bytes"]
+    raw_s = got["cost"].get("optimal_seconds")
     return {"command": shown, "wall_s": time.time() - start, "compile_s": got["compile_s"],
-            "step_s": raw_s * scale + kernel_s if raw_s else None, "raw_step_s": raw_s, "loop_factor": scale,
-            "loop_basis": basis, "kernel_s": kernel_s, "kernel_calls": kernels,
-            "flops": raw_flops + extra + kernel_flops if raw_flops else None, "raw_flops": raw_flops,
+            **reading(text, raw_s, got["cost"].get("flops"), spec["dims"], n,
+                      target_lib.per_device(tgt, n)["tflops"] * 1e12),
             "memory": total, "temp": m["temp_size_in_bytes"], "arguments": m["argument_size_in_bytes"],
             "flags": flags, "versions": got["versions"]}
+
+
+def reading(text: str, raw_s: float | None, raw_flops: float | None, dims: dict, n: int, peak: float) -> dict:
+    """A compiled step's figures per chip, read as shard.plan.compiler_figures reads ours: the cost model's time
+    scaled by the loops' trips (hlo.loop_scale), its FLOPs plus the loops' other iterations' matrix products, and
+    attention's analytic FLOPs at peak where a kernel the cost model cannot see (splash) computes it. But a grouped
+    matmul kernel (megablox's, tokamax's, XLA's own ragged-dot) carries a cost estimate, which the cost model counts
+    once per loop body (time: KERNEL_RATES' roofline) and hlo.loop_scale's cycles leave out: its time is taken out
+    of the scaled part and counted for every execution, its FLOPs likewise, nothing analytic added."""
+    from shard.plan import hlo
+
+    comps, entry = hlo.computations(text)
+    runs, once = hlo.executions(comps, entry), hlo.executions(comps, entry, loops=False)
+    grouped = flops_all = flops_once = s_all = s_once = 0
+    for name, lines in comps.items():
+        for line in lines:
+            if 'custom_call_target="tpu_custom_call"' in line and GROUPED.search(line):
+                grouped += runs.get(name, 0)
+                f, b = map(int, ESTIMATE.search(line).groups()) if ESTIMATE.search(line) else (0, 0)
+                t = max(f / KERNEL_RATES[0], b / KERNEL_RATES[1])
+                flops_all, flops_once = flops_all + f * runs.get(name, 0), flops_once + f * once.get(name, 0)
+                s_all, s_once = s_all + t * runs.get(name, 0), s_once + t * once.get(name, 0)
+    kernels = hlo.kernel_calls(text)
+    kernel_flops = attention_kernel_flops(dims, n) if kernels > grouped else 0.0
+    kernel_s = kernel_flops / peak if kernel_flops else 0.0
+    dots_once = hlo.dot_flops(text, loops=False, convolutions=True)
+    extra = hlo.dot_flops(text, convolutions=True) - dots_once + flops_all - flops_once
+    scale, basis = hlo.loop_scale(text)
+    raw_s = raw_s if raw_s and raw_s > 0 else None  # the cost model answers a negative time where it has none
+    return {"step_s": (raw_s - s_once) * scale + s_all + kernel_s if raw_s else None, "raw_step_s": raw_s,
+            "loop_factor": scale, "loop_basis": basis, "kernel_s": kernel_s, "kernel_calls": kernels,
+            "grouped_kernel_calls": grouped, "grouped_estimate_flops": flops_all, "grouped_estimate_s": s_all,
+            "flops": raw_flops + extra + kernel_flops if raw_flops else None, "raw_flops": raw_flops}
+
+
+def attention_kernel_flops(dims: dict, n: int) -> float:
+    """Attention's analytic FLOPs per chip where a kernel the cost model cannot see (splash) computes it: causal
+    pairs, forward, backward (2x) and the forward again under full remat."""
+    from shard.nn import attention as attention_lib
+
+    q = (dims["batch"], dims["seq"], dims["n_heads"], dims["head_dim"])
+    kv = (dims["batch"], dims["seq"], dims["n_kv_heads"], dims["head_dim"])
+    return attention_lib.flops(q, kv, kv, True) * dims["n_layers"] * 4 / n
+
+
+GROUPED = re.compile(r"ragged[-_]dot|gmm")  # XLA's and tokamax's ragged-dot, megablox's gmm/tgmm Pallas kernels
+ESTIMATE = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"\d+","bytes_accessed":"(\d+)"')
+# The time the v5p cost model (libtpu 0.0.42.1) gives a Pallas kernel's cost estimate, found by compiling kernels of
+# given estimates: max(flops / 394e12, bytes / 2.35e12) seconds
+KERNEL_RATES = (3.94e14, 2.35e12)
 
 
 def cells(args) -> list[tuple[str, str, str]]:
@@ -371,9 +483,9 @@ def measure(args) -> None:
     from shard.plan import target as target_lib
 
     tgt = target_lib.parse(args.target)
-    spec = shape_spec(args.shape, tgt.chips_in_all())
-    work = args.out.parent / f"{args.shape}-{args.target}"
+    work = args.out.parent / args.out.stem
     work.mkdir(parents=True, exist_ok=True)
+    spec = shape_spec(args.shape, tgt.chips_in_all(), args.mesh, work)
     env = {**os.environ, "LIBTPU_INIT_ARGS": (os.environ.get("LIBTPU_INIT_ARGS", "") + " " + RNG_FLAG).strip(),
            "JAX_PLATFORMS": "cpu"}
     if any(s.startswith("maxtext") for s in args.sides) and not (args.venv / "bin" / "python").exists():
@@ -385,7 +497,7 @@ def measure(args) -> None:
     for layers, flags, side in cells(args):
         if (layers, flags, side) in done and not args.redo and "error" not in done[(layers, flags, side)]:
             continue
-        framework, attention, _ = SIDES[side]
+        framework = SIDES[side][0]
         print(f"compiling {side}, layers {layers}, flags {flags} ...", flush=True)
         if framework == "ours":
             r = our_cell(args, spec, layers, flags, side, work, env)
@@ -393,8 +505,9 @@ def measure(args) -> None:
             # the flags ours compiled with (chips.yaml's, less any this compiler dropped), else chips.yaml's
             ours = [done.get((layers, flags, s)) for s in ("ours-xla", "ours-splash")]
             used = next((o["flags"] for o in ours if o and "flags" in o), None)
-            given = (used if used is not None else recommended) if flags == "recommended" else {}
-            r = maxtext_cell(args, spec, layers, given, attention, work, env, flags)
+            given = {**((used if used is not None else recommended) if flags == "recommended" else {}),
+                     **spec["flags"]}
+            r = maxtext_cell(args, spec, layers, given, side, work, env, flags)
         r.update(layers=layers, flags_set=flags, side=side, shape=args.shape, target=args.target,
                  when=time.strftime("%Y-%m-%d %H:%M"), commit=commit)
         done[(layers, flags, side)] = r
@@ -430,11 +543,16 @@ def table(args) -> str:
                 continue
             for what, cell in (("compiler step ms", lambda r: fmt_ms(r["step_s"])),
                                ("of which kernel ms", lambda r: fmt_ms(r["kernel_s"]) if r["kernel_s"] else "0"),
+                               ("of which grouped kernels' ms", lambda r: fmt_ms(r.get("grouped_estimate_s"))),
                                ("raw ms (loop x)", lambda r: f"{fmt_ms(r['raw_step_s'])} (x{r['loop_factor']:.2f})"
                                 if r.get("raw_step_s") else "-"),
                                ("compiler FLOPs/chip", lambda r: fmt_f(r["flops"])),
-                               ("memory GiB/chip", lambda r: fmt_gib(r["memory"]))):
+                               ("of which grouped kernels' own", lambda r: fmt_f(r.get("grouped_estimate_flops"))),
+                               ("memory GiB/chip", lambda r: fmt_gib(r["memory"])),
+                               ("args + temp GiB", lambda r: f"{fmt_gib(r['arguments'])} + {fmt_gib(r['temp'])}")):
                 vals = [("error" if "error" in r else cell(r)) if r else "" for r in row]
+                if "grouped" in what and set(vals) <= {"-", "", "error"}:
+                    continue
                 lines.append(f"| {layers} | {flags} | {what} | " + " | ".join(vals) + " |")
     errors = [r for r in done.values() if "error" in r]
     lines += [f"{r['side']} {r['layers']} {r['flags_set']}: {r['error']}" for r in errors]
@@ -442,12 +560,16 @@ def table(args) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--ours-worker"]:
+        our_worker(argv[1], argv[2:])
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--setup", action="store_true", help="create the MaxText venv (pip from PyPI) and exit")
     p.add_argument("--python", help="the Python 3.12 interpreter for --setup")
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV)
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--shape", default="gpt_1b", choices=("gpt_1b", "llama3_8b"))
+    p.add_argument("--shape", default="gpt_1b", choices=SHAPES)
+    p.add_argument("--mesh", default="fsdp", choices=MESHES, help="fsdp, or ep (experts split over every chip)")
     p.add_argument("--target", default="v5p-8")
     p.add_argument("--layers", default=",".join(LAYERS))
     p.add_argument("--flags", default=",".join(FLAG_SETS))
@@ -471,7 +593,8 @@ def main(argv: list[str]) -> int:
         bad = [x for x in given if x not in allowed]
         if bad:
             raise SystemExit(f"unknown {bad}: choose from {', '.join(allowed)}")
-    args.out = (args.out or ROOT / "runs" / "anchor_compile" / f"{args.shape}-{args.target}.jsonl").resolve()
+    name = f"{args.shape}-{args.target}" + ("" if args.mesh == "fsdp" else f"-{args.mesh}")
+    args.out = (args.out or ROOT / "runs" / "anchor_compile" / f"{name}.jsonl").resolve()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if not args.table:
         measure(args)
