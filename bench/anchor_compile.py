@@ -129,15 +129,13 @@ SIDES = {  # column -> (framework, attention, more overrides)
     "ours-xla-bf16": ("ours", "xla", ["train.attention_precision=bfloat16"]),  # as MaxText's dot_product
     "ours-splash": ("ours", "splash", []),
     "ours-cudnn": ("ours", "cudnn", []),  # GPU targets
-    # --mesh ep: the weights other than the experts' split over the expert axis too, as MaxText's logical rules split
-    # their embed dimension (ours replicate them there, as data parallelism does)
+    # --mesh ep: the other weights split over the expert axis too (their embed dimension), as MaxText's rules do
     "ours-xla-embed-split": ("ours", "xla", ["mesh.rules.embed=[fsdp,expert]"]),
     "maxtext-dot": ("maxtext", "dot_product", []),
     "maxtext-splash": ("maxtext", "flash", []),
     "maxtext-cudnn": ("maxtext", "cudnn_flash_jax", []),  # GPU: cuDNN through jax.nn.dot_product_attention
-    # a mixture of experts: the expert shards' receive buffers sized as ours are (1.25x a fair share, our default
-    # capacity_factor), not for the worst case (all the tokens to one shard, MaxText's dropless default), which is
-    # the rows megablox's cost estimate counts; past it MaxText drops tokens, where ours runs another round
+    # MoE: the experts' receive buffers sized as ours (1.25x a fair share), not for the worst case (its dropless
+    # default, the rows megablox's cost estimate counts); past them MaxText drops tokens, ours runs another round
     "maxtext-dot-buffer": ("maxtext", "dot_product", ["ragged_buffer_factor=1.25"]),
 }
 # Mixtures of experts: (bench/family_plans.py's family, MaxText's model_name; its dimensions)
@@ -319,11 +317,9 @@ def our_cell(args, spec: dict, layers: str, flags: str, side: str, work: Path, e
     overrides = [*spec["ours"], f"run.target={args.target}", f"train.attention={attention}",
                  f"train.scan_layers={'true' if layers == 'scanned' else 'false'}",
                  f"run.recommended_flags={'true' if flags == 'recommended' else 'false'}", *more, f"run.dir={run_dir}"]
-    if spec["flags"]:
-        overrides.append("run.compiler_flags={" + ", ".join(f"{k}: {str(v).lower()}" for k, v in spec["flags"].items())
-                         + "}")
-    text_file = work / f"{name}.hlo.txt"
-    text_file.unlink(missing_ok=True)
+    given = ", ".join(f"{k}: {str(v).lower()}" for k, v in spec["flags"].items())
+    overrides += [f"run.compiler_flags={{{given}}}"] if given else []
+    (text_file := work / f"{name}.hlo.txt").unlink(missing_ok=True)
     # train.py itself, its compiled step's HLO kept (our_worker) to be read as MaxText's is
     cmd = [sys.executable, str(Path(__file__).resolve()), "--ours-worker", str(text_file), *overrides, "--dry-run"]
     shown = "python " + " ".join(["train.py", *overrides, "--dry-run"])
@@ -486,6 +482,7 @@ def measure(args) -> None:
     work = args.out.parent / args.out.stem
     work.mkdir(parents=True, exist_ok=True)
     spec = shape_spec(args.shape, tgt.chips_in_all(), args.mesh, work)
+    spec["flags"] = {} if tgt.family == "gpu" else spec["flags"]  # MOE_FLAGS are libtpu's
     env = {**os.environ, "LIBTPU_INIT_ARGS": (os.environ.get("LIBTPU_INIT_ARGS", "") + " " + RNG_FLAG).strip(),
            "JAX_PLATFORMS": "cpu"}
     if any(s.startswith("maxtext") for s in args.sides) and not (args.venv / "bin" / "python").exists():
