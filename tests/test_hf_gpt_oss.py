@@ -117,3 +117,22 @@ def test_real_gpt_oss_20b_config_reads_as_transformers_reads_it():
     assert ours.yarn[4] == pytest.approx(factor) and kwargs["rope_scaling"]["truncate"] is False
     rounded = rope.make(kwargs["rope_theta"], {**kwargs["rope_scaling"], "truncate": True})
     assert np.max(np.abs(np.asarray(rounded.frequencies(32)) - inv_freq.numpy()) / inv_freq.numpy()) > 1e-3
+
+
+def test_the_newer_attention_options_export_only_as_their_family():
+    """Sinks, attention biases alone, interleaved RoPE, chunks and temperature tuning are GPT-OSS's or Llama 4's: a
+    dense GPT with any of them, or one family's MoE with the other's, is refused in one line, never written as a
+    folder transformers would read without them."""
+    from shard.hf import arch
+
+    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, position="rope", norm="rmsnorm", mlp="swiglu")
+    oss = dict(base, n_experts=4, top_k=2, routing="dropless", router="topk_softmax", router_bias=True,
+               expert_bias=True, swiglu_limit=7.0, attn_sinks=True)
+    assert arch.from_gpt(oss, "moe")["model_type"] == "gpt_oss"
+    for kwargs, name in ((dict(base, attn_sinks=True), "gpt"), (dict(base, attn_bias=True), "gpt"),
+                         (dict(base, rope_interleaved=True), "gpt"), (dict(base, chunks=[6, 0]), "gpt"),
+                         (dict(base, rope_layers=[1, 0], attn_temperature_floor=4.0), "gpt"),
+                         (dict(oss, chunks=[6, 0]), "moe"), (dict(oss, rope_interleaved=True), "moe")):
+        with pytest.raises(UserError, match="--format hf: model") as e:
+            arch.from_gpt(kwargs, name)
+        assert "\n" not in str(e.value)

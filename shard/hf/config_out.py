@@ -147,6 +147,13 @@ def with_defaults(kwargs: dict) -> dict:
     return g
 
 
+def newer_attention(g: dict) -> set[str]:
+    """The GPT options (with_defaults') only GPT-OSS's or Llama 4's attention has, set here: no dense family's
+    config.json holds them, and an MoE family's holds only its own."""
+    return {k for k in ("attn_sinks", "attn_bias", "rope_interleaved", "attn_temperature_floor") if g[k]} | \
+        ({"chunks"} if any(g["chunks"] or []) else set())
+
+
 def _kind(g: dict) -> str | None:
     scaling = (g["rope_scaling"] or {}).get("rope_type", "llama3") if g["rope_scaling"] else None
     partial = g["rotary_dim"] not in (0, g["head_dim"])
@@ -158,7 +165,7 @@ def _kind(g: dict) -> str | None:
             and g["head_dim"] * g["n_heads"] == g["d_model"] and plain and not g["rope_scaling"] else None
     if g["position"] != "rope" or g["mlp"] == "gelu" or g["embed_scale"] != (g["norm"] == "rmsnorm+1"):
         return None
-    if g["attn_sinks"] or g["attn_bias"]:  # GPT-OSS's attention: an MoE's (shard/hf/experts.py)
+    if newer_attention(g):  # GPT-OSS's and Llama 4's attention: MoE families' (shard/hf/experts.py)
         return None
     unbiased = not (g["qkv_bias"] or g["bias"] or g["mlp_bias"])
     gemma_only = bool(g["attn_softcap"] or g["logit_softcap"] or g["attn_scale"])

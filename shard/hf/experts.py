@@ -225,72 +225,77 @@ def _is_gpt_oss(kwargs: dict, routing: dict) -> bool:
         kwargs.get("swiglu_limit", 0) > 0
 
 
+def _newer_family(kwargs: dict, kind: str, own: set[str], fits, needs: str) -> tuple[dict, dict]:
+    """(the MoE's arguments with every default, config.json's fields both GPT-OSS and Llama 4 write) of an MoE with
+    `kind`'s router and experts; one line where its attention is not that family's: a Llama's (rope, RMSNorm, SwiGLU,
+    pre-norms, dropless, q/k/v/o biases or none, every channel rotated, no soft-caps) with no option of the other
+    family's (`own`: those of the newer options it may set) and `fits(g)` true; `needs` says what it takes."""
+    g = {**_moe_defaults(), **_routing_defaults(), **config_out.with_defaults(kwargs)}
+    llama = (g["position"], g["norm"], g["mlp"], g["norms"], g["routing"]) == \
+        ("rope", "rmsnorm", "swiglu", "pre", "dropless") and not (g["qkv_bias"] and not g["attn_bias"]) and \
+        not (g["bias"] or g["mlp_bias"] or g["embed_scale"]) and g["rotary_dim"] in (0, g["head_dim"]) and \
+        not (g["attn_softcap"] or g["logit_softcap"] or g["attn_scale"] or g["local_rope_theta"])
+    if not (llama and config_out.newer_attention(g) <= own and fits(g)):
+        raise UserError(f"--format hf: model 'moe' with {kind}'s router and experts is a {kind} folder only with its "
+                        "attention: position=rope, norm=rmsnorm, mlp=swiglu, routing=dropless, no biases but "
+                        f"attn_bias, {needs}")
+    common = dict(model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=g["vocab_size"],
+                  hidden_size=g["d_model"], num_hidden_layers=g["n_layers"], num_attention_heads=g["n_heads"],
+                  num_key_value_heads=g["n_kv_heads"], head_dim=g["head_dim"], intermediate_size=g["d_ff"],
+                  max_position_embeddings=g["max_len"], rms_norm_eps=g["norm_eps"], hidden_act="silu",
+                  attention_bias=g["attn_bias"], tie_word_embeddings=g["tie_embeddings"],
+                  num_local_experts=g["n_experts"], num_experts_per_tok=g["top_k"], torch_dtype="float32",
+                  pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    return g, common
+
+
+def _rope_fields(g: dict, scaling_kind: str) -> dict:
+    """rope_parameters: the family's one scaling kind or none, with the base."""
+    scaling = dict(g["rope_scaling"] or {})
+    scaling.pop("rope_type", None)
+    return dict(rope_type=scaling_kind, **scaling) if scaling else dict(rope_type="default")
+
+
 def _gpt_oss_config(kwargs: dict) -> dict:
     """GPT-OSS's config.json: its attention with sinks, every other layer or none sliding, YaRN or no scaling."""
-    g = {**_moe_defaults(), **_routing_defaults(), **config_out.with_defaults(kwargs)}
-    scaling = dict(g["rope_scaling"] or {})
+    def fits(g):
+        return g["attn_sinks"] and g["qk_norm"] == "none" and g["rope_layers"] is None and \
+            len({w for w in g["windows"] or [] if w}) <= 1 and \
+            (g["rope_scaling"] or {}).get("rope_type", "yarn") == "yarn"
+
+    g, common = _newer_family(kwargs, "gpt_oss", {"attn_sinks", "attn_bias"}, fits,
+                              "attn_sinks=true, one window on the sliding layers or none, yarn or no rope_scaling")
     windows = list(g["windows"] or [0] * g["n_layers"])
     sizes = sorted({w for w in windows if w})
-    fits = (g["position"], g["norm"], g["mlp"], g["qk_norm"], g["norms"], g["routing"]) == \
-        ("rope", "rmsnorm", "swiglu", "none", "pre", "dropless") and g["attn_sinks"] and \
-        not (g["qkv_bias"] and not g["attn_bias"]) and not (g["bias"] or g["mlp_bias"] or g["embed_scale"]) and \
-        g["rope_layers"] is None and g["rotary_dim"] in (0, g["head_dim"]) and len(sizes) <= 1 and \
-        not (g["attn_softcap"] or g["logit_softcap"] or g["attn_scale"] or g["local_rope_theta"]) and \
-        scaling.get("rope_type", "yarn") == "yarn"
-    if not fits:
-        raise UserError("--format hf: model 'moe' with GPT-OSS's router and experts is a gpt_oss folder only with its "
-                        "attention: position=rope, norm=rmsnorm, mlp=swiglu, attn_sinks=true, attn_bias true or "
-                        "false (no other biases), one window on the sliding layers or none, yarn or no rope_scaling, "
-                        "routing=dropless")
-    scaling.pop("rope_type", None)
-    rope = dict(rope_type="yarn", **scaling) if scaling else dict(rope_type="default")
-    return dict(model_type="gpt_oss", architectures=[ARCHITECTURES["gpt_oss"]], vocab_size=g["vocab_size"],
-                hidden_size=g["d_model"], num_hidden_layers=g["n_layers"], num_attention_heads=g["n_heads"],
-                num_key_value_heads=g["n_kv_heads"], head_dim=g["head_dim"], intermediate_size=g["d_ff"],
-                max_position_embeddings=g["max_len"], rms_norm_eps=g["norm_eps"], hidden_act="silu",
-                rope_parameters=dict(rope, rope_theta=g["rope_theta"]), attention_bias=g["attn_bias"],
-                layer_types=[config_in.LAYER_TYPES[bool(w)] for w in windows], sliding_window=sizes[0] if sizes
-                else None, tie_word_embeddings=g["tie_embeddings"], num_local_experts=g["n_experts"],
-                num_experts_per_tok=g["top_k"], router_aux_loss_coef=float(g["aux_loss_weight"]),
+    return dict(common, rope_parameters=dict(_rope_fields(g, "yarn"), rope_theta=g["rope_theta"]),
+                layer_types=[config_in.LAYER_TYPES[bool(w)] for w in windows],
+                sliding_window=sizes[0] if sizes else None, router_aux_loss_coef=float(g["aux_loss_weight"]),
                 output_router_logits=g["balancing"] == "pooled" and g["aux_loss_weight"] > 0,
-                swiglu_limit=float(g["swiglu_limit"]), swiglu_alpha=float(g["swiglu_alpha"]), torch_dtype="float32",
-                pad_token_id=None, bos_token_id=None, eos_token_id=None)
+                swiglu_limit=float(g["swiglu_limit"]), swiglu_alpha=float(g["swiglu_alpha"]))
 
 
 def _llama4_config(kwargs: dict) -> dict:
     """Llama 4's text config.json: its attention (interleaved RoPE, the weightless q/k norm, temperature tuning on the
     layers without RoPE, one chunk size on the chunked layers), every layer a mixture of experts with a shared one."""
-    g = {**_moe_defaults(), **_routing_defaults(), **config_out.with_defaults(kwargs)}
-    scaling = dict(g["rope_scaling"] or {})
-    rotate = list(g["rope_layers"] or [1] * g["n_layers"])
+    def fits(g):
+        return g["rope_interleaved"] and g["qk_norm"] in ("l2", "none") and set(g["rope_layers"] or [1]) <= {0, 1} \
+            and len({c for c in g["chunks"] or [] if c}) <= 1 and not any(g["windows"] or []) and \
+            (g["rope_scaling"] or {}).get("rope_type", "llama3") == "llama3" and \
+            g["shared_d_ff"] in (0, g["d_ff"]) and float(g["attn_temperature_floor"]).is_integer()
+
+    g, common = _newer_family(kwargs, "llama4_text", {"attn_bias", "rope_interleaved", "attn_temperature_floor",
+                                                      "chunks"}, fits,
+                              "rope_interleaved=true, qk_norm l2 or none, rope_layers of 0 and 1, one chunk size, no "
+                              "windows, Llama 3's or no rope_scaling, a whole attn_temperature_floor, shared_d_ff = "
+                              "d_ff")
     chunks = list(g["chunks"] or [0] * g["n_layers"])
     sizes = sorted({c for c in chunks if c})
     floor = g["attn_temperature_floor"]
-    fits = (g["position"], g["norm"], g["mlp"], g["norms"], g["routing"]) == \
-        ("rope", "rmsnorm", "swiglu", "pre", "dropless") and g["rope_interleaved"] and g["qk_norm"] in ("l2", "none") \
-        and not (g["qkv_bias"] and not g["attn_bias"]) and not (g["bias"] or g["mlp_bias"] or g["embed_scale"]) and \
-        set(rotate) <= {0, 1} and g["rotary_dim"] in (0, g["head_dim"]) and len(sizes) <= 1 and \
-        not any(g["windows"] or []) and not (g["attn_softcap"] or g["logit_softcap"] or g["attn_scale"] or
-                                              g["local_rope_theta"] or g["attn_sinks"]) and \
-        scaling.get("rope_type", "llama3") == "llama3" and g["shared_d_ff"] in (0, g["d_ff"]) and \
-        float(floor).is_integer()
-    if not fits:
-        raise UserError("--format hf: model 'moe' with Llama 4's router and shared expert is a llama4_text folder only "
-                        "with its attention: position=rope, norm=rmsnorm, mlp=swiglu, rope_interleaved=true, qk_norm "
-                        "l2 or none, no biases but attn_bias, rope_layers of 0 and 1, one chunk size, no windows, "
-                        "Llama 3's or no rope_scaling, a whole attn_temperature_floor, shared_d_ff = d_ff")
-    scaling.pop("rope_type", None)
-    rope = dict(rope_type="llama3", **scaling) if scaling else dict(rope_type="default")
-    return dict(model_type="llama4_text", architectures=[ARCHITECTURES["llama4_text"]], vocab_size=g["vocab_size"],
-                hidden_size=g["d_model"], num_hidden_layers=g["n_layers"], num_attention_heads=g["n_heads"],
-                num_key_value_heads=g["n_kv_heads"], head_dim=g["head_dim"], intermediate_size=g["d_ff"],
-                intermediate_size_mlp=g["d_ff"], max_position_embeddings=g["max_len"], rms_norm_eps=g["norm_eps"],
-                hidden_act="silu", rope_parameters=dict(rope, rope_theta=g["rope_theta"]),
-                attention_bias=g["attn_bias"], no_rope_layers=rotate, use_qk_norm=g["qk_norm"] == "l2",
+    return dict(common, intermediate_size_mlp=g["d_ff"],
+                rope_parameters=dict(_rope_fields(g, "llama3"), rope_theta=g["rope_theta"]),
+                no_rope_layers=list(g["rope_layers"] or [1] * g["n_layers"]), use_qk_norm=g["qk_norm"] == "l2",
                 attn_temperature_tuning=bool(floor), floor_scale=int(floor or 8192),
                 attn_scale=float(g["attn_temperature_scale"]), attention_chunk_size=sizes[0] if sizes else None,
                 layer_types=["chunked_attention" if c else "full_attention" for c in chunks],
-                tie_word_embeddings=g["tie_embeddings"], num_local_experts=g["n_experts"],
-                num_experts_per_tok=g["top_k"], moe_layers=list(range(g["n_layers"])), interleave_moe_layer_step=1,
-                output_router_logits=False, router_aux_loss_coef=0.001, torch_dtype="float32", pad_token_id=None,
-                bos_token_id=None, eos_token_id=None)
+                moe_layers=list(range(g["n_layers"])), interleave_moe_layer_step=1, output_router_logits=False,
+                router_aux_loss_coef=0.001)
