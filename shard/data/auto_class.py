@@ -12,7 +12,8 @@ it, as AutoTokenizer.from_pretrained decides in transformers/models/auto/tokeniz
 - no class named: the model type's registered class, else the file as written.
 
 The data below is transformers 5.24's, named as that file names it; only the model types whose class matters
-here are listed (those registered to the file as written or to a class shard/data/pipelines.py builds).
+here are listed (those registered to the file as written or to a class shard/data/pipelines.py builds, and those
+of a family an export writes).
 """
 
 GENERIC = "TokenizersBackend"  # the file as written (a lone SentencePiece .model: its generic conversion)
@@ -31,6 +32,8 @@ _REGISTERED_BY_CLASS = {
     "GemmaTokenizer": """
         diffusion_gemma gemma gemma2 gemma3 gemma3_text gemma3n gemma3n_text recurrent_gemma shieldgemma2 t5gemma
         zaya""",
+    "GPTNeoXTokenizer": "falcon_mamba gpt_neox mamba mamba2 mpt olmo olmoe rwkv xlstm",  # read as written here; an
+    # export written as olmoe names the run's class, which its registered class would garble (a .model's pieces)
     "GPT2Tokenizer": """
         blip-2 codegen dbrx emu3 gpt2 gpt_neo gptj hyperclovax_vision_v2 instructblip instructblipvideo jais2 opt
         phi starcoder2""",

@@ -150,7 +150,7 @@ class Text:
     def __init__(self, found: Found, where: str):
         self.found, self.where = found, where
         self.tok, self._byte_level = _backend(found, where)
-        self.cls, self.picked = self.read_as(found.config, found.model)  # the class it is read with
+        self.cls, self.picked = _class(found, found.config, found.model, self._byte_level)  # the class it is read with
         self.tok.no_truncation()  # transformers' tokenizer(text) truncates only when asked
         self.tok.no_padding()
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
@@ -167,7 +167,12 @@ class Text:
 
     def read_as(self, config: dict, model: dict) -> tuple[str, str | None]:
         """auto_class.of_folder for these files beside this tokenizer_config.json and config.json's MODEL_KEYS: the
-        class AutoTokenizer builds them with (an exported folder's config.json may pick another than the run's)."""
+        class AutoTokenizer builds them with (an exported folder's config.json may pick another than the run's).
+        vocab.json + merges.txt where nothing names a class: AutoTokenizer tries the file as written (a tokenizer.json
+        it does not find) and fails, where the run reads GPT-2's class; the answer is then GENERIC, so an export
+        names the run's class in its tokenizer_config.json."""
+        if self.found.kind == "bpe" and auto_class.choose(config, model, byte_level=False) is None:
+            return auto_class.GENERIC, None
         return _class(self.found, config, model, self._byte_level)
 
     def _id(self, token: str | None) -> int | None:
