@@ -337,8 +337,8 @@ def our_cell(args, spec: dict, layers: str, flags: str, side: str, work: Path, e
     again = text_file.exists() and reading(text_file.read_text(), c.get("raw_step_s"), c.get("raw_flops_per_device"),
                                            spec["dims"], plan["devices"], plan["peak_tflops"] * 1e12)
     if again and again["grouped_kernel_calls"]:
-        # The plan adds analytic FLOPs at peak for grouped products the cost model already counted (by the kernel's
-        # cost estimate), and takes tokamax's TPU kernels (gmm_megablox, ...) for attention's: read as MaxText's is.
+        # The plan counts each grouped kernel's FLOPs by its own estimate, as this reading does, but scales their
+        # time with the rest of the loop bodies': read as MaxText's is, each run at the cost model's kernel rates.
         read = {**again, "plan_step_s": c.get("step_s"), "plan_flops": c.get("flops_per_device")}
     return {"command": shown, "wall_s": time.time() - start, **read,
             "memory": mem["total"], "temp": mem["temp"], "arguments": mem["arguments"],
@@ -422,20 +422,20 @@ def reading(text: str, raw_s: float | None, raw_flops: float | None, dims: dict,
 
     comps, entry = hlo.computations(text)
     runs, once = hlo.executions(comps, entry), hlo.executions(comps, entry, loops=False)
-    grouped = flops_all = flops_once = s_all = s_once = 0
+    s_all = s_once = 0
     for name, lines in comps.items():
         for line in lines:
             if 'custom_call_target="tpu_custom_call"' in line and GROUPED.search(line):
-                grouped += runs.get(name, 0)
                 f, b = map(int, ESTIMATE.search(line).groups()) if ESTIMATE.search(line) else (0, 0)
                 t = max(f / KERNEL_RATES[0], b / KERNEL_RATES[1])
-                flops_all, flops_once = flops_all + f * runs.get(name, 0), flops_once + f * once.get(name, 0)
                 s_all, s_once = s_all + t * runs.get(name, 0), s_once + t * once.get(name, 0)
-    kernels = hlo.kernel_calls(text)
-    kernel_flops = attention_kernel_flops(dims, n) if kernels > grouped else 0.0
+    k = hlo.kernels(text)  # the grouped kernels' FLOPs by their own estimates, every run (as the plan counts them)
+    grouped, flops_all = k.grouped, k.estimated_flops
+    kernels = k.calls
+    kernel_flops = attention_kernel_flops(dims, n) if k.attention_unestimated else 0.0
     kernel_s = kernel_flops / peak if kernel_flops else 0.0
     dots_once = hlo.dot_flops(text, loops=False, convolutions=True)
-    extra = hlo.dot_flops(text, convolutions=True) - dots_once + flops_all - flops_once
+    extra = hlo.dot_flops(text, convolutions=True) - dots_once + k.estimated_flops - k.estimated_once
     scale, basis = hlo.loop_scale(text)
     raw_s = raw_s if raw_s and raw_s > 0 else None  # the cost model answers a negative time where it has none
     return {"step_s": (raw_s - s_once) * scale + s_all + kernel_s if raw_s else None, "raw_step_s": raw_s,

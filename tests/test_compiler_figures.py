@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from conftest import TINY_GPT, overrides, run_cli
@@ -141,15 +142,122 @@ def test_a_scanned_and_an_unrolled_compile_give_the_same_estimate(tmp_path):
 
 
 @needs_libtpu
-def test_tokamax_grouped_kernels_on_a_tpu_are_counted_as_the_experts_work(tmp_path):
-    """configs/text_moe.yaml dropless under ep on v5p-8: auto takes tokamax's Mosaic kernel for the experts' grouped
-    products (custom calls the cost model cannot see), and the plan adds their analytic FLOPs, not attention's:
-    forward, then two products each in the backward pass, of 2 x pairs x d x f per expert matrix (NumPy-free
-    arithmetic from the config: 4 layers, 32 x 64 tokens x top-2, d_model 96, d_ff 192, gelu: two matrices)."""
+def test_the_moe_dropless_under_ep_on_a_tpu_counts_its_grouped_kernels_by_their_estimates(tmp_path):
+    """configs/text_moe.yaml dropless under ep on v5p-8: every custom-call kernel is a grouped product's (XLA's own
+    ragged-dot kernels: tokamax falls back to its XLA path on a compile-only target), each stating its cost, so
+    nothing analytic is added on top of them; they hold at least the experts' forward and rows' gradient share
+    (2 x pairs x d x f per expert matrix: 4 layers, 32 x 64 tokens x top-2, d_model 96, d_ff 192, two matrices)."""
     pytest.importorskip("tokamax")
     cfg = config.load("configs/text_moe.yaml", overrides(tmp_path, "model.routing=dropless", "run.target=v5p-8",
                                                          "train.attention=xla"))
     c = analysis.analyse(cfg, target.devices(target.of(cfg.run)))["compiler"]
     assert c["grouped_kernel_calls"] == c["kernel_calls"] > 0  # every kernel an experts' product, none attention's
     forward = 4 * 2 * (2 * 32 * 64 * 2 * 96 * 192)
-    assert c["kernel_flops_per_device"] == pytest.approx(3 * forward / 4)
+    assert c["kernel_flops_per_device"] == 0 and c["kernel_estimated_flops_per_device"] >= 2 * forward / 4
+
+
+# A grouped product of m rows (k wide) by its group's (k, n) matrix, in a loop of L trips: the forward, the rows'
+# gradient and the matrices' gradient, 2 m k n FLOPs each (numpy below), each run once per trip.
+M, K, N, G, L = 512, 256, 384, 4, 6
+PRODUCT = 2 * int(np.prod([M, K, N]))
+OTHER = 1_000_000  # the program's other work, as the cost model counts it
+ATTENTION = 7e12  # a work's attention FLOPs, never run here: whoever counts a grouped kernel as attention's shows
+# the model's work as the plan's trace gives it: attention's, and the grouped products' forward (one a layer)
+GROUPED_WORK = SimpleNamespace(attention_flops=ATTENTION, grouped_flops=L * PRODUCT,
+                               data=SimpleNamespace(task="lm", batch_size=1, tokens_per_example=1))
+
+
+def grouped_program(names: tuple, estimated: bool, op_name: str = "") -> str:
+    """HLO text: an L-trip loop whose body runs three grouped products' kernels named `names` (and the helper that
+    computes the groups' offsets), each with its Pallas cost estimate or none."""
+    estimate = f'"cost_estimate":{{"flops":"{PRODUCT}","bytes_accessed":"8"}},' if estimated else ""
+    where = f', metadata={{op_name="{op_name}"}}' if op_name else ""
+    calls = "\n".join(f'  %{name} = f32[8]{{0}} custom-call(%a), custom_call_target="{target}", backend_config='
+                       f'{{"custom_call_config":{{{estimate}"body":"}}"\n}}}}{where}'
+                       for name, target in names)
+    return f"""HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {{
+  %ragged-dot-metadata = (s32[3]{{0}}) custom-call(%s), custom_call_target="tpu_custom_call"
+{calls}
+}}
+
+ENTRY %main (a: f32[8]) -> f32[8] {{
+  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"{L}"}}}}
+}}
+"""
+
+
+def grouped_figures(text: str, stated: float):
+    """The plan's compiler figures of `text`, one device, whose cost analysis counted `stated` FLOPs of kernels (the
+    TPU cost model counts a kernel's estimate, once per loop body) beside the other work."""
+    step = SimpleNamespace(cost_analysis=lambda: {"flops": OTHER + stated})
+    return analysis.compiler_figures(step, text, GROUPED_WORK, 0.0, None, 1, "none")
+
+
+TPU = "tpu_custom_call"
+
+
+@pytest.mark.parametrize("names,estimated,op_name", [
+    ((("gmm_megablox.1", TPU), ("gmm_megablox_transpose_rhs.1", TPU), ("tgmm_megablox.1", TPU)), True, ""),
+    ((("ragged-dot-none", TPU), ("ragged-dot-none.1", TPU), ("ragged-dot-none.2", TPU)), True, ""),
+    ((("jvp_jit_gmm__.2", TPU), ("transpose_jvp_jit_gmm___.2", TPU), ("transpose_jvp_jit_tgmm___.2", TPU)), True,
+     "jit(loss)/transpose(jvp(jit(tgmm)))/pallas_call"),
+    ((("triton_a", "__gpu$xla.gpu.triton"), ("triton_b", "__gpu$xla.gpu.triton"),
+      ("triton_c", "__gpu$xla.gpu.triton")), False, "jit(step)/tokamax:{}/ragged_dot_general"),
+], ids=["tokamax-megablox", "xla-tpu-ragged-dot", "jax-megablox", "triton-no-estimate"])
+def test_each_grouped_product_is_counted_once_whatever_kernel_lowered_it(names, estimated, op_name):
+    """tokamax's megablox kernels, XLA's own TPU ragged-dot kernels, JAX's megablox and (stating no cost) Triton's:
+    the step's FLOPs are the other work plus 3 products x 2 m k n x L trips, by numpy, whether the cost model counted
+    the kernels' estimates (for one trip) or nothing; none is taken for attention, none counted twice."""
+    c = grouped_figures(grouped_program(names, estimated, op_name), 3 * PRODUCT if estimated else 0.0)
+    assert c["grouped_kernel_calls"] == c["kernel_calls"] == 4 * L  # three products and the offsets' helper a trip
+    assert c["flops_per_device"] == pytest.approx(OTHER + 3 * L * PRODUCT, rel=1e-9)
+    assert c["kernel_flops_per_device"] == (0 if estimated else pytest.approx(3 * L * PRODUCT))
+
+
+def _ragged_step(product, tpu):
+    """Compiled for one chip of a v5p slice: the gradient of an L-layer loop of grouped products of M rows (K wide)
+    by each layer's G matrices of (K, N) (the group sizes are the step's argument: a kernel works on all M rows)."""
+    from jax.sharding import SingleDeviceSharding
+
+    def put(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(tpu))
+
+    def loss(x, ws, sizes):
+        def layer(total, w):
+            return total + jnp.sum(product(x, w, sizes).astype(jnp.float32) ** 2), None
+        return jax.lax.scan(layer, jnp.zeros(()), ws)[0]
+
+    with jax.default_device(tpu):  # tokamax picks its kernel by the default device
+        return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(put((M, K)), put((L, G, K, N)),
+                                                              put((G,), jnp.int32)).compile()
+
+
+@needs_libtpu
+@pytest.mark.parametrize("kernel", ["tokamax", "xla"])
+def test_a_compiled_grouped_product_counts_its_kernels_once_each_run(kernel):
+    """The TPU compiler's own program: tokamax's megablox kernels (forward, rows' gradient, matrices' gradient) give
+    the step 3 x 2 m k n x L FLOPs (numpy) and the cost model's small rest; XLA's ragged_dot keeps the forward and
+    the rows' gradient as kernels (2 x 2 m k n x L by their estimates) and computes the matrices' gradient as a
+    dense product per group over every row (G x 2 m k n x L, counted with the other products). Nothing analytic is
+    added: every kernel states its cost."""
+    tpu = target.devices(target.parse("v5p-8"))[0]
+    if kernel == "tokamax":
+        tokamax = pytest.importorskip("tokamax")
+        from absl import flags
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
+        product = lambda x, w, sizes: tokamax.ragged_dot(x, w, sizes, preferred_element_type=x.dtype,  # noqa: E731
+                                                         implementation="mosaic")
+    else:
+        product = jax.lax.ragged_dot
+    step = _ragged_step(product, tpu)
+    c = analysis.compiler_figures(step, step.as_text(), GROUPED_WORK, 0.0, None, 1, "none")
+    assert c["kernel_flops_per_device"] == 0 and c["grouped_kernel_calls"] > 0
+    if kernel == "tokamax":
+        assert c["kernel_estimated_flops_per_device"] == 3 * L * PRODUCT
+        assert c["flops_per_device"] == pytest.approx(3 * L * PRODUCT, rel=0.01)
+    else:
+        assert c["kernel_estimated_flops_per_device"] == 2 * L * PRODUCT
+        assert c["flops_per_device"] == pytest.approx((2 + G) * L * PRODUCT, rel=0.01)

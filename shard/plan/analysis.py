@@ -147,20 +147,25 @@ def compiler_figures(step, text: str, work, flops_device: float, peak: float | N
     XLA's cost analysis counts a loop body once, so a scanned layer stack counts as one layer. The FLOPs get
     the matrix products of the loops' other iterations added; the time scales each loop body's share of the
     program (weighed by the compiler's per-instruction estimates) by its trip count, and leaves the work
-    outside loops (optimizer, embedding, loss) counted once. Custom-call kernels (Pallas splash attention,
-    cuDNN's, tokamax's grouped products) are opaque to the cost model (zero FLOPs, zero time): where the program
-    runs them, attention's or the grouped products' analytic FLOPs (forward, backward, and the forward again under
-    remat) are added, at the chip's peak."""
+    outside loops (optimizer, embedding, loss) counted once. Custom-call kernels are counted once each run, whatever
+    lowered them: one that states its own cost (a Pallas cost estimate: the grouped products' kernels on TPU,
+    tokamax's, megablox's or XLA's own) is in the cost model's FLOPs and time already, for one iteration of its
+    loop, so its other iterations' estimates are added as the loops' matrix products are; one that states none
+    (splash attention, cuDNN's, Triton's) is opaque to the cost model (zero FLOPs, zero time), so attention's or the
+    grouped products' analytic FLOPs (forward, backward, and the forward again under remat) are added for it, at
+    the chip's peak, in the share of its kind's runs that state no cost."""
     cost = step.cost_analysis()
     cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})  # a list in older JAX
     once = hlo.dot_flops(text, loops=False, convolutions=True)
     extra = hlo.dot_flops(text, convolutions=True) - once  # the loops' other iterations' matrix products
     scale, basis = hlo.loop_scale(text)
-    kernels, grouped = hlo.kernel_calls(text), hlo.kernel_calls(text, "grouped")
+    k = hlo.kernels(text)
+    extra += k.estimated_flops - k.estimated_once  # the loops' other iterations' kernels, by their own estimates
     # a forward, two in the backward pass, and the forward again under remat (its own work, at the chip's peak)
     passes = (3 + (remat != "none")) / n
-    kernel_flops = passes * ((work.attention_flops if kernels > grouped else 0.0)
-                             + (work.grouped_flops if grouped else 0.0))
+    unseen = lambda runs, unestimated: unestimated / runs if runs else 0.0  # noqa: E731
+    kernel_flops = passes * (work.attention_flops * unseen(k.attention_runs, k.attention_unestimated)
+                             + work.grouped_flops * unseen(k.grouped_runs, k.grouped_unestimated))
     kernel_s = kernel_flops / peak if kernel_flops and peak else 0.0
     raw_s = cost.get("optimal_seconds")
     raw_s = raw_s if raw_s and raw_s > 0 else None  # the TPU cost model answers a negative time where it has none
@@ -170,8 +175,8 @@ def compiler_figures(step, text: str, work, flops_device: float, peak: float | N
     raw_flops = cost.get("flops")
     return {"flops_per_device": raw_flops + extra + kernel_flops if raw_flops else None,
             "raw_flops_per_device": raw_flops, "raw_step_s": raw_s, "loop_factor": scale, "loop_basis": basis,
-            "kernel_calls": kernels, "grouped_kernel_calls": grouped, "kernel_flops_per_device": kernel_flops,
-            "kernel_s": kernel_s,
+            "kernel_calls": k.calls, "grouped_kernel_calls": k.grouped, "kernel_flops_per_device": kernel_flops,
+            "kernel_estimated_flops_per_device": k.estimated_flops, "kernel_s": kernel_s,
             "bytes_accessed": cost.get("bytes accessed"), "step_s": seconds,
             "mfu": flops_device / (seconds * peak) if seconds and peak else None,
             "per_s": items / seconds if seconds else None, "unit": "tokens" if lm else "samples"}
@@ -245,8 +250,13 @@ def compiler_lines(plan: dict) -> list[str]:
         grouped = c.get("grouped_kernel_calls", 0)
         kinds = ", ".join(f"{what} {count}" for what, count in (("attention", c["kernel_calls"] - grouped),
                                                                  ("grouped products", grouped)) if count)
-        lines.append(f"  {c['kernel_calls']} custom-call kernel runs ({kinds}) the cost model cannot see: counted as "
-                     f"their analytic {c['kernel_flops_per_device']:.3g} FLOPs at peak, {c['kernel_s'] * 1e3:.3g} ms")
+        stated = c.get("kernel_estimated_flops_per_device") or 0.0
+        counted = [f"{stated:.3g} FLOPs by their own cost estimates"] if stated else []
+        if c["kernel_flops_per_device"]:
+            counted.append(f"{c['kernel_flops_per_device']:.3g} analytic FLOPs at peak, {c['kernel_s'] * 1e3:.3g} ms, "
+                           "for those the cost model cannot see")
+        lines.append(f"  {c['kernel_calls']} custom-call kernel runs ({kinds}): counted as "
+                     + (" and ".join(counted) or "nothing (they state no cost and the model has no such work)"))
     if c["step_s"]:
         mfu = f", MFU {c['mfu']:.0%}" if c["mfu"] is not None else ""
         lines.append(f"  {whose} estimates the step at {c['step_s'] * 1e3:.3g} ms{mfu}, {c['per_s']:,.0f} "

@@ -363,8 +363,8 @@ def _hits(outputs: int, size: int, stride: int, rhs_dilate: int, low: int, exten
 
 _CYCLES = re.compile(r'"estimated_cycles"\s*:\s*"(\d+)"')
 # Custom calls that are whole kernels the compiler's cost model cannot see into: Pallas/Mosaic on TPU, cuDNN's
-# fused attention and Pallas/Triton on GPU.
-_KERNEL = re.compile(r'custom_call_target="(tpu_custom_call|__cudnn\$fmha[^"]*|__gpu\$xla\.gpu\.triton)"')
+# fused attention and Pallas's Triton and Mosaic GPU kernels on GPU.
+_KERNEL = re.compile(r'custom_call_target="(tpu_custom_call|__cudnn\$fmha[^"]*|__gpu\$xla\.gpu\.triton|mosaic_gpu\w*)"')
 
 
 def loop_scale(text: str) -> tuple[float, str]:
@@ -383,17 +383,62 @@ def loop_scale(text: str) -> tuple[float, str]:
     return (sum(w * runs.get(name, 0) for name, w in weights.items()) / counted if counted else 1.0), basis
 
 
-def kernel_calls(text: str, kind: str | None = None) -> int:
-    """Executions per call of the custom-call kernels (Pallas, cuDNN attention) the program runs; kind: only
-    "grouped" products' (tokamax's ragged_dot kernels, named so in the program) or "attention"'s (the others)."""
+@dataclass(frozen=True)
+class Kernels:
+    """The custom-call kernels a program runs (Pallas/Mosaic, cuDNN's), executions per call with loops' trips
+    multiplied through. A kernel that states its own cost (a Pallas `cost_estimate`: tokamax's, megablox's and XLA's
+    own grouped-product kernels on TPU) is counted by the TPU cost model, but once per loop body like everything
+    else; one that states none (splash attention, cuDNN's, Triton's) counts zero there."""
+    calls: int = 0  # every kernel's runs
+    grouped: int = 0  # of those, the grouped products' (and the helper that computes their groups' offsets)
+    estimated_flops: float = 0.0  # the FLOPs the kernels' own estimates state, over every run
+    estimated_once: float = 0.0  # the same with each loop body once: what the cost analysis already holds
+    attention_runs: int = 0  # runs of attention's kernels (every kernel not a grouped product's)
+    grouped_runs: int = 0  # runs of grouped products' kernels (the offsets' helper not counted)
+    attention_unestimated: int = 0  # of attention_runs, those whose kernel states no cost
+    grouped_unestimated: int = 0  # of grouped_runs, those whose kernel states no cost
+
+
+def kernels(text: str) -> Kernels:
+    """The custom-call kernels the program runs, by kind, with the FLOPs their own cost estimates state."""
     comps, entry = computations(text)
-    runs = executions(comps, entry)
-    wanted = lambda line: kind is None or (kind == "grouped") == bool(_GROUPED.search(line))  # noqa: E731
-    return sum(runs.get(name, 0) for name, lines in comps.items() for line in lines
-               if _KERNEL.search(line) and wanted(line))
+    runs, once = executions(comps, entry), executions(comps, entry, loops=False)
+    n = dict(calls=0, grouped=0, estimated_flops=0.0, estimated_once=0.0, attention_runs=0, grouped_runs=0,
+             attention_unestimated=0, grouped_unestimated=0)
+    for name, lines in comps.items():
+        for line in lines:
+            if not _KERNEL.search(line) or not runs.get(name):
+                continue
+            times, estimate = runs[name], _ESTIMATE.search(line)
+            n["calls"] += times
+            n["estimated_flops"] += int(estimate.group(1)) * times if estimate else 0
+            n["estimated_once"] += int(estimate.group(1)) * once.get(name, 0) if estimate else 0
+            grouped = bool(_GROUPED.search(line))
+            n["grouped"] += times if grouped else 0
+            if grouped and _GROUPS_HELPER.search(line):  # offsets, not products
+                continue
+            kind = "grouped" if grouped else "attention"
+            n[f"{kind}_runs"] += times
+            n[f"{kind}_unestimated"] += 0 if estimate else times
+    return Kernels(**n)
 
 
-_GROUPED = re.compile(r"%ragged[-_]dot")
+def kernel_calls(text: str, kind: str | None = None) -> int:
+    """Executions per call of the custom-call kernels (Pallas, cuDNN attention) the program runs; kind: only the
+    "grouped" products' (_GROUPED) or "attention"'s (the others)."""
+    k = kernels(text)
+    return {None: k.calls, "grouped": k.grouped, "attention": k.calls - k.grouped}[kind]
+
+
+# A grouped product's kernel, by its instruction's name or the call it was traced in: XLA's own TPU lowering of
+# ragged_dot (ragged-dot-none, and ragged-dot-metadata computing the groups' offsets), tokamax's megablox kernels
+# (gmm_megablox the forward, gmm_megablox_transpose_rhs the rows' gradient, tgmm_megablox the matrices'), JAX's and
+# MaxText's megablox (gmm and tgmm, called as jit(gmm), jit(tgmm)), and any kernel called inside a ragged_dot (tokamax's
+# GPU kernels: their op_name).
+_GROUPED = re.compile(r'^\s*(?:ROOT\s+)?%(?:t?gmm|ragged[-_]dot)[\w.\-]*\s*='
+                      r'|op_name="[^"]*(?:ragged[-_.]dot|jit\(t?gmm\))')
+_GROUPS_HELPER = re.compile(r'^\s*(?:ROOT\s+)?%ragged[-_]dot[-_]metadata|op_name="ragged[-_]dot[-_]metadata"')
+_ESTIMATE = re.compile(r'"cost_estimate"\s*:\s*\{\s*"flops"\s*:\s*"(\d+)"')
 
 
 _GEMM = re.compile(r'custom_call_target="__cublas\$(?:lt\$)?(?:gemm|matmul)[^"]*"')
