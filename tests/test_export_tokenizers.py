@@ -3,7 +3,6 @@ lm-evaluation-harness's `hf` model does with the folder), giving the ids the run
 tokenizer a run reads (tests/tiny_tokenizers.py) and each family the exporter writes."""
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -14,30 +13,11 @@ import tiny_tokenizers
 
 transformers = pytest.importorskip("transformers")
 
-LLAMA_SHAPED = ["model.name=gpt", "model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.d_ff=32",
-                "model.max_len=32", "model.position=rope", "model.norm=rmsnorm", "model.mlp=swiglu"]
-
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     made = tmp_path_factory.mktemp("tokenizers")
     return {kind: tiny_tokenizers.make(kind, made / kind) for kind in tiny_tokenizers.KINDS}
-
-
-def trained(tokenizer: Path, tmp_path: Path) -> Path:
-    """A tiny Llama-shaped run trained one step on documents through `tokenizer`."""
-    from shard import config
-    from shard.run import trainer
-
-    from conftest import overrides
-
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": t * 3}) + "\n" for t in tiny_tokenizers.corpus()))
-    run = tmp_path / "run"
-    trainer.run(config.load(None, overrides(run, *LLAMA_SHAPED, "data.name=documents", f"data.path={corpus}",
-                                            f"data.tokenizer={tokenizer}", "data.seq_len=16", "data.batch_size=4",
-                                            "train.steps=1", "checkpoint.enabled=true", "run.cpu_devices=1")))
-    return run
 
 
 @pytest.mark.parametrize("kind", tiny_tokenizers.KINDS)
@@ -47,7 +27,7 @@ def test_an_export_loads_in_autotokenizer_as_it_is_with_the_runs_ids(kind, sourc
     from shard import load_tokenizer
     from shard.use import export
 
-    run, out = trained(sources[kind], tmp_path), tmp_path / "hf"
+    run, out = tiny_tokenizers.trained(sources[kind], tmp_path), tmp_path / "hf"
     assert export.main([str(run), "--format", "hf", "--out", str(out)]) == 0
     exported = transformers.AutoTokenizer.from_pretrained(str(out))
     source, ours = tiny_tokenizers.reference(kind, sources[kind]), load_tokenizer(str(run))

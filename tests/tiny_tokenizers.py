@@ -54,3 +54,25 @@ def reference(kind: str, folder: Path):
     if kind == "bpe":
         return transformers.GPT2Tokenizer.from_pretrained(str(folder))
     return transformers.AutoTokenizer.from_pretrained(str(folder))
+
+
+LLAMA_SHAPED = ["model.name=gpt", "model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.d_ff=32",
+                "model.max_len=32", "model.position=rope", "model.norm=rmsnorm", "model.mlp=swiglu"]
+
+
+def trained(tokenizer: Path, tmp_path: Path, *extra: str, steps: int = 1) -> Path:
+    """A tiny Llama-shaped run (the exporter writes it as llama) trained `steps` steps on documents of `corpus()`
+    through `tokenizer`, its checkpoint saved: tmp_path/run."""
+    from shard import config
+    from shard.run import trainer
+
+    from conftest import overrides
+
+    data = tmp_path / "corpus.jsonl"
+    data.write_text("".join(json.dumps({"text": t * 3}) + "\n" for t in corpus()))
+    run = tmp_path / "run"
+    trainer.run(config.load(None, overrides(run, *LLAMA_SHAPED, "data.name=documents", f"data.path={data}",
+                                            f"data.tokenizer={tokenizer}", "data.seq_len=16", "data.batch_size=4",
+                                            f"train.steps={steps}", "checkpoint.enabled=true", "run.cpu_devices=1",
+                                            *extra)))
+    return run

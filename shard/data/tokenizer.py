@@ -142,6 +142,9 @@ class Bytes:
     def special(self, key: str) -> str | None:
         return None
 
+    def special_text(self, token_id: int) -> str | None:
+        return None
+
 
 class Text:
     """A tokenizer read from a folder's files (see the module's docstring)."""
@@ -204,6 +207,11 @@ class Text:
 
     def special(self, key: str) -> str | None:
         return self.found.special(key)
+
+    def special_text(self, token_id: int) -> str | None:
+        """A special token's own text (<|endoftext|>, which decode drops), else None: how a server's logprobs
+        name it."""
+        return self.tok.id_to_token(int(token_id)) if int(token_id) in self._special else None
 
     def added_id(self, text: str) -> int | None:
         """The id of the added token (special or not: <|im_end|>, <end_of_turn>) whose text is `text`."""

@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.nn import partition
 from shard.core import state as state_lib
-from shard.use import sampling
+from shard.use import sampling, score
 from shard.nn import decoding
 from shard.use.generate import Generator
 
@@ -98,6 +98,7 @@ class Engine:
         self.step = jax.jit(self._step, donate_argnums=1, static_argnames="view",
                             out_shardings=(self._replicated(), self.layout))
         self.cache = None
+        self.scorer = score.Scorer(generator, vocab)  # a prompt's own log-probabilities (echo): no cache, no slot
 
     # ------------------------------------------------------------------ memory, before anything is allocated
 
@@ -274,6 +275,11 @@ class Engine:
                                        np.array([index], np.int32), length, self._count(), *settings,
                                        view=self.view(index + self.chunk))
         return picked
+
+    def score(self, prompt: list[int]) -> score.Scored:
+        """The prompt's own tokens' log-probabilities and likeliest alternatives, one pass over it (compiled per
+        length bucket on first use, apart from the slots' programs: not a recompile)."""
+        return self.scorer([prompt])[0]
 
     def rows(self, active: int) -> int:
         """How many rows a step computes for `active` running slots: a power of four up to a quarter of the

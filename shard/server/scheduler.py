@@ -42,11 +42,14 @@ class Token:
 @dataclass
 class Piece:
     """What a request's stream carries: new text, the tokens it holds (those not carried before), and the
-    finish reason on the last ("stop", "length", "error"; None before)."""
+    finish reason on the last ("stop", "length", "error"; None before). A request that asked for its prompt's
+    log-probabilities (`Request.score_prompt`) gets them first, in a piece of no text whose `prompt` holds them
+    (shard/use/score.py's Scored)."""
     text: str
     tokens: list[Token]
     finish: str | None = None
     error: str | None = None
+    prompt: object = None
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Request:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # alternatives to report per token (0: only the token's own); None: none
+    score_prompt: bool = False  # the prompt's own tokens' log-probabilities first (echo with logprobs)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Piece, in order
     tokens: list[int] = field(default_factory=list)
@@ -95,14 +99,16 @@ class Scheduler:
         self.problem: str | None = None  # why the engine cannot serve (None: it can)
         self.thread = threading.Thread(target=self._loop, name="shard-serve-engine", daemon=True)
 
-    def submit(self, request: Request) -> None:
+    def submit(self, *requests: Request) -> None:
+        """Queue the requests (one HTTP request's prompts), all or none."""
         with self.lock:
             if self.unhealthy():
                 raise Unhealthy(self.unhealthy())
             waiting = sum(not r.cancelled for r in self.waiting)  # those whose client left take no place
-            if waiting >= self.max_queue:
-                raise QueueFull(f"{waiting} requests are waiting (the queue holds {self.max_queue})")
-            self.waiting.append(request)
+            if waiting + len(requests) > self.max_queue:
+                brings = f" and this one brings {len(requests)}" if len(requests) > 1 else ""
+                raise QueueFull(f"{waiting} requests are waiting{brings} (the queue holds {self.max_queue})")
+            self.waiting.extend(requests)
         self.wake.set()
 
     def unhealthy(self) -> str | None:
@@ -186,6 +192,8 @@ class Scheduler:
                 if request.cancelled:
                     self.cancelled += 1
                     continue
+                if not self._scored(request) or request.max_tokens == 0:  # failed, or nothing to generate
+                    continue
                 self.active[slot] = request
                 request.decoder = self.tok.stream(request.prompt)
                 try:
@@ -200,6 +208,22 @@ class Scheduler:
                 self._took(slot, picked.tokens, picked.logprobs, picked.top_ids, picked.top_logprobs)
         if self.problem:  # nothing can start: those waiting are answered now, not left hanging
             self._end_all(self.problem)
+
+    def _scored(self, request: Request) -> bool:
+        """A request's prompt scored where it asks (its first piece), and one that generates nothing answered;
+        False where it failed (answered with the reason)."""
+        try:
+            if request.score_prompt:
+                request.emit(Piece("", [], prompt=self.engine.score(request.prompt)))
+        except Exception as e:
+            log.exception("scoring a %d-token prompt failed", len(request.prompt))
+            request.finish, self.failed = "error", self.failed + 1
+            request.emit(Piece("", [], "error", _reason(e)))
+            return False
+        if request.max_tokens == 0:
+            request.finish, self.served = "length", self.served + 1
+            request.emit(Piece("", [], "length"))
+        return True
 
     def _end_all(self, reason: str) -> None:
         for slot, request in enumerate(self.active):
@@ -259,13 +283,14 @@ class Scheduler:
     def _took(self, slot: int, token, logprob, top_ids, top_logprobs) -> None:
         """A slot's request gets `token`: its new text goes out, unless it ends the request."""
         request, token = self.active[slot], int(token)
-        if token in self.ends:
-            return self._finish(slot, "stop")
-        request.tokens.append(token)
-        piece = request.decoder.add(token)
-        if request.logprobs is not None:
+        ends = token in self.ends
+        piece = "" if ends else request.decoder.add(token)
+        if request.logprobs is not None:  # an end token's too: an answer that ends at once still has its logprobs
             top = [(int(i), float(lp)) for i, lp in zip(top_ids[:request.logprobs], top_logprobs[:request.logprobs])]
             request.unsent.append(Token(token, piece, float(logprob), top))
+        if ends:
+            return self._finish(slot, "stop")
+        request.tokens.append(token)
         text = request.held + piece
         hits = [i for i in (text.find(s) for s in request.stop) if i >= 0]
         if hits:  # sent text never ends in a stop string's beginning, so a stop lies wholly in `text`
