@@ -9,6 +9,7 @@ Q/K/V and the first MLP matrices by columns, the output projections by rows) and
 import math
 from functools import partial
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -17,6 +18,7 @@ from shard.nn.partition import constrain
 
 from .layers import norm as make_norm
 from .layers import Attention, Block, MLPBlock, check_choice, lookup, param, stacked
+from . import mixed
 from . import rope as rope_lib
 
 
@@ -48,6 +50,14 @@ class GPT(nnx.Module):
     attn_softcap: attention logits soft-capped, cap * tanh(logits / cap) (0 = none; Gemma 2); attn_scale: the factor
     on q.k (0 = 1/sqrt(head_dim); Gemma's query_pre_attn_scalar ** -0.5); logit_softcap: the output logits
     soft-capped so (0 = none; Gemma 2's final_logit_softcapping).
+    Gemma 4's layers, which differ from one another and so run one after another, unscanned (models/mixed.py):
+    global_head_dim, global_kv_heads: the head size and key/value heads of the layers without a window (0 = as the
+    others); values_from_keys: those layers' values are their keys' projection (attention_k_eq_v); v_norm: the values
+    divided by their RMS (every layer); shared_kv_layers: the last so many layers project no keys or values and
+    reuse those of the last earlier layer with their window (num_kv_shared_layers), their MLP twice as wide with
+    wide_shared_mlp; per_layer_dim, per_layer_vocab: per-layer embeddings of that width (a table of per_layer_vocab
+    rows, 0 = vocab_size) fed to every layer (hidden_size_per_layer_input); layer_scalar: a learned scalar on each
+    layer's output.
     """
 
     def __init__(self, vocab_size: int = 256, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
@@ -60,6 +70,9 @@ class GPT(nnx.Module):
                  attn_softcap: float = 0.0, attn_scale: float = 0.0, logit_softcap: float = 0.0,
                  attn_bias: bool = False, attn_sinks: bool = False, rope_interleaved: bool = False,
                  chunks: list | None = None, attn_temperature_floor: float = 0.0, attn_temperature_scale: float = 0.1,
+                 global_head_dim: int = 0, global_kv_heads: int = 0, values_from_keys: bool = False,
+                 v_norm: bool = False, shared_kv_layers: int = 0, wide_shared_mlp: bool = False,
+                 per_layer_dim: int = 0, per_layer_vocab: int = 0, layer_scalar: bool = False,
                  *, rngs: nnx.Rngs):
         n_kv_heads = n_kv_heads or n_heads
         check_choice("position", position, ("learned", "rope"))
@@ -109,17 +122,39 @@ class GPT(nnx.Module):
         # is made again after (shard/use/generate.py)
         self.refill_at = rope.longrope[2] if rope is not None and rope.longrope else None
 
-        def make_block(rngs, rotate=None, window=None, windows=windows, chunk=None, chunks=chunks, dense_ff=0):
-            attn = Attention(d_model, n_heads, n_kv_heads, rope, out_std, causal=True, rngs=rngs, head_dim=head_dim,
+        def make_block(rngs, rotate=None, window=None, windows=windows, chunk=None, chunks=chunks, dense_ff=0,
+                       **unlike):
+            attn = Attention(d_model, n_heads, unlike.pop("kv_heads", n_kv_heads), unlike.pop("rope", rope), out_std,
+                             causal=True, rngs=rngs, head_dim=unlike.pop("head_dim", head_dim),
                              qkv_bias=qkv_bias or bias or attn_bias, out_bias=bias or attn_bias, qk_norm=qk_norm,
                              norm_kind=norm, eps=norm_eps,
                              rotate=rotate, window=window, windows=windows, local_rope=local_rope,
                              softcap=attn_softcap, scale=attn_scale, sinks=attn_sinks, temperature=temperature,
-                             chunk=chunk, chunks=chunks)
+                             chunk=chunk, chunks=chunks, v_norm=v_norm, **unlike)
             ffn = (GPT.feed_forward(self, d_model, dense_ff, mlp, out_std, rngs, bias) if dense_ff
                    else self.feed_forward(d_model, d_ff, mlp, out_std, rngs, bias))
             return Block(d_model, norm, attn, ffn, rngs, norm_eps, norms)
 
+        unlike = dict(global_head_dim=global_head_dim, global_kv_heads=global_kv_heads,
+                      values_from_keys=values_from_keys, shared_kv_layers=shared_kv_layers,
+                      wide_shared_mlp=wide_shared_mlp, per_layer_dim=per_layer_dim, layer_scalar=layer_scalar)
+        if any(unlike.values()):
+            if chunks or temperature or self.dense_first(n_layers, d_ff)[0]:
+                raise ValueError(f"{', '.join(k for k, v in unlike.items() if v)} run the layers unscanned, which "
+                                 "takes no chunks, attention temperature or dense first layers")
+            self.layers, self.sources = mixed.layers(
+                make_block, n_layers, d_model, d_ff, rngs, windows=list(windows or [0] * n_layers),
+                rotations=rope_layers, rope=rope, local_rope=local_rope, head_dim=head_dim, kv_heads=n_kv_heads,
+                norm=norm, eps=norm_eps, out_std=out_std, act=jax.nn.silu if mlp == "swiglu" else jax.nn.gelu,
+                **unlike)
+            self.per_layer = mixed.PerLayerInputs(per_layer_vocab or vocab_size, d_model, n_layers, per_layer_dim,
+                                                  norm, norm_eps, rngs) if per_layer_dim else None
+            self.dense_blocks = self.blocks = None
+            self.ln_f = make_norm(norm, d_model, rngs, norm_eps)
+            self.head = None if tie_embeddings else param(rngs, (d_model, vocab_size), ("embed", "vocab"), 0.02)
+            return
+
+        self.layers = self.per_layer = None
         first, first_ff = self.dense_first(n_layers, d_ff)
         # with dense first layers, two stacks: each layer's settings (and the static windows) in the one that holds it
         part = lambda cut: {k: v[cut] for k, v in settings.items()}  # noqa: E731
@@ -157,9 +192,13 @@ class GPT(nnx.Module):
         if self.pos is not None:
             x = x + self.pos[...][positions(length)]  # in the order the framework holds the tokens
         x = constrain(x, ("batch", "length", "embed"))
-        if self.dense_blocks is not None:
-            x = stack(self.dense_blocks, x)
-        x = self.ln_f(stack(self.blocks, x))
+        if self.layers is not None:
+            per_layer = None if self.per_layer is None else self.per_layer(tokens, x)
+            x = self.ln_f(mixed.run(self.layers, x, self.sources, per_layer))
+        else:
+            if self.dense_blocks is not None:
+                x = stack(self.dense_blocks, x)
+            x = self.ln_f(stack(self.blocks, x))
         logits = x @ self.tok[...].T if self.head is None else x @ self.head[...]
         if self.logit_softcap is not None:
             logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)

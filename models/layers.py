@@ -127,26 +127,39 @@ class Attention(nnx.Module):
     1 + scale x log(1 + floor((position + 1) / floor)), sharper attention far into a long context (Llama 4's
     attention temperature tuning). chunk: this layer's traced chunk size (stacked's setting; 0 = none) and chunks
     every layer's, static: a query sees only the keys of its own chunk of positions (Llama 4's chunked attention;
-    shard.nn.hooks.attention's (value, chunks))."""
+    shard.nn.hooks.attention's (value, chunks)). fixed_window: a window of this layer alone, static (a layer outside a
+    scanned stack). values_from_keys: the values are the keys' projection as it comes out, before the keys' norm and
+    rotation (no value projection: Gemma 4's attention_k_eq_v). v_norm: the values divided by their RMS over each
+    head's channels, without a weight (Gemma 4's). own_kv: False for a layer that projects no keys or values and
+    attends over an earlier layer's (`with_kv`'s shared: Gemma 4's KV sharing)."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, rope: "Rope | float | None", out_std: float,
                  causal: bool, rngs: nnx.Rngs, head_dim: int = 0, qkv_bias: bool = False, out_bias: bool = False,
                  qk_norm: str = "none", norm_kind: str = "rmsnorm", eps: float = 1e-6, rotate=None, window=None,
                  windows: tuple | None = None, local_rope: "Rope | None" = None, softcap: float = 0.0,
                  scale: float = 0.0, sinks: bool = False, temperature: tuple | None = None, chunk=None,
-                 chunks: tuple | None = None):
+                 chunks: tuple | None = None, fixed_window: int = 0, values_from_keys: bool = False,
+                 v_norm: bool = False, own_kv: bool = True):
         head_dim = head_dim or d_model // n_heads
         check_choice("qk_norm", qk_norm, QK_NORMS)
+        if values_from_keys and qkv_bias:
+            raise ValueError("values_from_keys takes the values from the keys' projection: give no qkv biases")
         self.rope = Rope(rope) if isinstance(rope, (int, float)) and rope else rope
         self.causal = causal
         self.q = param(rngs, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"), 0.02)
-        self.kv = param(rngs, (d_model, 2, n_kv_heads, head_dim), ("embed", None, "kv_heads", "head_dim"), 0.02)
+        kv_names = ("embed", "kv_heads", "head_dim")
+        self.k = param(rngs, (d_model, n_kv_heads, head_dim), kv_names, 0.02) if own_kv and values_from_keys else None
+        self.kv = param(rngs, (d_model, 2, n_kv_heads, head_dim), ("embed", None, *kv_names[1:]), 0.02) \
+            if own_kv and not values_from_keys else None
         self.out = param(rngs, (n_heads, head_dim, d_model), ("heads", "head_dim", "embed"), out_std)
         self.q_bias = zeros((n_heads, head_dim), ("heads", "head_dim")) if qkv_bias else None
-        self.kv_bias = zeros((2, n_kv_heads, head_dim), (None, "kv_heads", "head_dim")) if qkv_bias else None
+        self.kv_bias = zeros((2, n_kv_heads, head_dim), (None, "kv_heads", "head_dim")) if qkv_bias and own_kv else None
         self.out_bias = zeros((d_model,), ("embed",)) if out_bias else None
         self.q_norm, self.k_norm = (self.qk_norm(qk_norm, heads, axis, head_dim, norm_kind, eps)
                                     for heads, axis in ((n_heads, "heads"), (n_kv_heads, "kv_heads")))
+        if not own_kv:
+            self.k_norm = None
+        self.v_eps, self.fixed_window = eps if v_norm else None, fixed_window
         self.l2_eps = eps if qk_norm == "l2" else None
         self.temperature = temperature
         self.rotate = None if rotate is None else per_layer(rotate)
@@ -159,27 +172,52 @@ class Attention(nnx.Module):
                                role="bias") if sinks else None
 
     def __call__(self, x):
+        return self.with_kv(x)[0]
+
+    def with_kv(self, x, shared: tuple | None = None, keep: str | None = None, reuse: str | None = None):
+        """(output, (keys, values)): the keys and values as attention took them (normed, rotated). shared: an
+        earlier layer's, for a layer without its own (own_kv=False), with `reuse` naming them as that layer's
+        `keep` did (shard.nn.hooks.attention's)."""
         q = jnp.einsum("bte,ehd->bthd", x, self.q[...])
-        kv = jnp.einsum("bte,eshd->sbthd", x, self.kv[...])
         if self.q_bias is not None:
-            q, kv = q + self.q_bias[...], kv + self.kv_bias[...][:, None, None]
+            q = q + self.q_bias[...]
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
-        k, v = (constrain(t, ("batch", "length", "kv_heads", "head_dim")) for t in kv)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
         if self.rope:
-            q, k = self.rotated(q), self.rotated(k)
+            q = self.rotated(q)
+        k, v = self.keys_values(x) if shared is None else shared
         if self.l2_eps is not None:
-            q, k = (self.where_rotating(rms(x, self.l2_eps), x) for x in (q, k))
+            q = self.where_rotating(rms(q, self.l2_eps), q)
         if self.temperature is not None:
             q = self.where_rotating(q, q * self.temperature_factor(q.shape[1]).astype(q.dtype))
-        window = None if self.window is None else (self.window[...], self.windows)
+        window = (self.window[...], self.windows) if self.window is not None else self.fixed_window or None
         sinks = None if self.sinks is None else self.sinks[...]
         more = {} if self.chunk is None else dict(chunk=(self.chunk[...], self.chunks))
         y = attention(q, k, v, is_causal=self.causal, window=window, softcap=self.softcap, scale=self.scale,
-                      sinks=sinks, **more)  # handles grouped K/V heads itself
+                      sinks=sinks, keep=keep, reuse=reuse, **more)  # handles grouped K/V heads itself
         y = jnp.einsum("bthd,hde->bte", y, self.out[...])
-        return y if self.out_bias is None else y + self.out_bias[...]
+        return (y if self.out_bias is None else y + self.out_bias[...]), (k, v)
+
+    def keys_values(self, x):
+        """This layer's keys (normed, rotated) and values (normed where v_norm) of x."""
+        if self.kv is None and self.k is None:
+            raise ValueError("this attention layer has no keys or values of its own: hand it an earlier layer's")
+        if self.k is not None:  # the values are the keys' projection, before the keys' norm and rotation
+            k = v = jnp.einsum("bte,ehd->bthd", x, self.k[...])
+        else:
+            kv = jnp.einsum("bte,eshd->sbthd", x, self.kv[...])
+            if self.kv_bias is not None:
+                kv = kv + self.kv_bias[...][:, None, None]
+            k, v = kv
+        k, v = (constrain(t, ("batch", "length", "kv_heads", "head_dim")) for t in (k, v))
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        if self.rope:
+            k = self.rotated(k)
+        if self.l2_eps is not None:
+            k = self.where_rotating(rms(k, self.l2_eps), k)
+        return k, v if self.v_eps is None else rms(v, self.v_eps)
 
     @staticmethod
     def qk_norm(kind: str, heads: int, axis: str, head_dim: int, norm_kind: str, eps: float):
@@ -260,9 +298,14 @@ class Block(nnx.Module):
         self.ffn = ffn
 
     def __call__(self, x):
-        x = x + _around(self.attn, self.ln1, self.ln1_post, x)
+        return self.with_kv(x)[0]
+
+    def with_kv(self, x, shared: tuple | None = None, keep: str | None = None, reuse: str | None = None):
+        """(output, the attention's (keys, values)): Attention.with_kv's, through the block."""
+        h, kv = self.attn.with_kv(x if self.ln1 is None else self.ln1(x), shared, keep, reuse)
+        x = x + (h if self.ln1_post is None else self.ln1_post(h))
         x = x + _around(self.ffn, self.ln2, self.ln2_post, x)
-        return constrain(x, ("batch", "length", "embed"))
+        return constrain(x, ("batch", "length", "embed")), kv
 
 
 def _around(sublayer, before, after, x):

@@ -24,7 +24,9 @@ class Rope:
     beta_fast, beta_slow, attention factor, truncate): frequencies turning more than beta_fast times over the
     original context kept, fewer than beta_slow divided by `factor`, a linear ramp between (its ends rounded outwards
     unless truncate is false: GPT-OSS's), and cos and sin multiplied by the attention factor. interleaved: the rotated
-    pairs are adjacent channels (2i, 2i + 1), as Llama 4's complex rotation takes them, rather than (i, i + dims/2)."""
+    pairs are adjacent channels (2i, 2i + 1), as Llama 4's complex rotation takes them, rather than (i, i + dims/2).
+    proportional: the fraction of each head's channel pairs that rotate, the fastest ones, at the frequencies they
+    have over the whole head; the others do not turn (0: all rotate; Gemma 4's global layers' proportional RoPE)."""
     theta: float = 10000.0
     scaling: tuple | None = None
     dims: int = 0
@@ -32,9 +34,12 @@ class Rope:
     longrope: tuple | None = None
     yarn: tuple | None = None
     interleaved: bool = False
+    proportional: float = 0.0
 
     def frequencies(self, half: int):
         freqs = self.theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+        if self.proportional:
+            freqs = jnp.where(jnp.arange(half) < int(self.proportional * half), freqs, 0.0)
         if self.linear != 1.0:
             freqs = freqs / self.linear
         if self.yarn is not None:
@@ -62,6 +67,7 @@ class Rope:
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 LONGROPE_KEYS = ("short_factor", "long_factor", "original_max_position_embeddings", "attention_factor")
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor")
+PROPORTIONAL_KEYS = ("partial_rotary_factor", "factor")
 
 
 def make(theta: float, scaling: dict | None = None, dims: int = 0, interleaved: bool = False) -> Rope:
@@ -73,21 +79,28 @@ def _make(theta: float, scaling: dict | None = None, dims: int = 0) -> Rope:
     none given); {"rope_type": "linear", "factor"}; or {"rope_type": "longrope", short_factor, long_factor,
     original_max_position_embeddings, attention_factor}; or {"rope_type": "yarn", factor,
     original_max_position_embeddings, beta_fast, beta_slow, attention_factor} and optionally truncate (default
-    true)."""
+    true); or {"rope_type": "proportional", partial_rotary_factor, factor}."""
     if not scaling:
         return Rope(theta, dims=dims)
     scaling = dict(scaling)
     kind = scaling.pop("rope_type", "llama3")
-    keys = {"llama3": LLAMA3_KEYS, "linear": ("factor",), "longrope": LONGROPE_KEYS, "yarn": YARN_KEYS}.get(kind)
+    keys = {"llama3": LLAMA3_KEYS, "linear": ("factor",), "longrope": LONGROPE_KEYS, "yarn": YARN_KEYS,
+            "proportional": PROPORTIONAL_KEYS}.get(kind)
     truncate = scaling.pop("truncate", True) if kind == "yarn" else True
     if keys is None or set(scaling) != set(keys) or not isinstance(truncate, bool):
         raise ValueError(f"rope_scaling={scaling | {'rope_type': kind}}: give rope_type llama3 with "
                          f"{', '.join(LLAMA3_KEYS)}; linear with factor; longrope with {', '.join(LONGROPE_KEYS)}; or "
-                         f"yarn with {', '.join(YARN_KEYS)} (and optionally truncate, true or false)")
+                         f"yarn with {', '.join(YARN_KEYS)} (and optionally truncate, true or false); or "
+                         f"proportional with {', '.join(PROPORTIONAL_KEYS)}")
     if kind == "llama3":
         return Rope(theta, tuple(float(scaling[k]) for k in LLAMA3_KEYS), dims)
     if kind == "linear":
         return Rope(theta, dims=dims, linear=float(scaling["factor"]))
+    if kind == "proportional":
+        fraction = float(scaling["partial_rotary_factor"])
+        if not 0 < fraction <= 1:
+            raise ValueError(f"rope_scaling: partial_rotary_factor={fraction}; give a fraction in (0, 1]")
+        return Rope(theta, dims=dims, linear=float(scaling["factor"]), proportional=fraction)
     if kind == "yarn":
         return Rope(theta, dims=dims, yarn=(*(float(scaling[k]) for k in YARN_KEYS), truncate))
     short, long = (tuple(float(f) for f in scaling[k]) for k in LONGROPE_KEYS[:2])

@@ -1,14 +1,15 @@
 """config.json <-> the library model's name and arguments, for each supported architecture (`model_type`): the
 dense families (shard/hf/config_in.py reads them into the GPT, shard/hf/config_out.py writes them back) and the
-mixtures of experts (shard/hf/experts.py, into the library's moe)."""
+mixtures of experts (shard/hf/experts.py, into the library's moe); Gemma 4 (shard/hf/gemma4.py, into the GPT's layers
+of models/mixed.py)."""
 
 from shard.errors import UserError
-from shard.hf import experts
+from shard.hf import experts, gemma4
 from shard.hf.config_in import DENSE, DENSE_ARCHITECTURES, dense_to_gpt
 from shard.hf.config_out import dense_from_gpt, with_defaults  # noqa: F401  (with_defaults: the readers' and writers')
 
-SUPPORTED = DENSE + tuple(experts.RELATIVE)
-ARCHITECTURES = {**DENSE_ARCHITECTURES, **experts.ARCHITECTURES}
+SUPPORTED = DENSE + (gemma4.KIND,) + tuple(experts.RELATIVE)
+ARCHITECTURES = {**DENSE_ARCHITECTURES, gemma4.KIND: gemma4.ARCHITECTURE, **experts.ARCHITECTURES}
 
 
 def model_type(config: dict, where: str) -> str:
@@ -28,9 +29,14 @@ def to_gpt(config: dict, where: str) -> dict:
     kind = model_type(config, where)
     if kind in experts.RELATIVE:
         return experts.to_moe(kind, config, where)
+    if kind == gemma4.KIND:
+        return gemma4.to_gpt(config, where)
     return dense_to_gpt(kind, config, where)
 
 
 def from_gpt(kwargs: dict, model_name: str) -> dict:
     """The config.json of a run's model (its model.name and arguments); UserError where it is none of SUPPORTED."""
-    return experts.from_moe(kwargs) if model_name == "moe" else dense_from_gpt(kwargs, model_name)
+    if model_name == "moe":
+        return experts.from_moe(kwargs)
+    g = with_defaults(kwargs)
+    return gemma4.from_gpt(g) if model_name == "gpt" and gemma4.is_gemma4(g) else dense_from_gpt(kwargs, model_name)

@@ -28,7 +28,7 @@ CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 def row_for(kind: str, site) -> tables.Row:
     """The table row of the Hugging Face Linear that this adapted weight (or fused half) is."""
     ours = ".".join(site.path)
-    for r in tables.TABLES[kind]:
+    for r in tables.rows(kind, {ours}):  # (a row of unlike layers made this layer's)
         picked = [v for l, v in r.at.items() if l not in {x for g in r.groups() for x in g}]
         if r.ours == ours and picked == ([] if site.weight.pick is None else [site.weight.pick]):
             if len(r.groups()) == 2 and r.theirs.endswith(".weight"):
@@ -63,7 +63,7 @@ def tensors(kind: str, site_list, values: dict, n_layers: int, size: dict | None
     for theirs, parts in groups.items():
         module = theirs.removesuffix(".weight")
         modules.append(module.rsplit(".", 1)[-1])
-        shared = sum(x.theirs == theirs for x in tables.TABLES[kind]) > 1
+        shared = parts[0][0].fused
         if shared:
             fused[modules[-1]] = len(parts)
         for i in (range(n_layers) if parts[0][0].layered else [None]):

@@ -100,7 +100,9 @@ class Folder:
 
 # Multimodal folders whose language model is read alone: model_type -> (the field holding its config, the prefix
 # of its tensors, the towers' prefixes skipped)
-MULTIMODAL = {"llama4": ("text_config", "language_model.", ("vision_model.", "multi_modal_projector."))}
+MULTIMODAL = {"llama4": ("text_config", "language_model.", ("vision_model.", "multi_modal_projector.")),
+              "gemma4": ("text_config", "model.language_model.", ("model.vision_tower.", "model.audio_tower.",
+                                                                  "model.embed_vision.", "model.embed_audio."))}
 
 
 def text_config(config: dict, where: str) -> tuple[dict, str]:
@@ -316,7 +318,8 @@ def load_params(folder: Folder, target_params, kwargs: dict):
         name = dotted(path)
         mine = [r for r in rows if r.ours == name]
         layered = mine[0].layered
-        want = ((g["n_layers"],) if layered else ()) + tuple({**size, "s": 2}[l] for l in mine[0].letters())
+        want = ((g["n_layers"],) if layered else ()) + tuple({**size, **mine[0].size, "s": 2}[l]
+                                                             for l in mine[0].letters())
         if tuple(leaf.shape) != want:
             raise UserError(f"{folder.where}: parameter {name} is {list(leaf.shape)} here, but the folder fills "
                             f"{list(want)}: read it into the model's own layout")

@@ -11,6 +11,8 @@ only in ours, the one index of ours this tensor fills (K is part 0 of our K/V pa
 a sum of letters' sizes ("h+k": after the query heads and the keys'), resolved by `rows` for a model's sizes.
 Wide: a letter in both whose Hugging Face axis is longer than ours, named by the letter giving its size (j: the
 query, key and value heads of Phi-3's fused qkv_proj, where the keys start at offset h).
+Layers unlike the others (models/mixed.py's, stored per layer): a row whose parameter's path holds `{i}` too stands
+for one row per layer the model has it in, each with that layer's sizes where they differ (`sizes`' "layers").
 Experts: x is a mixture of experts' experts axis; a tensor named with `{x}` is one expert's (Mixtral's
 experts.{x}.w1), standing for one row per expert, each filling that index of our experts axis.
 """
@@ -27,19 +29,28 @@ class Row:
     our_axes: str             # e.g. "e h d" (without the layers axis)
     at: dict = field(default_factory=dict)
     wide: dict = field(default_factory=dict)  # letter -> the letter whose size its axis has in their tensor
+    size: dict = field(default_factory=dict)  # letter -> its size in this row's layer, where it differs (a wider one)
 
     @property
     def layered(self) -> bool:
-        return "{i}" in self.theirs
+        """A row of a stacked parameter, one layer of it a tensor (a row per unlike layer is not)."""
+        return "{i}" in self.theirs and "{i}" not in self.ours
 
     def groups(self) -> list[tuple[str, ...]]:
         """Their axes as tuples of letters: "(h d) e" -> [("h", "d"), ("e",)]."""
         return [tuple(g.strip("()").split()) for g in re.findall(r"\([^)]*\)|\S+", self.their_axes)]
 
+    @property
+    def fused(self) -> bool:
+        """Whether its tensor holds other rows' parameters too (Phi-3's qkv_proj: a wide axis, or an offset along one
+        of its axes), rather than one part of our parameter (a K/V pair's K)."""
+        return bool(self.wide) or any(l in {x for g in self.groups() for x in g} for l in self.at)
+
     def letters(self) -> tuple[str, ...]:
         return tuple(self.our_axes.split())
 
     def their_sizes(self, group: tuple[str, ...], size: dict) -> list[int]:
+        size = {**size, **self.size}
         return [size[self.wide.get(l, l)] for l in group]
 
 
@@ -186,6 +197,42 @@ def _llama4() -> tuple[Row, ...]:
 
 
 TABLES["llama4_text"] = _llama4()
+
+
+def _gemma4() -> tuple[Row, ...]:
+    """Gemma 4's text model, one GPT layer (models/mixed.py) per Hugging Face layer: Gemma 2's four norms, Qwen3's
+    head norms, the keys' projection alone on the layers whose values are their keys (attention_k_eq_v) and none on
+    the layers reusing an earlier one's; per layer its per-layer input's gate, projection and norm and its scalar;
+    the per-layer embeddings (n x u wide: w) and their projection and norm."""
+    L, O = "model.layers.{i}.", "layers.{i}."
+    A, B = L + "self_attn.", O + "block."
+    return (Row("tok", "model.embed_tokens.weight", "v e", "v e"),
+            Row(B + "attn.q", A + "q_proj.weight", "(h d) e", "e h d"),
+            Row(B + "attn.kv", A + "k_proj.weight", "(k d) e", "e s k d", {"s": 0}),
+            Row(B + "attn.kv", A + "v_proj.weight", "(k d) e", "e s k d", {"s": 1}),
+            Row(B + "attn.k", A + "k_proj.weight", "(k d) e", "e k d"),
+            Row(B + "attn.out", A + "o_proj.weight", "e (h d)", "h d e"),
+            Row(B + "attn.q_bias", A + "q_proj.bias", "(h d)", "h d"),
+            Row(B + "attn.kv_bias", A + "k_proj.bias", "(k d)", "s k d", {"s": 0}),
+            Row(B + "attn.kv_bias", A + "v_proj.bias", "(k d)", "s k d", {"s": 1}),
+            Row(B + "attn.out_bias", A + "o_proj.bias", "e", "e"),
+            Row(B + "attn.q_norm.scale", A + "q_norm.weight", "d", "d"),
+            Row(B + "attn.k_norm.scale", A + "k_norm.weight", "d", "d"),
+            Row(B + "ffn.w_gate", L + "mlp.gate_proj.weight", "f e", "e f"),
+            Row(B + "ffn.w_in", L + "mlp.up_proj.weight", "f e", "e f"),
+            Row(B + "ffn.w_out", L + "mlp.down_proj.weight", "e f", "f e"),
+            *(Row(f"{B}{ours}.scale", f"{L}{theirs}.weight", "e", "e") for ours, theirs in GEMMA2_NORMS.items()),
+            Row(O + "gate", L + "per_layer_input_gate.weight", "u e", "e u"),
+            Row(O + "proj", L + "per_layer_projection.weight", "e u", "u e"),
+            Row(O + "ln_per_layer.scale", L + "post_per_layer_input_norm.weight", "e", "e"),
+            Row(O + "scalar", L + "layer_scalar", "o", "o"),
+            Row("per_layer.tok", "model.embed_tokens_per_layer.weight", "q w", "q w"),
+            Row("per_layer.proj", "model.per_layer_model_projection.weight", "w e", "e w"),
+            Row("per_layer.ln.scale", "model.per_layer_projection_norm.weight", "u", "u"),
+            Row("ln_f.scale", "model.norm.weight", "e", "e"), Row("head", "lm_head.weight", "v e", "e v"))
+
+
+TABLES["gemma4_text"] = _gemma4()
 # The tables whose bare expert stacks are held (experts, in, out), the transpose of the others' (transformers'
 # is_transposed): PEFT's adapters on them take their in and out features from those axes (shard/hf/peft_params.py)
 EXPERTS_IN_OUT = {"gpt_oss"}
@@ -221,12 +268,23 @@ def layout(kind: str, names) -> str:
 def rows(kind: str, params: set[str], size: dict | None = None) -> list[Row]:
     """The rows of `kind`'s table whose parameter the model has (`params`: its parameters' paths), their offsets
     resolved for the letters' sizes `size` where given, an expert's row made one per expert."""
-    found = [r for r in TABLES[kind] if r.ours in params]
+    found = [one for r in TABLES[kind] for one in _each_layer(r, params, size)]
     if size is None:
         return found
     found = [replace(r, theirs=r.theirs.replace("{x}", str(x)), at={**r.at, "x": x}) if "{x}" in r.theirs else r
              for r in found for x in (range(size["x"]) if "{x}" in r.theirs else [0])]
     return [resolved(r, size) for r in found]
+
+
+def _each_layer(r: Row, params: set[str], size: dict | None) -> list[Row]:
+    """`r` if the model has its parameter; a row of unlike layers ({i} in its path) once for each layer that has it,
+    with that layer's sizes."""
+    if "{i}" not in r.ours:
+        return [r] if r.ours in params else []
+    pattern = re.compile(re.escape(r.ours).replace(re.escape("{i}"), r"(\d+)") + "$")
+    layers = sorted(int(m[1]) for p in params if (m := pattern.match(p)))
+    return [replace(r, ours=r.ours.replace("{i}", str(i)), theirs=r.theirs.replace("{i}", str(i)),
+                    size=(size or {}).get("layers", {}).get(i, {})) for i in layers]
 
 
 def resolved(r: Row, size: dict) -> Row:
@@ -247,9 +305,29 @@ def hf_names(kind: str) -> dict[str, list[str]]:
 
 def sizes(g: dict, kind: str) -> dict[str, int]:
     """Each letter's size in the Hugging Face tensors, from the GPT's arguments (arch.with_defaults)."""
+    n, u = g["n_layers"], g.get("per_layer_dim", 0)
     return dict(e=g["d_model"], h=g["n_heads"], k=g["n_kv_heads"], d=g["head_dim"], f=g["d_ff"], v=g["vocab_size"],
                 p=g["max_len"], s=3 if kind == "gpt2" else 2, j=g["n_heads"] + 2 * g["n_kv_heads"],
-                x=g.get("n_experts", 0))
+                x=g.get("n_experts", 0), u=u, w=n * u, q=g.get("per_layer_vocab") or g["vocab_size"], o=1,
+                layers=unlike_sizes(g))
+
+
+def unlike_sizes(g: dict) -> dict[int, dict]:
+    """Layer -> the sizes in which it differs from the GPT's others (models/mixed.py): a global layer's head size and
+    key/value heads, a layer reusing keys and values with a twice as wide MLP."""
+    n, out = g["n_layers"], {}
+    windows = g.get("windows") or [0] * n
+    for i in range(n):
+        mine = {}
+        if not windows[i] and g.get("global_head_dim"):
+            mine["d"] = g["global_head_dim"]
+        if not windows[i] and g.get("global_kv_heads"):
+            mine["k"] = g["global_kv_heads"]
+        if g.get("wide_shared_mlp") and i >= n - g.get("shared_kv_layers", 0):
+            mine["f"] = 2 * g["d_ff"]
+        if mine:
+            out[i] = mine
+    return out
 
 
 def their_shape(row: Row, size: dict) -> tuple[int, ...]:

@@ -50,6 +50,7 @@ class Calls:
     seen: int | None = None  # attend over the first `seen` slots only (None: all): no written slot lies past them
     layer: jax.Array | None = None  # inside a stack, this layer's index: `given` then holds every layer's entries
     reach: int | None = None  # the positions a row's cache spans (None: capacity); a shorter window keeps a ring
+    kept: dict = field(default_factory=dict)  # name -> attention over a layer's cache, for the layers reusing it
 
     @property
     def spans(self) -> int:
@@ -130,24 +131,40 @@ class Calls:
 
 
 def attend(q, k, v, is_causal: bool, calls: Calls, window=None, softcap: float | None = None,
-           scale: float | None = None, sinks=None, chunk=None):
+           scale: float | None = None, sinks=None, chunk=None, keep: str | None = None, reuse: str | None = None):
     """Attention of the new tokens' queries (batch, new, heads, head_dim) over each row's cached slots: the
     new keys and values are written at the row's `index` first (zeros for padding). A query sees the slots
     from its row's `start` up to its own (all written ones without `is_causal`), within its sliding `window`
     (shard.nn.hooks.attention's; slots lie as far apart as positions) or its `chunk` (by position: a chunk starts
     at a row's start and every `chunk` slots after); a padding query, only itself. `softcap`, `scale` and `sinks`
-    as the hook takes them. A chunked layer keeps every position, as a global one."""
+    as the hook takes them. A chunked layer keeps every position, as a global one. keep: this call's attention over
+    its cache stays available to later calls of the same pass under this name; reuse: a later call attends over the
+    cache kept so (its own k and v are the keeper's; it writes nothing: a shared-KV layer holds no cache)."""
+    if reuse is not None:
+        if reuse not in calls.kept:
+            raise ValueError(f"attention reuses the keys and values kept as {reuse!r}, but no earlier call of this "
+                             f"pass kept them (kept: {sorted(calls.kept)})")
+        return calls.kept[reuse](q)
     real = calls.real(q.shape[1])[:, :, None, None]
     k, v = jnp.where(real, k, 0), jnp.where(real, v, 0)
     value, sizes = masks.windows(window)
     chunk = masks.effective(*masks.chunks(chunk, is_causal, window))
     ring = masks.fixed(sizes) if value is None else None
     if ring is not None and is_causal and ring < calls.spans:
-        return _attend_ring(q, k, v, calls, ring, softcap, scale, sinks)
-    if value is not None and is_causal and len(set(kinds := cache_kinds(window[1], calls.spans))) > 1:
+        held = calls.take()
+        over = lambda q: _over_ring(q, k, v, calls, held, ring, softcap, scale, sinks)  # noqa: E731
+        calls.write({"k": k, "v": v}, ring=ring)  # after: the ring's keys go in once its layer read what it held
+    elif value is not None and is_causal and len(set(kinds := cache_kinds(window[1], calls.spans))) > 1:
+        if keep is not None:
+            raise ValueError("attention keeps its cache for later calls only outside a stack of unlike layers")
         return _attend_kinds(q, k, v, calls, kinds, value, softcap, scale, sinks)
-    cache = calls.write({"k": k, "v": v})
-    return _attend_written(q, cache, calls, is_causal, ring if value is None else value, softcap, scale, sinks, chunk)
+    else:
+        cache = calls.write({"k": k, "v": v})
+        over = lambda q: _attend_written(q, cache, calls, is_causal, ring if value is None else value,  # noqa: E731
+                                         softcap, scale, sinks, chunk)
+    if keep is not None:
+        calls.kept[keep] = over
+    return over(q)
 
 
 def _attend_written(q, cache, calls: Calls, is_causal: bool, window, softcap, scale, sinks=None, chunk=None):
@@ -168,19 +185,11 @@ def _attend_written(q, cache, calls: Calls, is_causal: bool, window, softcap, sc
                       softcap, scale, sinks)
 
 
-def _attend_ring(q, k, v, calls: Calls, window: int, softcap, scale, sinks=None):
-    """`attend` for a causal layer whose every query sees the `window` latest keys (every layer of the stack
-    alike: one static window): its cache holds `window` slots, slot s at s mod window, so that a long generation
-    keeps a window of keys per layer rather than every position. The new queries attend over the keys held
-    before this call and their own; then the call's keys go into the ring."""
-    out = _over_ring(q, k, v, calls, calls.take(), window, softcap, scale, sinks)
-    calls.write({"k": k, "v": v}, ring=window)
-    return out
-
-
 def _over_ring(q, k, v, calls: Calls, held: dict | None, window: int, softcap, scale, sinks=None):
     """The new queries over the keys a ring of `window` slots held before this call (None: a fresh row, nothing
-    held) and the call's own."""
+    held) and the call's own: a causal layer whose every query sees the `window` latest keys (every layer of the
+    stack alike: one static window) keeps `window` slots, slot s at s mod window, so that a long generation keeps a
+    window of keys per layer rather than every position."""
     own = calls.slots(q.shape[1])
     keys, both = own, {"k": k, "v": v}
     if held is not None:

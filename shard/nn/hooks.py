@@ -271,7 +271,7 @@ def layer(fn):
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, window=None,
               softcap: float | None = None, scale: float | None = None, sinks: jax.Array | None = None,
-              chunk=None) -> jax.Array:
+              chunk=None, keep: str | None = None, reuse: str | None = None) -> jax.Array:
     """Scaled dot-product attention over (batch, length, heads, head_dim) arrays with the active kernel
     (`train.attention`: XLA's products, cuDNN's or splash's fused kernel), or over the context devices, the
     packed documents or the generation cache where the run has them. A model calls this instead of choosing a
@@ -298,6 +298,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, wind
       from the row's first real token). None or 0: unchunked; `(value, chunks)` per layer of a stack, as a window
       (shard/nn/masks.py). Needs is_causal and no sliding window on the same call (one line otherwise); cuDNN has
       no chunk mask: `auto` runs XLA's kernel then, an explicit train.attention=cudnn is refused.
+    keep, reuse: keys and values one layer computes and later layers of the same call reuse (Gemma 4's KV sharing):
+      the layer that computes them names them with `keep`, each later one hands the same k and v with `reuse` set to
+      that name. Only generation needs the names: there the reusing layers attend over the keeper's cache and keep
+      none of their own.
     """
     if sinks is not None and tuple(jnp.shape(sinks)) != (q.shape[2],):
         raise UserError(f"attention: sinks of shape {tuple(jnp.shape(sinks))}; one logit per query head, "
@@ -306,7 +310,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, wind
     split = _CONTEXT.get()
     options = dict(window=window, softcap=softcap, scale=scale, sinks=sinks, chunk=chunk)
     if (calls := _DECODE.get()) is not None:  # generating: over the cached keys and values
-        return decoding.attend(q, k, v, bool(is_causal), calls, **options)
+        return decoding.attend(q, k, v, bool(is_causal), calls, keep=keep, reuse=reuse, **options)
     segments = places = None
     if (rows := _PACKED.get()) is not None:
         segments, places = rows

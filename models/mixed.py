@@ -1,0 +1,123 @@
+"""Unlike layers: a GPT's layers when they differ in shape or in what each takes, run one after another rather
+than scanned (Gemma 4's: global layers with wider heads than the sliding ones, the last layers reusing an earlier
+layer's keys and values, each layer fed its own slice of a per-layer embedding).
+
+Each layer is a Block (its attention, MLP and norms) with, where the model has them, a per-layer input (a gate
+from the layer's output to the per-layer width, times the layer's slice of the per-layer inputs, projected back
+and normed into the residual stream) and a scalar on its output. A layer that shares keys and values projects
+none: it attends over those of the last earlier layer with its window, as that layer rotated and normed them.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shard.nn.hooks import layer as remat_layer
+from shard.nn.partition import constrain
+
+from .layers import Block, lookup, norm, param
+
+
+class Layer(nnx.Module):
+    """A Block and what a layer of unlike layers adds: per_layer > 0, the per-layer input's gate (embed ->
+    per_layer), projection (per_layer -> embed) and norm; scalar: a learned scalar on the layer's output (Gemma 4's
+    layer_scalar); act: the gate's activation."""
+
+    def __init__(self, block: Block, d_model: int, per_layer: int, scalar: bool, norm_kind: str, eps: float,
+                 out_std: float, rngs: nnx.Rngs, act=jax.nn.gelu):
+        self.block, self.act = block, act
+        self.gate = param(rngs, (d_model, per_layer), ("embed", None), 0.02) if per_layer else None
+        self.proj = param(rngs, (per_layer, d_model), (None, "embed"), out_std) if per_layer else None
+        self.ln_per_layer = norm(norm_kind, d_model, rngs, eps) if per_layer else None
+        self.scalar = nnx.Param(jnp.ones((1,)), out_sharding=(None,), role="norm") if scalar else None
+
+    def __call__(self, x, per_layer_input=None, shared=None, keep=None, reuse=None):
+        x, kv = self.block.with_kv(x, shared, keep, reuse)
+        if self.gate is not None:
+            h = self.act(x @ self.gate[...]) * per_layer_input
+            x = x + self.ln_per_layer(h @ self.proj[...])
+        if self.scalar is not None:
+            x = x * self.scalar[...].astype(x.dtype)
+        return constrain(x, ("batch", "length", "embed")), kv
+
+
+def sources(windows: list, shared: int) -> list:
+    """For each layer, the earlier layer whose keys and values it reuses (None: its own): the last `shared` layers
+    reuse those of the last layer before them with their window (Gemma 4's num_kv_shared_layers)."""
+    n = len(windows)
+    first = n - shared
+    out = [None] * n
+    for i in range(first, n):
+        same = [j for j in range(first) if windows[j] == windows[i]]
+        if not same:
+            raise ValueError(f"shared_kv_layers={shared}: layer {i} (window {windows[i]}) reuses the keys and values "
+                             f"of an earlier layer with its window, and none of the first {first} layers has it")
+        out[i] = same[-1]
+    return out
+
+
+class PerLayerInputs(nnx.Module):
+    """Gemma 4's per-layer embeddings: each token's row of a second table (n_layers x width wide, scaled by
+    sqrt(width)) added to the embedded token projected to the same width (scaled by 1/sqrt(d_model), normed over
+    each layer's slice), the sum over sqrt(2): (batch, length, n_layers, width)."""
+
+    def __init__(self, vocab: int, d_model: int, n_layers: int, width: int, norm_kind: str, eps: float,
+                 rngs: nnx.Rngs):
+        self.n_layers, self.width, self.d_model = n_layers, width, d_model
+        self.tok = param(rngs, (vocab, n_layers * width), ("vocab", None), 0.02)
+        self.proj = param(rngs, (d_model, n_layers * width), ("embed", None), 0.02)
+        self.ln = norm(norm_kind, width, rngs, eps)
+
+    def __call__(self, tokens, x):
+        rows = lookup(constrain(self.tok[...], ("vocab", None)), tokens) * jnp.asarray(self.width ** 0.5, x.dtype)
+        shape = (*tokens.shape, self.n_layers, self.width)
+        mixed = (x @ self.proj[...]) * jnp.asarray(self.d_model ** -0.5, x.dtype)
+        mixed = self.ln(mixed.reshape(shape))
+        return (mixed + rows.reshape(shape).astype(mixed.dtype)) * jnp.asarray(2 ** -0.5, mixed.dtype)
+
+
+def run(layers: nnx.List, x, sources: list, per_layer=None):
+    """The layers in order, each through the run's activation checkpointing (shard.nn.hooks.layer), the keys and
+    values of each layer some later one reuses handed to it (and named, for generation's caches)."""
+    kept = {}
+    reused = set(s for s in sources if s is not None)
+    for i, one in enumerate(layers):
+        source = sources[i]
+        name = f"layer{source if source is not None else i}"
+        shared = kept.get(source)
+        extra = None if per_layer is None else per_layer[:, :, i]
+        names = dict(keep=name if i in reused else None, reuse=name if source is not None else None)
+        x, kv = remat_layer(partial(_apply, **names))(one, x, extra, shared)
+        if i in reused:
+            kept[i] = kv
+    return x
+
+
+def _apply(one, x, per_layer_input, shared, keep=None, reuse=None):
+    return one(x, per_layer_input, shared, keep, reuse)
+
+
+def layers(make_block, n_layers: int, d_model: int, d_ff: int, rngs: nnx.Rngs, *, windows: list, rotations, rope,
+           local_rope, head_dim: int, kv_heads: int, norm: str, eps: float, out_std: float, act, global_head_dim: int,
+           global_kv_heads: int, values_from_keys: bool, shared_kv_layers: int, wide_shared_mlp: bool,
+           per_layer_dim: int, layer_scalar: bool) -> tuple[nnx.List, list]:
+    """(the layers, each one's source of keys and values): `make_block(rngs, ...)` builds each layer's Block with its
+    own window, rotation, head size and key/value heads; the GPT's docstring says what each option does."""
+    if not 0 <= shared_kv_layers < n_layers:
+        raise ValueError(f"shared_kv_layers={shared_kv_layers}: give fewer than the {n_layers} layers (at least one "
+                         "computes the keys and values the others reuse)")
+    source = sources(windows, shared_kv_layers)
+    out = []
+    for i, window in enumerate(windows):
+        wide = not window  # a global layer: Gemma 4's full attention
+        turn = 1 if rotations is None else rotations[i]
+        block = make_block(rngs, windows=None, fixed_window=window, rope={0: None, 1: rope, 2: local_rope}[turn],
+                           head_dim=(global_head_dim if wide else 0) or head_dim,
+                           kv_heads=(global_kv_heads if wide else 0) or kv_heads,
+                           values_from_keys=values_from_keys and wide and source[i] is None,
+                           own_kv=source[i] is None,
+                           dense_ff=2 * d_ff if wide_shared_mlp and source[i] is not None else 0)
+        out.append(Layer(block, d_model, per_layer_dim, layer_scalar, norm, eps, out_std, rngs, act))
+    return nnx.List(out), source
