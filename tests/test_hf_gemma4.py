@@ -16,12 +16,15 @@ transformers = pytest.importorskip("transformers")
 from flax import nnx  # noqa: E402
 
 import shard  # noqa: E402
+from shard import config  # noqa: E402
 from shard.errors import UserError  # noqa: E402
 from shard.hf import arch, read, write  # noqa: E402
-from shard.use import generate, load  # noqa: E402
+from shard.run import trainer  # noqa: E402
+from shard.use import export, generate, load  # noqa: E402
 
-from test_hf import (MESHES, TOKENS, VOCAB, assert_greedy_as_transformers, jax_logits, relative,  # noqa: E402
-                     saved_folders, torch_logits)
+from conftest import overrides  # noqa: E402
+from test_hf import (FINE_TUNE, MESHES, TOKENS, VOCAB, adapters_merge_as_peft_merges,  # noqa: E402
+                     assert_greedy_as_transformers, first_batch, jax_logits, relative, saved_folders, torch_logits)
 
 REAL = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf" / "gemma-4-E2B-it" / "config.json"
 SMALL = dict(vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=64, intermediate_size=48,
@@ -112,3 +115,71 @@ def test_the_cache_holds_windows_and_no_shared_layer(folders):
     for context in (16, 32):
         want = 2 * (context * 2 * 32 * 4 + 2 * 2 * 6 * 16 * 4)
         assert engine.Engine(generator, 2, context, VOCAB).cache_bytes() == want
+
+
+def test_lora_adapters_load_in_peft_as_our_merged_model(folders, tmp_path):
+    """LoRA on the attention (the shared layers' queries alone) and the MLPs of every width: peft's merge of the
+    adapters written by --adapters-only equals our merged model's export."""
+    adapters_merge_as_peft_merges(folders["e2b"][0], "gpt", [["q", "v"], ["k", "o", "mlp"]], tmp_path)
+
+
+def test_fine_tune_step_is_transformers_loss_and_exports_through_the_cli(folders, tmp_path):
+    """One fsdp step from the folder: its loss is transformers' on the batch; the run exports (python -m
+    shard.export) to a folder transformers reads with the run's logits. A pipeline is refused in one line: the layers
+    are not one stack to cut into stages."""
+    path, model = folders["e2b"]
+    cfg = config.load(None, overrides(tmp_path / "run", f"train.init_from={path}", "mesh=fsdp", "run.cpu_devices=4",
+                                      "checkpoint.enabled=true", *FINE_TUNE))
+    result = trainer.run(cfg)
+    batch = first_batch(cfg)
+    logits = torch.tensor(torch_logits(model, np.asarray(batch["inputs"])))
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                             torch.tensor(np.asarray(batch["targets"])).reshape(-1).long())
+    assert abs(result.history[0]["loss"] - float(want)) < 1e-5 * float(want)
+    out = tmp_path / "hf"
+    assert export.main([str(tmp_path / "run"), "--format", "hf", "--out", str(out)]) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    ours = load.load(str(tmp_path / "run"), [], whole_mesh=False)
+    assert relative(torch_logits(again, TOKENS), jax_logits(ours)) < 1e-5
+    with pytest.raises(UserError) as e:
+        trainer.run(config.load(None, overrides(tmp_path / "pp", f"train.init_from={path}", "mesh=pp",
+                                                "run.cpu_devices=2", *FINE_TUNE)))
+    assert "a GPT whose layers differ, as Gemma 4's, runs them one by one" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_multimodal_gemma4_folder_loads_its_language_model(tmp_path, capsys):
+    """A tiny Gemma4ForConditionalGeneration (a vision tower and its projection beside the language model): the text
+    model is read, the towers skipped with one line, the logits those of the model on text alone."""
+    torch.manual_seed(0)
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=8, position_embedding_size=64)
+    model = transformers.Gemma4ForConditionalGeneration(
+        transformers.Gemma4Config(text_config=E2B, vision_config=vision, audio_config=None)).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    loaded = load.load(str(tmp_path), [], whole_mesh=False)
+    assert "its language model is read, model.embed_vision and model.vision_tower skipped" in capsys.readouterr().err
+    assert relative(jax_logits(loaded), torch_logits(model, TOKENS)) < 1e-5
+
+
+def test_the_servers_slots_answer_as_transformers_past_the_window(folders):
+    """Two slots at different places (prompts of 5 and 3 tokens), 10 greedy tokens each through the server's engine:
+    each transformers' greedy continuation of its prompt alone, the shared layers reading their keepers' rings."""
+    from shard.server import engine
+
+    path, model = folders["e2b"]
+    slots = engine.Engine(generate.Generator(shard.load_model(path)), 2, 32, VOCAB)
+    slots.allocate()
+    prompts = [TOKENS[0, :5].tolist(), TOKENS[1, :3].tolist()]
+    got = [[int(slots.start(i, p, 0.0, 0, 1.0).tokens)] for i, p in enumerate(prompts)]
+    for _ in range(9):
+        picked = slots.advance([g[-1] for g in got], [len(p) + len(g) - 1 for p, g in zip(prompts, got)],
+                               *engine.Engine.settings(2))
+        for g, t in zip(got, np.asarray(picked.tokens)[:, 0]):
+            g.append(int(t))
+    for p, g in zip(prompts, got):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=10, pad_token_id=0)[0, len(p):]
+        assert g == want.tolist()

@@ -203,7 +203,7 @@ def from_gpt(g: dict) -> dict:
                         "proportional or plain RoPE, global_kv_heads only with values_from_keys, and a wide MLP only "
                         "on shared layers")
     full = {"rope_type": "default", "rope_theta": g["rope_theta"]} if scaling is None else \
-        {**scaling, "rope_theta": g["rope_theta"]}
+        {**{k: v for k, v in scaling.items() if k != "factor" or v != 1.0}, "rope_theta": g["rope_theta"]}
     return dict(model_type=KIND, architectures=[ARCHITECTURE], vocab_size=g["vocab_size"], hidden_size=g["d_model"],
                 intermediate_size=g["d_ff"], num_hidden_layers=n, num_attention_heads=g["n_heads"],
                 num_key_value_heads=g["n_kv_heads"], head_dim=g["head_dim"],

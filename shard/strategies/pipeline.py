@@ -73,9 +73,10 @@ def settings(cfg, mesh_shape: dict, rules: dict, work) -> Schedule | None:
     micro = cfg.pipeline.microbatches or 2 * stages
     where = f"mesh.stage={stages}"
     if not work.stacks:
-        raise UserError(f"{where}: model {cfg.model.name!r} runs no stacked layers through shard.nn.hooks.stack, so "
-                        "there is nothing to cut into stages; use a mesh without a stage axis (gpt, moe, vit and "
-                        "lstm stack theirs)")
+        raise UserError(f"{where}: model {cfg.model.name!r} with these options runs no stacked layers through "
+                        "shard.nn.hooks.stack, so there is nothing to cut into stages; use a mesh without a stage axis "
+                        "(gpt, moe, vit and lstm stack theirs, but a GPT whose layers differ, as Gemma 4's, runs them "
+                        "one by one)")
     for n in work.stacks:
         if n % (stages * repeats):
             raise UserError(f"{where} x pipeline.repeats={repeats}: the model's {n} stacked layers do not divide into "
