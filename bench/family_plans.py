@@ -136,13 +136,27 @@ PUBLISHED = {
         attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1, no_rope_layers=[], use_qk_norm=True,
         num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=1, output_router_logits=False,
         router_aux_loss_coef=0.001, tie_word_embeddings=False)),
+    # no config.json of the 31B in fixtures/hf: MaxText's gemma4-31b.yml (src/maxtext/configs/models/) in
+    # transformers' fields: 60 layers, five sliding (1024) to one global, the global layers 512 wide with 4 key/value
+    # heads of their own and values from the keys (share_kv_projections), no per-layer embeddings or shared layers
+    "gemma-4-31b": ("MaxText's gemma4-31b.yml in Gemma4TextConfig's fields", dict(
+        model_type="gemma4_text", vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
+        num_attention_heads=32, num_key_value_heads=16, head_dim=256, global_head_dim=512,
+        num_global_key_value_heads=4, attention_k_eq_v=True, hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6, sliding_window=1024, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0, use_double_wide_mlp=False, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 }
 # The real config.json files of fixtures/hf, read as they are.
 FIXTURE_FAMILIES = {"qwen3-4b": "qwen3-4b", "smollm3-3b": "smollm3-3b", "gemma-3-1b": "gemma-3-1b-it",
                     "llama-3.2-3b": "llama-3.2-3b-instruct", "gpt-oss-20b": "gpt-oss-20b",
-                    "olmo-3-32b": "olmo-3.1-32b-instruct"}
+                    "olmo-3-32b": "olmo-3.1-32b-instruct", "gemma-4-e2b": "gemma-4-E2B-it"}
 ORDER = ["qwen3-4b", "qwen3-8b", "smollm3-3b", "gemma-2-9b", "gemma-3-1b", "gemma-3-12b", "phi-3-mini-4k",
-         "phi-3-mini-128k", "olmo-2-7b", "mistral-7b", "mixtral-8x7b", "qwen3-30b-a3b", "llama-3.2-3b"]
+         "phi-3-mini-128k", "olmo-2-7b", "mistral-7b", "mixtral-8x7b", "qwen3-30b-a3b", "llama-3.2-3b",
+         # issue 59's
+         "gpt-oss-20b", "olmo-3-32b", "llama-4-scout-17b-16e", "gemma-4-e2b", "gemma-4-31b"]
 # What else is planned on a target, per family, after its `mesh=fsdp` row: (target, overrides). Found by these
 # plans on h100x8 (bench/RESULTS.md, issue 47):
 # - Phi-3's step does not compile for the H100 with the plan's defaults: XLA's GPU compiler finds no Triton tiling
@@ -156,6 +170,7 @@ MORE = {
     "h100x8": {
         "phi-3-mini-4k": [("h100x8", ["mesh=fsdp", NO_TRITON_GEMM])],
         "phi-3-mini-128k": [("h100x8", ["mesh=fsdp", NO_TRITON_GEMM])],
+        "gemma-4-31b": [("h100x16", ["mesh=fsdp", "data.batch_size=16"])],
         "mixtral-8x7b": [("h100x16", ["mesh=fsdp", "data.batch_size=16"]),
                          ("h100x16", ["mesh=fsdp", "data.batch_size=16", "model.routing=capacity"])],
     },

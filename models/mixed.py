@@ -8,8 +8,6 @@ and normed into the residual stream) and a scalar on its output. A layer that sh
 none: it attends over those of the last earlier layer with its window, as that layer rotated and normed them.
 """
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -88,15 +86,18 @@ def run(layers: nnx.List, x, sources: list, per_layer=None):
         name = f"layer{source if source is not None else i}"
         shared = kept.get(source)
         extra = None if per_layer is None else per_layer[:, :, i]
-        names = dict(keep=name if i in reused else None, reuse=name if source is not None else None)
-        x, kv = remat_layer(partial(_apply, **names))(one, x, extra, shared)
+        apply = _applying(name if i in reused else None, name if source is not None else None)
+        x, kv = remat_layer(apply)(one, x, extra, shared)
         if i in reused:
             kept[i] = kv
     return x
 
 
-def _apply(one, x, per_layer_input, shared, keep=None, reuse=None):
-    return one(x, per_layer_input, shared, keep, reuse)
+def _applying(keep, reuse):
+    """A layer's call with its names bound (activation checkpointing takes array arguments alone)."""
+    def apply(one, x, per_layer_input, shared):
+        return one(x, per_layer_input, shared, keep, reuse)
+    return apply
 
 
 def layers(make_block, n_layers: int, d_model: int, d_ff: int, rngs: nnx.Rngs, *, windows: list, rotations, rope,

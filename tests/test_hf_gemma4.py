@@ -124,12 +124,13 @@ def test_lora_adapters_load_in_peft_as_our_merged_model(folders, tmp_path):
 
 
 def test_fine_tune_step_is_transformers_loss_and_exports_through_the_cli(folders, tmp_path):
-    """One fsdp step from the folder: its loss is transformers' on the batch; the run exports (python -m
+    """One fsdp step from the folder (each layer recomputed in the backward pass): its loss is transformers' on the
+    batch; the run exports (python -m
     shard.export) to a folder transformers reads with the run's logits. A pipeline is refused in one line: the layers
     are not one stack to cut into stages."""
     path, model = folders["e2b"]
     cfg = config.load(None, overrides(tmp_path / "run", f"train.init_from={path}", "mesh=fsdp", "run.cpu_devices=4",
-                                      "checkpoint.enabled=true", *FINE_TUNE))
+                                      "checkpoint.enabled=true", "train.remat=full", *FINE_TUNE))
     result = trainer.run(cfg)
     batch = first_batch(cfg)
     logits = torch.tensor(torch_logits(model, np.asarray(batch["inputs"])))
