@@ -8,7 +8,8 @@ from flax import nnx
 
 from conftest import TINY_GPT, TINY_MODELS, one_device_runs
 from shard.config import MeshConfig
-from shard.nn.partition import RULES, axes_of, param_spec
+from shard.core import mesh as mesh_lib
+from shard.nn.partition import axes_of, merged_rules, param_spec
 
 PRESETS = ["dp", "fsdp", "tp", "hybrid", "fsdp_tp"]
 # The gpt under every preset; every other model under dp and fsdp_tp (which has both model axes, so every
@@ -18,8 +19,8 @@ CASES = [("gpt", preset) for preset in PRESETS] + [(model, preset) for model in 
                                                    for preset in ("dp", "fsdp_tp")] + [("moe", "ep")]
 STEPS = ["train.steps=12", "run.log_every=1"]
 # A weight holding at least this share of a model's parameters is "large". Under every preset, a large
-# weight with a dimension named for a model axis the preset has (fsdp or tensor) must be split on it;
-# under fsdp_tp, where both exist, every large weight must be split: a model must name its big
+# weight with a dimension named for a model axis the preset has (fsdp or tensor; expert by ep's rules) must be
+# split on it; under fsdp_tp, where both exist, every large weight must be split: a model must name its big
 # dimensions. (What may stay whole is small: norms, biases, positions; or a layer whose only
 # model-sized dimension maps to the other axis, like a classifier head (embed, classes) under tp.)
 LARGE = 0.05
@@ -61,10 +62,11 @@ def test_every_model_matches_one_device_and_is_split_by_every_preset(train, refe
     mesh = result.mesh
     params = variables(result.state.params)
     total = sum(var.get_value().size for _, var in params)
+    rules = merged_rules(mesh_lib.load_preset(preset).get("rules"), mesh_lib.AXES)  # the table, as the preset sets it
     for tree in (result.state.params, result.state.opt_state):  # Adam's moments are sharded like their parameters
         for path, var in variables(tree):
             array = var.get_value()
-            want, _ = param_spec(array.shape, var.get_metadata()["out_sharding"], RULES, dict(mesh.shape),
+            want, _ = param_spec(array.shape, var.get_metadata()["out_sharding"], rules, dict(mesh.shape),
                                  MeshConfig().auto_shard_min_size)
             assert array.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, want), array.ndim), path
     for path, var in params:
@@ -74,8 +76,9 @@ def test_every_model_matches_one_device_and_is_split_by_every_preset(train, refe
             assert "expert" in used, f"{model} under {preset}: experts of {path} are not split"
         if array.size < LARGE * total:
             continue
-        model_axes = {a for name in names if name for a in axes_of(RULES[name])} & {"fsdp", "tensor"}
-        present = {a for a in ("fsdp", "tensor") if mesh.shape[a] > 1}
+        # (ep's rules split the rest of the model on expert as fsdp's do on fsdp: a large weight there too)
+        model_axes = {a for name in names if name for a in axes_of(rules[name])} & {"fsdp", "tensor", "expert"}
+        present = {a for a in ("fsdp", "tensor", "expert") if mesh.shape[a] > 1}
         if model_axes & present or preset == "fsdp_tp":
             assert used & present, f"{model} under {preset}: {path} {array.shape} is whole on every device"
             assert array.addressable_shards[0].data.size < array.size

@@ -1,9 +1,10 @@
 """Expert parallelism by all-to-all for dropless routing (shard/nn/dropless.py), through the trainer: the tiny MoE's
-loss curve under `ep` equals one device's, with fsdp inside the expert group and gradient accumulation (whose
-balancing loss is each microbatch's, on one device as on the mesh), with context parallelism, and with QLoRA
-adapters on 4-bit experts; the plan shows the pairs moving by
-all-to-all, each device doing about its share of the matrix products (not every expert's on every token, as
-before) and sending about what capacity routing sends on the same mesh."""
+loss curve under `ep` (the rest of the model split over the expert axis too, meshes/ep.yaml) equals one device's,
+with fsdp inside the expert group and gradient accumulation (whose balancing loss is each microbatch's, on one
+device as on the mesh), with context parallelism, and with QLoRA adapters on 4-bit experts; the plan shows the
+pairs moving by all-to-all, each device doing about its share of the matrix products (not every expert's on every
+token, as before), sending about what capacity routing sends on the same mesh and holding a quarter of every
+parameter."""
 
 import jax
 import numpy as np
@@ -66,3 +67,15 @@ def test_plan_dropless_under_ep_moves_pairs_by_all_to_all_and_does_its_share(tmp
     # the rounds are a loop as long as the data asks, which the plan counts once and says so; capacity has none
     assert dropless["data_dependent_loops"] == 2 and capacity["data_dependent_loops"] == 0  # forward, backward
     assert "loop(s) run as often as the data asks" in analysis.report(dropless)
+    # The preset splits the rest of the model over the expert axis too (ZeRO-3 inside the expert group): every
+    # parameter a quarter a device, float32, where the rest was whole on each before. By hand from the config:
+    # byte embedding, positions and head, 4 layers of attention (4 d x d), router, 8 experts of two d x f
+    # matrices and two norms (weight and bias), the final norm.
+    d, f, experts, layers = 96, 192, 8, 4
+    expert = layers * experts * 2 * d * f
+    rest = 256 * d + 64 * d + d * 256 + layers * (4 * d * d + d * experts + 2 * 2 * d) + 2 * d
+    assert dropless["param_count"] == expert + rest
+    mem = dropless["memory_per_device"]
+    assert mem["gradients"] == 4 * (expert + rest) // 4  # was 4 * (expert // 4 + rest)
+    assert 0 <= mem["params"] - mem["gradients"] < 1024  # beside them only the routers' statistics, whole
+    assert "0 replicated" in dropless["sharding"]

@@ -8,6 +8,7 @@ import math
 from dataclasses import replace
 
 import jax
+from flax import nnx
 
 from shard import paths
 from shard.core import mesh as mesh_lib
@@ -23,8 +24,8 @@ from shard.strategies.base import mb
 def candidate_meshes(n_devices: int, sequences: bool = False) -> list[tuple[str, dict]]:
     """Every preset, and every way to write n_devices as stage x data x expert x fsdp x context x tensor
     (context only for `sequences`: language-model data); a mesh that is the same as an earlier one (axis
-    sizes, rules and ZeRO stage) is listed once, under all its names."""
-    out, seen = [], {}  # seen: (sizes, rules) -> index in out
+    sizes, rules as they map onto axes larger than 1, ZeRO stage) is listed once, under all its names."""
+    out, seen = [], {}  # seen: _layout -> index in out
     for name in mesh_lib.preset_names():
         preset = mesh_lib.load_preset(name)
         try:
@@ -33,8 +34,7 @@ def candidate_meshes(n_devices: int, sequences: bool = False) -> list[tuple[str,
             continue
         if sizes["context"] > 1 and not sequences:
             continue
-        key = (tuple(sizes.values()), repr(sorted(preset.get("rules", {}).items())),
-               preset.get("zero", 0) if sizes["data"] > 1 else 0)
+        key = _layout(sizes, preset.get("rules", {}), preset.get("zero", 0) if sizes["data"] > 1 else 0)
         if key in seen:  # e.g. on one device every preset is the same mesh
             label, mesh = out[seen[key]]
             out[seen[key]] = (f"{label} = {name}", mesh)
@@ -46,18 +46,27 @@ def candidate_meshes(n_devices: int, sequences: bool = False) -> list[tuple[str,
     for split in itertools.product(divisors, repeat=len(axes)):
         shape = (1, *split)
         context = shape[mesh_lib.AXES.index("context")]
-        if math.prod(shape) == n_devices and (shape, "[]", 0) not in seen and (sequences or context == 1):
-            seen[(shape, "[]", 0)] = len(out)
+        key = _layout(dict(zip(mesh_lib.AXES, shape)), {}, 0)
+        if math.prod(shape) == n_devices and key not in seen and (sequences or context == 1):
+            seen[key] = len(out)
             out.append((" x ".join(f"{a}={s}" for a, s in zip(mesh_lib.AXES, shape) if s > 1) or "1 device",
                         {"preset": "dp", **dict(zip(mesh_lib.AXES, shape))}))
     return out
 
 
+def _layout(sizes: dict, rules: dict, zero: int) -> tuple:
+    """What makes two candidates one mesh: the axis sizes, the rules as they map onto axes larger than 1 (a rule
+    naming only axes of size 1 splits nothing), and the ZeRO stage."""
+    merged = partition.merged_rules(rules, mesh_lib.AXES)
+    return (tuple(sizes.values()), tuple(sorted((name, tuple(a for a in partition.axes_of(target) if sizes[a] > 1))
+                                                for name, target in merged.items())), zero)
+
+
 def compare(cfg, devices: list) -> list[dict]:
     """analyse() for every candidate mesh the model's dimensions allow, with one workload (model,
     data, optimizer, FLOPs) built once. A mesh is skipped when the model's dimensions do not divide
-    it, or when it has an axis besides `data` that splits no parameter (e.g. `expert` for a small
-    model without experts: data parallel under another name)."""
+    it, or when it is another mesh under a renamed axis (renamed_mesh: e.g. `expert` for a model without
+    experts, data parallel or, under `ep`'s rules, fsdp under another name)."""
     work = job.workload(cfg, devices)
     params = work.abstract.params
     auto_min = state_lib.auto_min_size(cfg.mesh)
@@ -69,9 +78,9 @@ def compare(cfg, devices: list) -> list[dict]:
                            **sizes)
         try:
             rules = partition.merged_rules(mesh_cfg.rules, mesh_lib.AXES)
-            idle = state_lib.idle_axes(state_lib.split_report(params, sizes, rules, auto_min), sizes)
-            if idle:
-                rows.append({"label": label, "skipped": f"no parameter is split on {', '.join(idle)}"})
+            renamed = renamed_mesh(state_lib.split_report(params, sizes, rules, auto_min), params, sizes, rules)
+            if renamed:
+                rows.append({"label": label, "skipped": renamed})
                 continue
             plan = analyse(replace(cfg, mesh=mesh_cfg), devices, work)
         except UserError as e:  # e.g. heads not divisible by the tensor axis
@@ -79,6 +88,29 @@ def compare(cfg, devices: list) -> list[dict]:
             continue
         rows.append({"label": label, "preset": preset, **plan})
     return rows
+
+
+def renamed_mesh(rows: list[dict], params, sizes: dict, rules: dict) -> str | None:
+    """Why a candidate is another mesh under a renamed axis (skipped), or None: an axis besides `data` that splits
+    no parameter (data parallel renamed), or an `expert` axis that splits no mixture of experts' experts (a model
+    without experts under `ep`, whose rules split the rest of the model on it: fsdp renamed)."""
+    idle = state_lib.idle_axes(rows, sizes)
+    if idle:
+        return f"no parameter is split on {', '.join(idle)}"
+    if sizes["expert"] > 1 and not _splits_experts(params, sizes, rules):
+        return "no experts are split on expert (fsdp or data parallel under another name)"
+    return None
+
+
+def _splits_experts(params, sizes: dict, rules: dict) -> bool:
+    """Whether the `expert` axis splits some parameter's `experts` dimension."""
+    for var in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        names = partition.logical_names(var)
+        if names and "experts" in names:
+            spec = partition.logical_to_spec(names, rules, sizes)
+            if "expert" in partition.axes_of(spec[list(names).index("experts")]):
+                return True
+    return False
 
 
 def apply_auto(cfg, devices: list):

@@ -85,7 +85,7 @@ def estimate(cfg, work, c: Candidate, peak: float, link: float) -> bool:
         rows = state_lib.split_report(params, s, rules, state_lib.auto_min_size(cfg.mesh))
     except UserError:  # the model's dimensions do not divide this mesh
         return False
-    if state_lib.idle_axes(rows, s):
+    if meshes.renamed_mesh(rows, params, s, rules):
         return False
     psi = sum(r["bytes"] for r in rows)
     per_device = sum(r["bytes"] / math.prod(s[a] for e in r["spec"] for a in partition.axes_of(e)) for r in rows)
