@@ -66,8 +66,9 @@ Shapes (--shape):
              use_tokamax_gmm=false: maxtext/kernels/megablox); ours: gpt_1b.yaml, train.init_from=a folder of
              Qwen3-30B-A3B's config.json alone (bench/family_plans.py's), dropless, train.grouped_matmul=auto.
              Seq 4096, per-chip batch 1. --mesh ep: the experts over every chip (ours mesh=ep; MaxText
-             ici_expert_parallelism=N, whose rules split the other weights over that axis too, as
-             ours-xla-embed-split does). Both sides' scatters stay on the TensorCore (MOE_FLAGS).
+             ici_expert_parallelism=N, whose rules split the other weights over that axis too, as our ep
+             preset does since 2026-11-29; ours-xla-rest-whole keeps them whole, the preset before). Both sides'
+             scatters stay on the TensorCore (MOE_FLAGS).
              A grouped-matmul kernel carries its own cost estimate, which the TPU cost model counts (unlike
              splash's): nothing analytic is added for it, only its loops' other iterations. megablox's estimate
              counts its whole receive buffer, by default sized for the worst case (every token of the expert
@@ -129,8 +130,10 @@ SIDES = {  # column -> (framework, attention, more overrides)
     "ours-xla-bf16": ("ours", "xla", ["train.attention_precision=bfloat16"]),  # as MaxText's dot_product
     "ours-splash": ("ours", "splash", []),
     "ours-cudnn": ("ours", "cudnn", []),  # GPU targets
-    # --mesh ep: the other weights split over the expert axis too (their embed dimension), as MaxText's rules do
+    # --mesh ep: the other weights split over the expert axis too (their embed dimension), as MaxText's rules do;
+    # meshes/ep.yaml's own rule since 2026-11-29 (ours-xla is the same there now), ours-xla-rest-whole the old preset
     "ours-xla-embed-split": ("ours", "xla", ["mesh.rules.embed=[fsdp,expert]"]),
+    "ours-xla-rest-whole": ("ours", "xla", ["mesh.rules.embed=fsdp"]),
     "maxtext-dot": ("maxtext", "dot_product", []),
     "maxtext-splash": ("maxtext", "flash", []),
     "maxtext-cudnn": ("maxtext", "cudnn_flash_jax", []),  # GPU: cuDNN through jax.nn.dot_product_attention
