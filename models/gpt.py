@@ -105,7 +105,8 @@ class GPT(nnx.Module):
         out_std = 0.02 / math.sqrt(2 * n_layers)  # GPT-2: keep the residual stream's variance flat in depth
         self.max_len, self.embed_scale = max_len, math.sqrt(d_model) if embed_scale else None
         self.logit_softcap = logit_softcap or None
-        self.mlp_bias, self.norm_eps = mlp_bias, norm_eps  # read by feed_forward, whose signature subclasses share
+        # read by feed_forward, whose signature subclasses share
+        self.mlp_bias, self.norm_eps, self.norm_kind = mlp_bias, norm_eps, norm
         self.tok = param(rngs, (vocab_size, d_model), ("vocab", "embed"), 0.02)
         self.pos = param(rngs, (max_len, d_model), (None, "embed"), 0.01) if position == "learned" else None
         rope = rope_lib.make(rope_theta, rope_scaling, rotary_dim, rope_interleaved) if position == "rope" else None

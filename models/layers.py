@@ -293,7 +293,8 @@ class Block(nnx.Module):
         self.ln1 = norm(norm_kind, d_model, rngs, eps) if pre else None
         self.ln1_post = norm(norm_kind, d_model, rngs, eps) if post else None
         self.attn = attn
-        self.ln2 = norm(norm_kind, d_model, rngs, eps) if pre else None
+        # (an ffn that norms its own input, as Gemma 4's MoE block, has no norm before it here)
+        self.ln2 = norm(norm_kind, d_model, rngs, eps) if pre and not getattr(ffn, "normalizes_input", False) else None
         self.ln2_post = norm(norm_kind, d_model, rngs, eps) if post else None
         self.ffn = ffn
 

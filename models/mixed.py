@@ -15,7 +15,7 @@ from flax import nnx
 from shard.nn.hooks import layer as remat_layer
 from shard.nn.partition import constrain
 
-from .layers import Block, lookup, norm, param
+from .layers import Block, MLPBlock, lookup, norm, param
 
 
 class Layer(nnx.Module):
@@ -39,6 +39,23 @@ class Layer(nnx.Module):
         if self.scalar is not None:
             x = x * self.scalar[...].astype(x.dtype)
         return constrain(x, ("batch", "length", "embed")), kv
+
+
+class Beside(nnx.Module):
+    """Gemma 4's MoE block: a dense MLP and the experts side by side on the residual stream, each with a norm before
+    and after it, their outputs summed; the router reads the residual stream itself. It norms its own input (the
+    Block has no norm before it, only the one after)."""
+    normalizes_input = True
+
+    def __init__(self, dense: MLPBlock, experts: nnx.Module, d_model: int, norm_kind: str, eps: float,
+                 rngs: nnx.Rngs):
+        self.dense, self.experts = dense, experts
+        self.ln_dense, self.ln_dense_post, self.ln_experts, self.ln_experts_post = (
+            norm(norm_kind, d_model, rngs, eps) for _ in range(4))
+
+    def __call__(self, x):
+        h = self.ln_dense_post(self.dense(self.ln_dense(x)))
+        return h + self.ln_experts_post(self.experts(self.ln_experts(x), route_from=x))
 
 
 def sources(windows: list, shared: int) -> list:

@@ -45,7 +45,7 @@ from shard.nn.hooks import dense, experts, grouped_matmul, layout
 from shard.nn.partition import constrain
 from shard.nn.recorded import AuxLoss, Stat
 
-from . import routers
+from . import mixed, routers
 from .gpt import GPT
 from .layers import MLPBlock, check_choice, param, zeros
 
@@ -106,6 +106,7 @@ class MoELayer(nnx.Module):
         self.w_gate = param(rngs, (n_experts, d_model, d_ff), ("experts", "embed", "mlp"), 0.02) if swiglu else None
         self.w_out = param(rngs, (n_experts, d_ff, d_model), ("experts", "mlp", "embed"), out_std)
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
+        self.gate_act = jax.nn.gelu if swiglu == "geglu" else jax.nn.silu  # (swiglu: True, False or "geglu")
         # GPT-OSS's experts have biases: per expert, on each matrix's output
         self.b_in = zeros((n_experts, d_ff), ("experts", "mlp")) if expert_bias else None
         self.b_gate = zeros((n_experts, d_ff), ("experts", "mlp")) if expert_bias and swiglu else None
@@ -119,8 +120,10 @@ class MoELayer(nnx.Module):
         """Slots per expert per sequence: its fair share of the length x top_k choices, times the factor."""
         return max(1, math.ceil(self.capacity_factor * length * self.top_k / self.n_experts))
 
-    def __call__(self, x):  # (batch, length, d_model)
-        top_p, top_e, probs = self.route(x)                       # (b, t, k) twice, (b, t, n)
+    def __call__(self, x, route_from=None):  # (batch, length, d_model)
+        """The experts' output for x, routed by x or by `route_from` (Gemma 4 routes the residual stream and sends
+        its normed copy to the experts)."""
+        top_p, top_e, probs = self.route(x if route_from is None else route_from)  # (b, t, k) twice, (b, t, n)
         chosen = jax.nn.one_hot(top_e, self.n_experts, dtype=jnp.float32)  # (b, t, k, n)
         if self.routing == "dropless":
             y = self.dropless(x, top_p, top_e, weigh_inputs=self.weigh_inputs)
@@ -183,11 +186,11 @@ class MoELayer(nnx.Module):
     def activation(self, h, gate):
         """The experts' hidden activation of the up projection h and the gate (None: GELU of h). With swiglu_limit,
         GPT-OSS's clamped SwiGLU: the gate clamped above and h on both sides at the limit, (h + 1) times
-        gate x sigmoid(swiglu_alpha x gate); else silu(gate) x h."""
+        gate x sigmoid(swiglu_alpha x gate); else silu(gate) x h (GeGLU's experts: the tanh GELU of the gate)."""
         if gate is None:
             return jax.nn.gelu(h)
         if not self.swiglu_limit:
-            return jax.nn.silu(gate) * h
+            return self.gate_act(gate) * h
         gate, h = jnp.minimum(gate, self.swiglu_limit), jnp.clip(h, -self.swiglu_limit, self.swiglu_limit)
         return (h + 1) * gate * jax.nn.sigmoid(self.swiglu_alpha * gate)
 
@@ -245,6 +248,8 @@ class MoE(GPT):
     output is added (DeepSeek-V3, Llama 4); shared_gate: that output times sigmoid(x . w) per token (Qwen3-Next, 3.5).
     dense_layers: the first that many layers keep a dense MLP of width dense_d_ff (0 = d_ff), stacked apart
     (`dense_blocks`) before the experts' layers (DeepSeek-V3's first_k_dense_replace).
+    beside_d_ff: every layer's experts work beside a dense MLP of this width (mlp's kind), each with a norm before
+    and after, their outputs summed (Gemma 4's MoE block; 0: none): models/mixed.py's Beside.
     expert_bias: each expert's matrices have biases (GPT-OSS); swiglu_limit: the experts' SwiGLU clamped at it and
     offset as GPT-OSS's, (clip(up) + 1) x gate x sigmoid(swiglu_alpha x gate) with the gate clamped above (0: plain).
     """
@@ -256,7 +261,7 @@ class MoE(GPT):
                  score_correction: bool = False, correction_rate: float = 0.0, expert_scale: bool = False,
                  weigh_inputs: bool = False, shared_experts: int = 0, shared_d_ff: int = 0, shared_gate: bool = False,
                  dense_layers: int = 0, dense_d_ff: int = 0, expert_bias: bool = False, swiglu_limit: float = 0.0,
-                 swiglu_alpha: float = 1.702, *, rngs: nnx.Rngs, **gpt):
+                 swiglu_alpha: float = 1.702, beside_d_ff: int = 0, *, rngs: nnx.Rngs, **gpt):
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
         if capacity_factor <= 0:
@@ -265,7 +270,7 @@ class MoE(GPT):
         check_choice("balancing", balancing, BALANCING)
         routers.check(router, n_experts, top_k, n_group, topk_group, routed_scaling, score_correction, correction_rate)
         for name, value in (("shared_experts", shared_experts), ("shared_d_ff", shared_d_ff),
-                            ("dense_layers", dense_layers), ("dense_d_ff", dense_d_ff)):
+                            ("dense_layers", dense_layers), ("dense_d_ff", dense_d_ff), ("beside_d_ff", beside_d_ff)):
             if value < 0:
                 raise ValueError(f"{name}={value} must be >= 0")
         if swiglu_limit < 0 or swiglu_limit and gpt.get("mlp") != "swiglu":
@@ -276,7 +281,7 @@ class MoE(GPT):
         self.n_experts, self.top_k, self.routing, self.norm_topk = n_experts, top_k, routing, norm_topk
         self.capacity_factor, self.aux_loss_weight, self.balancing = capacity_factor, aux_loss_weight, balancing
         self.dense_layers, self.dense_d_ff = dense_layers, dense_d_ff
-        self.shared_experts, self.shared_d_ff = shared_experts, shared_d_ff
+        self.shared_experts, self.shared_d_ff, self.beside_d_ff = shared_experts, shared_d_ff, beside_d_ff
         self.layer_options = dict(router=router, router_bias=router_bias, router_norm=router_norm, n_group=n_group,
                                   topk_group=topk_group, routed_scaling=routed_scaling,
                                   score_correction=score_correction, correction_rate=correction_rate,
@@ -287,11 +292,16 @@ class MoE(GPT):
         self.aux_loss = AuxLoss(jnp.zeros(()))
 
     def feed_forward(self, d_model, d_ff, mlp, out_std, rngs, bias=False):
-        if mlp == "geglu" or bias or self.mlp_bias:
-            raise ValueError("the experts take mlp=gelu or swiglu, without biases")
-        return MoELayer(d_model, d_ff, self.n_experts, self.top_k, self.capacity_factor, self.aux_loss_weight,
-                        mlp == "swiglu", out_std, rngs, self.routing, self.norm_topk, **self.layer_options,
-                        shared_d_ff=self.shared_experts * (self.shared_d_ff or d_ff), norm_eps=self.norm_eps)
+        if bias or self.mlp_bias:
+            raise ValueError("the experts take no biases of the GPT's (bias, mlp_bias); expert_bias gives them theirs")
+        gated = {"swiglu": True, "geglu": "geglu"}.get(mlp, False)
+        experts = MoELayer(d_model, d_ff, self.n_experts, self.top_k, self.capacity_factor, self.aux_loss_weight,
+                           gated, out_std, rngs, self.routing, self.norm_topk, **self.layer_options,
+                           shared_d_ff=self.shared_experts * (self.shared_d_ff or d_ff), norm_eps=self.norm_eps)
+        if not self.beside_d_ff:
+            return experts
+        return mixed.Beside(MLPBlock(d_model, self.beside_d_ff, mlp, out_std, rngs), experts, d_model, self.norm_kind,
+                            self.norm_eps, rngs)
 
     def dense_first(self, n_layers: int, d_ff: int) -> tuple[int, int]:
         if not self.dense_layers < n_layers:
@@ -301,8 +311,14 @@ class MoE(GPT):
 
     def __call__(self, tokens):
         logits = super().__call__(tokens)
-        load = self.blocks.ffn.load.get_value()  # (layers, experts), written back by the stack of blocks
-        mean = self.blocks.ffn.router_mean.get_value()
+        if self.layers is not None:  # unlike layers, one by one: each one's experts
+            found = [one.block.ffn.experts for one in self.layers if isinstance(one.block.ffn, mixed.Beside)]
+            found += [one.block.ffn for one in self.layers if isinstance(one.block.ffn, MoELayer)]
+            load = jnp.stack([e.load.get_value() for e in found])
+            mean = jnp.stack([e.router_mean.get_value() for e in found])
+        else:
+            load = self.blocks.ffn.load.get_value()  # (layers, experts), written back by the stack of blocks
+            mean = self.blocks.ffn.router_mean.get_value()
         self.min_expert_share.set_value(jnp.min(load) * self.n_experts)
         if self.balancing == "pooled":
             load, mean = self.top_k * jnp.mean(load, axis=0), jnp.mean(mean, axis=0)

@@ -40,8 +40,12 @@ E2B = dict(SMALL, num_hidden_layers=6, num_kv_shared_layers=3, use_double_wide_m
 # the larger models' global layers: values from the keys' projection, key/value heads of their own; no PLE
 K_EQ_V = dict(SMALL, num_hidden_layers=3, num_key_value_heads=2, attention_k_eq_v=True, num_global_key_value_heads=4,
               hidden_size_per_layer_input=0, layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+# the 26B-A4B's MoE block: a dense MLP beside four experts (two a token), each with its norms, in every layer
+MOE = dict(K_EQ_V, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24)
 KINDS = {"e2b": lambda T: T.Gemma4ForCausalLM(T.Gemma4TextConfig(**E2B)),
-         "k_eq_v": lambda T: T.Gemma4ForCausalLM(T.Gemma4TextConfig(**K_EQ_V))}
+         "k_eq_v": lambda T: T.Gemma4ForCausalLM(T.Gemma4TextConfig(**K_EQ_V)),
+         "moe": lambda T: T.Gemma4ForCausalLM(T.Gemma4TextConfig(**MOE))}
+EP = ["mesh=ep", "run.cpu_devices=4"]
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +60,13 @@ def folders(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("kind, mesh", [("e2b", "one"), ("e2b", "fsdp"), ("k_eq_v", "one"), ("k_eq_v", "tp")])
+@pytest.mark.parametrize("kind, mesh", [("e2b", "one"), ("e2b", "fsdp"), ("k_eq_v", "one"), ("k_eq_v", "tp"),
+                                        ("moe", "one"), ("moe", "ep")])
 def test_logits_equal_transformers(folders, kind, mesh):
     """(E2B's single key/value head does not split over tensor: refused in one line, tests/test_hf_gemma4.py's
     last test)"""
     path, model = folders[kind]
-    loaded = load.load(path, MESHES[mesh] or [], whole_mesh=mesh != "one")
+    loaded = load.load(path, EP if mesh == "ep" else MESHES[mesh] or [], whole_mesh=mesh != "one")
     assert relative(jax_logits(loaded), torch_logits(model, TOKENS)) < 1e-5
 
 
@@ -74,8 +79,8 @@ def test_greedy_generate_equals_transformers_past_the_window(folders, kind):
 def test_export_and_reimport_are_bitwise(folders, kind, tmp_path):
     path, model = folders[kind]
     loaded = load.load(path, [], whole_mesh=False)
-    write.write_folder(nnx.state(loaded.model, nnx.Param), "gpt", loaded.cfg.model.kwargs, tmp_path / "out", None,
-                       source=read.Folder(path))
+    write.write_folder(nnx.state(loaded.model, nnx.Param), loaded.cfg.model.name, loaded.cfg.model.kwargs,
+                       tmp_path / "out", None, source=read.Folder(path))
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "gemma4_text"
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
     np.testing.assert_array_equal(torch_logits(again, TOKENS), torch_logits(model, TOKENS))
@@ -95,7 +100,7 @@ def test_the_real_e2b_config_reads_as_transformers_reads_it():
 
 def test_bad_gemma4_configs_are_one_line():
     good = dict(E2B, model_type="gemma4_text")
-    for change, said in ((dict(enable_moe_block=True), "enable_moe_block"),
+    for change, said in ((dict(enable_moe_block=True), "num_experts=None with enable_moe_block=true"),
                          (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
                          (dict(hidden_activation="silu"), "hidden_activation"),
                          (dict(num_kv_shared_layers=6), "num_kv_shared_layers"),

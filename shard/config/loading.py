@@ -65,7 +65,8 @@ def _hf_layer(layers: list[dict], planning: bool) -> dict | None:
     from shard.hf.read import Folder
 
     folder = Folder(init_from, weights=not planning)
-    layer = {"model": {"name": model_name(folder.kind), **folder.gpt_kwargs()}}
+    kwargs = folder.gpt_kwargs()
+    layer = {"model": {"name": model_name(folder.kind, kwargs), **kwargs}}
     data = [given.get("data") or {} for given in layers]
     documents = next((d["name"] for d in reversed(data) if d.get("name")), _schema().data.name) == "documents"
     if documents and not any(d.get("tokenizer") for d in data):

@@ -19,9 +19,10 @@ def model_type(config: dict, where: str) -> str:
     return kind
 
 
-def model_name(kind: str) -> str:
-    """The library model an architecture is read into: the MoE for the mixture-of-experts families, else the GPT."""
-    return "moe" if kind in experts.RELATIVE else "gpt"
+def model_name(kind: str, kwargs: dict | None = None) -> str:
+    """The library model an architecture is read into (its arguments `kwargs`, where they decide): the MoE for the
+    mixture-of-experts families and a Gemma 4 with its MoE block, else the GPT."""
+    return "moe" if kind in experts.RELATIVE or "n_experts" in (kwargs or {}) else "gpt"
 
 
 def to_gpt(config: dict, where: str) -> dict:
@@ -36,7 +37,9 @@ def to_gpt(config: dict, where: str) -> dict:
 
 def from_gpt(kwargs: dict, model_name: str) -> dict:
     """The config.json of a run's model (its model.name and arguments); UserError where it is none of SUPPORTED."""
+    g = with_defaults(kwargs)
+    if model_name in ("gpt", "moe") and gemma4.is_gemma4(g):
+        return gemma4.from_gpt(g, kwargs if model_name == "moe" else None)
     if model_name == "moe":
         return experts.from_moe(kwargs)
-    g = with_defaults(kwargs)
-    return gemma4.from_gpt(g) if model_name == "gpt" and gemma4.is_gemma4(g) else dense_from_gpt(kwargs, model_name)
+    return dense_from_gpt(kwargs, model_name)

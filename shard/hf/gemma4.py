@@ -21,12 +21,14 @@ DEFAULTS = dict(vocab_size=262_144, hidden_size=2304, intermediate_size=9216, nu
                 sliding_window=512, layer_types=None, final_logit_softcapping=None, use_bidirectional_attention=None,
                 vocab_size_per_layer_input=262_144, hidden_size_per_layer_input=256, attention_k_eq_v=False,
                 num_kv_shared_layers=0, enable_moe_block=False, use_double_wide_mlp=False, global_head_dim=512,
-                num_global_key_value_heads=None, rope_parameters=None)
+                num_global_key_value_heads=None, rope_parameters=None, num_experts=None, top_k_experts=None,
+                moe_intermediate_size=None)
 _TYPES = dict(hidden_activation=str, rms_norm_eps=float, tie_word_embeddings=bool, attention_bias=bool,
               layer_types=list, final_logit_softcapping=float, attention_k_eq_v=bool, enable_moe_block=bool,
               use_double_wide_mlp=bool, rope_parameters=dict)
 _NULLABLE = {"layer_types", "final_logit_softcapping", "use_bidirectional_attention", "num_global_key_value_heads",
-             "rope_parameters", "hidden_size_per_layer_input"}
+             "rope_parameters", "hidden_size_per_layer_input", "num_experts", "top_k_experts",
+             "moe_intermediate_size"}
 # each layer type's RoPE where rope_parameters leaves it out (Gemma4TextConfig's)
 ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
@@ -47,10 +49,9 @@ def to_gpt(c: dict, where: str) -> dict:
                             f"{'a non-negative int' if want is int else 'a ' + want.__name__}")
         return value
 
-    for name in ("enable_moe_block", "use_bidirectional_attention"):
-        if get(name):
-            raise UserError(f"{where}: config.json has {name}={get(name)!r}, which is not implemented for "
-                            f"{KIND} (supported: {'false' if name == 'enable_moe_block' else 'null'})")
+    if get("use_bidirectional_attention"):
+        raise UserError(f"{where}: config.json has use_bidirectional_attention={get('use_bidirectional_attention')!r},"
+                        f" which is not implemented for {KIND} (supported: null)")
     n, d, heads = get("num_hidden_layers"), get("hidden_size"), get("num_attention_heads")
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "head_dim", "num_key_value_heads", "global_head_dim"):
@@ -97,9 +98,28 @@ def to_gpt(c: dict, where: str) -> dict:
         out.update(per_layer_dim=per_layer, per_layer_vocab=get("vocab_size_per_layer_input"))
     if cap:
         out["logit_softcap"] = float(cap)
+    if get("enable_moe_block"):
+        out.update(_experts(get, where, out["d_ff"]))
     if "full_attention" not in types:
         out["rope_scaling"], out["rope_theta"] = None, local_theta  # no layer rotates by it
     return out
+
+
+def _experts(get, where: str, dense_ff: int) -> dict:
+    """The MoE's options of Gemma 4's MoE block (enable_moe_block): in every layer num_experts experts of
+    moe_intermediate_size (GeGLU, as the dense MLP) beside the dense MLP of intermediate_size, each token to its
+    top_k_experts by a softmax over all, renormalised, times the chosen expert's per_expert_scale; the router's input
+    normed without a weight, times its scale and 1/sqrt(hidden_size). Every token computed by its experts (dropless),
+    as transformers does; transformers adds no balancing loss to Gemma 4's training loss, nor does this."""
+    n, k, width = get("num_experts"), get("top_k_experts"), get("moe_intermediate_size")
+    for name, value in (("num_experts", n), ("top_k_experts", k), ("moe_intermediate_size", width)):
+        if not value:
+            raise UserError(f"{where}: config.json has {name}={value!r} with enable_moe_block=true; it must be at "
+                            "least 1")
+    if k > n:
+        raise UserError(f"{where}: config.json has top_k_experts={k}, more than num_experts={n}")
+    return dict(n_experts=n, top_k=k, d_ff=width, beside_d_ff=dense_ff, routing="dropless", router="softmax_topk",
+                norm_topk=True, router_norm=True, expert_scale=True, aux_loss_weight=0.0)
 
 
 def _per_layer(c: dict, types: list, global_dim: int, global_kv: int | None, where: str) -> tuple:
@@ -176,8 +196,9 @@ def is_gemma4(g: dict) -> bool:
     return any(g.get(name) for name in OPTIONS)
 
 
-def from_gpt(g: dict) -> dict:
-    """The gemma4_text config.json of a GPT's arguments (with_defaults'); one line naming what Gemma 4 cannot hold."""
+def from_gpt(g: dict, moe: dict | None = None) -> dict:
+    """The gemma4_text config.json of a GPT's arguments (with_defaults'), or with `moe` (an MoE's arguments) its MoE
+    block's; one line naming what Gemma 4 cannot hold."""
     want = dict(position="rope", norm="rmsnorm", mlp="geglu", embed_scale=True, norms="both", qk_norm="head",
                 attn_scale=1.0, v_norm=True, layer_scalar=True, qkv_bias=False, bias=False, mlp_bias=False,
                 attn_sinks=False, rope_interleaved=False, rotary_dim=0, attn_softcap=0.0, chunks=None,
@@ -196,6 +217,17 @@ def from_gpt(g: dict) -> dict:
         wrong["values_from_keys/wide_shared_mlp"] = (g["values_from_keys"], g["wide_shared_mlp"])
     if g["global_kv_heads"] and not g["values_from_keys"]:
         wrong["global_kv_heads"] = g["global_kv_heads"]  # transformers reads it only with attention_k_eq_v
+    experts = {}
+    if moe is not None:
+        block = dict(router="softmax_topk", norm_topk=True, router_norm=True, expert_scale=True, router_bias=False,
+                     n_group=1, topk_group=1, routed_scaling=1.0, score_correction=False, weigh_inputs=False,
+                     shared_experts=0, dense_layers=0, expert_bias=False, swiglu_limit=0.0)
+        wrong.update({k: moe[k] for k, v in block.items() if k in moe and moe[k] != v})
+        if not moe.get("beside_d_ff"):
+            wrong["beside_d_ff"] = moe.get("beside_d_ff", 0)
+        experts = dict(enable_moe_block=True, num_experts=moe.get("n_experts", 8), top_k_experts=moe.get("top_k", 2),
+                       moe_intermediate_size=g["d_ff"], intermediate_size=moe.get("beside_d_ff"))
+        want.update(block)
     if wrong:
         raise UserError(f"--format hf: {', '.join(f'{k}={v!r}' for k, v in wrong.items())} fits no {KIND} "
                         f"config.json: Gemma 4 has {', '.join(f'{k}={v!r}' for k, v in want.items() if k in wrong)}, "
@@ -204,7 +236,7 @@ def from_gpt(g: dict) -> dict:
                         "on shared layers")
     full = {"rope_type": "default", "rope_theta": g["rope_theta"]} if scaling is None else \
         {**{k: v for k, v in scaling.items() if k != "factor" or v != 1.0}, "rope_theta": g["rope_theta"]}
-    return dict(model_type=KIND, architectures=[ARCHITECTURE], vocab_size=g["vocab_size"], hidden_size=g["d_model"],
+    out = dict(model_type=KIND, architectures=[ARCHITECTURE], vocab_size=g["vocab_size"], hidden_size=g["d_model"],
                 intermediate_size=g["d_ff"], num_hidden_layers=n, num_attention_heads=g["n_heads"],
                 num_key_value_heads=g["n_kv_heads"], head_dim=g["head_dim"],
                 global_head_dim=g["global_head_dim"] or g["head_dim"],
@@ -220,3 +252,4 @@ def from_gpt(g: dict) -> dict:
                 vocab_size_per_layer_input=g["per_layer_vocab"] or g["vocab_size"],
                 num_kv_shared_layers=g["shared_kv_layers"], use_double_wide_mlp=g["wide_shared_mlp"],
                 enable_moe_block=False, torch_dtype="float32")
+    return {**out, **experts}

@@ -199,6 +199,10 @@ def _llama4() -> tuple[Row, ...]:
 TABLES["llama4_text"] = _llama4()
 
 
+GEMMA4_MOE_NORMS = {"ln_dense": "pre_feedforward_layernorm", "ln_dense_post": "post_feedforward_layernorm_1",
+                    "ln_experts": "pre_feedforward_layernorm_2", "ln_experts_post": "post_feedforward_layernorm_2"}
+
+
 def _gemma4() -> tuple[Row, ...]:
     """Gemma 4's text model, one GPT layer (models/mixed.py) per Hugging Face layer: Gemma 2's four norms, Qwen3's
     head norms, the keys' projection alone on the layers whose values are their keys (attention_k_eq_v) and none on
@@ -218,18 +222,34 @@ def _gemma4() -> tuple[Row, ...]:
             Row(B + "attn.out_bias", A + "o_proj.bias", "e", "e"),
             Row(B + "attn.q_norm.scale", A + "q_norm.weight", "d", "d"),
             Row(B + "attn.k_norm.scale", A + "k_norm.weight", "d", "d"),
-            Row(B + "ffn.w_gate", L + "mlp.gate_proj.weight", "f e", "e f"),
-            Row(B + "ffn.w_in", L + "mlp.up_proj.weight", "f e", "e f"),
-            Row(B + "ffn.w_out", L + "mlp.down_proj.weight", "e f", "f e"),
+            *_gated_mlp(B + "ffn.", L + "mlp.", "f"),
             *(Row(f"{B}{ours}.scale", f"{L}{theirs}.weight", "e", "e") for ours, theirs in GEMMA2_NORMS.items()),
             Row(O + "gate", L + "per_layer_input_gate.weight", "u e", "e u"),
             Row(O + "proj", L + "per_layer_projection.weight", "e u", "u e"),
             Row(O + "ln_per_layer.scale", L + "post_per_layer_input_norm.weight", "e", "e"),
             Row(O + "scalar", L + "layer_scalar", "o", "o"),
+            # the MoE block (enable_moe_block): the dense MLP (b wide) and the experts (f wide) side by side, each
+            # with its norms; the router's projection, input scale and per-expert scale
+            *_gated_mlp(B + "ffn.dense.", L + "mlp.", "b"),
+            *(Row(f"{B}ffn.{ours}.scale", f"{L}{norm}.weight", "e", "e") for ours, norm in GEMMA4_MOE_NORMS.items()),
+            Row(B + "ffn.experts.router", L + "router.proj.weight", "x e", "e x"),
+            Row(B + "ffn.experts.router_scale", L + "router.scale", "e", "e"),
+            Row(B + "ffn.experts.expert_scale", L + "router.per_expert_scale", "x", "x"),
+            Row(B + "ffn.experts.w_gate", L + "experts.gate_up_proj", "x (s f) e", "x e f", {"s": 0}),
+            Row(B + "ffn.experts.w_in", L + "experts.gate_up_proj", "x (s f) e", "x e f", {"s": 1}),
+            Row(B + "ffn.experts.w_out", L + "experts.down_proj", "x e f", "x f e"),
             Row("per_layer.tok", "model.embed_tokens_per_layer.weight", "q w", "q w"),
             Row("per_layer.proj", "model.per_layer_model_projection.weight", "w e", "e w"),
             Row("per_layer.ln.scale", "model.per_layer_projection_norm.weight", "u", "u"),
             Row("ln_f.scale", "model.norm.weight", "e", "e"), Row("head", "lm_head.weight", "v e", "e v"))
+
+
+def _gated_mlp(ours: str, theirs: str, wide: str) -> tuple[Row, ...]:
+    """A gated MLP's three matrices (our w_gate, w_in, w_out under `ours`; their gate, up and down projections under
+    `theirs`), its width the letter `wide`."""
+    return (Row(ours + "w_gate", theirs + "gate_proj.weight", f"{wide} e", f"e {wide}"),
+            Row(ours + "w_in", theirs + "up_proj.weight", f"{wide} e", f"e {wide}"),
+            Row(ours + "w_out", theirs + "down_proj.weight", f"e {wide}", f"{wide} e"))
 
 
 TABLES["gemma4_text"] = _gemma4()
@@ -308,7 +328,8 @@ def sizes(g: dict, kind: str) -> dict[str, int]:
     n, u = g["n_layers"], g.get("per_layer_dim", 0)
     return dict(e=g["d_model"], h=g["n_heads"], k=g["n_kv_heads"], d=g["head_dim"], f=g["d_ff"], v=g["vocab_size"],
                 p=g["max_len"], s=3 if kind == "gpt2" else 2, j=g["n_heads"] + 2 * g["n_kv_heads"],
-                x=g.get("n_experts", 0), u=u, w=n * u, q=g.get("per_layer_vocab") or g["vocab_size"], o=1,
+                x=g.get("n_experts", 0), b=g.get("beside_d_ff", 0), u=u, w=n * u,
+                q=g.get("per_layer_vocab") or g["vocab_size"], o=1,
                 layers=unlike_sizes(g))
 
 
