@@ -197,7 +197,8 @@ def test_the_pages_have_the_commands_this_test_relies_on():
     assert any("model.n_layers=8" in c.argv for c in TRAINING if c.page == README)
     assert any("--dry-run" in c.flags for c in TRAINING if c.page == README)
     assert {c.argv[0] for c in of("launch")} == {"local", "tpu", "slurm", "gke"}
-    assert {c.argv[0] for c in of("module")} == {"shard.generate", "shard.export", "shard.plot", "shard.serve"}
+    assert {c.argv[0] for c in of("module")} == {"shard.generate", "shard.export", "shard.plot", "shard.serve",
+                                                 "shard.eval"}
     assert any(a.startswith("model.name=mypkg.") for c in TRAINING for a in c.argv)
 
 

@@ -50,15 +50,17 @@ class Scorer:
         self._run = jax.jit(self._score)
 
     def _score(self, state, tokens):
-        logits = self.g._model(state)(tokens)[..., :self.vocab].astype(jnp.float32)
-        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)  # the prediction of each next token
+        """`tokens` (rows, width + 1): the model reads the first `width`, each predicting the one after it."""
+        logits = self.g._model(state)(tokens[:, :-1])[..., :self.vocab].astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
         chosen = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
         best, ids = jax.lax.top_k(logp, self.top)
         return chosen, ids[..., 0] == tokens[:, 1:], ids.astype(jnp.int32), best
 
     def longest(self) -> int | None:
-        """The longest sequence one pass scores (the model's context), None where unbounded."""
-        return self.context
+        """The longest sequence one pass scores (the model's context, and the token after it), None where
+        unbounded."""
+        return None if self.context is None else self.context + 1
 
     def __call__(self, rows: list[list[int]], batch: int | None = None) -> list[Scored]:
         """Scores of each row (at least one token each), `batch` rows a pass (default: all of them)."""
@@ -67,9 +69,9 @@ class Scorer:
         longest = max(len(r) for r in rows)
         if min(len(r) for r in rows) < 1:
             raise UserError("a sequence to score is empty; give at least one token")
-        if self.context is not None and longest > self.context:
+        if self.context is not None and longest > self.context + 1:
             raise UserError(f"a sequence of {longest} tokens is past the model's context of {self.context} "
-                            "(max_len); shorten it")
+                            "(max_len) and the token after it; shorten it")
         batch = batch or len(rows)
         out: list[Scored] = []
         for at in range(0, len(rows), batch):
@@ -77,9 +79,9 @@ class Scorer:
         return out
 
     def _pass(self, rows: list[list[int]]) -> list[Scored]:
-        width = bucket(max(len(r) for r in rows) + 1, self.context)  # one past the longest: every row padded
+        width = bucket(max(len(r) for r in rows) - 1, self.context)  # what the model reads: all but the last
         count = bucket(len(rows)) if len(rows) > 1 else 1
-        tokens = np.zeros((count, width), np.int32)
+        tokens = np.zeros((count, width + 1), np.int32)
         for row, r in zip(tokens, rows):
             row[:len(r)] = r
         rules = self.g.batch_rules(count)
