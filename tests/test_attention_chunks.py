@@ -238,34 +238,53 @@ def test_ring_steps_skip_exactly_the_blocks_no_chunk_reaches():
 
 # ----------------------------------------------------------------------------- generation
 
-@pytest.mark.parametrize("cache", ["written", "blocks", "stack"])
+@pytest.mark.parametrize("cache", ["written", "ring", "blocks", "stack"])
 def test_prefill_and_decoded_tokens_past_a_chunk_boundary(monkeypatch, cache):
     """A prefill of 5 slots (row 1 left-padded by 2: its positions start at slot 2) and four decoded tokens, chunks
-    of 4 positions: each row's chunk boundaries fall at its own positions 4 and 8. Over every position (`written`),
-    the same over blocks of keys (the online softmax), and a stack of a chunked layer and a global one (a traced
-    chunk, with sinks). The real tokens' outputs as the whole sequence's written out (each row from its first real
-    token); a query right after a boundary sees only itself."""
+    of 4 positions: each row's chunk boundaries fall at its own positions 4 and 8. A cache of every position where
+    the chunk is no shorter (`written`, 4 slots and tokens), a ring of one chunk where it is (`ring`: 4 slots of 12),
+    the ring over blocks of keys (the online softmax), and a stack of a chunked layer and a global one (a traced chunk, with
+    sinks: a ring for the first, every position for the second, as the stack's scan hands them). The real tokens'
+    outputs as the whole sequence's written out (each row from its first real token); a query right after a boundary
+    sees only itself."""
     if cache == "blocks":
         monkeypatch.setattr(decoding, "SCORES", 4)
         monkeypatch.setattr(decoding, "KEY_BLOCK", 4)
-    b, t, capacity = 2, 9, 12
+    b, t = 2, 9
+    capacity = 4 if cache == "written" else 12
     q, k, v, _ = inputs(batch=b, length=t)
     start = jnp.asarray([0, 2], jnp.int32)
     chunks = (4, 0) if cache == "stack" else (4,)
     sinks = jnp.asarray(SINKS) if cache == "stack" else None
+    if cache == "written":  # every position written: the chunk no shorter than the cache
+        t, q, k, v = 4, *(x[:, :4] for x in (q, k, v))
 
     def forward(index, new, given):
+        """The layers over the tokens `new` at slot `index`; a stack's one entry for all its layers (Kinds)."""
         outs, made = [], []
         for i, c in enumerate(chunks):
-            calls = decoding.Calls(jnp.full(b, index, jnp.int32), start, capacity, None if given is None else given[i])
+            entry = [given] if cache == "stack" else None if given is None else given[i]
+            calls = decoding.Calls(jnp.full(b, index, jnp.int32), start, capacity, entry,
+                                   layer=jnp.int32(i) if cache == "stack" else None)
             with hooks.use(decode=calls):
                 outs.append(hooks.attention(q[:, new], k[:, new], v[:, new], is_causal=True, sinks=sinks,
                                             chunk=(jnp.int32(c), chunks) if cache == "stack" else c))
+            if cache == "stack":
+                given = calls.made[0]
+                assert {kind: a["k"].shape[2] for kind, a in given.caches.items()} == {4: 4, 0: capacity}
             made.append(calls.made)
-        return outs, made
+        return outs, (given if cache == "stack" else made)
 
-    outs, entries = forward(0, slice(0, 5), None)
-    for slot in range(5, t):
+    empty = None
+    if cache == "stack":  # the stack's empty caches, as decoding.stack_caches makes them
+        kinds = decoding.cache_kinds(chunks, capacity)
+        empty = decoding.Kinds({kind: {n: jnp.zeros((kinds.count(kind), b, kind or capacity, 2, 8)) for n in "kv"}
+                                for kind in set(kinds)})
+    prefill = min(5, t)
+    outs, entries = forward(0, slice(0, prefill), empty)
+    if cache in ("ring", "blocks"):
+        assert entries[0][0]["k"].shape[1] == 4  # one chunk's slots
+    for slot in range(prefill, t):
         new, entries = forward(slot, slice(slot, slot + 1), entries)
         outs = [np.concatenate([np.asarray(o), np.asarray(n)], axis=1) for o, n in zip(outs, new)]
     for i, c in enumerate(chunks):

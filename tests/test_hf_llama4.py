@@ -82,3 +82,18 @@ def test_the_text_model_exports_as_llama4_text(multimodal, tmp_path):
         want = model.language_model(torch.tensor(ROWS)).logits.numpy()  # (its forward wants images)
     assert relative(torch_logits(again, ROWS), want) < 1e-6
     assert np.isfinite(want).all()
+
+
+def test_the_cache_holds_one_chunk_for_a_chunked_layer(multimodal):
+    """The server's cache: the global layer's keys and values at every position, the chunked layer's one chunk (a
+    ring of attention_chunk_size slots), per slot whatever the context."""
+    import shard
+    from shard.server import engine
+    from shard.use import generate
+
+    path, _ = multimodal
+    generator = generate.Generator(shard.load_model(path))
+    kv, chunk, dim = COMMON["num_key_value_heads"], LLAMA4_TEXT["attention_chunk_size"], LLAMA4_TEXT["head_dim"]
+    for context in (16, 32):
+        want = 2 * (context + chunk) * 2 * kv * dim * 4
+        assert engine.Engine(generator, 2, context, COMMON["vocab_size"]).cache_bytes() == want

@@ -137,9 +137,10 @@ def attend(q, k, v, is_causal: bool, calls: Calls, window=None, softcap: float |
     from its row's `start` up to its own (all written ones without `is_causal`), within its sliding `window`
     (shard.nn.hooks.attention's; slots lie as far apart as positions) or its `chunk` (by position: a chunk starts
     at a row's start and every `chunk` slots after); a padding query, only itself. `softcap`, `scale` and `sinks`
-    as the hook takes them. A chunked layer keeps every position, as a global one. keep: this call's attention over
-    its cache stays available to later calls of the same pass under this name; reuse: a later call attends over the
-    cache kept so (its own k and v are the keeper's; it writes nothing: a shared-KV layer holds no cache)."""
+    as the hook takes them. A chunked layer keeps one chunk (a ring), as a sliding layer its window. keep: this call's
+    attention over its cache stays available to later calls of the same pass under this name; reuse: a later call
+    attends over the cache kept so (its own k and v are the keeper's; it writes nothing: a shared-KV layer holds no
+    cache)."""
     if reuse is not None:
         if reuse not in calls.kept:
             raise ValueError(f"attention reuses the keys and values kept as {reuse!r}, but no earlier call of this "
@@ -148,23 +149,36 @@ def attend(q, k, v, is_causal: bool, calls: Calls, window=None, softcap: float |
     real = calls.real(q.shape[1])[:, :, None, None]
     k, v = jnp.where(real, k, 0), jnp.where(real, v, 0)
     value, sizes = masks.windows(window)
-    chunk = masks.effective(*masks.chunks(chunk, is_causal, window))
-    ring = masks.fixed(sizes) if value is None else None
+    per_chunk, chunk_sizes = masks.chunks(chunk, is_causal, window)
+    ring, by_chunk = masks.fixed(sizes) if value is None else None, False
+    if ring is None and value is None and per_chunk is None and masks.fixed(chunk_sizes):
+        ring, by_chunk = masks.fixed(chunk_sizes), True  # every layer's chunk alike: a ring of one chunk
     if ring is not None and is_causal and ring < calls.spans:
         held = calls.take()
-        over = lambda q: _over_ring(q, k, v, calls, held, ring, softcap, scale, sinks)  # noqa: E731
+        over = lambda q: _over_ring(q, k, v, calls, held, ring, softcap, scale, sinks, by_chunk)  # noqa: E731
         calls.write({"k": k, "v": v}, ring=ring)  # after: the ring's keys go in once its layer read what it held
-    elif value is not None and is_causal and len(set(kinds := cache_kinds(window[1], calls.spans))) > 1:
+    elif is_causal and (kinds := _stack_kinds(window, chunk, value, per_chunk, calls.spans)):
         if keep is not None:
             raise ValueError("attention keeps its cache for later calls only outside a stack of unlike layers")
-        return _attend_kinds(q, k, v, calls, kinds, value, softcap, scale, sinks)
+        return _attend_kinds(q, k, v, calls, kinds, value if value is not None else per_chunk, softcap, scale,
+                             sinks, by_chunk=value is None)
     else:
+        chunk = masks.effective(per_chunk, chunk_sizes)
         cache = calls.write({"k": k, "v": v})
-        over = lambda q: _attend_written(q, cache, calls, is_causal, ring if value is None else value,  # noqa: E731
-                                         softcap, scale, sinks, chunk)
+        window = value if value is not None else None if by_chunk else ring
+        over = lambda q: _attend_written(q, cache, calls, is_causal, window, softcap, scale, sinks,  # noqa: E731
+                                         chunk)
     if keep is not None:
         calls.kept[keep] = over
     return over(q)
+
+
+def _stack_kinds(window, chunk, value, per_chunk, spans: int) -> tuple | None:
+    """Each layer's cache kind (cache_kinds) of a stack whose layers keep caches of different kinds, by their windows
+    or else their chunks (a layer keeps one chunk's keys); None for any other call."""
+    every = window[1] if value is not None else chunk[1] if per_chunk is not None else None
+    kinds = None if every is None else cache_kinds(every, spans)
+    return kinds if kinds is not None and len(set(kinds)) > 1 else None
 
 
 def _attend_written(q, cache, calls: Calls, is_causal: bool, window, softcap, scale, sinks=None, chunk=None):
@@ -185,11 +199,13 @@ def _attend_written(q, cache, calls: Calls, is_causal: bool, window, softcap, sc
                       softcap, scale, sinks)
 
 
-def _over_ring(q, k, v, calls: Calls, held: dict | None, window: int, softcap, scale, sinks=None):
+def _over_ring(q, k, v, calls: Calls, held: dict | None, window: int, softcap, scale, sinks=None,
+              by_chunk: bool = False):
     """The new queries over the keys a ring of `window` slots held before this call (None: a fresh row, nothing
     held) and the call's own: a causal layer whose every query sees the `window` latest keys (every layer of the
     stack alike: one static window) keeps `window` slots, slot s at s mod window, so that a long generation keeps a
-    window of keys per layer rather than every position."""
+    window of keys per layer rather than every position. by_chunk: the ring holds a chunk, `window` its size (a
+    query sees the keys of its own chunk, by position from its row's start: Llama 4's chunked layers)."""
     own = calls.slots(q.shape[1])
     keys, both = own, {"k": k, "v": v}
     if held is not None:
@@ -197,7 +213,9 @@ def _over_ring(q, k, v, calls: Calls, held: dict | None, window: int, softcap, s
         keys = jnp.concatenate([last - (last - jnp.arange(window)) % window, own], axis=1)
         both = {n: jnp.concatenate([held[n].astype(q.dtype), x.astype(q.dtype)], axis=1) for n, x in both.items()}
     new, seen = own[:, :, None], keys[:, None, :]
-    mask = (seen >= calls.start[:, None, None]) & (seen >= 0) & (seen <= new) & (new - seen < window)
+    first = calls.start[:, None, None]
+    near = (new - first) // window == (seen - first) // window if by_chunk else new - seen < window
+    mask = (seen >= first) & (seen >= 0) & (seen <= new) & near
     mask = mask | (seen == new)
     return _attention(q, both["k"].astype(q.dtype), both["v"].astype(q.dtype), mask, softcap, scale, sinks)
 
@@ -226,9 +244,9 @@ class Kinds:
     caches: dict
 
 
-def _attend_kinds(q, k, v, calls: Calls, kinds: tuple, value, softcap, scale, sinks=None):
+def _attend_kinds(q, k, v, calls: Calls, kinds: tuple, value, softcap, scale, sinks=None, by_chunk: bool = False):
     """`attend` for a causal layer of a stack whose layers keep caches of different `kinds` (cache_kinds), this
-    layer's window the traced `value` (0: global)."""
+    layer's window the traced `value` (0: global), or with `by_chunk` its chunk (a ring holding one chunk)."""
     names = sorted(set(kinds))
     stacked = calls._given()
     batch, length = k.shape[:2]
@@ -252,9 +270,10 @@ def _attend_kinds(q, k, v, calls: Calls, kinds: tuple, value, softcap, scale, si
 
     def branch(kind):
         if kind == 0:
-            return lambda q: _attend_written(q, layer_of(0, calls.seen or calls.capacity), calls, True, value,
-                                             softcap, scale, sinks)
-        return lambda q: _over_ring(q, k, v, calls, layer_of(kind, kind), kind, softcap, scale, sinks)
+            window, chunk = (None, value) if by_chunk else (value, None)
+            return lambda q: _attend_written(q, layer_of(0, calls.seen or calls.capacity), calls, True, window,
+                                             softcap, scale, sinks, chunk)
+        return lambda q: _over_ring(q, k, v, calls, layer_of(kind, kind), kind, softcap, scale, sinks, by_chunk)
 
     if 0 in caches:  # a global layer attends over its cache with its keys in it: written first
         caches[0] = written(0, calls.slots(length))
