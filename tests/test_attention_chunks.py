@@ -244,9 +244,9 @@ def test_prefill_and_decoded_tokens_past_a_chunk_boundary(monkeypatch, cache):
     of 4 positions: each row's chunk boundaries fall at its own positions 4 and 8. A cache of every position where
     the chunk is no shorter (`written`, 4 slots and tokens), a ring of one chunk where it is (`ring`: 4 slots of 12),
     the ring over blocks of keys (the online softmax), and a stack of a chunked layer and a global one (a traced
-    chunk, with sinks: a ring for the first, every position for the second, as the stack's scan hands them). The real tokens'
-    outputs as the whole sequence's written out (each row from its first real token); a query right after a boundary
-    sees only itself."""
+    chunk, with sinks: a ring for the first, every position for the second, as the stack's scan hands them). The real
+    tokens' outputs as the whole sequence's written out (each row from its first real token); a query right after a
+    boundary sees only itself."""
     if cache == "blocks":
         monkeypatch.setattr(decoding, "SCORES", 4)
         monkeypatch.setattr(decoding, "KEY_BLOCK", 4)
