@@ -23,8 +23,8 @@ from shard.run import trainer  # noqa: E402
 from shard.use import export, generate, load  # noqa: E402
 
 from conftest import overrides  # noqa: E402
-from test_hf import (FINE_TUNE, MESHES, TOKENS, VOCAB, adapters_merge_as_peft_merges,  # noqa: E402
-                     assert_greedy_as_transformers, first_batch, jax_logits, relative, saved_folders, torch_logits)
+from test_hf import (FINE_TUNE, MESHES, TOKENS, VOCAB, assert_greedy_as_transformers, first_batch,  # noqa: E402
+                     jax_logits, relative, saved_folders, torch_logits)
 
 REAL = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf" / "gemma-4-E2B-it" / "config.json"
 SMALL = dict(vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=64, intermediate_size=48,
@@ -122,10 +122,22 @@ def test_the_cache_holds_windows_and_no_shared_layer(folders):
         assert engine.Engine(generator, 2, context, VOCAB).cache_bytes() == want
 
 
-def test_lora_adapters_load_in_peft_as_our_merged_model(folders, tmp_path):
-    """LoRA on the attention (the shared layers' queries alone) and the MLPs of every width: peft's merge of the
-    adapters written by --adapters-only equals our merged model's export."""
-    adapters_merge_as_peft_merges(folders["e2b"][0], "gpt", [["q", "v"], ["k", "o", "mlp"]], tmp_path)
+def test_lora_trains_and_its_adapters_run_in_peft_as_our_model(folders, tmp_path, capsys):
+    """LoRA on the attention (the shared layers' queries and outputs alone) and the MLPs of every width, trained two
+    steps from the folder; --adapters-only's folder, loaded by peft over transformers' model of the folder, gives the
+    tuned run's logits."""
+    peft = pytest.importorskip("peft")
+    path, model = folders["e2b"]
+    cfg = config.load(None, overrides(tmp_path / "run", f"train.init_from={path}", "train.lora.rank=4",
+                                      "train.lora.alpha=8", "train.lora.targets=[q,k,v,o,mlp]", "optimizer.lr=3e-2",
+                                      "checkpoint.enabled=true", *FINE_TUNE, "train.steps=2"))
+    trainer.run(cfg)
+    assert export.main([str(tmp_path / "run"), "--adapters-only", "--out", str(tmp_path / "adapters")]) == 0
+    ours = jax_logits(load.load(str(tmp_path / "run"), [], whole_mesh=False))
+    base = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+    tuned = peft.PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
+    assert relative(torch_logits(tuned, TOKENS), ours) < 1e-5
+    assert relative(torch_logits(model, TOKENS), ours) > 1e-3  # the adapters matter
 
 
 def test_fine_tune_step_is_transformers_loss_and_exports_through_the_cli(folders, tmp_path):
