@@ -61,7 +61,7 @@ def folders(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind, mesh", [("e2b", "one"), ("e2b", "fsdp"), ("k_eq_v", "one"), ("k_eq_v", "tp"),
-                                        ("moe", "one"), ("moe", "ep")])
+                                        ("k_eq_v", "fsdp_tp"), ("moe", "one"), ("moe", "ep")])
 def test_logits_equal_transformers(folders, kind, mesh):
     """(E2B's single key/value head does not split over tensor: refused in one line, tests/test_hf_gemma4.py's
     last test)"""
