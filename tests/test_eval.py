@@ -9,6 +9,7 @@ import pytest
 
 import tiny_tasks
 import tiny_tokenizers
+from shard.errors import UserError
 
 tiny_tasks.offline()
 lm_eval = pytest.importorskip("lm_eval")
@@ -95,7 +96,7 @@ def test_on_a_mesh_one_item_at_a_time_the_answers_are_the_same(made):
     loaded = load.load(str(made["run"]), ["mesh=fsdp", "run.cpu_devices=4"], key="RUN")
     assert loaded.mesh.shape["fsdp"] == 4
     tok = load.load_tokenizer(str(made["run"]))
-    lm = evaluate.model_of(loaded, generate.Generator(loaded.model, loaded.mesh, loaded.rules), tok, batch_size=1)
+    lm = evaluate.model_of(loaded.model, generate.Generator(loaded.model, loaded.mesh, loaded.rules), tok, batch_size=1)
     tasks = ["tiny_mc", "tiny_gen"]
     ours = evaluate.evaluate(lm, tasks, evaluate.task_manager(tasks, str(made["tasks"])), limit=4, log_samples=True,
                              bootstrap_iters=0)
@@ -155,3 +156,41 @@ def test_a_mistake_is_one_line_and_exit_2(made, argv, says, capsys):
         exit_from(evaluate.main, [str(made["run"]), *argv])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and says in err, err
+
+
+def test_in_training_the_tasks_metrics_land_in_metrics_jsonl_at_the_steps_asked_under_fsdp(made, tmp_path):
+    """train.lm_eval on fsdp over 4 devices: lm_eval/<task>/<metric> records at steps 2 and 4 (every 2, and the
+    end), the last equal to python -m shard.eval's on the saved run (one device, another path to the weights)."""
+    from shard.use import evaluate, generate, load
+
+    tasks = tiny_tasks.write(tmp_path / "tasks", n=4)
+    run = tiny_tokenizers.trained(made["tmp"] / "tok", tmp_path, "model.max_len=128", "mesh=fsdp",
+                                  "run.cpu_devices=4", "train.lm_eval.tasks=[tiny_mc]",
+                                  "train.lm_eval.every=2", f"train.lm_eval.include_path={tasks}",
+                                  "train.lm_eval.batch_size=4", steps=4)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    scored = {r["step"]: r for r in records if "lm_eval/tiny_mc/acc" in r}
+    assert sorted(scored) == [2, 4]
+    assert "lm_eval/tiny_mc/acc_norm" in scored[4]
+    loaded = load.load(str(run), [], whole_mesh=False, key="RUN")
+    lm = evaluate.model_of(loaded.model, generate.Generator(loaded.model), load.load_tokenizer(str(run)), 1)
+    again = evaluate.metrics(evaluate.evaluate(lm, ["tiny_mc"],
+                                               evaluate.task_manager(["tiny_mc"], str(tasks)), bootstrap_iters=0))
+    for key, value in again.items():
+        assert scored[4][key] == pytest.approx(value, rel=1e-4), key
+
+
+def test_in_training_an_unknown_task_is_refused_before_anything_is_written(made, tmp_path):
+    from shard import config
+    from shard.run import trainer
+
+    from conftest import overrides
+
+    cfg = config.load(None, overrides(tmp_path / "run", *tiny_tokenizers.LLAMA_SHAPED, "data.name=documents",
+                                      f"data.path={made['tmp'] / 'corpus.jsonl'}",
+                                      f"data.tokenizer={made['tmp'] / 'tok'}", "data.seq_len=16", "data.batch_size=4",
+                                      "train.steps=1", "run.cpu_devices=1", "train.lm_eval.tasks=[nope]",
+                                      f"train.lm_eval.include_path={made['tasks']}"))
+    with pytest.raises(UserError, match="train.lm_eval.tasks: unknown task nope"):
+        trainer.run(cfg)
+    assert not (tmp_path / "run").exists()

@@ -104,6 +104,19 @@ class LoraConfig:
 
 
 @dataclass
+class LmEvalConfig:
+    """train.lm_eval.*: lm-evaluation-harness's tasks on the model as it trains (shard/run/lm_eval_hook.py; needs the
+    eval extra), their metrics logged as lm_eval/<task>/<metric>; python -m shard.eval takes the same flags."""
+    tasks: list = option([], "lm_eval task names to evaluate during training (empty: none)")
+    every: int = option(0, "evaluate them every N steps, and at the end; 0 = only at the end", min=0)
+    include_path: Optional[str] = option(None, "a folder of task YAML files of your own (lm_eval's --include_path)")
+    limit: Optional[float] = option(None, "the first N documents of each task (below 1: that fraction); null = all",
+                                    min=0)
+    num_fewshot: Optional[int] = option(None, "examples before each prompt; null = the task's own", min=0)
+    batch_size: int = option(8, "sequences scored or prompts generated a pass", min=1)
+
+
+@dataclass
 class DpoConfig:
     """train.dpo.*: direct preference optimisation (shard/objectives/dpo.py), read with train.objective=dpo."""
     beta: float = option(0.1, "the strength of the implicit KL penalty to the reference (DPO's beta)", min=0, job=True)
@@ -217,6 +230,7 @@ class TrainConfig:
                            "and its activations' gradient, in int8 (int32 sums) or fp8 (e4m3 forward, e5m2 gradients), "
                            "absmax scaled per channel at each step; the weights' gradients and the weights as without "
                            "(shard/quant/training.py); none = off", choices=("none", "int8", "fp8"), job=True)
+    lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig, metadata={"group": LmEvalConfig, "job": False})
     eval_every: int = option(0, "evaluate every N steps; 0 = only at the end", min=0)
     eval_batches: int = option(8, "batches per evaluation, spread evenly over the eval split; 0 = all of it", min=0)
     sample_len: int = option(200, "lm: tokens to generate after training; 0 disables", min=0)

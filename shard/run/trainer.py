@@ -19,7 +19,7 @@ from shard.run import checkpoint as ckpt_lib
 from shard import config as config_lib
 from shard import data as data_lib
 from shard.data import tokenizer as tokenizer_lib
-from shard.run import badsteps, distributed, host_malloc, stopping, watchdog
+from shard.run import badsteps, distributed, host_malloc, lm_eval_hook, stopping, watchdog
 from shard.use import generate
 from shard.plan import hardware
 from shard.plan import target as target_lib
@@ -73,8 +73,10 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest, devices: list | Non
     host_malloc.for_training(cfg.run, devices)
     main = stop.main = jax.process_index() == 0
     say = print if main else (lambda *a, **k: None)
+    lm_eval_hook.check(cfg)  # train.lm_eval's tasks exist: before the job is compiled
     job = prepare(cfg, devices, flags=target_lib.compiler_flags(cfg.run, devices[0]))
     work, data = job.work, job.work.data
+    lm_eval_hook.check_task(cfg, data.task)
     # Each process reads the batch rows its devices hold (all of them where an axis such as `stage`
     # copies the batch across processes).
     data_lib.use_rows(data, job.batch_shardings["inputs"], work.batch["inputs"].shape)
@@ -138,6 +140,8 @@ def _run(cfg: config_lib.Config, stop: stopping.StopRequest, devices: list | Non
         stop.enter_phase("the final eval and sample", f"{kept}; the final eval and sample were skipped", exit_code=0)
         with spent.timed("eval"):
             result.eval = evaluate(job.eval_step, state, data, job.eval_shardings, cfg, work.objective)
+            if lm_eval_hook.wanted(cfg):
+                result.eval |= lm_eval_hook.run(cfg, job, state)
         log.write({"step": step, **result.eval})
     finally:
         if log:
@@ -337,6 +341,7 @@ def _train_span(cfg, state, job: Job, checkpoints, log, result, devices, main, s
             save_now = checkpoints is not None and (
                 done == cfg.train.steps or stopping or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0))
             eval_now = cfg.train.eval_every and done % cfg.train.eval_every == 0 and done != cfg.train.steps
+            lm_eval_now = lm_eval_hook.due(cfg, done)
             if log_now:
                 # Every step before `done` has finished: the time since the last log point is device time.
                 # Step 1 (of this run) is timed to its end: with nothing before it, its dispatch alone says nothing.
@@ -360,7 +365,7 @@ def _train_span(cfg, state, job: Job, checkpoints, log, result, devices, main, s
                 if done == start + 1:  # start-up costs, once: process start to the end of the first step
                     record |= {"compile_s": job.compile_s, "startup_s": seconds_of_startup()}
                 records[done] = record
-            if not (save_now or eval_now or stopping or done == cfg.train.steps):
+            if not (save_now or eval_now or lm_eval_now or stopping or done == cfg.train.steps):
                 if log_now:  # the finished steps only (no wait for the one just dispatched), but step 1's
                     look_at(done if done == start + 1 else done - 1)  # record at once: the run is alive
                 continue
@@ -379,10 +384,11 @@ def _train_span(cfg, state, job: Job, checkpoints, log, result, devices, main, s
                     print(f"{stopping}: stopped after step {done}; {where}; run again to resume", flush=True)
                 result.preempted = True
                 return state
-            if eval_now:
+            if eval_now or lm_eval_now:
                 with dog.paused(), spent.timed("eval"):
-                    log.write({"step": done, **evaluate(job.eval_step, state, data, job.eval_shardings, cfg,
-                                                        job.work.objective)})
+                    record = evaluate(job.eval_step, state, data, job.eval_shardings, cfg,
+                                      job.work.objective) if eval_now else {}
+                    log.write({"step": done, **record, **(lm_eval_hook.run(cfg, job, state) if lm_eval_now else {})})
             t_last, steps_since, waited = time.perf_counter(), 0, 0.0  # checkpoints and evals are not step time
     bar.close()
     return state

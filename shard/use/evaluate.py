@@ -54,11 +54,11 @@ def task_manager(tasks: list[str], include_path: str | None, key: str = "--tasks
     return manager
 
 
-def model_of(loaded, generator, tokenizer, batch_size: int):
-    """The lm_eval model over a loaded run's model and tokenizer."""
+def model_of(model, generator, tokenizer, batch_size: int):
+    """The lm_eval model over a run's model (`generator` runs it) and tokenizer."""
     from shard.use import generate, lm_eval_model
 
-    vocab = min(tokenizer.vocab_size, generate.output_vocab(loaded.model))
+    vocab = min(tokenizer.vocab_size, generate.output_vocab(model))
     return lm_eval_model.ShardLM(generator, tokenizer, vocab, batch_size=batch_size)
 
 
@@ -124,7 +124,7 @@ def main(argv: list[str]) -> int:
         from lm_eval.loggers import EvaluationTracker
 
         tracker = EvaluationTracker(output_path=args.output_path)
-    lm = model_of(loaded, generator, tok, args.batch_size)
+    lm = model_of(loaded.model, generator, tok, args.batch_size)
     results = evaluate(lm, tasks, manager, args.num_fewshot, limit, args.log_samples, tracker, args.seed,
                        args.bootstrap_iters)
     from lm_eval.utils import make_table
