@@ -20,6 +20,7 @@ from .layers import norm as make_norm
 from .layers import Attention, Block, MLPBlock, check_choice, lookup, param, stacked
 from . import mixed
 from . import rope as rope_lib
+from .latent import LatentAttention
 
 
 class GPT(nnx.Module):
@@ -73,7 +74,7 @@ class GPT(nnx.Module):
                  global_head_dim: int = 0, global_kv_heads: int = 0, values_from_keys: bool = False,
                  v_norm: bool = False, shared_kv_layers: int = 0, wide_shared_mlp: bool = False,
                  per_layer_dim: int = 0, per_layer_vocab: int = 0, layer_scalar: bool = False,
-                 *, rngs: nnx.Rngs):
+                 latent: dict | None = None, *, rngs: nnx.Rngs):
         n_kv_heads = n_kv_heads or n_heads
         check_choice("position", position, ("learned", "rope"))
         check_choice("norm", norm, ("layernorm", "rmsnorm", "rmsnorm+1"))
@@ -123,15 +124,23 @@ class GPT(nnx.Module):
         # is made again after (shard/use/generate.py)
         self.refill_at = rope.longrope[2] if rope is not None and rope.longrope else None
 
+        if latent is not None and (position != "rope" or windows or chunks or rope_layers or qk_norm != "none"
+                                   or attn_sinks or attn_softcap or temperature or v_norm):
+            raise ValueError("latent attention takes position=rope and none of windows, chunks, rope_layers, qk_norm, "
+                             "attn_sinks, attn_softcap, attention temperature or v_norm")
+
         def make_block(rngs, rotate=None, window=None, windows=windows, chunk=None, chunks=chunks, dense_ff=0,
                        **unlike):
-            attn = Attention(d_model, n_heads, unlike.pop("kv_heads", n_kv_heads), unlike.pop("rope", rope), out_std,
-                             causal=True, rngs=rngs, head_dim=unlike.pop("head_dim", head_dim),
-                             qkv_bias=qkv_bias or bias or attn_bias, out_bias=bias or attn_bias, qk_norm=qk_norm,
-                             norm_kind=norm, eps=norm_eps,
-                             rotate=rotate, window=window, windows=windows, local_rope=local_rope,
-                             softcap=attn_softcap, scale=attn_scale, sinks=attn_sinks, temperature=temperature,
-                             chunk=chunk, chunks=chunks, v_norm=v_norm, **unlike)
+            if latent is not None:
+                attn = LatentAttention(d_model, n_heads, latent, rope, out_std, rngs, attn_scale, bias=attn_bias)
+            else:
+                attn = Attention(d_model, n_heads, unlike.pop("kv_heads", n_kv_heads), unlike.pop("rope", rope),
+                                 out_std, causal=True, rngs=rngs, head_dim=unlike.pop("head_dim", head_dim),
+                                 qkv_bias=qkv_bias or bias or attn_bias, out_bias=bias or attn_bias, qk_norm=qk_norm,
+                                 norm_kind=norm, eps=norm_eps,
+                                 rotate=rotate, window=window, windows=windows, local_rope=local_rope,
+                                 softcap=attn_softcap, scale=attn_scale, sinks=attn_sinks, temperature=temperature,
+                                 chunk=chunk, chunks=chunks, v_norm=v_norm, **unlike)
             ffn = (GPT.feed_forward(self, d_model, dense_ff, mlp, out_std, rngs, bias) if dense_ff
                    else self.feed_forward(d_model, d_ff, mlp, out_std, rngs, bias))
             return Block(d_model, norm, attn, ffn, rngs, norm_eps, norms)
