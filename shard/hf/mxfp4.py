@@ -17,16 +17,21 @@ BIAS = 127  # the scales' exponent bias
 BLOCKS, SCALES = "_blocks", "_scales"
 
 
-def packed(names, config: dict, where: str) -> dict[str, tuple[str, str]]:
-    """The weights a folder holds packed: name -> (its blocks' name, its scales' name); {} for a folder without a
-    quantization_config. One line for another quantization method, which nothing here reads."""
+def method(config: dict, where: str) -> str | None:
+    """A folder's quantization_config's quant_method (None: none), one line for one nothing here reads."""
     quantization = config.get("quantization_config")
     if quantization is None:
-        return {}
+        return None
     method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-    if method != "mxfp4":
+    if method not in ("mxfp4", "fp8"):
         raise UserError(f"{where}: config.json has quantization_config quant_method={method!r}; only mxfp4 (GPT-OSS's "
-                        "experts) is read: load an unquantized copy, or quantize here with train.quantize")
+                        "experts) and fp8 (block-scaled: DeepSeek's, the -FP8 folders') are read: load an unquantized "
+                        "copy, or quantize here with train.quantize")
+    return method
+
+
+def packed(names) -> dict[str, tuple[str, str]]:
+    """The weights a folder holds packed: name -> (its blocks' name, its scales' name)."""
     names = set(names)
     return {n[:-len(BLOCKS)]: (n, n[:-len(BLOCKS)] + SCALES) for n in names
             if n.endswith(BLOCKS) and n[:-len(BLOCKS)] + SCALES in names}

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from shard.errors import UserError, warn
-from shard.hf import INDEX, arch, config_only, mxfp4, tables
+from shard.hf import INDEX, arch, config_only, fp8, mxfp4, tables
 
 
 class Folder:
@@ -39,13 +39,16 @@ class Folder:
         add = not any(name.startswith(prefix) for name in stored)
         self.names = {(prefix + n if add and not n.startswith("lm_head.") else n): inner + n for n in stored}
         self.files = {name: stored[n[len(inner):]] for name, n in self.names.items()}  # our name -> its file
-        # MXFP4 weights: each read as one float tensor under its own name, from its blocks and scales
-        self.packed = mxfp4.packed(self.files, self.config, self.where)
+        # MXFP4 and FP8 weights: each read as one float tensor under its own name, from its codes and scales
+        self.quantized = mxfp4.method(self.config, self.where)
+        readers = {"mxfp4": mxfp4.packed, "fp8": fp8.packed}
+        self.packed = readers[self.quantized](self.files) if self.quantized else {}
         self._stored_files = dict(self.files)
         for name, parts in self.packed.items():
-            self.files[name] = self.files[parts[0]]
+            file = self.files[parts[0]]
             for part in parts:
                 del self.files[part]
+            self.files[name] = file
         self.table = tables.layout(self.kind, self.files)  # its experts one tensor each, or stacked
 
     def _files(self) -> dict[str, Path]:
@@ -87,8 +90,8 @@ class Folder:
         from safetensors import safe_open
 
         if name in self.packed:
-            blocks, scales = (self._stored_shape(part) for part in self.packed[name])
-            return mxfp4.shape(blocks, scales, name, self.where)
+            codes, scales = (self._stored_shape(part) for part in self.packed[name])
+            return (fp8 if self.quantized == "fp8" else mxfp4).shape(codes, scales, name, self.where)
         return self._stored_shape(name)
 
     def _stored_shape(self, name: str) -> tuple:
@@ -297,12 +300,25 @@ def _read(folder: Folder, name: str, index: tuple) -> np.ndarray:
     from safetensors import safe_open
 
     if name in folder.packed:
-        return mxfp4.read(lambda part, at: _read(folder, part, at), folder.packed[name], index, folder.shape(name))
+        parts, stored = folder.packed[name], lambda part, at: _read_stored(folder, part, at)
+        if folder.quantized == "fp8":
+            return fp8.read(stored, parts, index, folder.shape(name), folder._stored_shape(parts[1]))
+        return mxfp4.read(stored, parts, index, folder.shape(name))
+    return _read_stored(folder, name, index)
+
+
+def _read_stored(folder: Folder, name: str, index: tuple) -> np.ndarray:
+    """One block of a tensor as the folder stores it."""
+    from safetensors import safe_open
+
     stored, file = folder.names[name], folder._file(name)
     with safe_open(file, framework="numpy") as st:
         view = st.get_slice(stored)
-        if view.get_dtype() != "BF16":
+        kind = view.get_dtype()
+        if kind not in ("BF16", "F8_E4M3"):  # (which numpy lacks)
             return np.asarray(view[index])
+    if kind == "F8_E4M3":
+        return fp8.read_codes(file, stored, index)
     with safe_open(file, framework="flax") as st:
         return np.asarray(st.get_slice(stored)[index])
 
