@@ -161,6 +161,7 @@ def test_a_mistake_is_one_line_and_exit_2(made, argv, says, capsys):
 def test_in_training_the_tasks_metrics_land_in_metrics_jsonl_at_the_steps_asked_under_fsdp(made, tmp_path):
     """train.lm_eval on fsdp over 4 devices: lm_eval/<task>/<metric> records at steps 2 and 4 (every 2, and the
     end), the last equal to python -m shard.eval's on the saved run (one device, another path to the weights)."""
+    from shard.observe import board
     from shard.use import evaluate, generate, load
 
     tasks = tiny_tasks.write(tmp_path / "tasks", n=4)
@@ -171,7 +172,7 @@ def test_in_training_the_tasks_metrics_land_in_metrics_jsonl_at_the_steps_asked_
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     scored = {r["step"]: r for r in records if "lm_eval/tiny_mc/acc" in r}
     assert sorted(scored) == [2, 4]
-    assert "lm_eval/tiny_mc/acc_norm" in scored[4]
+    assert "lm_eval/tiny_mc/acc_norm" in scored[4] and board.tag("lm_eval/tiny_mc/acc") == "lm_eval/tiny_mc/acc"
     loaded = load.load(str(run), [], whole_mesh=False, key="RUN")
     lm = evaluate.model_of(loaded.model, generate.Generator(loaded.model), load.load_tokenizer(str(run)), 1)
     again = evaluate.metrics(evaluate.evaluate(lm, ["tiny_mc"],

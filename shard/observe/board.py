@@ -23,7 +23,10 @@ PERF_KEYS = frozenset({"step_time_s", "data_wait_s", "tokens_per_s", "examples_p
 
 
 def tag(key: str) -> str:
-    """The TensorBoard tag of a metrics record key: eval_loss -> eval/loss, mfu -> perf/mfu, loss -> train/loss."""
+    """The TensorBoard tag of a metrics record key: eval_loss -> eval/loss, mfu -> perf/mfu, loss -> train/loss;
+    lm-evaluation-harness's lm_eval/<task>/<metric> as it is."""
+    if key.startswith("lm_eval/"):
+        return key
     if key.startswith("eval_"):
         return "eval/" + key.removeprefix("eval_")
     return ("perf/" if key in PERF_KEYS else "train/") + key

@@ -102,7 +102,7 @@ class ShardLM(TemplateLM):
         groups: dict[str, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(repr(sorted(r.args[1].items())), []).append(i)
-        eos = self.tok.special_text(self._eot) or self.tok.decode([self._eot])
+        eos = None if self.tok.eos is None else self.tok.special_text(self.tok.eos) or self.tok.decode([self.tok.eos])
         for members in groups.values():
             kwargs = dict(requests[members[0]].args[1])
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos or None)
