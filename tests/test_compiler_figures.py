@@ -143,16 +143,16 @@ def test_a_scanned_and_an_unrolled_compile_give_the_same_estimate(tmp_path):
 
 @needs_libtpu
 def test_the_moe_dropless_under_ep_on_a_tpu_counts_its_grouped_kernels_by_their_estimates(tmp_path):
-    """configs/text_moe.yaml dropless under ep on v5p-8: every custom-call kernel is a grouped product's (XLA's own
-    ragged-dot kernels: tokamax falls back to its XLA path on a compile-only target), each stating its cost, so
-    nothing analytic is added on top of them; they hold at least the experts' forward and rows' gradient share
-    (2 x pairs x d x f per expert matrix: 4 layers, 32 x 64 tokens x top-2, d_model 96, d_ff 192, two matrices)."""
+    """configs/text_moe.yaml dropless under ep on v5p-8, 128 wide (tokamax's Mosaic kernels take dimensions of 128
+    up): every custom-call kernel is a grouped product's (tokamax's megablox), each stating its cost, so nothing
+    analytic is added on top of them; they hold at least the experts' forward and rows' gradient share
+    (2 x pairs x d x f per expert matrix: 4 layers, 32 x 64 tokens x top-2, d_model 128, d_ff 256, two matrices)."""
     pytest.importorskip("tokamax")
     cfg = config.load("configs/text_moe.yaml", overrides(tmp_path, "model.routing=dropless", "run.target=v5p-8",
-                                                         "train.attention=xla"))
+                                                         "train.attention=xla", "model.d_model=128", "model.d_ff=256"))
     c = analysis.analyse(cfg, target.devices(target.of(cfg.run)))["compiler"]
     assert c["grouped_kernel_calls"] == c["kernel_calls"] > 0  # every kernel an experts' product, none attention's
-    forward = 4 * 2 * (2 * 32 * 64 * 2 * 96 * 192)
+    forward = 4 * 2 * (2 * 32 * 64 * 2 * 128 * 256)
     assert c["kernel_flops_per_device"] == 0 and c["kernel_estimated_flops_per_device"] >= 2 * forward / 4
 
 

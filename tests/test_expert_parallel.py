@@ -6,13 +6,17 @@ pairs moving by all-to-all, each device doing about its share of the matrix prod
 token, as before), sending about what capacity routing sends on the same mesh and holding a quarter of every
 parameter."""
 
+import importlib.util
+import re
+
 import jax
 import numpy as np
 import pytest
 
 from conftest import TINY_MODELS, overrides, same_curve_as_one_device
 from shard import config
-from shard.plan import analysis
+from shard.plan import analysis, target
+from shard.run import job
 
 DROPLESS = [*TINY_MODELS["moe"], "model.routing=dropless", "train.steps=6", "run.log_every=1"]
 
@@ -25,6 +29,10 @@ DROPLESS = [*TINY_MODELS["moe"], "model.routing=dropless", "train.steps=6", "run
     ["mesh=ep", "mesh.expert=4", "mesh.context=2", "run.cpu_devices=8"],
     # QLoRA on the experts: 4-bit frozen experts, their adapters trained through the exchange
     ["mesh=ep", "run.cpu_devices=4", "train.lora.rank=4", "train.lora.targets=[mlp]", "train.lora.base=nf4"],
+    # tokamax's products (its XLA path on a CPU): the exchange manual over every mesh axis, as its TPU kernels need
+    # (shard/nn/dropless.py), with an axis (tensor) that splits neither the tokens nor the experts
+    ["mesh=ep", "run.cpu_devices=4", "train.grouped_matmul=tokamax"],
+    ["mesh=ep", "mesh.expert=2", "mesh.tensor=2", "run.cpu_devices=4", "train.grouped_matmul=tokamax"],
 ])
 def test_dropless_expert_parallel_curve_equals_one_device(train, mesh):
     accumulate = [a for a in mesh if a.startswith("train.")]  # the one-device run's too
@@ -79,3 +87,20 @@ def test_plan_dropless_under_ep_moves_pairs_by_all_to_all_and_does_its_share(tmp
     assert mem["gradients"] == 4 * (expert + rest) // 4  # was 4 * (expert // 4 + rest)
     assert 0 <= mem["params"] - mem["gradients"] < 1024  # beside them only the routers' statistics, whole
     assert "0 replicated" in dropless["sharding"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (.[tpu])")
+def test_dropless_under_ep_on_a_tpu_target_runs_tokamaxs_kernels(tmp_path):
+    """train.grouped_matmul=auto on a compile-only v5p-8 under ep: tokamax's Mosaic kernels (forward, rows' gradient,
+    matrices' gradient) in the compiled step, not XLA's ragged-dot fallback. Before, tokamax chose by JAX's default
+    device (this machine's CPU: its XLA path), and its kernels failed the exchange's manual-axis types; 320 rows
+    received a device (4 buckets of 80) are padded to its 128-row tiles. Its kernels take dimensions of 128 up."""
+    pytest.importorskip("tokamax")
+    cfg = config.load("configs/text_moe.yaml", overrides(tmp_path, "model.routing=dropless", "run.target=v5p-8",
+                                                         "train.attention=xla", "model.d_model=128",
+                                                         "model.d_ff=256", "model.n_layers=2", "data.batch_size=8"))
+    devices = target.devices(target.of(cfg.run))
+    step = job.prepare(cfg, devices, training=False, flags=target.compiler_flags(cfg.run, devices[0])).train_step
+    kernels = set(re.findall(r"%((?:t?gmm|ragged-dot)[\w-]*?)(?:\.\d+)?\s*=", step.as_text()))
+    assert kernels == {"gmm_megablox", "gmm_megablox_transpose_rhs", "tgmm_megablox"}

@@ -5,6 +5,7 @@ resharded behind the user's back and the compiled program (memory, collectives) 
 The train step donates the old state: its buffers are reused for the new one.
 """
 
+import contextlib
 import re
 from collections.abc import Callable
 from functools import partial
@@ -175,6 +176,15 @@ def compile_step(fn: Callable, abstract_state, state_shardings, abstract_batch, 
     out_shardings = (state_shardings, replicated) if returns_state else replicated
     jitted = jax.jit(fn, in_shardings=(state_shardings, batch_shardings), out_shardings=out_shardings,
                      donate_argnums=(0,) if donate else ())
-    with blamed(f"{what} does not compile on mesh {dict(mesh.shape)}"):  # it traced without one: the layout's
+    # it traced without one: the layout's
+    with blamed(f"{what} does not compile on mesh {dict(mesh.shape)}"), traced_for(mesh):
         lowered = jitted.lower(abstract_state, abstract_batch)
     return compile_with(lowered, flags)
+
+
+def traced_for(mesh):
+    """Where the mesh's devices are not this machine's default backend's (run.target's compile-only TPUs or GPUs),
+    the first of them as JAX's default device while the step is traced: kernels that pick their lowering by the
+    default device (tokamax's grouped products: Mosaic on a TPU, else its XLA path) pick the target's."""
+    first = mesh.devices.flat[0]
+    return jax.default_device(first) if first.platform != jax.devices()[0].platform else contextlib.nullcontext()

@@ -47,10 +47,12 @@ def local(mlp, x, top_e, top_p, weights, weigh_inputs: bool = False):
     return _combine(ys, top_p, weigh_inputs, x.dtype)
 
 
-def split(mlp, x, top_e, top_p, weights, mesh, rules, slack: float = 1.25, weigh_inputs: bool = False):
+def split(mlp, x, top_e, top_p, weights, mesh, rules, slack: float = 1.25, weigh_inputs: bool = False,
+          kernel: str = "xla"):
     """`local` on each device's own tokens of (batch, length, d) x under the mesh and logical rules (see the
     module's docstring); the plain `local` where no axis splits the tokens this batch divides by. slack: a
-    bucket's pairs over a fair share, under expert parallelism."""
+    bucket's pairs over a fair share, under expert parallelism; kernel: the grouped products' (shard/nn/grouped.py),
+    whose tokamax takes the shard_map manual over every mesh axis."""
     sizes = dict(mesh.shape)
     batch, length = partition.logical_to_spec(("batch", "length"), rules, sizes)
     batch, length = (_dividing(partition.axes_of(a), n, sizes) for a, n in ((batch, x.shape[0]), (length, x.shape[1])))
@@ -83,10 +85,17 @@ def split(mlp, x, top_e, top_p, weights, mesh, rules, slack: float = 1.25, weigh
     # drop the vmapped axes from the types), so there the body runs untyped (check_vma=False): the weights'
     # gradients are then summed over the manual axes their spec does not name by shard_map's own transpose, where
     # grouped.reduced_like does it when typed (it finds nothing to sum untyped).
+    #
+    # tokamax's grouped products (shard/nn/grouped.py; Pallas kernels on a TPU) cannot be split by the partitioner
+    # over the axes left to it, and tokamax 0.0.12 states no manual-axis types for its outputs (its group metadata
+    # fails their checks too): with them, the shard_map is manual over every mesh axis and untyped. The axes that
+    # split neither the tokens nor the experts then hold their inputs whole, each of their devices computing the same
+    # rows (under `mesh=ep` all of size 1), and shard_map's transpose sums the weights' gradients as above.
     vmapped = {a for a in partition.vmapped_axes() if a in sizes}
+    whole = grouped.whole_mesh(kernel, mesh.devices.flat[0])
     return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, *[held] * len(weights)),
-                         out_specs=tokens, axis_names=set(manual) | vmapped,
-                         check_vma=not vmapped)(x, top_e, top_p, *weights)
+                         out_specs=tokens, axis_names=set(mesh.axis_names) if whole else set(manual) | vmapped,
+                         check_vma=not (vmapped or whole))(x, top_e, top_p, *weights)
 
 
 def _inputs(x, p, order, k: int, weigh: bool):

@@ -14,15 +14,20 @@ contract). One call, `matmul(x, w, sizes, kernel)`, three ways to compute it:
   gradients (rows and matrices) are computed the same way, each matrix's gradient accumulated in place. For a
   backend without a grouped kernel (CPU, and GPUs where tokamax does not import).
 
-`auto`: tokamax on a TPU where it imports, else tiled. (On NVIDIA GPUs tokamax picks its kernel by the default
-device, so a compile-only GPU target here gets its XLA fallback, and its Triton and Mosaic kernels' gradients are
-not yet measured on a GPU: `tokamax` is there to ask for them.)
+`auto`: tokamax on a TPU where it imports, else tiled. (tokamax picks its kernel by JAX's default device, so a
+step for run.target's compile-only devices is traced with the target's first device as the default,
+shard/core/step.py; its Mosaic TPU kernel takes the rows in tiles of 128, so they are padded to a multiple, and
+dimensions of 128 up, else tokamax falls back to its XLA path. On NVIDIA GPUs its Triton and Mosaic kernels'
+gradients are not yet measured: `tokamax` is there to ask for them.) Under a mesh, tokamax's kernels need
+shard/nn/dropless.py's exchange manual over every mesh axis (`whole_mesh`).
 """
 
 import jax
 import jax.numpy as jnp
 
 from shard.nn import attention
+
+TOKAMAX_ROWS = 128  # tokamax's Mosaic TPU kernel takes rows in tiles of 128 (its default tile_m), and no other count
 
 def matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, kernel: str = "xla", device=None) -> jax.Array:
     """x (m, k) rows sorted by group, w (g, k, n), sizes (g,) int32 rows per group -> (m, n), x's dtype. `auto`
@@ -34,7 +39,10 @@ def matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, kernel: str = "xla", de
 
         if not flags.FLAGS.is_parsed():  # tokamax reads its options as absl flags, else parsing our command line
             flags.FLAGS.mark_as_parsed()
-        return tokamax.ragged_dot(x, w, sizes, preferred_element_type=x.dtype)
+        m = x.shape[0]
+        rows = -(-m // TOKAMAX_ROWS) * TOKAMAX_ROWS  # its TPU kernel's row tiles must divide the rows
+        x = jnp.pad(x, ((0, rows - m), (0, 0))) if rows > m else x
+        return tokamax.ragged_dot(x, w, sizes, preferred_element_type=x.dtype)[:m]
     if kernel == "tiled":
         return _tiled(x, w, sizes.astype(jnp.int32))
     return jax.lax.ragged_dot(x, w, sizes)
@@ -51,6 +59,13 @@ def resolve(kernel: str, device) -> str:
         except ImportError:
             pass
     return "tiled"
+
+
+def whole_mesh(kernel: str, device) -> bool:
+    """Whether `kernel` is, for `device`, tokamax's: Pallas kernels (Mosaic on a TPU) that the partitioner cannot
+    split and whose outputs carry no manual-axis types, so shard/nn/dropless.py's shard_map around them is manual
+    over every mesh axis and untyped. (On a CPU tokamax takes its XLA path, the same way: what tests it there.)"""
+    return resolve(kernel, device) == "tokamax"
 
 
 def tile_rows(m: int, groups: int) -> int:
