@@ -116,6 +116,13 @@ def test_echo_alone_every_prompt_shape_and_several_prompts(run, served):
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     got = {i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in range(3)}
     assert got == {i: t + c["text"] for i, (t, c) in enumerate(zip(texts, singles))}
+    ask = {"prompt": texts[:2], "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
+    whole = post(served, ask).json()["choices"]
+    chunks = [json.loads(line[6:]) for line in post(served, {**ask, "stream": True}).text.splitlines()
+              if line.startswith("data: {")]
+    for i, choice in enumerate(whole):  # streamed: the prompt's logprobs in the first chunk, the answer's after
+        parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["index"] == i]
+        assert {k: [v for part in parts if part for v in part[k]] for k in choice["logprobs"]} == choice["logprobs"]
 
 
 def test_an_answer_ending_at_its_first_token_carries_it_keyed_by_its_text(served):

@@ -130,8 +130,12 @@ def main(argv: list[str]) -> int:
     from lm_eval.utils import make_table
 
     samples = results.pop("samples", None)
-    if tracker is not None:
-        tracker.general_config_tracker.model_name = str(args.run)
+    if tracker is not None:  # under --output_path, a folder named after the run, as lm_eval names the hf model's
+        from lm_eval.utils import sanitize_model_name
+
+        general = tracker.general_config_tracker
+        general.model_name = str(args.run)
+        general.model_name_sanitized = sanitize_model_name(general.model_name)
         tracker.save_results_aggregated(results=results, samples=samples if args.log_samples else None)
         if args.log_samples:
             for task in results["configs"]:
