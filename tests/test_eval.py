@@ -108,28 +108,11 @@ def test_on_a_mesh_one_item_at_a_time_the_answers_are_the_same(made):
 def test_local_completions_against_the_server_scores_each_item_as_the_hf_model(made, tmp_path):
     """lm_eval's local-completions client (token-id prompts, echo, logprobs, 4 prompts a request) against
     python -m shard.serve on the run: the same per-item answers as lm_eval's hf model on the export."""
-    import subprocess
-    import sys
-    import time
+    from test_serve import serving
 
-    import httpx
-
-    from conftest import ROOT, subprocess_env
-    from test_serve import free_port
-
-    port = free_port()
-    with open(tmp_path / "serve.log", "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "shard.serve", str(made["run"]), "--port", str(port),
-                                   "--slots", "4"], cwd=ROOT, env=subprocess_env(), stdout=log, stderr=log)
+    server, url = serving(made["run"], tmp_path / "serve.log", "--slots", "4")
     try:
-        for _ in range(600):
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        args = (f"model=run,base_url=http://127.0.0.1:{port}/v1/completions,tokenizer={made['hf']},"
+        args = (f"model=run,base_url={url}/v1/completions,tokenizer={made['hf']},"
                 "tokenizer_backend=huggingface,tokenized_requests=True,add_bos_token=True")
         theirs = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=TASKS, log_samples=True,
                                          task_manager=made["manager"], batch_size=4, bootstrap_iters=0)

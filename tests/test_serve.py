@@ -38,23 +38,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("run")
-    trainer.run(config.load(None, overrides(folder, *RUN)))
+def serving(folder, log_file, *args) -> tuple[subprocess.Popen, str]:
+    """python -m shard.serve FOLDER on a free port of 127.0.0.1 (`args` after the folder), once it answers /health:
+    (the process, its URL). Its output goes to `log_file`, shown if it ends first."""
     port = free_port()
-    log = open(folder / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "shard.serve", str(folder), "--port", str(port), "--slots", "4",
-                             "--mesh", "tp", "run.cpu_devices=2"], cwd=ROOT, env=subprocess_env(), stdout=log,
-                            stderr=subprocess.STDOUT)
+    with open(log_file, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "shard.serve", str(folder), "--port", str(port), *args],
+                                cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
-        assert proc.poll() is None, (folder / "serve.log").read_text()
+        assert proc.poll() is None, log_file.read_text()
         try:
             if httpx.get(f"{url}/health").status_code == 200:
                 break
         except httpx.TransportError:
             time.sleep(0.5)
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("run")
+    trainer.run(config.load(None, overrides(folder, *RUN)))
+    proc, url = serving(folder, folder / "serve.log", "--slots", "4", "--mesh", "tp", "run.cpu_devices=2")
     model = shard.load_model(str(folder))
     yield {"url": url, "proc": proc, "folder": folder, "generator": generate.Generator(model)}
     if proc.poll() is None:
