@@ -105,6 +105,20 @@ def test_on_a_mesh_one_item_at_a_time_the_answers_are_the_same(made):
     assert_agree(responses(ours["samples"]), theirs, tasks)
 
 
+def test_gen_kwargs_override_the_tasks_generation_settings(made):
+    """--gen_kwargs max_gen_toks=1: each generation is one token, the start of the hf model's longer one."""
+    from shard.use import evaluate, generate, load
+
+    loaded = load.load(str(made["run"]), [], whole_mesh=False, key="RUN")
+    tok = load.load_tokenizer(str(made["run"]))
+    lm = evaluate.model_of(loaded.model, generate.Generator(loaded.model), tok, batch_size=4)
+    ours = evaluate.evaluate(lm, ["tiny_gen"], made["manager"], limit=4, log_samples=True, bootstrap_iters=0,
+                             gen_kwargs="max_gen_toks=1")
+    full = responses(made["theirs"]["samples"])["tiny_gen"]
+    for doc, (text,) in responses(ours["samples"])["tiny_gen"].items():
+        assert len(tok.encode(text, special=False)) == 1 and full[doc][0].startswith(text), (doc, text)
+
+
 def test_local_completions_against_the_server_scores_each_item_as_the_hf_model(made, tmp_path):
     """lm_eval's local-completions client (token-id prompts, echo, logprobs, 4 prompts a request) against
     python -m shard.serve on the run: the same per-item answers as lm_eval's hf model on the export."""
