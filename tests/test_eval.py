@@ -119,6 +119,37 @@ def test_gen_kwargs_override_the_tasks_generation_settings(made):
         assert len(tok.encode(text, special=False)) == 1 and full[doc][0].startswith(text), (doc, text)
 
 
+CHAT = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def test_apply_chat_template_renders_each_prompt_as_the_hf_model_does(made, tmp_path):
+    """--apply_chat_template with one few-shot example (a turn of its own): per item as lm_eval's hf model on the
+    export of a run whose tokenizer has a chat template."""
+    from shard.use import evaluate, export
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for f in (made["tmp"] / "tok").iterdir():
+        (tok / f.name).write_bytes(f.read_bytes())
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    (tok / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT}))
+    run = tiny_tokenizers.trained(tok, tmp_path, "model.max_len=128", steps=1)
+    assert export.main([str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    tasks = ["tiny_mc", "tiny_gen"]
+    theirs = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={tmp_path / 'hf'},dtype=float32,device=cpu",
+                                     tasks=tasks, task_manager=made["manager"], log_samples=True, batch_size=2,
+                                     bootstrap_iters=0, limit=3, num_fewshot=1, apply_chat_template=True)
+    out = tmp_path / "results"
+    assert evaluate.main([str(run), "--tasks", ",".join(tasks), "--include_path", str(made["tasks"]), "--limit", "3",
+                          "--num_fewshot", "1", "--apply_chat_template", "--batch_size", "2", "--log_samples",
+                          "--output_path", str(out), "--bootstrap_iters", "0"]) == 0
+    ours = written_samples(out)
+    prompt = ours["tiny_mc"][0]["arguments"]["gen_args_0"]["arg_0"]
+    assert prompt.startswith("<s>user\n") and prompt.count("<s>assistant\n") == 2, prompt
+    assert_agree(responses(ours), responses(theirs["samples"]), tasks)
+
+
 def test_local_completions_against_the_server_scores_each_item_as_the_hf_model(made, tmp_path):
     """lm_eval's local-completions client (token-id prompts, echo, logprobs, 4 prompts a request) against
     python -m shard.serve on the run: the same per-item answers as lm_eval's hf model on the export."""

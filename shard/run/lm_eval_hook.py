@@ -58,5 +58,5 @@ def run(cfg, job, state) -> dict[str, float]:
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     results = evaluate.evaluate(lm, list(settings.tasks), evaluate.task_manager(list(settings.tasks),
                                                                                  settings.include_path, KEY),
-                                settings.num_fewshot, limit, bootstrap_iters=0, seed=cfg.train.seed)
+                                settings.num_fewshot, limit, bootstrap_iters=0)
     return evaluate.metrics(results)

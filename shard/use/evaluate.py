@@ -1,8 +1,9 @@
 """A trained run (or a Hugging Face folder) scored on EleutherAI's lm-evaluation-harness tasks:
 
     python -m shard.eval RUN_OR_FOLDER --tasks T1,T2 [--include_path DIR] [--num_fewshot K] [--limit N]
-                         [--batch_size B] [--log_samples] [--output_path P] [--gen_kwargs K=V,...] [--seed S]
-                         [--bootstrap_iters N] [--step N] [--trust-code] [key=value ...]
+                         [--batch_size B] [--log_samples] [--output_path P] [--gen_kwargs K=V,...]
+                         [--apply_chat_template] [--seed S] [--bootstrap_iters N] [--step N] [--trust-code]
+                         [key=value ...]
 
 lm_eval's own `simple_evaluate` runs the tasks with the run's model as its model (shard/use/lm_eval_model.py:
 loglikelihood, loglikelihood_rolling and generate_until, `--batch_size` sequences a pass); the flags are lm_eval's,
@@ -63,16 +64,19 @@ def model_of(model, generator, tokenizer, batch_size: int):
 
 
 def evaluate(lm, tasks: list[str], manager, num_fewshot: int | None = None, limit: float | None = None,
-             log_samples: bool = False, tracker=None, seed: int = 0, bootstrap_iters: int = 100000,
-             gen_kwargs: str | None = None) -> dict:
-    """lm_eval's simple_evaluate of `lm` on `tasks`; a task lm_eval cannot build or run is one line."""
+             log_samples: bool = False, tracker=None, seed: int | None = None, bootstrap_iters: int = 100000,
+             gen_kwargs: str | None = None, apply_chat_template: bool = False) -> dict:
+    """lm_eval's simple_evaluate of `lm` on `tasks`; a task lm_eval cannot build or run is one line. `seed`: all
+    four of lm_eval's seeds (as its --seed N), None its defaults (0, 1234, 1234, 1234)."""
     from lm_eval import simple_evaluate
 
+    seeds = {} if seed is None else {k: seed for k in ("random_seed", "numpy_random_seed", "torch_random_seed",
+                                                        "fewshot_random_seed")}
     try:
         return simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, log_samples=log_samples,
-                               evaluation_tracker=tracker, task_manager=manager, random_seed=seed,
-                               numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-                               bootstrap_iters=bootstrap_iters, gen_kwargs=gen_kwargs)
+                               evaluation_tracker=tracker, task_manager=manager, **seeds,
+                               bootstrap_iters=bootstrap_iters, gen_kwargs=gen_kwargs,
+                               apply_chat_template=apply_chat_template)
     except UserError:
         raise
     except Exception as e:  # a task's dataset that cannot be read, a template that fails: lm_eval's own words
@@ -97,7 +101,10 @@ def main(argv: list[str]) -> int:
                         "writes them")
     parser.add_argument("--gen_kwargs", metavar="K=V,...", help="generation settings over the tasks' own "
                         "(max_gen_toks, until, temperature, do_sample, top_k, top_p)")
-    parser.add_argument("--seed", type=int, default=0, help="lm_eval's seeds (few-shot sampling)")
+    parser.add_argument("--apply_chat_template", action="store_true", help="each prompt as a conversation through "
+                        "the tokenizer's chat template (few-shot examples as turns)")
+    parser.add_argument("--seed", type=int, help="lm_eval's four seeds (few-shot sampling among them; default: "
+                        "its own, 0, 1234, 1234, 1234)")
     parser.add_argument("--bootstrap_iters", type=int, default=100000, metavar="N",
                         help="resamples for the standard errors lm_eval bootstraps (0: none)")
     load.add_loading_arguments(parser)
@@ -129,7 +136,7 @@ def main(argv: list[str]) -> int:
         tracker = EvaluationTracker(output_path=args.output_path)
     lm = model_of(loaded.model, generator, tok, args.batch_size)
     results = evaluate(lm, tasks, manager, args.num_fewshot, limit, args.log_samples, tracker, args.seed,
-                       args.bootstrap_iters, args.gen_kwargs)
+                       args.bootstrap_iters, args.gen_kwargs, args.apply_chat_template)
     from lm_eval.utils import make_table
 
     samples = results.pop("samples", None)

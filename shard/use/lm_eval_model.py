@@ -64,6 +64,31 @@ class ShardLM(TemplateLM):
     def tok_decode(self, tokens) -> str:
         return self.tok.decode(tokens)
 
+    # ------------------------------------------------------------------ chat (--apply_chat_template)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tok.identity()
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.tok.chat_template or "" if chat_template else None
+
+    def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
+        """The conversation as the tokenizer's chat template renders it (shard/data/chat_template.py, as
+        transformers' apply_chat_template): ready for the assistant's turn, or without add_generation_prompt
+        ending in the last message's own text (transformers' continue_final_message)."""
+        from shard.data import formats
+
+        formatter = formats.Formatter(("messages",), self.tok)
+        if formatter.template is None:
+            raise UserError("--apply_chat_template: the run's tokenizer has no chat template")
+        text = formatter.render(chat_history, add_generation_prompt, "--apply_chat_template")[0]
+        if not add_generation_prompt and chat_history:
+            last = str(chat_history[-1].get("content", "")).strip()
+            if last and last in text:
+                text = text[:text.rindex(last) + len(last)]
+        return text
+
     # ------------------------------------------------------------------ scores
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
