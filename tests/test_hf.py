@@ -139,6 +139,20 @@ def test_greedy_generate_equals_transformers(folders, kind):
     assert_greedy_as_transformers(*folders[kind])
 
 
+def assert_exports_bitwise(path: str, model, out: Path, model_type: str) -> None:
+    """The folder's model, loaded and written back as a folder (its parameters and the other variables a folder
+    holds), is read by transformers with the source's logits, bit for bit."""
+    from shard.hf import read
+
+    loaded = load.load(path, [], whole_mesh=False)
+    _, params, rest = nnx.split(loaded.model, nnx.Param, ...)
+    write.write_folder(params, loaded.cfg.model.name, loaded.cfg.model.kwargs, out, None, source=read.Folder(path),
+                       rest=rest)
+    assert json.loads((out / "config.json").read_text())["model_type"] == model_type
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    np.testing.assert_array_equal(torch_logits(again, TOKENS), torch_logits(model, TOKENS))
+
+
 def assert_greedy_as_transformers(path: str, model) -> None:
     """Ten greedy tokens after a prompt of five, ours from the folder, equal to the transformers model's generate."""
     prompt = TOKENS[:, :5]

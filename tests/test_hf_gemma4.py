@@ -13,18 +13,16 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from flax import nnx  # noqa: E402
-
 import shard  # noqa: E402
 from shard import config  # noqa: E402
 from shard.errors import UserError  # noqa: E402
-from shard.hf import arch, read, write  # noqa: E402
+from shard.hf import arch  # noqa: E402
 from shard.run import trainer  # noqa: E402
 from shard.use import export, generate, load  # noqa: E402
 
 from conftest import overrides  # noqa: E402
-from test_hf import (FINE_TUNE, MESHES, TOKENS, VOCAB, assert_greedy_as_transformers, first_batch,  # noqa: E402
-                     jax_logits, relative, saved_folders, torch_logits)
+from test_hf import (FINE_TUNE, MESHES, TOKENS, VOCAB, assert_exports_bitwise,  # noqa: E402
+                     assert_greedy_as_transformers, first_batch, jax_logits, relative, saved_folders, torch_logits)
 
 REAL = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf" / "gemma-4-E2B-it" / "config.json"
 SMALL = dict(vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=64, intermediate_size=48,
@@ -77,13 +75,7 @@ def test_greedy_generate_equals_transformers_past_the_window(folders, kind):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_export_and_reimport_are_bitwise(folders, kind, tmp_path):
-    path, model = folders[kind]
-    loaded = load.load(path, [], whole_mesh=False)
-    write.write_folder(nnx.state(loaded.model, nnx.Param), loaded.cfg.model.name, loaded.cfg.model.kwargs,
-                       tmp_path / "out", None, source=read.Folder(path))
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "gemma4_text"
-    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
-    np.testing.assert_array_equal(torch_logits(again, TOKENS), torch_logits(model, TOKENS))
+    assert_exports_bitwise(*folders[kind], tmp_path / "out", "gemma4_text")
 
 
 def test_the_real_e2b_config_reads_as_transformers_reads_it():
@@ -201,3 +193,22 @@ def test_the_servers_slots_answer_as_transformers_past_the_window(folders):
         with torch.no_grad():
             want = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=10, pad_token_id=0)[0, len(p):]
         assert g == want.tolist()
+
+
+def test_a_config_json_of_model_type_alone_reads_as_transformers_defaults():
+    g = arch.to_gpt({"model_type": "gemma4_text"}, "test")
+    c = transformers.Gemma4TextConfig()
+    full = [i for i, t in enumerate(c.layer_types) if t == "full_attention"]
+    local = c.per_layer_config[c.layer_types.index("sliding_attention")]
+    assert [w == c.sliding_window if w else t == "full_attention" for w, t in zip(g["windows"], c.layer_types)] == \
+        [True] * c.num_hidden_layers
+    assert (g["n_layers"], g["d_model"], g["n_heads"], g["n_kv_heads"], g["head_dim"], g["d_ff"], g["vocab_size"],
+            g["max_len"], g["per_layer_dim"], g["per_layer_vocab"], g["shared_kv_layers"]) == \
+        (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, local.num_key_value_heads, local.head_dim,
+         c.intermediate_size, c.vocab_size, c.max_position_embeddings, c.hidden_size_per_layer_input,
+         c.vocab_size_per_layer_input, c.num_kv_shared_layers)
+    assert g["global_head_dim"] == c.per_layer_config[full[0]].head_dim
+    full_rope, local_rope = c.rope_parameters["full_attention"], c.rope_parameters["sliding_attention"]
+    assert (g["rope_theta"], g["local_rope_theta"], g["rope_scaling"]["partial_rotary_factor"]) == \
+        (full_rope["rope_theta"], local_rope["rope_theta"], full_rope["partial_rotary_factor"])
+    assert "logit_softcap" not in g and c.final_logit_softcapping is None

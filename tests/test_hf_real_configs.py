@@ -64,6 +64,12 @@ def tiny(real: dict) -> dict:
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if c.get(key) is not None:
             c[key] = [i % VOCAB for i in c[key]] if isinstance(c[key], list) else c[key] % VOCAB
+    if c["model_type"] == "deepseek_v3":  # its experts and latents scaled down too; its FP8 format is test_hf_fp8.py's
+        for key in ("quantization_config", "auto_map"):
+            c.pop(key, None)
+        c.update(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                 moe_intermediate_size=16, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=HEAD_DIM // 2,
+                 qk_rope_head_dim=HEAD_DIM // 4, v_head_dim=HEAD_DIM // 2)
     return c
 
 
@@ -156,8 +162,9 @@ def test_a_real_config_loads_with_transformers_logits_and_exports_back(folders, 
     assert relative(got, want) < 1e-5
     out = tmp_path / "out"
     source = Folder(str(path))
-    _, params, _ = nnx.split(loaded, nnx.Param, ...)
-    write.write_folder(params, arch.model_name(source.kind), source.gpt_kwargs(), out, None, source=source)
+    _, params, rest = nnx.split(loaded, nnx.Param, ...)  # (rest: what else a folder holds, DeepSeek's corrections)
+    kwargs = source.gpt_kwargs()
+    write.write_folder(params, arch.model_name(source.kind, kwargs), kwargs, out, None, source=source, rest=rest)
     assert relative(torch_logits(reread(out)), want) < 1e-5
     written = json.loads((out / "config.json").read_text())
     assert (written["dtype"], written["torch_dtype"]) == ("float32", "float32")
@@ -166,9 +173,9 @@ def test_a_real_config_loads_with_transformers_logits_and_exports_back(folders, 
 
 
 def test_a_family_not_yet_supported_is_refused_in_one_line(tmp_path):
-    # every family of the fixtures is read now: a real config under the name of one that is not (DeepSeek-V3's)
-    (tmp_path / "config.json").write_text(json.dumps(dict(tiny(REAL["qwen3-4b"]), model_type="deepseek_v3")))
-    assert refusal(tmp_path) == (f"path={str(tmp_path)!r}: model_type 'deepseek_v3' is not supported; "
+    # a real config under the name of a family not read yet (Qwen3-Next's)
+    (tmp_path / "config.json").write_text(json.dumps(dict(tiny(REAL["qwen3-4b"]), model_type="qwen3_next")))
+    assert refusal(tmp_path) == (f"path={str(tmp_path)!r}: model_type 'qwen3_next' is not supported; "
                                  f"supported: {', '.join(arch.SUPPORTED)}")
 
 

@@ -124,6 +124,24 @@ def _fields(kind: str, c: dict, where: str):
     return get
 
 
+def typed(c: dict, defaults: dict, types: dict, nullable: set, where: str):
+    """A reader of config.json's fields for a family read apart from the dense ones (shard/hf/gemma4.py and
+    deepseek.py): each field's value or transformers' default, checked for its type (`types`: name -> float, str,
+    bool, list or dict; a non-negative int where not named), None where `nullable` names the field."""
+    def get(name: str):
+        value = c.get(name, defaults[name])
+        if value is None and name in nullable:
+            return None
+        want = types.get(name, int)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else \
+            isinstance(value, want) and not (want is int and (isinstance(value, bool) or value < 0))
+        if not ok:
+            raise UserError(f"{where}: config.json has {name}={value!r}; transformers reads {name} as "
+                            f"{'a non-negative int' if want is int else 'a ' + want.__name__}")
+        return value
+    return get
+
+
 def _rope_model(kind: str, get, c: dict, where: str) -> dict:
     d, heads = get("hidden_size"), get("num_attention_heads")
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):

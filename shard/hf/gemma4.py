@@ -10,6 +10,7 @@ another RoPE) is refused in one line naming the field.
 """
 
 from shard.errors import UserError, warn
+from shard.hf.config_in import typed
 from shard.hf.typed_rope import LAYER_TYPES, is_number
 
 KIND = "gemma4_text"
@@ -37,17 +38,7 @@ TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_python_tanh")
 
 def to_gpt(c: dict, where: str) -> dict:
     """The GPT's arguments of a gemma4_text config.json."""
-    def get(name):
-        value = c.get(name, DEFAULTS[name])
-        if value is None and name in _NULLABLE:
-            return None
-        want = _TYPES.get(name, int)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else \
-            isinstance(value, want) and not (want is int and (isinstance(value, bool) or value < 0))
-        if not ok:
-            raise UserError(f"{where}: config.json has {name}={value!r}; transformers reads {name} as "
-                            f"{'a non-negative int' if want is int else 'a ' + want.__name__}")
-        return value
+    get = typed(c, DEFAULTS, _TYPES, _NULLABLE, where)
 
     if get("use_bidirectional_attention"):
         raise UserError(f"{where}: config.json has use_bidirectional_attention={get('use_bidirectional_attention')!r},"

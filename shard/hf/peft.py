@@ -66,13 +66,14 @@ def tensors(kind: str, site_list, values: dict, n_layers: int, size: dict | None
         shared = parts[0][0].fused
         if shared:
             fused[modules[-1]] = len(parts)
-        for i in (range(n_layers) if parts[0][0].layered else [None]):
+        stacked = values[parts[0][1].key]["lora_a"].shape[0] if parts[0][0].layered else 0  # its stack's layers
+        for i in (range(stacked) if parts[0][0].layered else [None]):
             pairs = []
             for row, s in parts:
                 a, b = (values[s.key][k] if i is None else values[s.key][k][i] for k in ("lora_a", "lora_b"))
                 lora_a, lora_b = linear_pair(row, s, a, b)
                 pairs.append((lora_a, placed(tables.resolved(row, size), lora_b, size) if shared else lora_b))
-            name = "base_model.model." + (module.format(i=i) if i is not None else module)
+            name = "base_model.model." + (module.format(i=i + parts[0][0].offset) if i is not None else module)
             out[f"{name}.lora_A.weight"] = np.concatenate([a for a, _ in pairs])
             out[f"{name}.lora_B.weight"] = np.ascontiguousarray(np.concatenate([b for _, b in pairs], axis=1))
     return out, sorted(set(modules)), fused

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from shard.errors import UserError, warn
-from shard.hf import INDEX, arch, config_only, fp8, mxfp4, tables
+from shard.hf import INDEX, arch, config_only, deepseek, fp8, mxfp4, tables
 
 
 class Folder:
@@ -39,6 +39,9 @@ class Folder:
         add = not any(name.startswith(prefix) for name in stored)
         self.names = {(prefix + n if add and not n.startswith("lm_head.") else n): inner + n for n in stored}
         self.files = {name: stored[n[len(inner):]] for name, n in self.names.items()}  # our name -> its file
+        if self.kind == deepseek.KIND:
+            for name in deepseek.without_mtp(self.files, self.config, self.where):
+                del self.files[name]
         # MXFP4 and FP8 weights: each read as one float tensor under its own name, from its codes and scales
         self.quantized = mxfp4.method(self.config, self.where)
         readers = {"mxfp4": mxfp4.packed, "fp8": fp8.packed}
@@ -172,13 +175,15 @@ def flat_paths(params) -> dict[str, object]:
     return {dotted(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-def plan(folder: Folder, params, kwargs: dict) -> list[tables.Row]:
-    """The rows that fill `params`, each tensor checked present with its shape, and every tensor of the folder
-    read by one of them; one line for the first that is not so."""
+def plan(folder: Folder, params, kwargs: dict, rest=None) -> list[tables.Row]:
+    """The rows that fill `params` (and those of `rest`'s variables a folder holds: a router's correction bias), each
+    tensor checked present with its shape, and every tensor of the folder read by one of them; one line for the first
+    that is not so."""
     ours = flat_paths(params)
+    extra = flat_paths(rest) if rest is not None else {}
     g = arch.with_defaults(kwargs)
-    size, n_layers = tables.sizes(g, folder.kind), g["n_layers"]
-    rows = tables.rows(folder.table, set(ours), size)
+    size = tables.sizes(g, folder.kind)
+    rows = tables.rows(folder.table, set(ours) | set(extra), size)
     embed, head = tied_pair(folder.kind)
     if "head" not in ours and embed not in folder.files and head in folder.files:
         # tied, and the checkpoint holds the pair under the output layer's name: transformers ties to that one
@@ -186,7 +191,8 @@ def plan(folder: Folder, params, kwargs: dict) -> list[tables.Row]:
     read = set()
     for r in rows:
         want = tables.their_shape(r, size)
-        for name in ([r.theirs.format(i=i) for i in range(n_layers)] if r.layered else [r.theirs]):
+        stacked = {**ours, **extra}[r.ours].shape[0] if r.layered else 0
+        for name in ([r.layer(i) for i in range(stacked)] if r.layered else [r.theirs]):
             if name not in folder.files:
                 why = " (the model's output layer is not tied to its embeddings, so it is a tensor of its own)" \
                     if name == head else ""
@@ -220,11 +226,11 @@ def _check_all_read(folder: Folder, read: set, tied: bool) -> None:
                     f"{', '.join(unread[:3])}{', ...' * (len(unread) > 3)}{why}")
 
 
-def check(path: str, params, kwargs: dict) -> None:
+def check(path: str, params, kwargs: dict, rest=None) -> None:
     """Before the run folder is touched: every tensor present with its shape. A tokenizer with more tokens than
     the embedding has rows is the folder's to have (gemma-3's image tokens), as transformers allows: the job
     refuses instead a token id of the data past the embedding (shard/run/job.py, embedded_classes)."""
-    plan(Folder(path), params, kwargs)
+    plan(Folder(path), params, kwargs, rest)
 
 
 # ----------------------------------------------------------------------------- index arithmetic
@@ -285,7 +291,7 @@ def read_slice(folder: Folder, rows: list[tables.Row], shape: tuple, index: tupl
         place = tuple(slice(r.at[l] - our[l].start, r.at[l] - our[l].start + 1)
                       if l in r.at and l not in _their_letters(r) else slice(None) for l in r.letters())
         for j, layer in enumerate(layer_range):
-            name = r.theirs.format(i=layer) if layered else r.theirs
+            name = r.layer(layer) if layered else r.theirs
             block = _read(folder, name, tuple(slice(a[0], a[1]) for a in axes))
             values = to_ours(r, block, axes).astype(dtype)
             out[(j, *place) if layered else place] = values
@@ -323,18 +329,21 @@ def _read_stored(folder: Folder, name: str, index: tuple) -> np.ndarray:
         return np.asarray(st.get_slice(stored)[index])
 
 
-def load_params(folder: Folder, target_params, kwargs: dict):
+def load_params(folder: Folder, target_params, kwargs: dict, rest=None):
     """`target_params` (abstract arrays with shardings) read from the folder: every array built from the slices
-    this process's devices hold, each read on its own (nothing whole on the host unless a device holds it)."""
-    rows = plan(folder, target_params, kwargs)
+    this process's devices hold, each read on its own (nothing whole on the host unless a device holds it). With
+    `rest` (the model's other variables, arrays), (params, rest): rest's variables the folder holds read too."""
+    rows = plan(folder, target_params, kwargs, rest)
     g = arch.with_defaults(kwargs)
     size = tables.sizes(g, folder.kind)
 
     def build(path, leaf):
         name = dotted(path)
         mine = [r for r in rows if r.ours == name]
+        if not mine:  # (rest's: a variable no folder holds, kept as built)
+            return leaf
         layered = mine[0].layered
-        want = ((g["n_layers"],) if layered else ()) + tuple({**size, **mine[0].size, "s": 2}[l]
+        want = ((leaf.shape[0],) if layered else ()) + tuple({**size, **mine[0].size, "s": 2}[l]
                                                              for l in mine[0].letters())
         if tuple(leaf.shape) != want:
             raise UserError(f"{folder.where}: parameter {name} is {list(leaf.shape)} here, but the folder fills "
@@ -344,4 +353,5 @@ def load_params(folder: Folder, target_params, kwargs: dict):
             leaf.shape, leaf.sharding,
             lambda index: read_slice(folder, mine, leaf.shape, index, size, layered, dtype))
 
-    return jax.tree_util.tree_map_with_path(build, target_params)
+    params = jax.tree_util.tree_map_with_path(build, target_params)
+    return params if rest is None else (params, jax.tree_util.tree_map_with_path(build, rest))

@@ -20,6 +20,8 @@ experts.{x}.w1), standing for one row per expert, each filling that index of our
 import re
 from dataclasses import dataclass, field, replace
 
+from shard.hf import deepseek
+
 
 @dataclass(frozen=True)
 class Row:
@@ -30,6 +32,7 @@ class Row:
     at: dict = field(default_factory=dict)
     wide: dict = field(default_factory=dict)  # letter -> the letter whose size its axis has in their tensor
     size: dict = field(default_factory=dict)  # letter -> its size in this row's layer, where it differs (a wider one)
+    offset: int = 0  # a stack's first layer's index among theirs (the experts' layers after the dense first ones)
 
     @property
     def layered(self) -> bool:
@@ -39,6 +42,10 @@ class Row:
     def groups(self) -> list[tuple[str, ...]]:
         """Their axes as tuples of letters: "(h d) e" -> [("h", "d"), ("e",)]."""
         return [tuple(g.strip("()").split()) for g in re.findall(r"\([^)]*\)|\S+", self.their_axes)]
+
+    def layer(self, i: int) -> str:
+        """Their tensor's name for the stack's layer i."""
+        return self.theirs.format(i=i + self.offset)
 
     @property
     def fused(self) -> bool:
@@ -258,6 +265,7 @@ TABLES["gemma4_text"] = _gemma4()
 EXPERTS_IN_OUT = {"gpt_oss"}
 # Llama 4's stacks are (experts, in, out) too, but its module does not say so: PEFT takes their in axis for its out
 EXPERTS_FLIPPED = {"llama4_text"}
+TABLES["deepseek_v3"] = deepseek.rows(Row)
 TABLES["mixtral"] = _experts(None, "block_sparse_moe", "w1", "w3", "w2")
 TABLES["qwen3_moe"] = _experts("head", "mlp", "gate_proj", "up_proj", "down_proj")
 TABLES["olmoe"] = _experts("projection", "mlp", "gate_proj", "up_proj", "down_proj")
@@ -289,6 +297,9 @@ def rows(kind: str, params: set[str], size: dict | None = None) -> list[Row]:
     """The rows of `kind`'s table whose parameter the model has (`params`: its parameters' paths), their offsets
     resolved for the letters' sizes `size` where given, an expert's row made one per expert."""
     found = [one for r in TABLES[kind] for one in _each_layer(r, params, size)]
+    if size and size.get("dense_layers"):  # the experts' stack counts on from the dense first layers'
+        found = [replace(r, offset=size["dense_layers"]) if r.layered and r.ours.startswith("blocks.") else r
+                 for r in found]
     if size is None:
         return found
     found = [replace(r, theirs=r.theirs.replace("{x}", str(x)), at={**r.at, "x": x}) if "{x}" in r.theirs else r
@@ -330,7 +341,7 @@ def sizes(g: dict, kind: str) -> dict[str, int]:
                 p=g["max_len"], s=3 if kind == "gpt2" else 2, j=g["n_heads"] + 2 * g["n_kv_heads"],
                 x=g.get("n_experts", 0), b=g.get("beside_d_ff", 0), u=u, w=n * u,
                 q=g.get("per_layer_vocab") or g["vocab_size"], o=1,
-                layers=unlike_sizes(g))
+                layers=unlike_sizes(g), dense_layers=g.get("dense_layers", 0), **deepseek.sizes(g))
 
 
 def unlike_sizes(g: dict) -> dict[int, dict]:

@@ -34,13 +34,13 @@ def families(rows: list[tables.Row]) -> list[list[tables.Row]]:
     return [[rows[j] for j in g] for g in groups]
 
 
-def their_tensors(rows: list[tables.Row], values: dict[str, np.ndarray], size: dict, n_layers: int) -> dict:
+def their_tensors(rows: list[tables.Row], values: dict[str, np.ndarray], size: dict) -> dict:
     """The Hugging Face tensors `rows` make from our parameters' whole values (path -> array)."""
     out: dict[str, np.ndarray] = {}
     for r in rows:
         theirs = [l for g in r.groups() for l in g]
-        for layer in (range(n_layers) if r.layered else [None]):
-            name = r.theirs.format(i=layer) if r.layered else r.theirs
+        for layer in (range(values[r.ours].shape[0]) if r.layered else [None]):  # (a stack's own layers)
+            name = r.layer(layer) if r.layered else r.theirs
             full = out.setdefault(name, np.zeros(tables.their_shape(r, size), np.float32))
             v = values[r.ours] if layer is None else values[r.ours][layer]
             mine = list(r.letters())
@@ -86,17 +86,18 @@ def implied_zeros(kind: str, g: dict, size: dict) -> dict[str, np.ndarray]:
 
 
 def write_folder(params, model_name: str, kwargs: dict, out: Path, tokenizer_dir: Path | None,
-                 shard_bytes: int | None = None, source: Folder | None = None) -> tuple[int, int]:
+                 shard_bytes: int | None = None, source: Folder | None = None, rest=None) -> tuple[int, int]:
     """Write the folder (into a scratch folder beside `out`, renamed when complete): (files, bytes). `source`:
     the Hugging Face folder the run started from, whose dtype, special token ids and generation_config.json
-    the folder takes."""
+    the folder takes. `rest`: the model's other variables, those a folder holds written too (a router's correction
+    bias)."""
     import ml_dtypes
 
     config, shard_bytes = arch.from_gpt(kwargs, model_name), shard_bytes or SHARD_BYTES
     config["torch_dtype"] = config["dtype"] = dtype_of(params, source)  # each transformers version's name
     cast = ml_dtypes.bfloat16 if config["dtype"] == "bfloat16" else np.dtype(config["dtype"])
     kind, g = config["model_type"], arch.with_defaults(kwargs)
-    ours = flat_paths(params)
+    ours = {**flat_paths(rest if rest is not None else {}), **flat_paths(params)}
     size, main = tables.sizes(g, kind), jax.process_index() == 0
     rows = tables.rows(kind, set(ours), size)
     tokenizer = _tokenizer_files(tokenizer_dir, config)  # a tokenizer it cannot hold is refused before any file
@@ -125,7 +126,7 @@ def write_folder(params, model_name: str, kwargs: dict, out: Path, tokenizer_dir
     try:
         for family in families(rows):
             values = {r.ours: host_value(ours[r.ours]) for r in family}
-            add(their_tensors(family, values, size, g["n_layers"]))
+            add(their_tensors(family, values, size))
             del values
         add(implied_zeros(kind, g, size))
         flush()

@@ -254,7 +254,7 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
             for key, path in (("checkpoint.restore_from", cfg.checkpoint.restore_from),
                               ("train.init_from", cfg.train.init_from)):
                 if path and key == "train.init_from" and hf.is_folder(path):
-                    hf_read.check(path, work.abstract.params, cfg.model.kwargs)
+                    hf_read.check(path, work.abstract.params, cfg.model.kwargs, work.abstract.rest)
                 elif path:
                     ckpt_lib.check_path(path, key, target, one_target)
         elif (named := cfg.train.init_from) and not hf.is_folder(named) and not paths.is_remote(named):

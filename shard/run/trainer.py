@@ -214,9 +214,9 @@ def start_state(cfg, checkpoints, job: Job, say) -> state_lib.TrainState:
         # read in the model's own dtypes: a strategy that stores them otherwise (QLoRA's base) does so in `filled`
         weights = jax.tree.map(lambda t, a: t if t.dtype == a.dtype else jax.ShapeDtypeStruct(
             a.shape, a.dtype, sharding=t.sharding), job.target.params, job.work.abstract.params)
-        params = hf_read.load_params(hf_read.Folder(cfg.train.init_from), weights, cfg.model.kwargs)
+        params, rest = hf_read.load_params(hf_read.Folder(cfg.train.init_from), weights, cfg.model.kwargs, state.rest)
         say(f"parameters from the Hugging Face folder {cfg.train.init_from}")
-        return job.filled(state.replace(params=params), always=True)
+        return job.filled(state.replace(params=params, rest=rest), always=True)
     if cfg.train.init_from and (taken := job.take(*ckpt_lib.open_named(cfg.train.init_from, "train.init_from"), False)):
         state, meta = taken  # e.g. every replica and DiLoCo's anchor start from the loaded model
         say(f"parameters from step {meta['step']} of {cfg.train.init_from}")

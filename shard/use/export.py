@@ -192,11 +192,11 @@ def export_hf(args, overrides: list[str], whole_mesh: bool) -> int:
     source = Folder(cfg.train.init_from) if hf.is_folder(cfg.train.init_from) else None
     loaded = load.load(args.run, overrides, step=args.step, whole_mesh=whole_mesh, key="RUN",
                        trust_code=args.trust_code)
-    _, params, _ = nnx.split(loaded.model, nnx.Param, ...)
+    _, params, rest = nnx.split(loaded.model, nnx.Param, ...)
     start = time.perf_counter()
     with new_parents(out):
         files, size = write.write_folder(params, loaded.cfg.model.name, loaded.cfg.model.kwargs, out,
-                                         run_folder / RUN_FOLDER, source=source)
+                                         run_folder / RUN_FOLDER, source=source, rest=rest)
     dtype = write.dtype_of(params, source)
     print(f"wrote {out} ({files} safetensors file{'s' * (files > 1)}, {size / 1e6:.1f} MB, {dtype}"
           f"{f' as in {source.path}' if source else ''}, step {loaded.step} of {args.run}) in "

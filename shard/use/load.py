@@ -157,11 +157,12 @@ def load(path: str, overrides: list[str], step: int | None = None, whole_mesh: b
     if hf.is_folder(path):
         from shard.hf.read import Folder, load_params
 
-        params = load_params(Folder(path, key), target.params, cfg.model.kwargs)
         if jax.tree.leaves(rest):  # what no folder holds (a layer's own settings): built, the weights' init dropped
             rest = jax.jit(lambda: nnx.split(state_lib.build_model(model_cls, kwargs, cfg.train.seed),
                                              nnx.Param, ...)[2],
                            out_shardings=shardings.rest)()
+        # (and what one does: a router's correction bias)
+        params, rest = load_params(Folder(path, key), target.params, cfg.model.kwargs, rest)
         return Loaded(nnx.merge(graphdef, params, rest), cfg, mesh, rules, 0)
     # A strategy that keeps the model elsewhere says where (DiLoCo's anchor, the weights' average); else the
     # checkpoint's own weights.

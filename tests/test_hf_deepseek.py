@@ -1,0 +1,102 @@
+"""DeepSeek-V3 (`deepseek_v3`) against transformers: a tiny model with its latent attention (a query latent, YaRN
+whose mscale_all_dim scales the softmax), a dense first layer, then experts with the sigmoid router, its correction
+bias, group-limited choice, routed scaling and a shared expert: logits on one device, fsdp and ep, greedy
+generation, export and re-import; the real deepseek-r1 config read as transformers reads it (its MTP layer and FP8
+weights are what a checkpoint holds: tests/test_hf_fp8.py reads the format)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from shard.errors import UserError  # noqa: E402
+from shard.hf import arch  # noqa: E402
+from shard.use import load  # noqa: E402
+
+from test_hf import (TOKENS, VOCAB, assert_exports_bitwise, assert_greedy_as_transformers, jax_logits,  # noqa: E402
+                     relative, torch_logits)
+
+REAL = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf" / "deepseek-r1" / "config.json"
+TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+            num_attention_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
+            v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, max_position_embeddings=64,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                             "beta_fast": 8.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8,
+                             "rope_theta": 1000.0},
+            pad_token_id=None, bos_token_id=None, eos_token_id=None)
+MESHES = {"one": [], "fsdp": ["mesh=fsdp", "run.cpu_devices=2"], "ep": ["mesh=ep", "run.cpu_devices=4"]}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """The tiny model, every weight (and the routers' correction biases) moved off its init, saved."""
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TINY)).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        for layer in model.model.layers[TINY["first_k_dense_replace"]:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(0.5 * torch.randn(TINY["n_routed_experts"]))
+    model.generation_config.eos_token_id = None
+    path = tmp_path_factory.mktemp("deepseek_v3")
+    model.save_pretrained(path)
+    return str(path), model
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_logits_equal_transformers(folder, mesh):
+    path, model = folder
+    loaded = load.load(path, MESHES[mesh], whole_mesh=mesh != "one")
+    assert loaded.cfg.model.name == "moe"
+    assert relative(jax_logits(loaded), torch_logits(model, TOKENS)) < 1e-5
+
+
+def test_greedy_generation_equals_transformers(folder):
+    assert_greedy_as_transformers(*folder)
+
+
+def test_export_and_reimport_are_bitwise(folder, tmp_path):
+    """(the routers' correction biases, no parameters, written too)"""
+    assert_exports_bitwise(*folder, tmp_path / "out", "deepseek_v3")
+
+
+def test_the_real_r1_config_reads_as_transformers_reads_it():
+    if not REAL.is_file():
+        pytest.skip(f"{REAL} is absent (the shared fixtures hold it in CI)")
+    config = json.loads(REAL.read_text())
+    g = arch.to_gpt(config, "test")
+    theirs = transformers.DeepseekV3Config(**{k: v for k, v in config.items() if k != "auto_map"})
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    assert g["latent"] == dict(q_rank=1536, kv_rank=512, nope_dim=128, rope_dim=64, v_dim=128)
+    assert g["attn_scale"] == pytest.approx(yarn_apply_mscale(theirs.rope_parameters, 192 ** -0.5), rel=1e-12)
+    assert (g["n_experts"], g["top_k"], g["n_group"], g["topk_group"], g["dense_layers"]) == (256, 8, 8, 4, 3)
+
+
+def test_bad_deepseek_configs_are_one_line():
+    good = dict(TINY, model_type="deepseek_v3")
+    for change, said in ((dict(scoring_func="softmax"), "scoring_func"), (dict(hidden_act="gelu"), "hidden_act"),
+                         (dict(first_k_dense_replace=3), "first_k_dense_replace"),
+                         (dict(rope_parameters={"rope_type": "linear", "factor": 2.0}), "rope_type")):
+        with pytest.raises(UserError, match=said) as e:
+            arch.to_gpt({**good, **change}, "test")
+        assert "\n" not in str(e.value)
+
+
+def test_a_config_json_of_model_type_alone_reads_as_transformers_defaults():
+    g = arch.to_gpt({"model_type": "deepseek_v3"}, "test")
+    c = transformers.DeepseekV3Config()
+    assert g["latent"] == dict(q_rank=c.q_lora_rank, kv_rank=c.kv_lora_rank, nope_dim=c.qk_nope_head_dim,
+                               rope_dim=c.qk_rope_head_dim, v_dim=c.v_head_dim)
+    assert (g["n_layers"], g["d_model"], g["n_heads"], g["vocab_size"], g["max_len"], g["d_ff"], g["dense_d_ff"],
+            g["n_experts"], g["top_k"], g["n_group"], g["topk_group"], g["dense_layers"], g["shared_experts"],
+            g["routed_scaling"], g["norm_topk"], g["norm_eps"], g["rope_theta"], g["tie_embeddings"]) == \
+        (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size, c.max_position_embeddings,
+         c.moe_intermediate_size, c.intermediate_size, c.n_routed_experts, c.num_experts_per_tok, c.n_group,
+         c.topk_group, c.first_k_dense_replace, c.n_shared_experts, c.routed_scaling_factor, c.norm_topk_prob,
+         c.rms_norm_eps, c.rope_parameters["rope_theta"], c.tie_word_embeddings)
+    assert g["rope_scaling"] is None and g["attn_scale"] == c.qk_head_dim ** -0.5 and g["rope_interleaved"]
