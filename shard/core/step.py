@@ -169,15 +169,17 @@ def compile_with(lowered, flags=None):
 
 
 def compile_step(fn: Callable, abstract_state, state_shardings, abstract_batch, batch_shardings,
-                 mesh, *, donate: bool, returns_state: bool, what: str, flags=None):
+                 mesh, *, donate: bool, returns_state: bool, what: str, flags=None, target_default: bool = False):
     """jit with explicit shardings, traced, lowered and compiled now (errors surface before training
-    starts, named by `what`), with the compiler flags for the device."""
+    starts, named by `what`), with the compiler flags for the device. target_default: traced with the mesh's first
+    device as JAX's default (`traced_for`), for a step whose kernels pick their lowering by it."""
     replicated = NamedSharding(mesh, PartitionSpec())
     out_shardings = (state_shardings, replicated) if returns_state else replicated
     jitted = jax.jit(fn, in_shardings=(state_shardings, batch_shardings), out_shardings=out_shardings,
                      donate_argnums=(0,) if donate else ())
     # it traced without one: the layout's
-    with blamed(f"{what} does not compile on mesh {dict(mesh.shape)}"), traced_for(mesh):
+    with blamed(f"{what} does not compile on mesh {dict(mesh.shape)}"), \
+            traced_for(mesh) if target_default else contextlib.nullcontext():
         lowered = jitted.lower(abstract_state, abstract_batch)
     return compile_with(lowered, flags)
 
@@ -185,6 +187,7 @@ def compile_step(fn: Callable, abstract_state, state_shardings, abstract_batch, 
 def traced_for(mesh):
     """Where the mesh's devices are not this machine's default backend's (run.target's compile-only TPUs or GPUs),
     the first of them as JAX's default device while the step is traced: kernels that pick their lowering by the
-    default device (tokamax's grouped products: Mosaic on a TPU, else its XLA path) pick the target's."""
+    default device (tokamax's grouped products: Mosaic on a TPU, else its XLA path) pick the target's. Only for a step
+    that needs it: splash attention's mask, built while tracing, would then run on a device that compiles only."""
     first = mesh.devices.flat[0]
     return jax.default_device(first) if first.platform != jax.devices()[0].platform else contextlib.nullcontext()

@@ -26,7 +26,7 @@ from shard.strategies.base import Strategy
 from shard.run import distributed
 from shard.nn import attention as attn
 from shard import hf, objectives, paths
-from shard.nn import hooks, partition
+from shard.nn import grouped, hooks, partition
 from shard.hf import read as hf_read
 from shard.core import blame, optim, registry
 from shard.core import flops as flops_lib
@@ -276,12 +276,16 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         for s in active:
             train_fn, eval_fn = s.wrap_train(train_fn), s.wrap_eval(eval_fn)
         compile_start = time.perf_counter()
+        # tokamax's grouped products pick their kernel by the default device: the target's, where the step has them
+        target_default = bool(work.grouped_flops) and \
+            grouped.resolve(cfg.train.grouped_matmul, devices[0]) == "tokamax"
         train_step = step_lib.compile_step(train_fn, abstract, shardings, work.batch, batch_shardings, mesh,
-                                           donate=True, returns_state=True, what="the train step", flags=flags)
+                                           donate=True, returns_state=True, what="the train step", flags=flags,
+                                           target_default=target_default)
         compile_s = time.perf_counter() - compile_start
         eval_step = None if not training else step_lib.compile_step(
             eval_fn, abstract, shardings, work.eval_batch, eval_shardings, mesh, donate=False, returns_state=False,
-            what="the eval step", flags=flags)
+            what="the eval step", flags=flags, target_default=target_default)
         for s in active:
             s.compile(abstract, shardings)
         fill = None
