@@ -68,7 +68,7 @@ def test_logits_equal_transformers(folders, kind, mesh):
     assert relative(jax_logits(loaded), torch_logits(model, TOKENS)) < 1e-5
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", ["k_eq_v", "moe"])  # (E2B's: its server slots' test below, against transformers too)
 def test_greedy_generate_equals_transformers_past_the_window(folders, kind):
     assert_greedy_as_transformers(*folders[kind])
 
