@@ -215,6 +215,14 @@ def first_batch(cfg):
     return data_lib.build(cfg.data, cfg.train.seed).train[0]
 
 
+def first_loss(cfg, model) -> torch.Tensor:
+    """transformers' model's cross-entropy on the first training batch of `cfg` (what our first step's loss is)."""
+    batch = first_batch(cfg)
+    logits = torch.tensor(torch_logits(model, np.asarray(batch["inputs"])))
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                             torch.tensor(np.asarray(batch["targets"])).reshape(-1).long())
+
+
 FINE_TUNE = ["data.name=text", "data.seq_len=16", "data.batch_size=8", "train.steps=1", "train.eval_batches=1"]
 
 
@@ -228,10 +236,7 @@ def test_fine_tune_first_loss_and_export_round_trip(folders, kind, tmp_path, mon
                                       "checkpoint.enabled=true", *FINE_TUNE))
     assert cfg.model.kwargs["d_model"] == 64 and cfg.model.name == "gpt"
     result = trainer.run(cfg)
-    batch = first_batch(cfg)
-    logits = torch.tensor(torch_logits(model, np.asarray(batch["inputs"])))
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
-                                             torch.tensor(np.asarray(batch["targets"])).reshape(-1).long())
+    want = first_loss(cfg, model)
     assert abs(result.history[0]["loss"] - float(want)) < tolerance(kind) * float(want)
 
     out = tmp_path / "hf"
@@ -255,10 +260,7 @@ def test_fine_tuning_works_under_every_preset(folders, mesh, tmp_path):
     cfg = config.load(None, overrides(tmp_path, f"train.init_from={path}", f"mesh={mesh}",
                                       f"run.cpu_devices={devices}", *extra, *FINE_TUNE))
     result = trainer.run(cfg)
-    batch = first_batch(cfg)
-    logits = torch.tensor(torch_logits(model, np.asarray(batch["inputs"])))
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
-                                             torch.tensor(np.asarray(batch["targets"])).reshape(-1).long())
+    want = first_loss(cfg, model)
     assert abs(result.history[0]["loss"] - float(want)) < 1e-4 * float(want)
 
 

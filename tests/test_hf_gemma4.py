@@ -22,7 +22,7 @@ from shard.use import export, generate, load  # noqa: E402
 
 from conftest import overrides  # noqa: E402
 from test_hf import (FINE_TUNE, MESHES, TOKENS, VOCAB, assert_exports_bitwise,  # noqa: E402
-                     assert_greedy_as_transformers, first_batch, jax_logits, relative, saved_folders, torch_logits)
+                     assert_greedy_as_transformers, first_loss, jax_logits, relative, saved_folders, torch_logits)
 
 REAL = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf" / "gemma-4-E2B-it" / "config.json"
 SMALL = dict(vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=64, intermediate_size=48,
@@ -141,10 +141,7 @@ def test_fine_tune_step_is_transformers_loss_and_exports_through_the_cli(folders
     cfg = config.load(None, overrides(tmp_path / "run", f"train.init_from={path}", "mesh=fsdp", "run.cpu_devices=4",
                                       "checkpoint.enabled=true", "train.remat=full", *FINE_TUNE))
     result = trainer.run(cfg)
-    batch = first_batch(cfg)
-    logits = torch.tensor(torch_logits(model, np.asarray(batch["inputs"])))
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
-                                             torch.tensor(np.asarray(batch["targets"])).reshape(-1).long())
+    want = first_loss(cfg, model)
     assert abs(result.history[0]["loss"] - float(want)) < 1e-5 * float(want)
     out = tmp_path / "hf"
     assert export.main([str(tmp_path / "run"), "--format", "hf", "--out", str(out)]) == 0
