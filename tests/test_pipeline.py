@@ -96,7 +96,7 @@ def test_the_plan_shows_the_schedule_its_memory_and_what_stages_pass(tmp_path):
     devices = jax.devices()[:8]
     p = analysis.analyse(cfg, devices)
     S, R, M = 4, 1, 8  # microbatches default to twice the stages
-    assert p["pipeline"] == {"stages": S, "repeats": R, "microbatches": M, "layers_per_stage": [2],
+    assert p["pipeline"] == {"schedule": "gpipe", "stages": S, "repeats": R, "microbatches": M, "layers_per_stage": [2],
                              "bubble": pytest.approx((S - 1) / (R * M + S - 1))}
     assert "bubble (S-1)/(R*M+S-1) = 27.3%" in analysis.report(p)
     # parameters and Adam's moments per device: the stacked layers' 1/S, the rest whole (data only copies)

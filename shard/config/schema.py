@@ -294,6 +294,10 @@ class PipelineConfig:
                                          "(M), a multiple of the stages; default: twice the stages", min=1)
     repeats: int = option(1, "layer groups each stage holds (R): 1 = GPipe; more = a circular schedule, each "
                           "stage holding R non-adjacent groups, bubble (S-1)/(R*M+S-1)", min=1)
+    schedule: str = option("gpipe", "gpipe: every microbatch's forward before any backward (with repeats > 1 the "
+                           "circular schedule), activations of all M microbatches held; 1f1b: each microbatch's "
+                           "backward as soon as its forward ends (PipeDream-Flush; with repeats > 1 interleaved "
+                           "1F1B), at most 2*R*S-1 stage inputs held, the same bubble", choices=("gpipe", "1f1b"))
 
 
 @dataclass

@@ -29,7 +29,8 @@ from shard.core.state import TrainState
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, goal, dtype,
                     skip_nonfinite: bool = False, reduction: gradients.Reduction = gradients.Reduction(),
                     device_shardings=None, order: tuple | None = None, schedule: Callable | None = None,
-                    trainable=None, arrange: Callable | None = None, reference: Callable | None = None) -> Callable:
+                    trainable=None, arrange: Callable | None = None, reference: Callable | None = None,
+                    differentiate: Callable | None = None) -> Callable:
     """The train step: `goal`'s loss (the objective's, shard/objectives/: each microbatch's mean loss counting 1/K
     under accumulation, so the update is the whole batch's), gradients reduced as `reduction` says
     (shard/strategies/gradients.py), one optimizer update.
@@ -43,7 +44,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, go
     they stand for); the rest of the state is a constant of the differentiation, so it gets no gradient.
     `arrange` (a pipeline): the order of the rows the model is run on, the loss being a mean over them.
     `reference(state)`: the frozen weights the objective compares with (shard/strategies/reference.py), if it
-    wants them."""
+    wants them. `differentiate`: what stands for jax.value_and_grad of the objective (a 1F1B pipeline's schedule)."""
 
     def objective(params, rest, batch, weights=None, frozen=None):
         batch = ring.reorder(batch, order)
@@ -56,17 +57,18 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, go
         total, stats = recorded.added(model, loss, stats)
         return total, (kept_like(nnx.state(model, nnx.Not(nnx.Param)), rest), loss, stats)
 
-    gradient = gradients.build(jax.value_and_grad(objective, has_aux=True), reduction)
+    value_and_grad = differentiate or jax.value_and_grad
+    gradient = gradients.build(value_and_grad(objective, has_aux=True), reduction)
 
     def train_step(state: TrainState, batch: dict):
         state = to_device(state, device_shardings)
         frozen = None if reference is None else jax.lax.stop_gradient(reference(state))
         if trainable is not None:
-            return step_parts(state, batch, trainable.get(state), trainable.put, gradients.build(jax.value_and_grad(
+            return step_parts(state, batch, trainable.get(state), trainable.put, gradients.build(value_and_grad(
                 partial(objective, weights=partial(trainable.weights, state), frozen=frozen), has_aux=True), reduction))
         if frozen is not None:
             return step_parts(state, batch, state.params, lambda s, p: s.replace(params=p), gradients.build(
-                jax.value_and_grad(partial(objective, frozen=frozen), has_aux=True), reduction))
+                value_and_grad(partial(objective, frozen=frozen), has_aux=True), reduction))
         return step_parts(state, batch, state.params, lambda s, p: s.replace(params=p), gradient)
 
     def step_parts(state: TrainState, batch: dict, params, put, gradient):

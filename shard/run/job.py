@@ -268,7 +268,7 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
         train_fn = step_lib.make_train_step(graphdef, work.tx, work.objective, work.dtype,
                                             badsteps.policy(cfg.train) == "skip", reduction, moved, order,
                                             work.schedule, options.get("trainable"), options.get("arrange"),
-                                            options.get("reference"))
+                                            options.get("reference"), options.get("differentiate"))
         # e.g. GRPO's rollouts before its updates, lm's packed rows weighed over the whole batch
         train_fn = work.objective.around(train_fn, work.graphdef, work.dtype, options.get("trainable"))
         eval_fn = step_lib.make_eval_step(graphdef, work.objective, work.dtype, moved, order,

@@ -41,7 +41,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.nn import hooks, partition
 from shard.errors import UserError
-from shard.strategies.base import Strategy
 
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 
@@ -63,44 +62,6 @@ def bubble(stages: int, repeats: int, microbatches: int) -> float:
     return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
-def settings(cfg, mesh_shape: dict, rules: dict, work) -> Schedule | None:
-    """The pipeline cfg asks for on this mesh (None without a `stage` axis), checked against the model
-    and the batch: one line naming what is wrong and what is allowed."""
-    stages = mesh_shape["stage"]
-    if stages == 1:
-        return None
-    repeats = cfg.pipeline.repeats
-    micro = cfg.pipeline.microbatches or 2 * stages
-    where = f"mesh.stage={stages}"
-    if not work.stacks:
-        raise UserError(f"{where}: model {cfg.model.name!r} with these options runs no stacked layers through "
-                        "shard.nn.hooks.stack, so there is nothing to cut into stages; use a mesh without a stage axis "
-                        "(gpt, moe, vit and lstm stack theirs, but a GPT whose layers differ, as Gemma 4's, runs them "
-                        "one by one)")
-    for n in work.stacks:
-        if n % (stages * repeats):
-            raise UserError(f"{where} x pipeline.repeats={repeats}: the model's {n} stacked layers do not divide into "
-                            f"{stages * repeats} groups; use a stage count and repeats whose product divides {n}")
-    if repeats > 1 and micro < stages:
-        raise UserError(f"pipeline.microbatches={micro} with pipeline.repeats={repeats}: a circular schedule needs "
-                        f"at least as many microbatches as stages ({stages})")
-    if micro % stages:
-        raise UserError(f"pipeline.microbatches={micro} with {where}: each stage holds whole microbatches of the "
-                        f"batch's rows, as many on every stage; use a multiple of {stages}")
-    across = math.prod(mesh_shape[a] for a in partition.batch_axes(rules, mesh_shape) if a != "stage")
-    # The train step hands the pipeline one accumulation microbatch at a time (train.grad_accum).
-    sizes = (("data.batch_size", work.data.batch_size, cfg.train.grad_accum),
-             ("the eval batch", work.data.batch_size, 1))
-    for name, size, accum in sizes:
-        seen = size // accum
-        if seen % micro or (seen // micro) % across:
-            per = f" / train.grad_accum={accum}" if accum > 1 else ""
-            raise UserError(f"{name}={size}{per} does not cut into pipeline.microbatches={micro} microbatches whose "
-                            f"size the batch's {across} shards beside the stages divide; use a batch size that is a "
-                            f"multiple of {micro * across * accum}, or other microbatches")
-    return Schedule(stages, repeats, micro)
-
-
 def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
     S, R, M = p.stages, p.repeats, p.microbatches
     graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
@@ -112,13 +73,7 @@ def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
     # Inside the stages' vmap the stage dimension is the vmap's: the stage's microbatch is split on the rest.
     inner = partition.without_batch_axes(rules, ("stage",))
 
-    def on_stages(a, whole: int, batch_dim: int | None = None):
-        """Ask for a's first dimension on `stage`, the next `whole` whole, a batch dimension on the other batch
-        axes, the rest as they are."""
-        spec = ["stage", *([None] * whole), *([UNCONSTRAINED] * (a.ndim - 1 - whole))]
-        if batch_dim is not None:
-            spec[batch_dim:] = [rows.others or None] + [None] * (a.ndim - 1 - batch_dim)
-        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, PartitionSpec(*spec)))
+    on_stages = functools.partial(stage_split, mesh, rows)
 
     # Stored in schedule order (`Layout`; GPipe's is the layer order): (L, ...) -> (S, R, per, ...) is
     # stage s's groups in the order it runs them, its own rows: nothing moves.
@@ -180,6 +135,15 @@ def run(layers: nnx.Module, x: jax.Array, p: Schedule) -> jax.Array:
         final = jax.tree.map(lambda tot, cur: (tot / M).astype(cur.dtype) if floating(cur) else cur, totals, current)
         nnx.update(layers, jax.tree.map(lambda a: a.reshape(n_layers, *a.shape[3:]), final))
     return rows.from_stages(on_stages(from_first(io, S), 1, 2))
+
+
+def stage_split(mesh, rows: "Rows", a: jax.Array, whole: int, batch_dim: int | None = None) -> jax.Array:
+    """a asked for with its first dimension on `stage`, the next `whole` whole, a batch dimension on the other
+    batch axes, the rest as they are."""
+    spec = ["stage", *([None] * whole), *([UNCONSTRAINED] * (a.ndim - 1 - whole))]
+    if batch_dim is not None:
+        spec[batch_dim:] = [rows.others or None] + [None] * (a.ndim - 1 - batch_dim)
+    return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, PartitionSpec(*spec)))
 
 
 def to_first(a: jax.Array) -> jax.Array:
@@ -309,12 +273,15 @@ class Layout:
         return jax.tree.unflatten(treedef, values)
 
 
-def layout(p: Schedule | None, graphdef, abstract_state, inputs) -> Layout | None:
+def layout(p: Schedule | None, stacked: tuple) -> Layout | None:
     """The state's layout under schedule p: a Layout for a circular schedule, None where the layer order
-    is the schedule's (GPipe, no pipeline). Finds the stacks by tracing the model once, abstractly, with
-    each `shard.nn.hooks.stack` call recording its layers in place of running them."""
-    if p is None or p.repeats == 1:
-        return None
+    is the schedule's (GPipe, no pipeline)."""
+    return None if p is None or p.repeats == 1 else Layout(p.stages, p.repeats, stacked)
+
+
+def stacked_variables(graphdef, abstract_state, inputs) -> tuple:
+    """The model-relative path and rank of every variable in a stack, found by tracing the model once,
+    abstractly, with each `shard.nn.hooks.stack` call recording its layers in place of running them."""
     found = []
 
     def forward(params, rest, x):
@@ -327,7 +294,7 @@ def layout(p: Schedule | None, graphdef, abstract_state, inputs) -> Layout | Non
         return jnp.zeros(())
 
     jax.eval_shape(forward, abstract_state.params, abstract_state.rest, inputs)
-    return Layout(p.stages, p.repeats, tuple(found))
+    return tuple(found)
 
 
 def to_schedule(layout_: Layout | None, state):
@@ -338,64 +305,3 @@ def to_schedule(layout_: Layout | None, state):
 def to_layers(layout_: Layout | None, state):
     """The step's state in the model's layer order (to save, or to hand to anything outside the step)."""
     return state if layout_ is None else layout_.convert(state, False)
-
-
-# ----------------------------------------------------------------------------- the strategy
-
-class Pipeline(Strategy):
-    """mesh.stage > 1: the stacked layers run as a pipeline (GPipe, or circular with pipeline.repeats > 1)."""
-    name = "pipeline"
-    keys = ("mesh.stage", "pipeline.microbatches", "pipeline.repeats")
-    switches = {"pipeline": "`mesh.stage` > 1"}
-    refuses = {("pipeline", "ring"): "JAX cannot batch the ring's shard_map over the stages; use "
-                                     "train.context_strategy=all_gather"}
-
-    def __init__(self, schedule: Schedule, layout_: Layout | None, stacks: tuple):
-        self.schedule, self.layout, self.stacks = schedule, layout_, stacks
-
-    @classmethod
-    def build(cls, cfg, mesh_shape, rules, work):
-        schedule = settings(cfg, mesh_shape, rules, work)
-        if schedule is None:
-            return None
-        return cls(schedule, layout(schedule, work.graphdef, work.abstract, work.batch["inputs"]), work.stacks)
-
-    @property
-    def label(self) -> str:
-        return f"mesh.stage={self.schedule.stages}"
-
-    def hooks(self) -> dict:
-        return {"pipeline": self.schedule}
-
-    def step_options(self, job) -> dict:
-        p = self.schedule
-        return {"arrange": functools.partial(arrange, micro=p.microbatches, stages=p.stages)}
-
-    def reduce_once(self) -> str:
-        return "the pipeline reduces each layer group's gradient at every microbatch it passes"
-
-    def to_running(self, state):
-        return to_schedule(self.layout, state)
-
-    def to_stored(self, state):
-        return to_layers(self.layout, state)
-
-    def idle_share(self) -> float:
-        p = self.schedule
-        return bubble(p.stages, p.repeats, p.microbatches)
-
-    def plan(self, job, step_ops, n) -> dict:
-        p = self.schedule
-        return {"pipeline": {"stages": p.stages, "repeats": p.repeats, "microbatches": p.microbatches,
-                             "layers_per_stage": [k // p.stages for k in self.stacks], "bubble": self.idle_share()}}
-
-    plan_keys = ("pipeline",)
-
-    @staticmethod
-    def report(plan: dict) -> list:
-        if not (pipe := plan.get("pipeline")):
-            return []
-        return [f"pipeline: {pipe['stages']} stages x {pipe['repeats']} repeat(s) "
-                f"({'GPipe' if pipe['repeats'] == 1 else 'circular'}), {pipe['microbatches']} microbatches, "
-                f"{'/'.join(map(str, pipe['layers_per_stage']))} layers per stage; bubble "
-                f"(S-1)/(R*M+S-1) = {pipe['bubble']:.1%} of the step"]

@@ -14,7 +14,7 @@ from shard.strategies.ema import EMA
 from shard.strategies.lora import LoRA
 from shard.strategies.low_comm import LowCommunication
 from shard.strategies.offload import Offload
-from shard.strategies.pipeline import Pipeline
+from shard.strategies.pipeline_strategy import Pipeline
 from shard.strategies.reference import Reference
 from shard.strategies.reduction import Reduction
 from shard.strategies.zero import Zero
