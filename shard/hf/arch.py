@@ -1,16 +1,17 @@
 """config.json <-> the library model's name and arguments, for each supported architecture (`model_type`): the
 dense families (shard/hf/config_in.py reads them into the GPT, shard/hf/config_out.py writes them back) and the
-mixtures of experts (shard/hf/experts.py, into the library's moe; DeepSeek-V3's shard/hf/deepseek.py); Gemma 4
+mixtures of experts (shard/hf/experts.py, into the library's moe; DeepSeek-V3's shard/hf/deepseek.py, GLM-4.5's
+glm.py); Gemma 4
 (shard/hf/gemma4.py, into the GPT's layers of models/mixed.py)."""
 
 from shard.errors import UserError
-from shard.hf import deepseek, experts, gemma4
+from shard.hf import deepseek, experts, gemma4, glm
 from shard.hf.config_in import DENSE, DENSE_ARCHITECTURES, dense_to_gpt
 from shard.hf.config_out import dense_from_gpt, with_defaults  # noqa: F401  (with_defaults: the readers' and writers')
 
-SUPPORTED = DENSE + (gemma4.KIND,) + tuple(experts.RELATIVE) + (deepseek.KIND,)
+SUPPORTED = DENSE + (gemma4.KIND,) + tuple(experts.RELATIVE) + (deepseek.KIND, glm.KIND,)
 ARCHITECTURES = {**DENSE_ARCHITECTURES, gemma4.KIND: gemma4.ARCHITECTURE, **experts.ARCHITECTURES,
-                 deepseek.KIND: deepseek.ARCHITECTURE}
+                 deepseek.KIND: deepseek.ARCHITECTURE, glm.KIND: glm.ARCHITECTURE}
 
 
 def model_type(config: dict, where: str) -> str:
@@ -23,7 +24,8 @@ def model_type(config: dict, where: str) -> str:
 def model_name(kind: str, kwargs: dict | None = None) -> str:
     """The library model an architecture is read into (its arguments `kwargs`, where they decide): the MoE for the
     mixture-of-experts families and a Gemma 4 with its MoE block, else the GPT."""
-    return "moe" if kind in experts.RELATIVE or kind == deepseek.KIND or "n_experts" in (kwargs or {}) else "gpt"
+    sparse = kind in experts.RELATIVE or kind in (deepseek.KIND, glm.KIND) or "n_experts" in (kwargs or {})
+    return "moe" if sparse else "gpt"
 
 
 def to_gpt(config: dict, where: str) -> dict:
@@ -35,6 +37,8 @@ def to_gpt(config: dict, where: str) -> dict:
         return gemma4.to_gpt(config, where)
     if kind == deepseek.KIND:
         return deepseek.to_moe(config, where)
+    if kind == glm.KIND:
+        return glm.to_moe(config, where)
     return dense_to_gpt(kind, config, where)
 
 

@@ -43,30 +43,38 @@ def to_moe(c: dict, where: str) -> dict:
     if get("hidden_act") != "silu":
         raise UserError(f"{where}: config.json has hidden_act={get('hidden_act')!r}; {KIND} is read with silu only")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                 "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "n_routed_experts", "num_experts_per_tok",
-                 "moe_intermediate_size", "n_group", "topk_group"):
+                 "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim"):
         if not get(name):
             raise UserError(f"{where}: config.json has {name}=0; it must be at least 1")
-    n, dense = get("num_hidden_layers"), get("first_k_dense_replace")
-    if dense >= n:
-        raise UserError(f"{where}: config.json has first_k_dense_replace={dense} of num_hidden_layers={n}; at least "
-                        "one layer must hold the experts")
     latent = dict(q_rank=get("q_lora_rank") or 0, kv_rank=get("kv_lora_rank"), nope_dim=get("qk_nope_head_dim"),
                   rope_dim=get("qk_rope_head_dim"), v_dim=get("v_head_dim"))
     if latent["rope_dim"] % 2 or latent["v_dim"] > latent["nope_dim"] + latent["rope_dim"]:
         raise UserError(f"{where}: config.json has qk_rope_head_dim={latent['rope_dim']}, v_head_dim="
                         f"{latent['v_dim']}: the rotated part must be even and the values no wider than the keys")
     theta, scaling, scale = _rope(c, get, where, latent["nope_dim"] + latent["rope_dim"])
-    shared = get("n_shared_experts")
-    return dict(vocab_size=get("vocab_size"), d_model=get("hidden_size"), n_layers=n,
+    return dict(vocab_size=get("vocab_size"), d_model=get("hidden_size"), n_layers=get("num_hidden_layers"),
                 n_heads=get("num_attention_heads"), max_len=get("max_position_embeddings"), position="rope",
                 norm="rmsnorm", mlp="swiglu", norm_eps=float(get("rms_norm_eps")),
                 tie_embeddings=get("tie_word_embeddings"), attn_bias=get("attention_bias"), latent=latent,
                 rope_theta=theta, rope_scaling=scaling, rope_interleaved=get("rope_interleave"), attn_scale=scale,
-                n_experts=get("n_routed_experts"), top_k=get("num_experts_per_tok"), d_ff=get("moe_intermediate_size"),
+                **experts(get, where))
+
+
+def experts(get, where: str) -> dict:
+    """The MoE's expert and router arguments of DeepSeek-V3's fields (`get`: config_in.typed's reader), which
+    GLM-4.5's config.json shares (shard/hf/glm.py)."""
+    for name in ("num_hidden_layers", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group",
+                 "topk_group"):
+        if not get(name):
+            raise UserError(f"{where}: config.json has {name}=0; it must be at least 1")
+    n, dense = get("num_hidden_layers"), get("first_k_dense_replace")
+    if dense >= n:
+        raise UserError(f"{where}: config.json has first_k_dense_replace={dense} of num_hidden_layers={n}; at least "
+                        "one layer must hold the experts")
+    return dict(n_experts=get("n_routed_experts"), top_k=get("num_experts_per_tok"), d_ff=get("moe_intermediate_size"),
                 routing="dropless", router="sigmoid", n_group=get("n_group"), topk_group=get("topk_group"),
                 routed_scaling=float(get("routed_scaling_factor")), norm_topk=get("norm_topk_prob"),
-                score_correction=True, shared_experts=shared, dense_layers=dense,
+                score_correction=True, shared_experts=get("n_shared_experts"), dense_layers=dense,
                 dense_d_ff=get("intermediate_size"), aux_loss_weight=0.0)
 
 
@@ -119,8 +127,15 @@ def rows(row) -> tuple:
                 row(at + "out_bias", A + "o_proj.bias", "e", "e"),
                 row(stack + "ln1.scale", L + "input_layernorm.weight", "e", "e"),
                 row(stack + "ln2.scale", L + "post_attention_layernorm.weight", "e", "e")]
+    return (*out, *expert_rows(row))
+
+
+def expert_rows(row) -> tuple:
+    """The MLPs' rows of DeepSeek-V3's table, GLM-4.5's too: the dense first layers' MLPs (g wide), each expert's MLP,
+    the shared experts (one MLP z wide), the router and its correction, the final norm and the output layer."""
+    L = "model.layers.{i}."
     M, E = L + "mlp.", L + "mlp.experts.{x}."
-    out += [row("dense_blocks.ffn.w_gate", M + "gate_proj.weight", "g e", "e g"),
+    return (row("dense_blocks.ffn.w_gate", M + "gate_proj.weight", "g e", "e g"),
             row("dense_blocks.ffn.w_in", M + "up_proj.weight", "g e", "e g"),
             row("dense_blocks.ffn.w_out", M + "down_proj.weight", "e g", "g e"),
             row("blocks.ffn.router", M + "gate.weight", "x e", "e x"),
@@ -131,18 +146,18 @@ def rows(row) -> tuple:
             row("blocks.ffn.shared.w_gate", M + "shared_experts.gate_proj.weight", "z e", "e z"),
             row("blocks.ffn.shared.w_in", M + "shared_experts.up_proj.weight", "z e", "e z"),
             row("blocks.ffn.shared.w_out", M + "shared_experts.down_proj.weight", "e z", "z e"),
-            row("ln_f.scale", "model.norm.weight", "e", "e"), row("head", "lm_head.weight", "v e", "e v")]
-    return tuple(out)
+            row("ln_f.scale", "model.norm.weight", "e", "e"), row("head", "lm_head.weight", "v e", "e v"))
 
 
 def sizes(g: dict) -> dict:
     """The letters of `rows` for an MoE's arguments (with every default)."""
+    mlps = dict(g=g.get("dense_d_ff") or g["d_ff"], z=g.get("shared_experts", 0) * (g.get("shared_d_ff") or g["d_ff"]))
     latent = g.get("latent") or {}
     if not latent:
-        return {}
+        return mlps
     nope, rot, v = latent["nope_dim"], latent["rope_dim"], latent["v_dim"]
     return dict(c=nope + rot, r=latent["q_rank"], a=latent["kv_rank"] + rot, l=latent["kv_rank"], m=nope + v, t=v,
-                g=g.get("dense_d_ff") or g["d_ff"], z=g.get("shared_experts", 0) * (g.get("shared_d_ff") or g["d_ff"]))
+                **mlps)
 
 
 def is_deepseek(g: dict) -> bool:
@@ -194,10 +209,10 @@ def from_moe(g: dict) -> dict:
                 eos_token_id=None)
 
 
-def without_mtp(names, config: dict, where: str) -> set:
-    """The tensors of a deepseek_v3 folder's multi-token-prediction layers (model.layers.{n} and on, n its
-    num_hidden_layers), which are not read: one line says so."""
-    n = config.get("num_hidden_layers", DEFAULTS["num_hidden_layers"])
+def without_mtp(names, config: dict, where: str, defaults: dict = DEFAULTS) -> set:
+    """The tensors of a deepseek_v3 (or glm4_moe: its `defaults`) folder's multi-token-prediction layers
+    (model.layers.{n} and on, n its num_hidden_layers), which are not read: one line says so."""
+    n = config.get("num_hidden_layers", defaults["num_hidden_layers"])
     extra = {name for name in names if (m := re.match(r"model\.layers\.(\d+)\.", name)) and int(m[1]) >= n}
     if extra:
         layers = sorted({int(re.match(r"model\.layers\.(\d+)\.", name)[1]) for name in extra})

@@ -14,7 +14,7 @@ clip_qkv (clamping queries, keys and values) is refused in one line where set.
 """
 
 from shard.errors import UserError
-from shard.hf import config_in, config_out, deepseek
+from shard.hf import config_in, config_out, deepseek, glm
 
 # Each family's dense relative: the architecture whose attention and norms it has (config_in.py reads them), and the
 # one config_out.py exports a model with those to.
@@ -149,6 +149,8 @@ def from_moe(kwargs: dict) -> dict:
     routing = _routing_defaults()
     if deepseek.is_deepseek(kwargs):
         return deepseek.from_moe({**_moe_defaults(), **routing, **config_out.with_defaults(kwargs)})
+    if glm.is_glm(kwargs):
+        return glm.from_moe({**_moe_defaults(), **routing, **config_out.with_defaults(kwargs)})
     if _is_gpt_oss(kwargs, routing):
         return _gpt_oss_config(kwargs)
     if _routes_as(LLAMA4, kwargs, routing):

@@ -13,7 +13,11 @@ import jax
 import numpy as np
 
 from shard.errors import UserError, warn
-from shard.hf import INDEX, arch, config_only, deepseek, fp8, mxfp4, tables
+from shard.hf import INDEX, arch, config_only, deepseek, fp8, glm, mxfp4, tables
+
+
+# The families whose checkpoints hold multi-token-prediction layers past num_hidden_layers (their config defaults)
+MTP = {deepseek.KIND: deepseek.DEFAULTS, glm.KIND: glm.DEFAULTS}
 
 
 class Folder:
@@ -39,8 +43,8 @@ class Folder:
         add = not any(name.startswith(prefix) for name in stored)
         self.names = {(prefix + n if add and not n.startswith("lm_head.") else n): inner + n for n in stored}
         self.files = {name: stored[n[len(inner):]] for name, n in self.names.items()}  # our name -> its file
-        if self.kind == deepseek.KIND:
-            for name in deepseek.without_mtp(self.files, self.config, self.where):
+        if self.kind in MTP:
+            for name in deepseek.without_mtp(self.files, self.config, self.where, MTP[self.kind]):
                 del self.files[name]
         # MXFP4 and FP8 weights: each read as one float tensor under its own name, from its codes and scales
         self.quantized = mxfp4.method(self.config, self.where)

@@ -20,7 +20,7 @@ experts.{x}.w1), standing for one row per expert, each filling that index of our
 import re
 from dataclasses import dataclass, field, replace
 
-from shard.hf import deepseek
+from shard.hf import deepseek, glm
 
 
 @dataclass(frozen=True)
@@ -266,6 +266,7 @@ EXPERTS_IN_OUT = {"gpt_oss"}
 # Llama 4's stacks are (experts, in, out) too, but its module does not say so: PEFT takes their in axis for its out
 EXPERTS_FLIPPED = {"llama4_text"}
 TABLES["deepseek_v3"] = deepseek.rows(Row)
+TABLES["glm4_moe"] = glm.rows(Row)
 TABLES["mixtral"] = _experts(None, "block_sparse_moe", "w1", "w3", "w2")
 TABLES["qwen3_moe"] = _experts("head", "mlp", "gate_proj", "up_proj", "down_proj")
 TABLES["olmoe"] = _experts("projection", "mlp", "gate_proj", "up_proj", "down_proj")
