@@ -20,6 +20,7 @@ from .layers import norm as make_norm
 from .layers import Attention, Block, MLPBlock, check_choice, lookup, param, stacked
 from . import mixed
 from . import rope as rope_lib
+from .deltanet import GatedDeltaNet
 from .latent import LatentAttention
 
 
@@ -59,6 +60,10 @@ class GPT(nnx.Module):
     wide_shared_mlp; per_layer_dim, per_layer_vocab: per-layer embeddings of that width (a table of per_layer_vocab
     rows, 0 = vocab_size) fed to every layer (hidden_size_per_layer_input); layer_scalar: a learned scalar on each
     layer's output.
+    layer_types: one per layer, "attention" or "deltanet" (gated DeltaNet linear attention, models/deltanet.py, of the
+    sizes `deltanet` gives: Qwen3.5's and Qwen3-Next's linear layers); the stack scans one period of the pattern at a
+    time (models/mixed.py's Period: three DeltaNet layers and a full one). attn_gate: the attention's output times the
+    sigmoid of a second projection of the token, per channel (their full layers).
     """
 
     def __init__(self, vocab_size: int = 256, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
@@ -74,7 +79,8 @@ class GPT(nnx.Module):
                  global_head_dim: int = 0, global_kv_heads: int = 0, values_from_keys: bool = False,
                  v_norm: bool = False, shared_kv_layers: int = 0, wide_shared_mlp: bool = False,
                  per_layer_dim: int = 0, per_layer_vocab: int = 0, layer_scalar: bool = False,
-                 latent: dict | None = None, *, rngs: nnx.Rngs):
+                 latent: dict | None = None, layer_types: list | None = None, deltanet: dict | None = None,
+                 attn_gate: bool = False, *, rngs: nnx.Rngs):
         n_kv_heads = n_kv_heads or n_heads
         check_choice("position", position, ("learned", "rope"))
         check_choice("norm", norm, ("layernorm", "rmsnorm", "rmsnorm+1"))
@@ -140,10 +146,31 @@ class GPT(nnx.Module):
                                  norm_kind=norm, eps=norm_eps,
                                  rotate=rotate, window=window, windows=windows, local_rope=local_rope,
                                  softcap=attn_softcap, scale=attn_scale, sinks=attn_sinks, temperature=temperature,
-                                 chunk=chunk, chunks=chunks, v_norm=v_norm, **unlike)
+                                 chunk=chunk, chunks=chunks, v_norm=v_norm, gate=attn_gate, **unlike)
             ffn = (GPT.feed_forward(self, d_model, dense_ff, mlp, out_std, rngs, bias) if dense_ff
                    else self.feed_forward(d_model, d_ff, mlp, out_std, rngs, bias))
             return Block(d_model, norm, attn, ffn, rngs, norm_eps, norms)
+
+        def make_layer(rngs, kind):  # a layer of a period of layer_types
+            if kind == "attention":
+                return make_block(rngs)
+            linear = GatedDeltaNet(d_model, deltanet, out_std, rngs, norm_eps)
+            return Block(d_model, norm, linear, self.feed_forward(d_model, d_ff, mlp, out_std, rngs, bias), rngs,
+                         norm_eps, norms)
+
+        if layer_types is not None:
+            mixed.check_types(layer_types, n_layers, deltanet)
+            given = dict(windows=windows, chunks=chunks, rope_layers=rope_layers, latent=latent,
+                         attn_temperature_floor=attn_temperature_floor, global_head_dim=global_head_dim,
+                         shared_kv_layers=shared_kv_layers, per_layer_dim=per_layer_dim,
+                         dense_layers=self.dense_first(n_layers, d_ff)[0])
+            if any(given.values()):
+                raise ValueError(f"layer_types takes none of {', '.join(k for k, v in given.items() if v)}")
+            self.layers = self.per_layer = self.dense_blocks = None
+            self.blocks = mixed.periodic(make_layer, layer_types, rngs)
+            self.ln_f = make_norm(norm, d_model, rngs, norm_eps)
+            self.head = None if tie_embeddings else param(rngs, (d_model, vocab_size), ("embed", "vocab"), 0.02)
+            return
 
         unlike = dict(global_head_dim=global_head_dim, global_kv_heads=global_kv_heads,
                       values_from_keys=values_from_keys, shared_kv_layers=shared_kv_layers,

@@ -131,7 +131,8 @@ class Attention(nnx.Module):
     scanned stack). values_from_keys: the values are the keys' projection as it comes out, before the keys' norm and
     rotation (no value projection: Gemma 4's attention_k_eq_v). v_norm: the values divided by their RMS over each
     head's channels, without a weight (Gemma 4's). own_kv: False for a layer that projects no keys or values and
-    attends over an earlier layer's (`with_kv`'s shared: Gemma 4's KV sharing)."""
+    attends over an earlier layer's (`with_kv`'s shared: Gemma 4's KV sharing). gate: the output multiplied by the
+    sigmoid of a second projection of the token, one per query channel (Qwen3.5's and Qwen3-Next's gated attention)."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, rope: "Rope | float | None", out_std: float,
                  causal: bool, rngs: nnx.Rngs, head_dim: int = 0, qkv_bias: bool = False, out_bias: bool = False,
@@ -139,7 +140,7 @@ class Attention(nnx.Module):
                  windows: tuple | None = None, local_rope: "Rope | None" = None, softcap: float = 0.0,
                  scale: float = 0.0, sinks: bool = False, temperature: tuple | None = None, chunk=None,
                  chunks: tuple | None = None, fixed_window: int = 0, values_from_keys: bool = False,
-                 v_norm: bool = False, own_kv: bool = True):
+                 v_norm: bool = False, own_kv: bool = True, gate: bool = False):
         head_dim = head_dim or d_model // n_heads
         check_choice("qk_norm", qk_norm, QK_NORMS)
         if values_from_keys and qkv_bias:
@@ -152,6 +153,7 @@ class Attention(nnx.Module):
         self.kv = param(rngs, (d_model, 2, n_kv_heads, head_dim), ("embed", None, *kv_names[1:]), 0.02) \
             if own_kv and not values_from_keys else None
         self.out = param(rngs, (n_heads, head_dim, d_model), ("heads", "head_dim", "embed"), out_std)
+        self.gate = param(rngs, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"), 0.02) if gate else None
         self.q_bias = zeros((n_heads, head_dim), ("heads", "head_dim")) if qkv_bias else None
         self.kv_bias = zeros((2, n_kv_heads, head_dim), (None, "kv_heads", "head_dim")) if qkv_bias and own_kv else None
         self.out_bias = zeros((d_model,), ("embed",)) if out_bias else None
@@ -196,6 +198,8 @@ class Attention(nnx.Module):
         more = {} if self.chunk is None else dict(chunk=(self.chunk[...], self.chunks))
         y = attention(q, k, v, is_causal=self.causal, window=window, softcap=self.softcap, scale=self.scale,
                       sinks=sinks, keep=keep, reuse=reuse, **more)  # handles grouped K/V heads itself
+        if self.gate is not None:
+            y = y * jax.nn.sigmoid(jnp.einsum("bte,ehd->bthd", x, self.gate[...]))
         y = jnp.einsum("bthd,hde->bte", y, self.out[...])
         return (y if self.out_bias is None else y + self.out_bias[...]), (k, v)
 

@@ -15,7 +15,9 @@ from flax import nnx
 from shard.nn.hooks import layer as remat_layer
 from shard.nn.partition import constrain
 
-from .layers import Block, MLPBlock, lookup, norm, param
+from .layers import Block, MLPBlock, lookup, norm, param, stacked
+
+LAYER_TYPES = ("attention", "deltanet")
 
 
 class Layer(nnx.Module):
@@ -139,3 +141,39 @@ def layers(make_block, n_layers: int, d_model: int, d_ff: int, rngs: nnx.Rngs, *
                            dense_ff=2 * d_ff if wide_shared_mlp and source[i] is not None else 0)
         out.append(Layer(block, d_model, per_layer_dim, layer_scalar, norm, eps, out_std, rngs, act))
     return nnx.List(out), source
+
+
+# ----------------------------------------------------------------------------- a repeating pattern, scanned
+# Layers that differ in a pattern that repeats (Qwen3.5: three gated DeltaNet layers, then a full attention one) scan
+# one period at a time: the compiled program holds one period, whatever the depth, each layer in it its own kind.
+
+class Period(nnx.Module):
+    """One period of a pattern of unlike layers, applied in order: the unit a stack scans."""
+
+    def __init__(self, layers: list):
+        self.layers = nnx.List(layers)
+
+    def __call__(self, x):
+        for one in self.layers:
+            x = one(x)
+        return x
+
+
+def period(types: list) -> int:
+    """The shortest period of a pattern: the least p dividing its length with types[i] == types[i % p] for every i."""
+    n = len(types)
+    return next(p for p in range(1, n + 1) if n % p == 0 and all(t == types[i % p] for i, t in enumerate(types)))
+
+
+def check_types(types: list, n_layers: int, deltanet: dict | None) -> None:
+    if not isinstance(types, (list, tuple)) or len(types) != n_layers or any(t not in LAYER_TYPES for t in types):
+        raise ValueError(f"layer_types={types}: give one of {', '.join(LAYER_TYPES)} per layer, {n_layers} in all")
+    if "deltanet" in types and deltanet is None:
+        raise ValueError("layer_types has deltanet layers: give their sizes with deltanet")
+
+
+def periodic(make, types: list, rngs: nnx.Rngs) -> nnx.Module:
+    """The layers of `types` as a stack of periods (`make(rngs, kind)` builds one layer), stacked on `layers`: one
+    entry per period, so the stack's layers axis counts periods."""
+    p = period(list(types))
+    return stacked(len(types) // p, lambda rngs: Period([make(rngs, kind) for kind in types[:p]]), rngs)

@@ -316,9 +316,11 @@ class MoE(GPT):
             found += [one.block.ffn for one in self.layers if isinstance(one.block.ffn, MoELayer)]
             load = jnp.stack([e.load.get_value() for e in found])
             mean = jnp.stack([e.router_mean.get_value() for e in found])
-        else:
-            load = self.blocks.ffn.load.get_value()  # (layers, experts), written back by the stack of blocks
-            mean = self.blocks.ffn.router_mean.get_value()
+        else:  # (layers, experts), written back by the stack of blocks; a scanned period's, place by place
+            period = isinstance(self.blocks, mixed.Period)
+            ffns = [one.ffn for one in self.blocks.layers] if period else [self.blocks.ffn]
+            load = jnp.concatenate([f.load.get_value() for f in ffns])
+            mean = jnp.concatenate([f.router_mean.get_value() for f in ffns])
         self.min_expert_share.set_value(jnp.min(load) * self.n_experts)
         if self.balancing == "pooled":
             load, mean = self.top_k * jnp.mean(load, axis=0), jnp.mean(mean, axis=0)

@@ -2,16 +2,19 @@
 dense families (shard/hf/config_in.py reads them into the GPT, shard/hf/config_out.py writes them back) and the
 mixtures of experts (shard/hf/experts.py, into the library's moe; DeepSeek-V3's shard/hf/deepseek.py, GLM-4.5's
 glm.py); Gemma 4
-(shard/hf/gemma4.py, into the GPT's layers of models/mixed.py)."""
+(shard/hf/gemma4.py, into the GPT's layers of models/mixed.py); Qwen3.5's linear and full layers
+(shard/hf/qwen3_5.py and, with experts, qwen3_next.py)."""
 
 from shard.errors import UserError
-from shard.hf import deepseek, experts, gemma4, glm
+from shard.hf import deepseek, experts, gemma4, glm, qwen3_5, qwen3_next
 from shard.hf.config_in import DENSE, DENSE_ARCHITECTURES, dense_to_gpt
 from shard.hf.config_out import dense_from_gpt, with_defaults  # noqa: F401  (with_defaults: the readers' and writers')
 
-SUPPORTED = DENSE + (gemma4.KIND,) + tuple(experts.RELATIVE) + (deepseek.KIND, glm.KIND,)
+SUPPORTED = DENSE + (gemma4.KIND,) + tuple(experts.RELATIVE) + (deepseek.KIND, glm.KIND, qwen3_5.KIND,
+                                                                 *qwen3_next.ARCHITECTURES)
 ARCHITECTURES = {**DENSE_ARCHITECTURES, gemma4.KIND: gemma4.ARCHITECTURE, **experts.ARCHITECTURES,
-                 deepseek.KIND: deepseek.ARCHITECTURE, glm.KIND: glm.ARCHITECTURE}
+                 deepseek.KIND: deepseek.ARCHITECTURE, glm.KIND: glm.ARCHITECTURE, qwen3_5.KIND: qwen3_5.ARCHITECTURE,
+                 **qwen3_next.ARCHITECTURES}
 
 
 def model_type(config: dict, where: str) -> str:
@@ -39,6 +42,10 @@ def to_gpt(config: dict, where: str) -> dict:
         return deepseek.to_moe(config, where)
     if kind == glm.KIND:
         return glm.to_moe(config, where)
+    if kind == qwen3_5.KIND:
+        return qwen3_5.to_gpt(config, where)
+    if kind in qwen3_next.ARCHITECTURES:
+        return qwen3_next.to_moe(kind, config, where)
     return dense_to_gpt(kind, config, where)
 
 
@@ -47,6 +54,10 @@ def from_gpt(kwargs: dict, model_name: str) -> dict:
     g = with_defaults(kwargs)
     if model_name in ("gpt", "moe") and gemma4.is_gemma4(g):
         return gemma4.from_gpt(g, kwargs if model_name == "moe" else None)
+    if model_name == "gpt" and qwen3_5.is_qwen3_5(g):
+        return qwen3_5.from_gpt(g)
+    if model_name == "moe" and qwen3_5.is_qwen3_5(g):
+        return qwen3_next.from_moe(g)
     if model_name == "moe":
         return experts.from_moe(kwargs)
     return dense_from_gpt(kwargs, model_name)

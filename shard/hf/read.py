@@ -35,14 +35,16 @@ class Folder:
             raise UserError(f"{self.where}: config.json is not readable JSON: {e}") from None
         self.config, inner = text_config(self.config, self.where)
         self.kind = arch.model_type(self.config, self.where)
-        stored = self._files() if weights or config_only.has_weights(self.path) else {}
-        stored = text_tensors(stored, inner, self.where)
+        whole = self._files() if weights or config_only.has_weights(self.path) else {}
+        stored = text_tensors(whole, inner, self.where)
         # A base model's folder (the Hub's gpt2) names its tensors without the causal LM's prefix: read as
         # transformers does, with it added.
         prefix = tables.PREFIX[self.kind]
         add = not any(name.startswith(prefix) for name in stored)
-        self.names = {(prefix + n if add and not n.startswith("lm_head.") else n): inner + n for n in stored}
-        self.files = {name: stored[n[len(inner):]] for name, n in self.names.items()}  # our name -> its file
+        ours = {n: prefix + n if add and not n.startswith("lm_head.") else n for n in stored}
+        # (a multimodal folder's output layer may lie outside its language model's prefix: Qwen3.5's)
+        self.names = {ours[n]: inner + n if inner + n in whole else n for n in stored}
+        self.files = {ours[n]: file for n, file in stored.items()}  # our name -> its file
         if self.kind in MTP:
             for name in deepseek.without_mtp(self.files, self.config, self.where, MTP[self.kind]):
                 del self.files[name]
@@ -112,7 +114,9 @@ class Folder:
 # of its tensors, the towers' prefixes skipped)
 MULTIMODAL = {"llama4": ("text_config", "language_model.", ("vision_model.", "multi_modal_projector.")),
               "gemma4": ("text_config", "model.language_model.", ("model.vision_tower.", "model.audio_tower.",
-                                                                  "model.embed_vision.", "model.embed_audio."))}
+                                                                  "model.embed_vision.", "model.embed_audio.")),
+              "qwen3_5": ("text_config", "model.language_model.", ("model.visual.", "mtp.")),
+              "qwen3_5_moe": ("text_config", "model.language_model.", ("model.visual.", "mtp."))}
 
 
 def text_config(config: dict, where: str) -> tuple[dict, str]:
@@ -136,12 +140,12 @@ def text_tensors(stored: dict, prefix: str, where: str) -> dict:
     kind = next(k for k, v in MULTIMODAL.items() if v[1] == prefix)
     towers = MULTIMODAL[kind][2]
     skipped = sorted({t.rstrip(".") for n in stored for t in towers if n.startswith(t)})
-    unknown = sorted(n for n in stored if not n.startswith(prefix) and not n.startswith(towers))
+    unknown = sorted(n for n in stored if not n.startswith((prefix, "lm_head.")) and not n.startswith(towers))
     if unknown:
         raise UserError(f"{where}: tensor {unknown[0]} is neither the language model's ({prefix}...) nor a tower's")
     warn(f"{where}: a {kind} folder: its language model is read, {' and '.join(skipped) or 'no tower'} skipped "
          "(text only)")
-    return {n[len(prefix):]: f for n, f in stored.items() if n.startswith(prefix)}
+    return {n.removeprefix(prefix): f for n, f in stored.items() if n.startswith((prefix, "lm_head."))}
 
 
 _SAME: dict = {}

@@ -13,6 +13,9 @@ Wide: a letter in both whose Hugging Face axis is longer than ours, named by the
 query, key and value heads of Phi-3's fused qkv_proj, where the keys start at offset h).
 Layers unlike the others (models/mixed.py's, stored per layer): a row whose parameter's path holds `{i}` too stands
 for one row per layer the model has it in, each with that layer's sizes where they differ (`sizes`' "layers").
+A period of a scanned pattern of unlike layers (models/mixed.py's Period): a parameter path holding `{p}` stands for
+one row per place of the period the model has it at, the Hugging Face layer of the stack's entry i and place p being
+i * period + p (`stride`, `offset`).
 Experts: x is a mixture of experts' experts axis; a tensor named with `{x}` is one expert's (Mixtral's
 experts.{x}.w1), standing for one row per expert, each filling that index of our experts axis.
 """
@@ -20,7 +23,7 @@ experts.{x}.w1), standing for one row per expert, each filling that index of our
 import re
 from dataclasses import dataclass, field, replace
 
-from shard.hf import deepseek, glm
+from shard.hf import deepseek, glm, qwen3_5, qwen3_next
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class Row:
     wide: dict = field(default_factory=dict)  # letter -> the letter whose size its axis has in their tensor
     size: dict = field(default_factory=dict)  # letter -> its size in this row's layer, where it differs (a wider one)
     offset: int = 0  # a stack's first layer's index among theirs (the experts' layers after the dense first ones)
+    stride: int = 1  # their layers per entry of the stack (a scanned period's)
 
     @property
     def layered(self) -> bool:
@@ -45,7 +49,7 @@ class Row:
 
     def layer(self, i: int) -> str:
         """Their tensor's name for the stack's layer i."""
-        return self.theirs.format(i=i + self.offset)
+        return self.theirs.format(i=i * self.stride + self.offset)
 
     @property
     def fused(self) -> bool:
@@ -267,6 +271,8 @@ EXPERTS_IN_OUT = {"gpt_oss"}
 EXPERTS_FLIPPED = {"llama4_text"}
 TABLES["deepseek_v3"] = deepseek.rows(Row)
 TABLES["glm4_moe"] = glm.rows(Row)
+TABLES[qwen3_5.KIND] = qwen3_5.rows(Row)
+TABLES.update({kind: qwen3_next.rows(Row, kind) for kind in qwen3_next.ARCHITECTURES})
 TABLES["mixtral"] = _experts(None, "block_sparse_moe", "w1", "w3", "w2")
 TABLES["qwen3_moe"] = _experts("head", "mlp", "gate_proj", "up_proj", "down_proj")
 TABLES["olmoe"] = _experts("projection", "mlp", "gate_proj", "up_proj", "down_proj")
@@ -310,7 +316,11 @@ def rows(kind: str, params: set[str], size: dict | None = None) -> list[Row]:
 
 def _each_layer(r: Row, params: set[str], size: dict | None) -> list[Row]:
     """`r` if the model has its parameter; a row of unlike layers ({i} in its path) once for each layer that has it,
-    with that layer's sizes."""
+    with that layer's sizes; a row of a period ({p} in its path) once for each place of the period that has it."""
+    if "{p}" in r.ours:
+        places = {int(m[1]) for p in params if (m := re.match(r"blocks\.layers\.(\d+)\.", p))}
+        return [replace(r, ours=r.ours.replace("{p}", str(p)), offset=p, stride=max(places) + 1)
+                for p in sorted(places) if r.ours.replace("{p}", str(p)) in params]
     if "{i}" not in r.ours:
         return [r] if r.ours in params else []
     pattern = re.compile(re.escape(r.ours).replace(re.escape("{i}"), r"(\d+)") + "$")
@@ -342,7 +352,8 @@ def sizes(g: dict, kind: str) -> dict[str, int]:
                 p=g["max_len"], s=3 if kind == "gpt2" else 2, j=g["n_heads"] + 2 * g["n_kv_heads"],
                 x=g.get("n_experts", 0), b=g.get("beside_d_ff", 0), u=u, w=n * u,
                 q=g.get("per_layer_vocab") or g["vocab_size"], o=1,
-                layers=unlike_sizes(g), dense_layers=g.get("dense_layers", 0), **deepseek.sizes(g))
+                layers=unlike_sizes(g), dense_layers=g.get("dense_layers", 0), **deepseek.sizes(g),
+                **qwen3_5.sizes(g), **qwen3_next.sizes(g))
 
 
 def unlike_sizes(g: dict) -> dict[int, dict]:

@@ -255,6 +255,19 @@ def recurrence(step, carry, xs):
     return jax.lax.scan(restarting, carry, (xs, starts))
 
 
+def linear_recurrence(whole, step, carry, xs):
+    """A recurrence a model computes for a whole sequence at once while training (`whole(carry, xs)`, a chunked form
+    equal to jax.lax.scan(step, carry, xs): a gated DeltaNet's) and token by token where the state must pass between
+    calls or restart inside a row: while generating and over packed rows (`recurrence`). Its state runs along the
+    sequence, which context parallelism splits: refused in one line there."""
+    if (split := _CONTEXT.get()) is not None and split.size > 1:
+        raise UserError("mesh.context > 1: a linear-attention (gated DeltaNet) layer's state runs along the whole "
+                        "sequence and is not carried across the context devices; use mesh.context=1")
+    if _DECODE.get() is not None or _PACKED.get() is not None:
+        return recurrence(step, carry, xs)
+    return whole(carry, xs)
+
+
 def layer(fn):
     """Wrap the function that applies one layer with the active activation-checkpointing policy (`train.remat`):
     none keeps every activation, full recomputes the layer in the backward pass, dots keeps only matrix-product

@@ -1,0 +1,122 @@
+"""Qwen3.5's text model against transformers': gated DeltaNet linear layers (models/deltanet.py) three to one full
+layer with a gated output, scanned a period at a time. The chunked delta rule equals the rule token by token (a NumPy
+loop here) on lengths no multiple of the chunk; a tiny random model's logits on one device and under fsdp and tp, its
+greedy tokens with the recurrent state carried between calls, export and re-import; the real 9B config read as
+transformers reads it; bad configs one line."""
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import shard  # noqa: E402
+from shard.errors import UserError  # noqa: E402
+from shard.hf import arch  # noqa: E402
+from shard.models import deltanet  # noqa: E402
+from shard.use import generate, load  # noqa: E402
+
+from test_hf import (MESHES, TOKENS, VOCAB, assert_exports_bitwise, jax_logits, relative,  # noqa: E402
+                     saved_folders, torch_logits)
+
+REAL = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf" / "qwen3.5-9b" / "config.json"
+# the 9B's shape scaled down: key heads shared by two value heads each, partial rotary (a quarter of 16 channels)
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=64,
+             pad_token_id=0, bos_token_id=None, eos_token_id=None)
+# the MoE families' layers: four experts (two a token) beside a shared expert; Qwen3-Next's projections fused per key
+# head, its router's weights not renormalised
+EXPERTS = dict(SMALL, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+               shared_expert_intermediate_size=40)
+KINDS = {"qwen3_5": lambda T: T.Qwen3_5ForCausalLM(T.Qwen3_5TextConfig(**SMALL)),
+         "qwen3_5_moe": lambda T: T.Qwen3_5MoeForCausalLM(T.Qwen3_5MoeTextConfig(**EXPERTS)),
+         "qwen3_next": lambda T: T.Qwen3NextForCausalLM(T.Qwen3NextConfig(**EXPERTS, norm_topk_prob=False))}
+EP = ["mesh=ep", "run.cpu_devices=4"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return saved_folders(KINDS, tmp_path_factory)
+
+
+def delta_rule(q, k, v, beta, g, state):
+    """The gated delta rule token by token, in NumPy: (batch, time, heads, ...) inputs."""
+    out = np.zeros(v.shape, np.float64)
+    for t in range(q.shape[1]):
+        state = state * np.exp(g[:, t])[..., None, None]
+        error = v[:, t] - np.einsum("bhkv,bhk->bhv", state, k[:, t])
+        state = state + np.einsum("bhk,bhv->bhkv", k[:, t], error * beta[:, t, :, None])
+        out[:, t] = np.einsum("bhkv,bhk->bhv", state, q[:, t])
+    return out, state
+
+
+@pytest.mark.parametrize("length", [21, 8, 3])
+def test_the_chunked_delta_rule_equals_the_rule_token_by_token(length):
+    """Chunks of 8 over 21 tokens (two whole chunks and a padded one), one whole chunk, a part of one; from a state
+    that is not zero, as a long prompt's next chunk starts."""
+    rng = np.random.default_rng(length)
+    b, h, dk, dv = 2, 3, 8, 6
+    q, k = (rng.normal(size=(b, length, h, dk)) / np.sqrt(dk) for _ in range(2))
+    v = rng.normal(size=(b, length, h, dv))
+    beta, g = 1 / (1 + np.exp(-rng.normal(size=(b, length, h)))), -np.abs(rng.normal(size=(b, length, h)))
+    state = rng.normal(size=(b, h, dk, dv))
+    want, want_state = delta_rule(q, k, v, beta, g, state)
+    time_major = [jnp.asarray(np.moveaxis(x, 1, 0), jnp.float32) for x in (q, k, v, beta, g)]
+    for form in (deltanet.recurrent, lambda *a: deltanet.chunked(*a, chunk=8)):
+        got_state, got = form(jnp.asarray(state, jnp.float32), *time_major)
+        np.testing.assert_allclose(np.moveaxis(np.asarray(got), 0, 1), want, atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(got_state), want_state, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind, mesh", [("qwen3_5", "one"), ("qwen3_5", "fsdp"), ("qwen3_5_moe", "ep"),
+                                        ("qwen3_next", "tp")])
+def test_logits_equal_transformers(folders, kind, mesh):
+    path, model = folders[kind]
+    loaded = load.load(path, EP if mesh == "ep" else MESHES[mesh] or [], whole_mesh=mesh != "one")
+    assert relative(jax_logits(loaded), torch_logits(model, TOKENS)) < 1e-5
+
+
+def test_greedy_generate_carries_the_state_as_transformers(folders):
+    """Twenty greedy tokens after a prompt of five: the linear layers' convolution windows and states carried from
+    call to call (no per-position cache for them), the full layers' keys and values cached."""
+    path, model = folders["qwen3_5"]
+    prompt = TOKENS[:, :5]
+    with torch.no_grad():
+        want = model.generate(torch.tensor(prompt), do_sample=False, max_new_tokens=20, pad_token_id=0).numpy()[:, 5:]
+    got = generate.Generator(shard.load_model(path))(prompt, 20, generate.Sampling(temperature=0))
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_export_and_reimport_are_bitwise(folders, kind, tmp_path):
+    """(Qwen3-Next's router without renormalisation is written as qwen3_next, its projections fused again)"""
+    written = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_next": "qwen3_next"}[kind]
+    assert_exports_bitwise(*folders[kind], tmp_path / "out", written)
+
+
+def test_the_real_9b_config_reads_as_transformers_reads_it():
+    if not REAL.is_file():
+        pytest.skip(f"{REAL} is absent (the shared fixtures hold it in CI)")
+    config = json.loads(REAL.read_text())
+    g = arch.to_gpt(config["text_config"], "test")
+    text = transformers.Qwen3_5Config(**config).text_config
+    assert [t == "deltanet" for t in g["layer_types"]] == [t == "linear_attention" for t in text.layer_types]
+    assert g["deltanet"] == dict(key_heads=16, value_heads=32, key_dim=128, value_dim=128, conv=4)
+    assert g["rotary_dim"] == 64 and g["rope_theta"] == 1e7 and g["attn_gate"] and g["norm"] == "rmsnorm+1"
+    assert (g["n_layers"], g["n_heads"], g["n_kv_heads"], g["head_dim"]) == (32, 16, 4, 256)
+
+
+def test_bad_qwen3_5_configs_are_one_line():
+    good = dict(SMALL, model_type="qwen3_5_text")
+    for change, said in ((dict(layer_types=["full_attention"] * 7), "layer_types"),
+                         (dict(linear_num_value_heads=3), "linear_num_value_heads=3"),
+                         (dict(hidden_act="gelu"), "hidden_act"),
+                         (dict(attention_bias=True), "attention_bias"),
+                         (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0}), "rope_type")):
+        with pytest.raises(UserError, match=said):
+            arch.to_gpt({**good, **change}, "test")
