@@ -86,11 +86,17 @@ def test_window_hits_equal_counting_every_place():
 
 
 def test_recommended_flags_follow_the_family_and_the_user_adds_or_drops_them():
-    cfg = config.load(None, ["run.target=v5p-8", "run.compiler_flags={xla_tpu_scoped_vmem_limit_kib: null, "
+    cfg = config.load(None, ["run.target=v6e-8", "run.compiler_flags={xla_tpu_scoped_vmem_limit_kib: null, "
                              "--xla_enable_async_all_gather: false, xla_foo: 3}"])
     cpu = SimpleNamespace(platform="cpu")
     flags = target.compiler_flags(cfg.run, cpu)  # the target's family, not this machine's
     assert "xla_tpu_scoped_vmem_limit_kib" not in flags.flags and flags.flags["xla_enable_async_all_gather"] is False
+    # the chip's own: Trillium's 96 MiB of scoped VMEM, not v5p's (a core has 64 MiB: its compiles overflowed)
+    limit = lambda *a: target.compiler_flags(config.load(None, list(a)).run, cpu).flags.get(  # noqa: E731
+        "xla_tpu_scoped_vmem_limit_kib")
+    assert limit("run.target=v6e-8") == 98304 and limit("run.target=v5p-8") is None
+    tpu = SimpleNamespace(platform="tpu", device_kind="TPU v6 lite")
+    assert target.compiler_flags(config.load(None, []).run, tpu).flags["xla_tpu_scoped_vmem_limit_kib"] == 98304
     assert (flags.flags["xla_tpu_enable_async_collective_fusion"] is True
             and flags.users == {"xla_enable_async_all_gather", "xla_foo"})
     gpu = target.compiler_flags(config.load(None, []).run, SimpleNamespace(platform="gpu"))

@@ -180,12 +180,23 @@ def family(run, device) -> str | None:
     return device.platform if device.platform in ("tpu", "gpu") else None
 
 
+def chip(run, device) -> str | None:
+    """The chip (chips.yaml's name: v5p, h100, ...): run.target's, else the device's kind where it names one."""
+    if run.target:
+        return parse(run.target, run.target_slices).chip
+    kind = str(getattr(device, "device_kind", "")).lower()
+    names = {"tpu v6 lite": "v6e", "tpu v5 lite": "v5e", "tpu v5": "v5p", "tpu v4": "v4"}  # as libtpu names them
+    return next((c for k, c in names.items() if kind.startswith(k)), None)
+
+
 def compiler_flags(run, device):
-    """The flags the steps compile with: chips.yaml's recommended ones for the family (unless
+    """The flags the steps compile with: chips.yaml's recommended ones for the family and then the chip's own (unless
     run.recommended_flags=false), then run.compiler_flags over them (a null value drops one; a leading -- is
     allowed, as in LIBTPU_INIT_ARGS)."""
     kind = family(run, device)
     flags = dict(chips().get("flags", {}).get(kind, {})) if run.recommended_flags and kind else {}
+    if flags:
+        flags.update(chips()[kind].get(chip(run, device), {}).get("flags", {}))
     users = set()
     for name, value in (run.compiler_flags or {}).items():
         name = str(name).lstrip("-")
