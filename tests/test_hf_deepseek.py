@@ -1,8 +1,10 @@
-"""DeepSeek-V3 (`deepseek_v3`) against transformers: a tiny model with its latent attention (a query latent, YaRN
-whose mscale_all_dim scales the softmax), a dense first layer, then experts with the sigmoid router, its correction
-bias, group-limited choice, routed scaling and a shared expert: logits on one device, fsdp and ep, greedy
-generation, export and re-import; the real deepseek-r1 config read as transformers reads it (its MTP layer and FP8
-weights are what a checkpoint holds: tests/test_hf_fp8.py reads the format)."""
+"""DeepSeek-V3 (`deepseek_v3`) and GLM-4.5 (`glm4_moe`) against transformers: tiny models with DeepSeek's latent
+attention (a query latent, YaRN whose mscale_all_dim scales the softmax) or GLM's grouped-query attention (a head size
+of its own, RoPE on half of each head by halves, q/k/v biases, per-head q/k norms), a dense first layer, then experts
+with the sigmoid router, its correction bias, group-limited choice, routed scaling and a shared expert: logits on one
+device, fsdp and ep, greedy generation, export and re-import; the real deepseek-r1 config and GLM-4.5-Air's published
+one read as transformers reads them (DeepSeek's MTP layer and FP8 weights are what a checkpoint holds:
+tests/test_hf_fp8.py reads the format)."""
 
 import json
 from pathlib import Path
@@ -28,40 +30,61 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermed
                              "beta_fast": 8.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8,
                              "rope_theta": 1000.0},
             pad_token_id=None, bos_token_id=None, eos_token_id=None)
+GLM = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+           num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5,
+           n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+           first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
+           rope_theta=1000.0, max_position_embeddings=64, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+# GLM-4.5-Air's config.json as published (zai-org/GLM-4.5-Air), the fields transformers reads
+AIR = dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], attention_bias=True, head_dim=128,
+           hidden_act="silu", hidden_size=4096, partial_rotary_factor=0.5, intermediate_size=10944,
+           max_position_embeddings=131072, moe_intermediate_size=1408, norm_topk_prob=True, num_attention_heads=96,
+           n_group=1, topk_group=1, n_routed_experts=128, n_shared_experts=1, routed_scaling_factor=1.0,
+           num_experts_per_tok=8, first_k_dense_replace=1, num_hidden_layers=46, num_key_value_heads=8,
+           rms_norm_eps=1e-05, rope_theta=1000000, num_nextn_predict_layers=1, tie_word_embeddings=False,
+           use_qk_norm=False, vocab_size=151552)
 MESHES = {"one": [], "fsdp": ["mesh=fsdp", "run.cpu_devices=2"], "ep": ["mesh=ep", "run.cpu_devices=4"]}
+FAMILIES = {"deepseek_v3": ("DeepseekV3", TINY), "glm4_moe": ("Glm4Moe", GLM)}
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """The tiny model, every weight (and the routers' correction biases) moved off its init, saved."""
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TINY)).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-        for layer in model.model.layers[TINY["first_k_dense_replace"]:]:
-            layer.mlp.gate.e_score_correction_bias.copy_(0.5 * torch.randn(TINY["n_routed_experts"]))
-    model.generation_config.eos_token_id = None
-    path = tmp_path_factory.mktemp("deepseek_v3")
-    model.save_pretrained(path)
-    return str(path), model
+def folders(tmp_path_factory):
+    """Each family's tiny model, every weight (and the routers' correction biases) moved off its init, saved."""
+    out = {}
+    for kind, (name, tiny) in FAMILIES.items():
+        torch.manual_seed(0)
+        config = getattr(transformers, name + "Config")(**tiny)
+        model = getattr(transformers, name + "ForCausalLM")(config).float().eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+            for layer in model.model.layers[tiny["first_k_dense_replace"]:]:
+                layer.mlp.gate.e_score_correction_bias.copy_(0.5 * torch.randn(tiny["n_routed_experts"]))
+        model.generation_config.eos_token_id = None
+        path = tmp_path_factory.mktemp(kind)
+        model.save_pretrained(path)
+        out[kind] = str(path), model
+    return out
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_logits_equal_transformers(folder, mesh):
-    path, model = folder
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_logits_equal_transformers(folders, kind, mesh):
+    path, model = folders[kind]
     loaded = load.load(path, MESHES[mesh], whole_mesh=mesh != "one")
     assert loaded.cfg.model.name == "moe"
     assert relative(jax_logits(loaded), torch_logits(model, TOKENS)) < 1e-5
 
 
-def test_greedy_generation_equals_transformers(folder):
-    assert_greedy_as_transformers(*folder)
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_greedy_generation_equals_transformers(folders, kind):
+    assert_greedy_as_transformers(*folders[kind])
 
 
-def test_export_and_reimport_are_bitwise(folder, tmp_path):
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_export_and_reimport_are_bitwise(folders, kind, tmp_path):
     """(the routers' correction biases, no parameters, written too)"""
-    assert_exports_bitwise(*folder, tmp_path / "out", "deepseek_v3")
+    assert_exports_bitwise(*folders[kind], tmp_path / "out", kind)
 
 
 def test_the_real_r1_config_reads_as_transformers_reads_it():
@@ -100,3 +123,27 @@ def test_a_config_json_of_model_type_alone_reads_as_transformers_defaults():
          c.topk_group, c.first_k_dense_replace, c.n_shared_experts, c.routed_scaling_factor, c.norm_topk_prob,
          c.rms_norm_eps, c.rope_parameters["rope_theta"], c.tie_word_embeddings)
     assert g["rope_scaling"] is None and g["attn_scale"] == c.qk_head_dim ** -0.5 and g["rope_interleaved"]
+
+
+def test_glm_4_5_airs_config_reads_as_transformers_reads_it():
+    g = arch.to_gpt(AIR, "test")
+    theirs = transformers.Glm4MoeConfig(**{k: v for k, v in AIR.items() if k not in ("architectures", "model_type")})
+    rotary = int(theirs.head_dim * theirs.rope_parameters["partial_rotary_factor"])
+    assert (g["head_dim"], g["rotary_dim"], g["n_kv_heads"], g["rope_theta"]) == \
+        (theirs.head_dim, rotary, theirs.num_key_value_heads, theirs.rope_parameters["rope_theta"])
+    assert (g["n_experts"], g["top_k"], g["d_ff"], g["dense_d_ff"], g["dense_layers"], g["shared_experts"],
+            g["routed_scaling"], g["qkv_bias"], g["qk_norm"]) == \
+        (theirs.n_routed_experts, theirs.num_experts_per_tok, theirs.moe_intermediate_size,
+         theirs.intermediate_size, theirs.first_k_dense_replace, theirs.n_shared_experts,
+         theirs.routed_scaling_factor, True, "none")
+
+
+def test_bad_glm_configs_are_one_line():
+    good = dict(GLM, model_type="glm4_moe")
+    for change, said in ((dict(hidden_act="gelu"), "hidden_act"), (dict(first_k_dense_replace=3), "first_k_dense"),
+                         (dict(partial_rotary_factor=0.45), "partial_rotary_factor"),
+                         (dict(num_key_value_heads=3), "num_key_value_heads"),
+                         (dict(rope_parameters={"rope_type": "linear", "factor": 2.0}), "rope_type")):
+        with pytest.raises(UserError, match=said) as e:
+            arch.to_gpt({**good, **change}, "test")
+        assert "\n" not in str(e.value)

@@ -194,18 +194,23 @@ def from_moe(g: dict) -> dict:
                             f"scale is 1/sqrt({latent['nope_dim'] + latent['rope_dim']}), or with YaRN that times "
                             "YaRN's mscale squared")
         rope["mscale_all_dim"] = (math.sqrt(g["attn_scale"] / plain) - 1) / (0.1 * math.log(scaling["factor"]))
-    return dict(model_type=KIND, architectures=[ARCHITECTURE], vocab_size=g["vocab_size"], hidden_size=g["d_model"],
-                intermediate_size=g.get("dense_d_ff") or g["d_ff"], moe_intermediate_size=g["d_ff"],
-                num_hidden_layers=g["n_layers"], num_attention_heads=g["n_heads"],
-                num_key_value_heads=g["n_heads"], n_shared_experts=g.get("shared_experts", 0),
-                n_routed_experts=g["n_experts"], routed_scaling_factor=float(g.get("routed_scaling", 1.0)),
+    return dict(model_type=KIND, architectures=[ARCHITECTURE], **shared_config(g), num_key_value_heads=g["n_heads"],
                 kv_lora_rank=latent["kv_rank"], q_lora_rank=latent["q_rank"] or None,
                 qk_rope_head_dim=latent["rope_dim"], v_head_dim=latent["v_dim"], qk_nope_head_dim=latent["nope_dim"],
-                n_group=g.get("n_group", 1), topk_group=g.get("topk_group", 1), num_experts_per_tok=g["top_k"],
+                rope_parameters=rope, rope_interleave=True, attention_bias=g["attn_bias"])
+
+
+def shared_config(g: dict) -> dict:
+    """The config.json fields DeepSeek-V3 and GLM-4.5 write alike: the sizes, the experts and their router."""
+    return dict(vocab_size=g["vocab_size"], hidden_size=g["d_model"],
+                intermediate_size=g.get("dense_d_ff") or g["d_ff"], moe_intermediate_size=g["d_ff"],
+                num_hidden_layers=g["n_layers"], num_attention_heads=g["n_heads"],
+                n_shared_experts=g.get("shared_experts", 0), n_routed_experts=g["n_experts"],
+                routed_scaling_factor=float(g.get("routed_scaling", 1.0)), n_group=g.get("n_group", 1),
+                topk_group=g.get("topk_group", 1), num_experts_per_tok=g["top_k"],
                 first_k_dense_replace=g.get("dense_layers", 0), norm_topk_prob=g["norm_topk"], hidden_act="silu",
                 max_position_embeddings=g["max_len"], rms_norm_eps=g["norm_eps"],
-                tie_word_embeddings=g["tie_embeddings"], rope_parameters=rope, rope_interleave=True,
-                attention_bias=g["attn_bias"], torch_dtype="float32", pad_token_id=None, bos_token_id=None,
+                tie_word_embeddings=g["tie_embeddings"], torch_dtype="float32", pad_token_id=None, bos_token_id=None,
                 eos_token_id=None)
 
 

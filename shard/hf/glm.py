@@ -107,14 +107,6 @@ def from_moe(g: dict) -> dict:
     head_dim = g["head_dim"]
     rope = {"rope_type": "default", "rope_theta": g["rope_theta"],
             "partial_rotary_factor": (g.get("rotary_dim") or head_dim) / head_dim}
-    return dict(model_type=KIND, architectures=[ARCHITECTURE], vocab_size=g["vocab_size"], hidden_size=g["d_model"],
-                intermediate_size=g.get("dense_d_ff") or g["d_ff"], moe_intermediate_size=g["d_ff"],
-                num_hidden_layers=g["n_layers"], num_attention_heads=g["n_heads"], num_key_value_heads=g["n_kv_heads"],
-                head_dim=head_dim, n_shared_experts=g.get("shared_experts", 0), n_routed_experts=g["n_experts"],
-                routed_scaling_factor=float(g.get("routed_scaling", 1.0)), n_group=g.get("n_group", 1),
-                topk_group=g.get("topk_group", 1), num_experts_per_tok=g["top_k"],
-                first_k_dense_replace=g.get("dense_layers", 0), norm_topk_prob=g["norm_topk"], hidden_act="silu",
-                max_position_embeddings=g["max_len"], rms_norm_eps=g["norm_eps"],
-                tie_word_embeddings=g["tie_embeddings"], rope_parameters=rope, attention_bias=bool(g.get("qkv_bias")),
-                use_qk_norm=g["qk_norm"] == "head", num_nextn_predict_layers=0, torch_dtype="float32",
-                pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    return dict(model_type=KIND, architectures=[ARCHITECTURE], **deepseek.shared_config(g),
+                num_key_value_heads=g["n_kv_heads"], head_dim=head_dim, rope_parameters=rope,
+                attention_bias=bool(g.get("qkv_bias")), use_qk_norm=g["qk_norm"] == "head", num_nextn_predict_layers=0)
