@@ -120,3 +120,32 @@ def test_bad_qwen3_5_configs_are_one_line():
                          (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0}), "rope_type")):
         with pytest.raises(UserError, match=said):
             arch.to_gpt({**good, **change}, "test")
+
+
+def test_a_multimodal_qwen3_5_folder_loads_its_language_model(tmp_path_factory, capsys):
+    """A Qwen3_5ForConditionalGeneration folder (as the Hub's Qwen3.5 ships): the language model under
+    model.language_model., its output layer outside it, the vision tower skipped with one line; the text logits as
+    transformers' whole model gives them."""
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
+    ids = dict(image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3,
+               vision_end_token_id=VOCAB - 4)
+    config = transformers.Qwen3_5Config(text_config=dict(SMALL, num_hidden_layers=4), vision_config=vision, **ids)
+    path, model = saved_folders({"mm": lambda T: T.Qwen3_5ForConditionalGeneration(config)}, tmp_path_factory)["mm"]
+    loaded = load.load(path, [], whole_mesh=False)
+    assert "a qwen3_5 folder: its language model is read, model.visual skipped" in capsys.readouterr().err
+    tokens = TOKENS % (VOCAB - 8)  # text alone: no image or video token
+    assert relative(jax_logits(loaded, tokens), torch_logits(model, tokens)) < 1e-5
+
+
+def test_the_servers_cache_keeps_states_for_linear_layers_and_positions_for_full_ones(folders):
+    """Per slot, each of the 6 linear layers its convolution's window (3 inputs of 2 x 16 query, 2 x 16 key and
+    4 x 16 value channels) and its state (4 value heads x 16 x 16), float32, whatever the context; each of the 2 full
+    layers 2 x 2 key/value heads x 16 wide x 4 bytes a position."""
+    from shard.server import engine
+
+    generator = generate.Generator(shard.load_model(folders["qwen3_5"][0]))
+    linear = 3 * (32 + 32 + 64) * 4 + 4 * 16 * 16 * 4
+    for context in (16, 32):
+        want = 2 * (6 * linear + context * 2 * 2 * 2 * 16 * 4)
+        assert engine.Engine(generator, 2, context, VOCAB).cache_bytes() == want

@@ -33,10 +33,11 @@ class Folder:
             self.config = json.loads((self.path / "config.json").read_text())
         except (OSError, ValueError) as e:
             raise UserError(f"{self.where}: config.json is not readable JSON: {e}") from None
+        outer = self.config.get("model_type")
         self.config, inner = text_config(self.config, self.where)
         self.kind = arch.model_type(self.config, self.where)
         whole = self._files() if weights or config_only.has_weights(self.path) else {}
-        stored = text_tensors(whole, inner, self.where)
+        stored = text_tensors(whole, outer if inner else None, self.where)
         # A base model's folder (the Hub's gpt2) names its tensors without the causal LM's prefix: read as
         # transformers does, with it added.
         prefix = tables.PREFIX[self.kind]
@@ -132,13 +133,12 @@ def text_config(config: dict, where: str) -> tuple[dict, str]:
     return text, prefix
 
 
-def text_tensors(stored: dict, prefix: str, where: str) -> dict:
-    """The language model's tensors of a multimodal folder, without their prefix, the towers' left out with one line
-    saying so; any other folder's as they are."""
-    if not prefix:
+def text_tensors(stored: dict, kind: str | None, where: str) -> dict:
+    """The language model's tensors of a multimodal folder (of model_type `kind`), without their prefix, the towers'
+    left out with one line saying so; any other folder's (kind None) as they are."""
+    if kind is None:
         return stored
-    kind = next(k for k, v in MULTIMODAL.items() if v[1] == prefix)
-    towers = MULTIMODAL[kind][2]
+    _, prefix, towers = MULTIMODAL[kind]
     skipped = sorted({t.rstrip(".") for n in stored for t in towers if n.startswith(t)})
     unknown = sorted(n for n in stored if not n.startswith((prefix, "lm_head.")) and not n.startswith(towers))
     if unknown:
