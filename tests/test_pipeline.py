@@ -13,12 +13,15 @@ from conftest import ROOT, TINY_GPT, TINY_MODELS, one_device_runs, overrides, ru
 from shard import config
 from shard.plan import analysis
 from shard.plan import hlo
+from shard.strategies import pipeline
 
 DEEP = [*TINY_GPT, "model.n_layers=8"]  # 8 layers: 4 stages of 2, or 2 stages x 2 repeats of 2
 STEPS = ["train.steps=8", "run.log_every=1"]
 MESHES = {
     "stage=4 x data=2": ["mesh=pp", "mesh.stage=4", "mesh.data=2"],
-    "stage=2 x fsdp=4": ["mesh=pp", "mesh.stage=2", "mesh.fsdp=4"],
+    # interleaved 1F1B (the step's loss and gradient computed by the schedule), fsdp splitting each stage's layers
+    "stage=2 x fsdp=4, interleaved 1f1b": ["mesh=pp", "mesh.stage=2", "mesh.fsdp=4", "pipeline.repeats=2",
+                                           "pipeline.schedule=1f1b"],
     "stage=2 x tensor=2 x data=2": ["mesh=pp", "mesh.stage=2", "mesh.tensor=2", "mesh.data=2"],
     "stage=2 x data=4, circular": ["mesh=pp", "mesh.stage=2", "mesh.data=4", "pipeline.repeats=2"],
     # every row on every stage outside the stack (the rule without `stage`): the stages gather nothing
@@ -135,18 +138,45 @@ def test_the_plan_shows_the_schedule_its_memory_and_what_stages_pass(tmp_path):
     assert hlo.dot_flops(prepared.train_step.as_text()) == pytest.approx(expected, rel=0.03)
 
 
+def test_1f1b_holds_the_activations_of_fewer_microbatches_than_gpipe(tmp_path):
+    """4 stages, 16 microbatches, every activation kept (train.remat=none): GPipe's temporaries hold each layer's
+    activations for all R M + S - 1 = 19 iterations, 1F1B's for at most 2 S - 1 = 7 visits in flight."""
+    from shard.run import job
+
+    base = [*TINY_GPT, "model.n_layers=4", "model.max_len=64", "data.seq_len=64", "data.batch_size=32", "mesh=pp",
+            "mesh.stage=4", "pipeline.microbatches=16", "train.remat=none"]
+    gpipe, one = (job.prepare(config.load(None, overrides(tmp_path, *base, *extra)), jax.devices()[:4], training=False)
+                  for extra in ([], ["pipeline.schedule=1f1b"]))
+    temp = lambda prepared: prepared.train_step.memory_analysis().temp_size_in_bytes
+    assert temp(one) <= 0.6 * temp(gpipe)
+    strategy = one.strategy("pipeline")
+    p = strategy.plan(one, [], 4)["pipeline"]
+    assert (p["held_inputs"]["slots"], p["held_inputs"]["gpipe_iterations"]) == (7, 19)
+    assert p["bubble"] == pytest.approx(3 / 19)
+    lines = strategy.report({"pipeline": p})
+    assert "(1F1B), 16 microbatches" in lines[0] and "at most 7 microbatch visits" in lines[1]
+
+
 # A stack of residual layers with dropout inside them: random state the pipeline must advance per microbatch.
 DROPOUT = ["model.name=stock_models:StackedResidual", "model.layers=4", "data.name=synthetic", "data.features=[16]",
            "data.classes=8", "data.batch_size=16", "optimizer.lr=1e-2", "train.steps=6", "run.log_every=1"]
 
 
-def test_a_model_with_dropout_pipelined_gives_the_curve_of_one_device_with_as_many_microbatches(train,
-                                                                                                tmp_path_factory):
+@pytest.fixture(scope="module")
+def dropout_reference(tmp_path_factory):
+    return one_device_runs(tmp_path_factory, {"dropout": DROPOUT}, "train.grad_accum=4")("dropout")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_model_with_dropout_pipelined_gives_the_curve_of_one_device_with_as_many_microbatches(
+        train, dropout_reference, schedule):
     """A pipelined step is a step over M microbatches, each layer drawing its masks microbatch after microbatch
     from its own stream: the random numbers of `train.grad_accum=M` on one device, so the same curve. Without
-    the accumulation the curve cannot be equal: one device draws each layer's mask for the whole batch at once."""
-    reference = one_device_runs(tmp_path_factory, {"dropout": DROPOUT}, "train.grad_accum=4")("dropout")
-    result = train(*DROPOUT, "run.cpu_devices=2", "mesh=pp", "mesh.stage=2", "pipeline.microbatches=4")
+    the accumulation the curve cannot be equal: one device draws each layer's mask for the whole batch at once.
+    1F1B runs a microbatch's backward between later forwards: the same masks (its head runs per microbatch too)."""
+    reference = dropout_reference
+    result = train(*DROPOUT, "run.cpu_devices=2", "mesh=pp", "mesh.stage=2", "pipeline.microbatches=4",
+                   f"pipeline.schedule={schedule}")
     np.testing.assert_allclose(losses(result), losses(reference), rtol=1e-5)
     # each layer's stream advanced once per microbatch and step, as on one device
     count = lambda r: np.asarray(r.state.rest["blocks"]["norm"]["rngs"]["count"].get_value())
@@ -160,7 +190,6 @@ def test_pipelined_dropout_masks_differ_between_microbatches_layers_and_steps():
 
     from shard.models.layers import stacked
     from shard.nn import hooks, partition
-    from shard.strategies import pipeline
 
     layers = stacked(4, lambda r: nnx.Dropout(0.5, rngs=r), nnx.Rngs(0))
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("stage",))
@@ -188,3 +217,39 @@ def test_a_model_with_batch_statistics_in_its_stacked_layers_is_refused_under_a_
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "batch statistics" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
     assert "mesh.stage" in lines[0]
+
+
+@pytest.mark.parametrize("stages,repeats,micro", [(4, 1, 8), (4, 2, 8), (2, 3, 4), (3, 2, 6)])
+def test_the_1f1b_table_keeps_every_dependency_and_gpipes_bubble(stages, repeats, micro):
+    """Tick by tick: each visit's forward one tick after the stage before it ran it (stage S-1's output feeds stage 0's
+    next repeat), its backward one tick after the stage after it, its slot untouched in between; the bubble, each tick
+    as long as its slowest stage (a backward twice a forward), is (S-1)/(R M + S - 1), smaller with more repeats."""
+    from shard.strategies.pipeline_1f1b import Table
+
+    S, R, M = stages, repeats, micro
+    table = Table(S, R, M)
+    fwd, bwd, cost = {}, {}, 0
+    for t in range(table.ticks):
+        busy = [0] * S
+        for s in range(S):
+            ok, m, r, slot = table.forward(t, s)
+            if ok:
+                fwd[m, r, s] = (t, slot)
+                busy[s] += 1
+            ok, m, r, slot = table.backward(t, s)
+            if ok:
+                bwd[m, r, s] = (t, slot)
+                busy[s] += 2
+        cost += max(busy)
+    assert len(fwd) == len(bwd) == M * R * S
+    order = [(r, s) for r in range(R) for s in range(S)]  # the groups a microbatch passes, in the model's order
+    for m in range(M):
+        for (r0, s0), (r1, s1) in zip(order, order[1:]):
+            assert fwd[m, r1, s1][0] == fwd[m, r0, s0][0] + 1
+            assert bwd[m, r0, s0][0] == bwd[m, r1, s1][0] + 1
+        assert bwd[m, R - 1, S - 1][0] == fwd[m, R - 1, S - 1][0]  # the loss's tick: forward, head, backward
+        for (r, s), (t0, slot) in ((k[1:], v) for k, v in fwd.items() if k[0] == m):
+            t1, read = bwd[m, r, s]
+            assert read == slot and not [k for k, v in fwd.items() if k[2] == s and t0 < v[0] <= t1 and v[1] == slot]
+    assert cost == (M * R + S - 1) * 3 and 1 - M * R * 3 / cost == pytest.approx(pipeline.bubble(S, R, M))
+    assert R == 1 or pipeline.bubble(S, R, M) < pipeline.bubble(S, 1, M)

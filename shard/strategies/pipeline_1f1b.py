@@ -10,14 +10,15 @@ three parts, each a run of the objective with the stack's hook answering differe
   (microbatch, repeat) and the backward of visit j = t - (R S - 1) - (S - 1 - s), all stages at once (a vmap over
   the stage-split dimension, as GPipe); activations roll one stage on, cotangents one stage back. Each skips
   (a cond on the tick) where no stage has one. The microbatch whose forward leaves the last stage at tick t
-  meets the rest of the objective there (the head and the loss, `post`: a jax.vjp on that microbatch alone,
+  meets the rest of the objective there (the head and the loss, `head`: a jax.vjp on that microbatch alone,
   weighted 1/M as train.grad_accum weighs its microbatches), and its cotangent starts back at once;
 - after: the vjp of `before`, given every microbatch's input cotangent and the stack's summed gradients.
-A stage keeps the input of each visit it has run forward but not backward: the 2 R S - 1 slots of a ring
-(in flight at stage s: 2 R (S - s) - 1) in place of GPipe's R M + S - 1 iterations of saved activations. The
-backward reruns the visit's forward from that input (a jax.vjp; train.remat decides what that rerun keeps
-inside the stage), the price of holding inputs only. The bubble is GPipe's, (S-1)/(R M + S - 1): the first
-R S - 1 ticks run forwards only, the last R S - 1 backwards only, every other tick both.
+A stage keeps what each visit it has run forward but not backward needs for its backward (the vjp's residuals
+less the weights, which are the same every visit; train.remat decides the rest): the 2 R S - 1 slots of a
+ring (in flight at stage s: 2 R (S - s) - 1) in place of GPipe's R M + S - 1 iterations; Megatron's stage 0
+holds S, its sends overlapping work, where here a microbatch moves one stage a tick each way. The bubble is
+GPipe's, (S-1)/(R M + S - 1): the first R S - 1 ticks run forwards only, the last R S - 1 backwards only,
+every other tick both (a tick lasts as long as its slowest stage: all stages step together).
 
 With R > 1 (Megatron's interleaved schedule) stage s holds groups s, s+S, ... as the circular schedule does
 (`pipeline.Layout`), and visits go in rounds of S microbatches: visit k is microbatch (k // S R) S + k % S at
@@ -175,15 +176,23 @@ def value_and_grad(p: OneFOneB, fn, params, rest, batch):
         group = nnx.merge(graphdef, group_weights, group_rest)
         return hooks.scan(group, x_s), nnx.state(group, nnx.Not(nnx.Param))
 
-    def stage_forward(weights_s, rest_s, x_s, r):
-        pick = lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False)
-        y, new = group_forward(jax.tree.map(pick, weights_s), jax.tree.map(pick, rest_s), x_s)
-        return y, new
+    pick = lambda r: lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False)
+    pullback = {}  # a kept visit's vjp again: its tree, and where the group's weights go back into it
 
-    def stage_backward(weights_s, rest_g, x_s, r, dy):
-        pick = lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False)
+    def stage_forward(weights_s, rest_s, x_s, r):
+        """Stage s's group r on its microbatch: the output, the group's new state, and what the backward needs:
+        the vjp's residuals less the group's weights (the same arrays every visit: the backward picks them)."""
+        w = jax.tree.map(pick(r), weights_s)
         # the counters are an input too: NNX's scan refuses variables of an outer trace (their cotangents: float0)
-        _, vjp, _ = jax.vjp(group_forward, jax.tree.map(pick, weights_s), rest_g, x_s, has_aux=True)
+        y, vjp, new = jax.vjp(group_forward, w, jax.tree.map(pick(r), rest_s), x_s, has_aux=True)
+        leaves, pullback["tree"] = jax.tree.flatten(vjp)
+        ws = jax.tree.leaves(w)
+        pullback["weights"] = [next((i for i, a in enumerate(ws) if a is leaf), None) for leaf in leaves]
+        return y, new, [leaf for leaf, i in zip(leaves, pullback["weights"]) if i is None]
+
+    def stage_backward(weights_s, kept, r, dy):
+        ws, it = jax.tree.leaves(jax.tree.map(pick(r), weights_s)), iter(kept)
+        vjp = jax.tree.unflatten(pullback["tree"], [next(it) if i is None else ws[i] for i in pullback["weights"]])
         dw, _, dx = vjp(dy)
         return dw, dx
 
@@ -194,24 +203,23 @@ def value_and_grad(p: OneFOneB, fn, params, rest, batch):
         return answering(fn, substitute)(whole(outside_), rest_m, batch_m)
 
     def tick(carry, t):
-        inputs, cots, dx_io, saved_x, saved_rest, current, grads, head_grads, head_rest, sums = carry
+        inputs, cots, dx_io, saved, current, grads, head_grads, head_rest, sums = carry
         # forward: stage 0 takes its microbatch's embedding on its first repeat, the others what arrived
         f_valid, f_m, f_r, f_slot = table.forward(t, stage)
         inputs = jnp.where(column(first & (f_r == 0)), io[:, f_m[0]], inputs)
 
         def forwards(current):
             with partition.activate(mesh, inner):
-                y, new = jax.vmap(stage_forward, spmd_axis_name="stage")(staged, current, inputs, f_r)
+                y, new, kept = jax.vmap(stage_forward, spmd_axis_name="stage")(staged, current, inputs, f_r)
             keep = lambda cur, n: jax.vmap(lambda c, r, v, ok: c.at[r].set(jnp.where(ok, v, c[r])))(cur, f_r, n,
                                                                                                        f_valid)
-            return y, jax.tree.map(keep, current, new)
+            return y, jax.tree.map(keep, current, new), kept
 
-        rest_now = jax.tree.map(lambda a: jax.vmap(lambda c, r: c[r])(a, f_r), current)
-        outputs, current = jax.lax.cond(jnp.any(f_valid), forwards, lambda c: (jnp.zeros_like(inputs), c), current)
+        idle = lambda c: (jnp.zeros_like(inputs), c, [jnp.zeros(k.shape, k.dtype) for k in blank])
+        outputs, current, kept = jax.lax.cond(jnp.any(f_valid), forwards, idle, current)
         put = lambda buf, v: jax.vmap(lambda b, i, x, ok: b.at[i].set(jnp.where(ok, x, b[i])))(buf, f_slot, v,
                                                                                                  f_valid)
-        saved_x = put(saved_x, inputs)
-        saved_rest = jax.tree.map(put, saved_rest, rest_now)
+        saved = [put(buf, v) for buf, v in zip(saved, kept)]
 
         # the microbatch whose last forward ended at the last stage: its head, loss and output cotangent
         done, m = f_valid[S - 1] & (f_r[S - 1] == R - 1), f_m[S - 1]
@@ -237,8 +245,8 @@ def value_and_grad(p: OneFOneB, fn, params, rest, batch):
         def backwards(grads):
             take = lambda buf: jax.vmap(lambda b, i: b[i])(buf, b_slot)
             with partition.activate(mesh, inner):
-                dw, dx = jax.vmap(stage_backward, spmd_axis_name="stage")(staged, jax.tree.map(take, saved_rest),
-                                                                           take(saved_x), b_r, cots)
+                dw, dx = jax.vmap(stage_backward, spmd_axis_name="stage")(staged, [take(b) for b in saved], b_r,
+                                                                           cots)
             add = lambda acc, g: jax.vmap(lambda a, r, v, ok: a.at[r].add(jnp.where(ok, v, 0).astype(a.dtype)))(
                 acc, b_r, g, b_valid)
             return dx, jax.tree.map(add, grads, dw)
@@ -247,7 +255,7 @@ def value_and_grad(p: OneFOneB, fn, params, rest, batch):
         # stage 0 on a microbatch's first repeat: its input's cotangent, kept for the embedding's backward
         home = b_valid[0] & (b_r[0] == 0)
         dx_io = dx_io.at[:, b_m[0]].set(jnp.where(column(first & home), dx, dx_io[:, b_m[0]]))
-        return (jnp.roll(outputs, 1, axis=0), jnp.roll(dx, -1, axis=0), dx_io, saved_x, saved_rest, current, grads,
+        return (jnp.roll(outputs, 1, axis=0), jnp.roll(dx, -1, axis=0), dx_io, saved, current, grads,
                 head_grads, head_rest, sums), None
 
     zeros = lambda a, dtype=None: jnp.zeros(a.shape, dtype or a.dtype)
@@ -256,12 +264,15 @@ def value_and_grad(p: OneFOneB, fn, params, rest, batch):
     first_batch = jax.tree.map(lambda a: a[0], micro)
     total, (_, loss, stats) = jax.eval_shape(lambda r: head(outside, shift[0], first_batch, r, counters), rest)
     sums = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (total, loss, stats))
-    carry = (shift, shift, jnp.zeros_like(io), slots(shift), jax.tree.map(lambda a: slots(a[:, 0]), counters),
-             counters, jax.tree.map(lambda a: zeros(a, jnp.float32), staged), [zeros(a) for a in outside], rest, sums)
-    p.held["slot_bytes"] = int(shift[0].size * shift.dtype.itemsize)
+    with partition.activate(mesh, inner):  # what a visit keeps for its backward, each stage a ring of slots
+        _, _, blank = jax.eval_shape(jax.vmap(stage_forward, spmd_axis_name="stage"), staged, counters, shift,
+                                     jnp.zeros(S, jnp.int32))
+    carry = (shift, shift, jnp.zeros_like(io), [slots(k) for k in blank], counters,
+             jax.tree.map(lambda a: zeros(a, jnp.float32), staged), [zeros(a) for a in outside], rest, sums)
+    p.held["slot_bytes"] = sum(k.size // S * k.dtype.itemsize for k in blank)
     p.held["slots"] = table.slots
     carry, _ = jax.lax.scan(tick, carry, jnp.arange(table.ticks))
-    _, _, dx_io, _, _, current, grads, head_grads, head_rest, sums = carry
+    _, _, dx_io, _, current, grads, head_grads, head_rest, sums = carry
 
     dx = rows.from_stages(on_stages(pipeline.from_first(dx_io, S), 1, 2))
     stack_grads = jax.tree.map(lambda g, w: g.reshape(w.shape).astype(w.dtype), grads, weights)

@@ -124,8 +124,7 @@ class Pipeline(Strategy):
                  f"microbatches, {'/'.join(map(str, pipe['layers_per_stage']))} layers per stage; bubble "
                  f"(S-1)/(R*M+S-1) = {pipe['bubble']:.1%} of the step"]
         if held := pipe.get("held_inputs"):
-            lines.append(f"pipeline: a stage holds at most {held['slots']} microbatch inputs of "
-                         f"{mb(held['slot_bytes'])} ({mb(held['slots'] * held['slot_bytes'])}), its forwards rerun in "
-                         "the backward; GPipe keeps "
-                         f"every layer's saved activations for {held['gpipe_iterations']} iterations")
+            lines.append(f"pipeline: a stage keeps its activations (as train.remat says) for at most {held['slots']} "
+                         f"microbatch visits at once, {mb(held['slot_bytes'])} each: "
+                         f"{mb(held['slots'] * held['slot_bytes'])} (GPipe: {held['gpipe_iterations']} iterations)")
         return lines
