@@ -144,7 +144,7 @@ def value_and_grad(p: OneFOneB, fn, params, rest, batch):
         return found.captured
 
     (x, weights), before_vjp = jax.vjp(before, params)
-    refuse(found, S)
+    refuse(found, S, x.shape[0] // M)
     n_layers = jax.tree.leaves(weights)[0].shape[0]
     per = n_layers // (S * R)
     mesh, rules = partition.active()
@@ -284,13 +284,14 @@ def value_and_grad(p: OneFOneB, fn, params, rest, batch):
     return (total, (head_rest, loss, stats)), grads
 
 
-def refuse(found: Stack, stages: int) -> None:
+def refuse(found: Stack, stages: int, micro_size: int) -> None:
     """What this schedule cannot run, in one line."""
+    pipeline.refuse_batch_statistics(found.rest, stages, micro_size)
     if found.calls != 1:
         raise UserError(f"pipeline.schedule=1f1b with mesh.stage={stages}: the model runs {found.calls} stacks of "
                         "layers through shard.nn.hooks.stack, and 1F1B pipelines one; use pipeline.schedule=gpipe")
-    floats = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(found.rest)[0]
-              if pipeline.floating(leaf)]
+    leaves = jax.tree_util.tree_flatten_with_path(found.rest)[0]
+    floats = ["/".join(map(str, partition.path_keys(path))) for path, leaf in leaves if pipeline.floating(leaf)]
     if floats:
         raise UserError(f"pipeline.schedule=1f1b: the stacked layers update float state ({floats[0]}: recorded losses "
                         "or statistics), which 1F1B cannot average over the microbatches; use pipeline.schedule=gpipe")
