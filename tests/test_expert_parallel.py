@@ -67,9 +67,9 @@ def test_plan_dropless_under_ep_moves_pairs_by_all_to_all_and_does_its_share(tmp
     dropless, capacity = plan(tmp_path, "dropless"), plan(tmp_path, "capacity")
     used = {k for k, v in dropless["collectives"].items() if v["count"]}
     assert "all-to-all" in used and "collective-permute" not in used
-    # its share, plus: buckets 1.25x a fair share, the tiles at experts' boundaries, the experts' forward
-    # recomputed in the backward pass (shard/nn/dropless.py's rounds)
-    assert dropless["executed_flops_per_device"] <= 1.45 * dropless["flops_per_device"]
+    # its share, plus: buckets 1.25x a fair share, the tiles at experts' boundaries (1.39x before the rounds' first
+    # products were kept for the backward pass, which computed them again: shard/nn/dropless.py)
+    assert dropless["executed_flops_per_device"] <= 1.3 * dropless["flops_per_device"]
     sent = lambda p: p["collectives"]["all-to-all"]["bytes"]  # noqa: E731
     assert sent(dropless) <= 1.25 * sent(capacity)
     # the rounds are a loop as long as the data asks, which the plan counts once and says so; capacity has none
@@ -91,16 +91,18 @@ def test_plan_dropless_under_ep_moves_pairs_by_all_to_all_and_does_its_share(tmp
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (.[tpu])")
-def test_dropless_under_ep_on_a_tpu_target_runs_tokamaxs_kernels(tmp_path):
-    """train.grouped_matmul=auto on a compile-only v5p-8 under ep: tokamax's Mosaic kernels (forward, rows' gradient,
-    matrices' gradient) in the compiled step, not XLA's ragged-dot fallback. Before, tokamax chose by JAX's default
-    device (this machine's CPU: its XLA path), and its kernels failed the exchange's manual-axis types; 320 rows
-    received a device (4 buckets of 80) are padded to its 128-row tiles. Its kernels take dimensions of 128 up."""
-    pytest.importorskip("tokamax")
+def test_dropless_under_ep_on_a_tpu_target_runs_megablox_kernels(tmp_path):
+    """train.grouped_matmul=auto on a compile-only v5p-8 under ep, with chips.yaml's recommended flags: JAX's
+    megablox Mosaic kernels (gmm forward and rows' gradient, tgmm the matrices') in the compiled step, not XLA's
+    ragged-dot (which the TPU compiler refuses under those flags, a RET_CHECK) nor tokamax's. Before, `auto` took
+    tokamax's, whose 128-row tiles its own cost estimate, which the TPU cost model prices, charges 3x megablox's for
+    a real expert's product (bench/RESULTS.md); tokamax's TPU kernels stay tests/test_compiler_figures.py's."""
     cfg = config.load("configs/text_moe.yaml", overrides(tmp_path, "model.routing=dropless", "run.target=v5p-8",
                                                          "train.attention=xla", "model.d_model=128",
                                                          "model.d_ff=256", "model.n_layers=2", "data.batch_size=8"))
     devices = target.devices(target.of(cfg.run))
     step = job.prepare(cfg, devices, training=False, flags=target.compiler_flags(cfg.run, devices[0])).train_step
-    kernels = set(re.findall(r"%((?:t?gmm|ragged-dot)[\w-]*?)(?:\.\d+)?\s*=", step.as_text()))
-    assert kernels == {"gmm_megablox", "gmm_megablox_transpose_rhs", "tgmm_megablox"}
+    text = step.as_text()
+    assert not re.search(r"%(?:ragged-dot|gmm_megablox|tgmm_megablox)", text)
+    calls = {c for c in re.findall(r'op_name="[^"]*?jit\((t?gmm)\)', text)}
+    assert calls == {"gmm", "tgmm"}

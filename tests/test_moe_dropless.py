@@ -132,10 +132,10 @@ def test_split_inside_a_vmap_over_replicas_equals_each_replica_on_one_device(inp
 
 
 @pytest.mark.parametrize("sizes", [[10, 20, 30, 0], [0, 0, 37, 0], [0, 0, 0, 0], [3, 1, 4, 1]])
-@pytest.mark.parametrize("kernel", ["tiled", "tokamax"])
+@pytest.mark.parametrize("kernel", ["tiled", "tokamax", "megablox"])
 def test_grouped_products_equal_ragged_dot_with_both_gradients(sizes, kernel):
     """Rows past the groups come out zero; the rows' and the matrices' gradients equal those of
-    jax.lax.ragged_dot (tokamax: its XLA path here, on CPU)."""
+    jax.lax.ragged_dot (tokamax: its XLA path here, on CPU; megablox: its TPU kernels interpreted)."""
     pytest.importorskip("tokamax") if kernel == "tokamax" else None
     keys = jax.random.split(jax.random.key(1), 3)
     x, w = jax.random.normal(keys[0], (64, 6)), jax.random.normal(keys[1], (4, 6, 5))

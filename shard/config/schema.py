@@ -187,10 +187,11 @@ class TrainConfig:
                             "applies, else xla), xla (XLA's products, any device: the reference), cudnn (fused flash "
                             "attention; NVIDIA GPU, bfloat16, head size <= 128) or splash "
                             "(Pallas splash attention; TPU)", choices=("auto", "xla", "cudnn", "splash"))
-    grouped_matmul: str = option("auto", "a mixture of experts' grouped products (dropless routing): auto (tokamax's "
-                                 "kernel on TPU, else tiled), tiled (a product per tile of rows and "
-                                 "expert it meets), tokamax, or xla (jax.lax.ragged_dot as XLA lowers it: dense per "
-                                 "expert on CPU and GPU)", choices=("auto", "xla", "tiled", "tokamax"))
+    grouped_matmul: str = option("auto", "a mixture of experts' grouped products (dropless routing): auto (JAX's "
+                                 "megablox kernels on TPU, else tiled), tiled (a product per tile of rows and "
+                                 "expert it meets), megablox (TPU), tokamax, or xla (jax.lax.ragged_dot as XLA lowers "
+                                 "it: dense per expert on CPU and GPU)",
+                                 choices=("auto", "xla", "tiled", "megablox", "tokamax"))
     attention_precision: str = option("float32", "the XLA attention's logits and softmax: float32, or bfloat16 "
                                       "(normalised after the value product; less memory, as MaxText does)",
                                       choices=("float32", "bfloat16"))

@@ -15,8 +15,8 @@ matrix (shard/nn/grouped.py), and sends the results back the same way. A bucket 
 share (the pairs / the group's devices: capacity routing's budget, so one round sends what capacity routing
 sends); where some device's pairs for one device overflow it, the exchange repeats (rounds: a loop as long as
 the fullest bucket needs, agreed over the mesh), so no pair is dropped. The backward pass does the same with
-the pairs' inputs and gradients, recomputing each round's experts (shard/nn/grouped.py's kernels give the
-weights' gradient grouped). Axes the tokens are not split on (`tensor`) stay the partitioner's.
+the pairs' inputs and gradients, each round's first products (up, gate) as the forward pass kept them, in a buffer
+for every round the data could ask for (shard/nn/grouped.py's kernels give the weights' gradient grouped). Axes the tokens are not split on (`tensor`) stay the partitioner's.
 
 `local` is the whole computation on one device: what a model gets outside the framework and, where no axis
 splits the experts, each device's part.
@@ -163,10 +163,14 @@ class Route:
         return order, jnp.bincount(mine, length=self.per_device + 1)[:-1].astype(jnp.int32)
 
 
-def _through_experts(mlp, route: Route, index, rows, weights):
-    """Rows received for buckets `index` through this device's experts, in the received order."""
+def _through_experts(mlp, route: Route, index, rows, weights, replay=None):
+    """Rows received for buckets `index` through this device's experts, in the received order; and the outputs of
+    the products of the rows themselves (the experts' first: grouped.Tape), or, given `replay`, those taken from it."""
     order, sizes = route.received(index)
-    return mlp(rows[order], sizes, weights)[jnp.argsort(order)]
+    mine = rows[order]
+    with grouped.taped(mine, replay) as tape:
+        out = mlp(mine, sizes, weights)
+    return out[jnp.argsort(order)], tuple(tape.outputs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -174,24 +178,52 @@ def _exchange(mlp, route: Route, xs, weights):
     """Each sorted pair's expert output, (pairs, d): the pairs sent to their experts' devices in rounds."""
     def one_round(r, ys):
         index = route.slots(r)
-        return route.scatter(ys, index, _through_experts(mlp, route, index, route.gather(xs, index), weights))
+        return route.scatter(ys, index, _through_experts(mlp, route, index, route.gather(xs, index), weights)[0])
 
     return jax.lax.fori_loop(0, route.rounds, one_round, jnp.zeros_like(xs))
 
 
 def _exchange_fwd(mlp, route, xs, weights):
-    return _exchange(mlp, route, xs, weights), (route, xs, weights)
+    """The rounds, each one's first products' outputs kept for the backward pass: a buffer of every round the
+    data could ask for (all of a device's pairs to one device: pairs / bucket, about the group's size / slack), as
+    static shapes need, so that the backward pass computes no product of the forward's again."""
+    rows = route.group * route.bucket
+    sizes = jax.ShapeDtypeStruct((route.per_device,), jnp.int32)
+    shapes = jax.eval_shape(lambda a, s, w: _first_products(mlp, a, s, w),
+                            jax.ShapeDtypeStruct((rows, xs.shape[1]), xs.dtype), sizes, weights)
+    most = -(-route.experts.shape[0] // route.bucket)
+
+    def one_round(r, carry):
+        ys, kept = carry
+        index = route.slots(r)
+        out, firsts = _through_experts(mlp, route, index, route.gather(xs, index), weights)
+        kept = tuple(jax.lax.dynamic_update_index_in_dim(k, f.astype(k.dtype), r, 0) for k, f in zip(kept, firsts))
+        return route.scatter(ys, index, out), kept
+
+    like = (xs, *jax.tree.leaves(weights))
+    kept = tuple(grouped._zeros((most, *s.shape), *like).astype(s.dtype) for s in shapes)
+    ys, kept = jax.lax.fori_loop(0, route.rounds, one_round, (jnp.zeros_like(xs), kept))
+    return ys, (route, xs, weights, kept)
+
+
+def _first_products(mlp, rows, sizes, weights):
+    with grouped.taped(rows) as tape:
+        mlp(rows, sizes, weights)
+    return tuple(tape.outputs)
 
 
 def _exchange_bwd(mlp, saved, dys):
-    """The rounds again with the pairs' inputs and their outputs' gradients; each round's experts recomputed."""
-    route, xs, weights = saved
+    """The rounds again with the pairs' inputs and their outputs' gradients, each round's first products' outputs
+    those the forward pass kept."""
+    route, xs, weights, kept = saved
 
     def one_round(r, grads):
         dxs, dws = grads
         index = route.slots(r)
         douts = route.gather(dys, index)
-        _, vjp = jax.vjp(lambda a, w: _through_experts(mlp, route, index, a, w), route.gather(xs, index), weights)
+        firsts = tuple(jax.lax.dynamic_index_in_dim(k, r, 0, keepdims=False) for k in kept)
+        _, vjp = jax.vjp(lambda a, w: _through_experts(mlp, route, index, a, w, firsts)[0], route.gather(xs, index),
+                         weights)
         drows, dw = vjp(douts)
         return route.scatter(dxs, index, drows), jax.tree.map(jnp.add, dws, dw)
 
