@@ -16,7 +16,8 @@ share (the pairs / the group's devices: capacity routing's budget, so one round 
 sends); where some device's pairs for one device overflow it, the exchange repeats (rounds: a loop as long as
 the fullest bucket needs, agreed over the mesh), so no pair is dropped. The backward pass does the same with
 the pairs' inputs and gradients, each round's first products (up, gate) as the forward pass kept them, in a buffer
-for every round the data could ask for (shard/nn/grouped.py's kernels give the weights' gradient grouped). Axes the tokens are not split on (`tensor`) stay the partitioner's.
+for every round the data could ask for (shard/nn/grouped.py's kernels give the weights' gradient grouped). Axes
+the tokens are not split on (`tensor`) stay the partitioner's.
 
 `local` is the whole computation on one device: what a model gets outside the framework and, where no axis
 splits the experts, each device's part.
