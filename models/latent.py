@@ -5,13 +5,15 @@ into a key part without positions (`nope` wide) and the value (`v_dim` wide), pl
 wide) shared by every head; the queries the same two parts per head, straight from the token or through a latent of
 their own (`q_rank`, normed). A head's key is its `nope` part and the shared rotated part side by side, so q.k sums
 both products. The attention hook takes keys and values of one width: the values are padded with zeros to the keys'
-and the output cut back (the padding adds no term to any output).
+and the output cut back (the padding adds no term to any output). While generating, the up-projections are absorbed
+(`_absorbed`): the cache holds the latent and the rotated key, kv_rank + rope_dim values a token a layer (DeepSeek-V3's
+576, against 2 x 128 heads x 192 expanded).
 """
 
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.nn.hooks import attention
+from shard.nn.hooks import attention, generating
 from shard.nn.partition import constrain
 
 from .layers import AxesRMSNorm, param
@@ -71,6 +73,8 @@ class LatentAttention(nnx.Module):
         q = jnp.concatenate([q[..., :self.nope], rotary(q[..., self.nope:], self.rope)], axis=-1)
         down = x @ self.kv_a[...] + (0 if self.kv_a_bias is None else self.kv_a_bias[...])
         latent, k_rot = self.kv_norm(down[..., :-self.rot]), rotary(down[..., None, -self.rot:], self.rope)
+        if generating():
+            return self._absorbed(q, latent, k_rot, keep, reuse)
         kv = constrain(jnp.einsum("btr,rhd->bthd", latent, self.kv_b[...]), ("batch", "length", "heads", "head_dim"))
         k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, (*k_nope.shape[:-1], self.rot))], axis=-1)
@@ -78,3 +82,18 @@ class LatentAttention(nnx.Module):
         y = attention(q, k, wide, is_causal=True, scale=self.scale, keep=keep, reuse=reuse)[..., :self.v_dim]
         y = jnp.einsum("bthd,hde->bte", y, self.out[...])
         return (y if self.out_bias is None else y + self.out_bias[...]), (k, wide)
+
+    def _absorbed(self, q, latent, k_rot, keep, reuse):
+        """While generating: the key up-projection folded into the queries (q_nope . W_k is a query over the latent)
+        and the value up-projection applied after attention over the latents, so the cache holds one normed latent
+        and one rotated key a token (kv_rank + rope_dim values) rather than every head's keys and values."""
+        if keep or reuse:
+            raise ValueError("latent attention makes its own keys and values; it reuses no other layer's")
+        w = self.kv_b[...]
+        q_latent = jnp.einsum("bthd,rhd->bthr", q[..., :self.nope], w[..., :self.nope])
+        q = constrain(jnp.concatenate([q_latent, q[..., self.nope:]], axis=-1), ("batch", "length", "heads", None))
+        k = jnp.concatenate([latent, k_rot[:, :, 0].astype(latent.dtype)], axis=-1)[:, :, None]
+        y = attention(q, k, None, is_causal=True, scale=self.scale, values=latent.shape[-1])
+        y = jnp.einsum("bthr,rhd->bthd", y, w[..., self.nope:])
+        y = jnp.einsum("bthd,hde->bte", y, self.out[...])
+        return (y if self.out_bias is None else y + self.out_bias[...]), None

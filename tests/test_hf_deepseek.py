@@ -82,6 +82,42 @@ def test_greedy_generation_equals_transformers(folders, kind):
 
 
 @pytest.mark.parametrize("kind", list(FAMILIES))
+def test_logits_token_by_token_from_the_cache_equal_transformers(folders, kind):
+    """A prefill of 6 tokens, then one token a call over the cache (DeepSeek's: the latent, the up-projections
+    absorbed): each call's logits equal transformers' at that position (greedy tokens alone miss a 1% error)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import shard
+    from shard.use import generate
+
+    path, model = folders[kind]
+    g = generate.Generator(shard.load_model(path))
+    want = torch_logits(model, TOKENS)
+    zero, rows = jnp.zeros(len(TOKENS), jnp.int32), len(TOKENS)
+    logits, cache = g.forward(g.state, jnp.asarray(TOKENS[:, :6]), zero, zero, None, 16)
+    got = [np.asarray(logits)]
+    for i in range(6, TOKENS.shape[1]):
+        logits, cache = g.forward(g.state, jnp.asarray(TOKENS[:, i:i + 1]), jnp.full(rows, i, jnp.int32), zero,
+                                  cache, 16)
+        got.append(np.asarray(logits))
+    assert relative(np.stack(got, 1), want[:, 5:]) < 1e-5
+
+
+def test_the_cache_holds_the_latent_and_the_rotated_key(folders):
+    """The server's cache for the tiny DeepSeek: per slot, position and layer the normed key/value latent and the one
+    rotated key (16 + 4 values, 4 bytes each), not every head's expanded keys and values (2 x 4 heads x 12)."""
+    import shard
+    from shard.server import engine
+    from shard.use import generate
+
+    generator = generate.Generator(shard.load_model(folders["deepseek_v3"][0]))
+    for context in (16, 32):
+        want = 2 * context * TINY["num_hidden_layers"] * (TINY["kv_lora_rank"] + TINY["qk_rope_head_dim"]) * 4
+        assert engine.Engine(generator, 2, context, VOCAB).cache_bytes() == want
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
 def test_export_and_reimport_are_bitwise(folders, kind, tmp_path):
     """(the routers' correction biases, no parameters, written too)"""
     assert_exports_bitwise(*folders[kind], tmp_path / "out", kind)

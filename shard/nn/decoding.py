@@ -173,6 +173,15 @@ def attend(q, k, v, is_causal: bool, calls: Calls, window=None, softcap: float |
     return over(q)
 
 
+def attend_keys(q, k, is_causal: bool, calls: Calls, values: int, softcap=None, scale=None, sinks=None):
+    """`attend` for attention whose values are its keys' first `values` channels (latent attention's absorbed form):
+    the cache holds the keys alone, one latent and one rotated key a token, read as both."""
+    k = jnp.where(calls.real(q.shape[1])[:, :, None, None], k, 0)
+    cache = calls.write({"k": k})
+    both = {"k": cache["k"], "v": cache["k"]}
+    return _attend_written(q, both, calls, is_causal, None, softcap, scale, sinks)[..., :values]
+
+
 def _stack_kinds(window, chunk, value, per_chunk, spans: int) -> tuple | None:
     """Each layer's cache kind (cache_kinds) of a stack whose layers keep caches of different kinds, by their windows
     or else their chunks (a layer keeps one chunk's keys); None for any other call."""

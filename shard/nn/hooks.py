@@ -268,6 +268,12 @@ def linear_recurrence(whole, step, carry, xs):
     return whole(carry, xs)
 
 
+def generating() -> bool:
+    """Whether the model is called to generate (its attention over a cache): a layer whose cheapest form then
+    differs asks (latent attention's up-projections absorbed into its queries and output, models/latent.py)."""
+    return _DECODE.get() is not None
+
+
 def layer(fn):
     """Wrap the function that applies one layer with the active activation-checkpointing policy (`train.remat`):
     none keeps every activation, full recomputes the layer in the backward pass, dots keeps only matrix-product
@@ -282,9 +288,9 @@ def layer(fn):
 # ----------------------------------------------------------------------------- attention
 # The kernels, and which one runs, are shard/nn/attention.py's.
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, window=None,
+def attention(q: jax.Array, k: jax.Array, v: jax.Array | None, *, is_causal: bool, window=None,
               softcap: float | None = None, scale: float | None = None, sinks: jax.Array | None = None,
-              chunk=None, keep: str | None = None, reuse: str | None = None) -> jax.Array:
+              chunk=None, keep: str | None = None, reuse: str | None = None, values: int | None = None) -> jax.Array:
     """Scaled dot-product attention over (batch, length, heads, head_dim) arrays with the active kernel
     (`train.attention`: XLA's products, cuDNN's or splash's fused kernel), or over the context devices, the
     packed documents or the generation cache where the run has them. A model calls this instead of choosing a
@@ -315,7 +321,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, wind
       the layer that computes them names them with `keep`, each later one hands the same k and v with `reuse` set to
       that name. Only generation needs the names: there the reusing layers attend over the keeper's cache and keep
       none of their own.
+    values: the values are the keys' first `values` channels and `v` is None (latent attention's absorbed form: one
+      latent per token serves as key and value); the generation cache then holds the keys alone.
     """
+    if values is not None:
+        if v is not None or window or chunk or keep or reuse:
+            raise ValueError("attention with values=N takes the values from the keys (v=None), without a window, "
+                             "chunk or shared keys and values")
+        if (calls := _DECODE.get()) is not None:
+            return decoding.attend_keys(q, checkpoint_name(k, attn.KEY), bool(is_causal), calls, values,
+                                        softcap=softcap, scale=scale, sinks=sinks)
+        return attention(q, k, k, is_causal=is_causal, softcap=softcap, scale=scale, sinks=sinks)[..., :values]
     if sinks is not None and tuple(jnp.shape(sinks)) != (q.shape[2],):
         raise UserError(f"attention: sinks of shape {tuple(jnp.shape(sinks))}; one logit per query head, "
                         f"({q.shape[2]},)")
