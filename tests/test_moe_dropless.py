@@ -107,7 +107,8 @@ def test_split_inside_a_vmap_over_replicas_equals_each_replica_on_one_device(inp
     """Local SGD and DiLoCo run each replica's step under a vmap whose dimension `replica` splits (spmd_axis_name,
     shard/strategies/sync.py): the exchange's shard_map is batched over the replicas (it did not compile). Each
     replica's outputs and gradients as on one device, with fsdp inside the expert group, the tiled kernel's loop,
-    and one replica's routing skewed so that it takes more rounds than the other."""
+    and one replica's routing skewed so that it takes more rounds than the other (each round's first products, kept
+    by the forward pass, replayed in its backward: another round's fail)."""
     mesh = make_mesh((2, 1, 1, 2, 2, 1, 1))
     x, top_e, top_p, weights = inputs
     skewed = jnp.broadcast_to(jnp.array([0, 1]), top_e.shape)  # every pair to experts 0 and 1: buckets overflow
