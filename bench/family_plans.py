@@ -139,6 +139,13 @@ PUBLISHED = {
     # no config.json of the 31B in fixtures/hf: MaxText's gemma4-31b.yml (src/maxtext/configs/models/) in
     # transformers' fields: 60 layers, five sliding (1024) to one global, the global layers 512 wide with 4 key/value
     # heads of their own and values from the keys (share_kv_projections), no per-layer embeddings or shared layers
+    "glm-4.5-air": ("zai-org/GLM-4.5-Air config.json", dict(
+        model_type="glm4_moe", vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128, partial_rotary_factor=0.5,
+        hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1000000, attention_bias=True,
+        use_qk_norm=False, n_routed_experts=128, num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, norm_topk_prob=True, first_k_dense_replace=1, num_nextn_predict_layers=1,
+        tie_word_embeddings=False)),
     "gemma-4-31b": ("MaxText's gemma4-31b.yml in Gemma4TextConfig's fields", dict(
         model_type="gemma4_text", vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
         num_attention_heads=32, num_key_value_heads=16, head_dim=256, global_head_dim=512,
@@ -159,7 +166,7 @@ ORDER = ["qwen3-4b", "qwen3-8b", "smollm3-3b", "gemma-2-9b", "gemma-3-1b", "gemm
          # issue 59's
          "gpt-oss-20b", "olmo-3-32b", "llama-4-scout-17b-16e", "gemma-4-e2b", "gemma-4-31b",
          # issue 60's
-         "qwen3.5-9b"]
+         "qwen3.5-9b", "glm-4.5-air"]
 # What else is planned on a target, per family, after its `mesh=fsdp` row: (target, overrides). Found by these
 # plans on h100x8 (bench/RESULTS.md, issue 47):
 # - Phi-3's step does not compile for the H100 with the plan's defaults: XLA's GPU compiler finds no Triton tiling
@@ -174,6 +181,9 @@ MORE = {
         "phi-3-mini-4k": [("h100x8", ["mesh=fsdp", NO_TRITON_GEMM])],
         "phi-3-mini-128k": [("h100x8", ["mesh=fsdp", NO_TRITON_GEMM])],
         "gemma-4-31b": [("h100x16", ["mesh=fsdp", "data.batch_size=16"])],
+        # 106B weights with float32 Adam take 1.7 TB: 32 GPUs in full; on 8, adapters on a bfloat16 base
+        "glm-4.5-air": [("h100x32", ["mesh=ep", "data.batch_size=32"]),
+                        ("h100x8", ["mesh=ep", "train.lora.rank=16", "train.lora.base=bfloat16"])],
         "mixtral-8x7b": [("h100x16", ["mesh=fsdp", "data.batch_size=16"]),
                          ("h100x16", ["mesh=fsdp", "data.batch_size=16", "model.routing=capacity"])],
     },

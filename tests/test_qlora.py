@@ -1,4 +1,4 @@
-"""QLoRA (train.lora.base=nf4|int4|int8): the frozen base stored quantized with qwix, dequantized in the step; the
+"""QLoRA (train.lora.base=nf4|int4|int8|fp8): the frozen base stored quantized with qwix, dequantized in the step; the
 adapters train as under LoRA, on every mesh as on one device, resume bitwise, and the plan shows the base's
 stored bytes."""
 
@@ -103,7 +103,7 @@ def test_logits_of_the_quantized_base_within_its_own_error():
     exact = forward(params, tokens)
     spread = jnp.linalg.norm(exact - exact.mean(-1, keepdims=True))
     is_var = lambda x: isinstance(x, nnx.Variable)
-    for kind, most in (("int8", 0.01), ("int4", 0.15), ("nf4", 0.15)):
+    for kind, most in (("int8", 0.01), ("int4", 0.15), ("nf4", 0.15), ("fp8", 0.05)):
         back = jax.jit(lambda p: quant.dequantize(*quant.quantize(p, kind, {}, {}), kind))(params)
         rel = max(float(jnp.linalg.norm(a[...] - b[...]) / jnp.linalg.norm(a[...]))
                   for a, b in zip(jax.tree.leaves(params, is_leaf=is_var), jax.tree.leaves(back, is_leaf=is_var))
@@ -140,6 +140,23 @@ def test_nf4_codes_are_the_published_table_and_a_block_of_64_is_its_absmax_times
     want = (NF4[np.abs((blocks / absmax)[..., None] - NF4).argmin(-1)] * absmax).reshape(w.shape)
     back = quant.dequantize(*quant.quantize(nnx.State({"w": nnx.Param(jnp.asarray(w))}), "nf4", {}, {}), "nf4")
     np.testing.assert_allclose(back["w"][...], want, rtol=1e-6, atol=0)
+
+
+def test_fp8_codes_are_e4m3_of_a_block_over_its_absmax_at_448():
+    """The fp8 base: each block of 64 along the last axis scaled so its absmax is e4m3's largest value (448), rounded
+    to the nearest e4m3 number (ml_dtypes' cast, as NumPy sees the format), times the scale back."""
+    import ml_dtypes
+
+    from shard.quant import base as quant
+
+    w = np.random.default_rng(0).standard_normal((3, 8, 128)).astype(np.float32)
+    w[0, 0, 5] = 40.0  # an outlier takes its own block's scale
+    blocks = w.reshape(3, 8, 2, 64)
+    scale = np.abs(blocks).max(-1, keepdims=True) / 448.0
+    want = ((blocks / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale).reshape(w.shape)
+    codes, scales = quant.quantize(nnx.State({"w": nnx.Param(jnp.asarray(w))}), "fp8", {}, {})
+    assert codes["w"][...].dtype == jnp.float8_e4m3fn
+    np.testing.assert_allclose(quant.dequantize(codes, scales, "fp8")["w"][...], want, rtol=1e-6, atol=0)
 
 
 def test_the_step_builds_one_layers_weights_at_a_time(tmp_path):

@@ -98,9 +98,9 @@ class LoraConfig:
     targets: list = option(["q", "k", "v", "o"], "weights adapted: q, k, v, o, mlp (the library's transformers), a "
                            "model's own adapter_targets, or any weight's name", job=True)
     base: str = option("float32", "how the frozen weights under the adapters are stored: float32 (as without "
-                       "adapters), bfloat16, or quantized with qwix (QLoRA): nf4, int4, int8, in blocks of 64 "
-                       "with a float32 scale each, dequantized in the step", choices=("float32", "bfloat16", "int8",
-                                                                                "int4", "nf4"), job=True)
+                       "adapters), bfloat16, or quantized with qwix (QLoRA): nf4, int4, int8, fp8 (float8 e4m3), in "
+                       "blocks of 64 with a float32 scale each, dequantized in the step",
+                       choices=("float32", "bfloat16", "int8", "int4", "nf4", "fp8"), job=True)
 
 
 @dataclass

@@ -1,9 +1,10 @@
-"""A frozen base stored quantized (QLoRA, `train.lora.base=nf4|int4|int8`), or in bfloat16.
+"""A frozen base stored quantized (QLoRA, `train.lora.base=nf4|int4|int8|fp8`), or in bfloat16.
 
 Every floating matrix of the model (two or more dimensions besides a stack's `layers`: embeddings, attention,
 the feed-forward block, experts, the output layer) is quantized once with qwix, in blocks of 64 along its last
 dimension (one scale per block and per index of every other dimension: per layer, per head, per row), absmax
-scaled; biases and norm weights (vectors, or marked by `role` metadata: a per-head bias, a projection-wide norm)
+scaled (fp8: float8 e4m3 codes, a block's absmax at 448, as DeepSeek-V3's and the -FP8 checkpoints hold their weights,
+in blocks of their own: a folder's FP8 weights are read dequantized, shard/hf/fp8.py, then coded in these blocks); biases and norm weights (vectors, or marked by `role` metadata: a per-head bias, a projection-wide norm)
 and weights marked `full_precision` (a router) stay as they are (`quantizable`, serving's rule too). int8
 codes keep the weight's shape; 4-bit ones (int4 as code + 8, nf4's 0..15) are packed two to a uint8 along the
 last dimension, which halves it. We pack them ourselves: XLA's own int4 arrays came out of the init with
@@ -21,9 +22,10 @@ from qwix._src.core import numerics
 
 from shard.nn.partition import logical_names, logical_to_spec, path_keys, plays_vector
 
-KINDS = ("int8", "int4", "nf4")
+KINDS = ("int8", "int4", "nf4", "fp8")
 FLOATS = ("float32", "bfloat16")
-QTYPE = {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4"}
+QTYPE = {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4", "fp8": jnp.float8_e4m3fn}
+WHOLE = ("int8", "fp8")  # codes a byte each, kept in the weight's shape (the 4-bit ones are packed)
 BLOCK = 64
 SHIFT = {"int4": 8, "nf4": 0}  # a 4-bit code's offset to 0..15
 
@@ -105,7 +107,7 @@ def quantize(params, kind: str, mesh_shape: dict, rules: dict):
             q = qwix.QArray(nf4_codes(w / jnp.repeat(scale, block(w.shape), axis=-1)), scale, None, "nf4")
         else:
             q = qwix.quantize(w, QTYPE[kind], **axes)
-        codes = q.qvalue if kind == "int8" else pack(q.qvalue.astype(jnp.int8) + SHIFT[kind])
+        codes = q.qvalue if kind in WHOLE else pack(q.qvalue.astype(jnp.int8) + SHIFT[kind])
         names = logical_names(var)
         with nnx.use_eager_sharding(False):  # logical names, mapped by the rules
             if names is None:  # a model without logical names: nor have its codes and scales (the automatic rule)
@@ -171,7 +173,7 @@ def dequantize_value(value, scale, kind: str):
         return value.astype(jnp.float32)
     if kind == "nf4":
         return nf4_values(unpack(value)) * jnp.repeat(scale, block(value.shape[:-1] + (2 * value.shape[-1],)), axis=-1)
-    codes = value if kind == "int8" else (unpack(value) - SHIFT[kind]).astype(jnp.int4)
+    codes = value if kind in WHOLE else (unpack(value) - SHIFT[kind]).astype(jnp.int4)
     return qwix.dequantize(qwix.QArray(codes, scale, None, QTYPE[kind]))
 
 
