@@ -4,10 +4,11 @@ Every floating matrix of the model (two or more dimensions besides a stack's `la
 the feed-forward block, experts, the output layer) is quantized once with qwix, in blocks of 64 along its last
 dimension (one scale per block and per index of every other dimension: per layer, per head, per row), absmax
 scaled (fp8: float8 e4m3 codes, a block's absmax at 448, as DeepSeek-V3's and the -FP8 checkpoints hold their weights,
-in blocks of their own: a folder's FP8 weights are read dequantized, shard/hf/fp8.py, then coded in these blocks); biases and norm weights (vectors, or marked by `role` metadata: a per-head bias, a projection-wide norm)
-and weights marked `full_precision` (a router) stay as they are (`quantizable`, serving's rule too). int8
-codes keep the weight's shape; 4-bit ones (int4 as code + 8, nf4's 0..15) are packed two to a uint8 along the
-last dimension, which halves it. We pack them ourselves: XLA's own int4 arrays came out of the init with
+in blocks of their own: a folder's FP8 weights are read dequantized, shard/hf/fp8.py, then coded in these blocks);
+biases and norm weights (vectors, or marked by `role` metadata: a per-head bias, a projection-wide norm) and weights
+marked `full_precision` (a router) stay as they are (`quantizable`, serving's rule too). int8 and fp8 codes keep
+the weight's shape; 4-bit ones (int4 as code + 8, nf4's 0..15) are packed two to a uint8 along the last dimension,
+which halves it. We pack them ourselves: XLA's own int4 arrays came out of the init with
 unpacked layouts that the compiled step refused (XLA:CPU), and Orbax does not store uint4. Codes and scales carry
 the weight's logical names, so they are split like the weight on every mesh (a name dropped where the mesh does
 not divide the packed or blocked dimension). The step dequantizes them (float32, scale x value): a stack's
