@@ -31,6 +31,7 @@ floats (batch statistics, recorded losses) and models with more than one stack a
 
 import contextvars
 import functools
+import math
 from dataclasses import dataclass, field
 
 import jax
@@ -202,6 +203,25 @@ def value_and_grad(p: OneFOneB, fn, params, rest, batch):
             return y
         return answering(fn, substitute)(whole(outside_), rest_m, batch_m)
 
+    # The head runs on every stage at once, each on its share of the microbatch's rows (each on all of them where
+    # the rows do not split) with its own copy of the parameters outside the stack: its gradient stays a partial
+    # sum per stage until the end, rather than a reduction over the stages at every tick.
+    across = S * math.prod(mesh.shape[a] for a in rows.others)
+    split = mb_shape[0] % across == 0
+
+    def parts(a):
+        a = a.reshape(S, a.shape[0] // S, *a.shape[1:]) if split else jnp.broadcast_to(a, (S, *a.shape))
+        return on_stages(a, 0, 1)
+
+    copies = [on_stages(jnp.broadcast_to(a, (S, *a.shape)), 0) for a in outside]
+
+    def heads(copies_, y, batch_m, rest_m, now):
+        def one(o, y_s, batch_s):
+            return head(o, y_s, batch_s, rest_m, now)
+        with partition.activate(mesh, inner):
+            total, aux = jax.vmap(one, spmd_axis_name="stage")(copies_, parts(y), jax.tree.map(parts, batch_m))
+        return jnp.mean(total), jax.tree.map(lambda a: jnp.mean(a, 0) if pipeline.floating(a) else a[0], aux)
+
     def tick(carry, t):
         inputs, cots, dx_io, saved, current, grads, head_grads, head_rest, sums = carry
         # forward: stage 0 takes its microbatch's embedding on its first repeat, the others what arrived
@@ -227,7 +247,7 @@ def value_and_grad(p: OneFOneB, fn, params, rest, batch):
         def loss_and_cotangent(head_rest):
             batch_m = jax.tree.map(lambda a: a[m], micro)
             total, vjp, (new_rest, loss, stats) = jax.vjp(
-                lambda o, y: head(o, y, batch_m, head_rest, current), outside, outputs[S - 1], has_aux=True)
+                lambda o, y: heads(o, y, batch_m, head_rest, current), copies, outputs[S - 1], has_aux=True)
             d_out, dy = vjp(jnp.ones_like(total) / M)
             return dy, d_out, (total, loss, stats), new_rest
 
@@ -262,13 +282,13 @@ def value_and_grad(p: OneFOneB, fn, params, rest, batch):
     slots = lambda a: on_stages(jnp.zeros((S, table.slots, *a.shape[1:]), a.dtype), 1)
     shift = on_stages(jnp.zeros((S, *mb_shape), x.dtype), 0, 1)
     first_batch = jax.tree.map(lambda a: a[0], micro)
-    total, (_, loss, stats) = jax.eval_shape(lambda r: head(outside, shift[0], first_batch, r, counters), rest)
+    total, (_, loss, stats) = jax.eval_shape(lambda r: heads(copies, shift[0], first_batch, r, counters), rest)
     sums = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (total, loss, stats))
     with partition.activate(mesh, inner):  # what a visit keeps for its backward, each stage a ring of slots
         _, _, blank = jax.eval_shape(jax.vmap(stage_forward, spmd_axis_name="stage"), staged, counters, shift,
                                      jnp.zeros(S, jnp.int32))
     carry = (shift, shift, jnp.zeros_like(io), [slots(k) for k in blank], counters,
-             jax.tree.map(lambda a: zeros(a, jnp.float32), staged), [zeros(a) for a in outside], rest, sums)
+             jax.tree.map(lambda a: zeros(a, jnp.float32), staged), [zeros(a) for a in copies], rest, sums)
     p.held["slot_bytes"] = sum(k.size // S * k.dtype.itemsize for k in blank)
     p.held["slots"] = table.slots
     carry, _ = jax.lax.scan(tick, carry, jnp.arange(table.ticks))
@@ -278,7 +298,7 @@ def value_and_grad(p: OneFOneB, fn, params, rest, batch):
     stack_grads = jax.tree.map(lambda g, w: g.reshape(w.shape).astype(w.dtype), grads, weights)
     (before_grads,) = before_vjp((dx.astype(x.dtype), stack_grads))
     it = iter(head_grads)
-    grads = jax.tree.unflatten(treedef, [g if i else g + next(it).astype(g.dtype)
+    grads = jax.tree.unflatten(treedef, [g if i else g + next(it).sum(0).astype(g.dtype)
                                          for g, i in zip(jax.tree.leaves(before_grads), inside)])
     total, loss, stats = jax.tree.map(lambda s: s / M, sums)
     return (total, (head_rest, loss, stats)), grads
