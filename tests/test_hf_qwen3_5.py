@@ -7,6 +7,7 @@ transformers reads it; bad configs one line."""
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,13 +16,16 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import shard  # noqa: E402
+from shard import config  # noqa: E402
 from shard.errors import UserError  # noqa: E402
 from shard.hf import arch  # noqa: E402
 from shard.models import deltanet  # noqa: E402
+from shard.run import trainer  # noqa: E402
 from shard.use import generate, load  # noqa: E402
 
-from test_hf import (MESHES, TOKENS, VOCAB, assert_exports_bitwise, jax_logits, relative,  # noqa: E402
-                     saved_folders, torch_logits)
+from conftest import overrides  # noqa: E402
+from test_hf import (FINE_TUNE, MESHES, TOKENS, VOCAB, adapters_merge_as_peft_merges,  # noqa: E402
+                     assert_exports_bitwise, jax_logits, relative, saved_folders, torch_logits)
 
 REAL = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf" / "qwen3.5-9b" / "config.json"
 # the 9B's shape scaled down: key heads shared by two value heads each, partial rotary (a quarter of 16 channels)
@@ -67,15 +71,25 @@ def test_the_chunked_delta_rule_equals_the_rule_token_by_token(length):
     state = rng.normal(size=(b, h, dk, dv))
     want, want_state = delta_rule(q, k, v, beta, g, state)
     time_major = [jnp.asarray(np.moveaxis(x, 1, 0), jnp.float32) for x in (q, k, v, beta, g)]
-    for form in (deltanet.recurrent, lambda *a: deltanet.chunked(*a, chunk=8)):
+    chunks = lambda *a: deltanet.chunked(*a, chunk=8)  # noqa: E731
+    for form in (deltanet.recurrent, chunks):
         got_state, got = form(jnp.asarray(state, jnp.float32), *time_major)
         np.testing.assert_allclose(np.moveaxis(np.asarray(got), 0, 1), want, atol=2e-5, rtol=1e-4)
         np.testing.assert_allclose(np.asarray(got_state), want_state, atol=2e-5, rtol=1e-4)
+    if length != 21:
+        return
+    # training differentiates the chunks: their gradient is the token-by-token rule's
+    weights = jnp.asarray(rng.normal(size=(length, b, h, dv)), jnp.float32)
+    loss = lambda form: lambda *x: jnp.sum(form(jnp.asarray(state, jnp.float32), *x)[1] * weights)  # noqa: E731
+    grad = lambda form: jax.jit(jax.grad(loss(form), argnums=(0, 1, 2, 3, 4)))(*time_major)  # noqa: E731
+    for want, got in zip(grad(deltanet.recurrent), grad(chunks)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind, mesh", [("qwen3_5", "one"), ("qwen3_5", "fsdp"), ("qwen3_5_moe", "ep"),
-                                        ("qwen3_next", "tp")])
+@pytest.mark.parametrize("kind, mesh", [("qwen3_5", "one"), ("qwen3_5_moe", "ep"), ("qwen3_next", "tp")])
 def test_logits_equal_transformers(folders, kind, mesh):
+    """(ep splits the experts over 4 devices and the rest over fsdp: the linear layers' weights too, by embed; tp
+    their key heads)"""
     path, model = folders[kind]
     loaded = load.load(path, EP if mesh == "ep" else MESHES[mesh] or [], whole_mesh=mesh != "one")
     assert relative(jax_logits(loaded), torch_logits(model, TOKENS)) < 1e-5
@@ -92,10 +106,11 @@ def test_greedy_generate_carries_the_state_as_transformers(folders):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_export_and_reimport_are_bitwise(folders, kind, tmp_path):
-    """(Qwen3-Next's router without renormalisation is written as qwen3_next, its projections fused again)"""
-    written = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_next": "qwen3_next"}[kind]
+    """(Qwen3-Next's router without renormalisation is written as qwen3_next, its projections fused again; with it,
+    as qwen3_5_moe_text, whose table is Qwen3.5's linear layers and these experts)"""
+    written = {"qwen3_5": "qwen3_5_text", "qwen3_next": "qwen3_next"}[kind]
     assert_exports_bitwise(*folders[kind], tmp_path / "out", written)
 
 
@@ -149,3 +164,20 @@ def test_the_servers_cache_keeps_states_for_linear_layers_and_positions_for_full
     for context in (16, 32):
         want = 2 * (6 * linear + context * 2 * 2 * 2 * 16 * 4)
         assert engine.Engine(generator, 2, context, VOCAB).cache_bytes() == want
+
+
+def test_lora_adapters_are_peft_weights_of_our_merged_model(folders, tmp_path):
+    """Random adapters on the full layers' attention, every MLP, and the linear layers' projections (`linear`: three
+    of ours side by side in in_proj_qkv), each place of the scanned period its own Hugging Face layers: peft merges
+    them into the weights of our merged model."""
+    adapters_merge_as_peft_merges(folders["qwen3_5"][0], "gpt", [["q", "v"], ["k", "o", "mlp"], ["linear"]], tmp_path)
+
+
+def test_context_parallelism_is_refused_in_one_line(folders, tmp_path):
+    """The linear layers' state runs along the whole sequence, which mesh.context would split. (A fine-tuning step
+    from the folder gives transformers' loss on one device, under fsdp with grad_accum=2 and under mesh=pp: measured
+    when this was written, not rerun here for its two minutes.)"""
+    with pytest.raises(UserError) as e:
+        trainer.run(config.load(None, overrides(tmp_path / "cp", f"train.init_from={folders['qwen3_5'][0]}",
+                                                "mesh=cp", "run.cpu_devices=2", *FINE_TUNE)))
+    assert "gated DeltaNet" in str(e.value) and "\n" not in str(e.value)

@@ -25,10 +25,12 @@ from shard.hf import arch, peft_params, read, tables
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
-def row_for(kind: str, site) -> tables.Row:
-    """The table row of the Hugging Face Linear that this adapted weight (or fused half) is."""
+def row_for(kind: str, site, size: dict | None = None) -> tables.Row:
+    """The table row of the Hugging Face Linear that this adapted weight (or fused half) is (`size`: the letters'
+    sizes, where they place it: a scanned period's length)."""
     ours = ".".join(site.path)
-    for r in tables.rows(kind, {ours}):  # (a row of unlike layers made this layer's)
+    period = size if size and "period" in size else None  # (only a period's rows need the sizes to be found)
+    for r in tables.rows(kind, {ours}, period):  # (a row of unlike layers made this layer's)
         picked = [v for l, v in r.at.items() if l not in {x for g in r.groups() for x in g}]
         if r.ours == ours and picked == ([] if site.weight.pick is None else [site.weight.pick]):
             if len(r.groups()) == 2 and r.theirs.endswith(".weight"):
@@ -58,9 +60,9 @@ def tensors(kind: str, site_list, values: dict, n_layers: int, size: dict | None
     for the fused Linears several of our weights fill (`size`: the letters' sizes, to place each part)."""
     out, modules, fused, groups = {}, [], {}, {}
     for s in site_list:
-        row = row_for(kind, s)
-        groups.setdefault(row.theirs, []).append((row, s))
-    for theirs, parts in groups.items():
+        row = row_for(kind, s, size)
+        groups.setdefault((row.theirs, row.offset), []).append((row, s))  # (a period's places: one module each)
+    for (theirs, _), parts in groups.items():
         module = theirs.removesuffix(".weight")
         modules.append(module.rsplit(".", 1)[-1])
         shared = parts[0][0].fused
@@ -73,7 +75,8 @@ def tensors(kind: str, site_list, values: dict, n_layers: int, size: dict | None
                 a, b = (values[s.key][k] if i is None else values[s.key][k][i] for k in ("lora_a", "lora_b"))
                 lora_a, lora_b = linear_pair(row, s, a, b)
                 pairs.append((lora_a, placed(tables.resolved(row, size), lora_b, size) if shared else lora_b))
-            name = "base_model.model." + (module.format(i=i + parts[0][0].offset) if i is not None else module)
+            first = parts[0][0]
+            name = "base_model.model." + (module.format(i=i * first.stride + first.offset) if i is not None else module)
             out[f"{name}.lora_A.weight"] = np.concatenate([a for a, _ in pairs])
             out[f"{name}.lora_B.weight"] = np.ascontiguousarray(np.concatenate([b for _, b in pairs], axis=1))
     return out, sorted(set(modules)), fused

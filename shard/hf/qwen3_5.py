@@ -147,8 +147,10 @@ def sizes(g: dict) -> dict:
         return {}
     group, keys = d["value_heads"] // d["key_heads"], d["key_heads"] * d["key_dim"]
     fused, width = 2 * keys + d["value_heads"] * d["value_dim"], group * d["value_dim"]
+    types = g["layer_types"]
+    period = next(p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types)))
     return dict(gn=d["key_heads"], gg=group, gk=d["key_dim"], gd=d["value_dim"], gc=d["conv"],
-                go=2 * keys // width, gq=fused // d["key_dim"], gw=fused // width)
+                go=2 * keys // width, gq=fused // d["key_dim"], gw=fused // width, period=period)
 
 
 def is_qwen3_5(g: dict) -> bool:

@@ -319,7 +319,8 @@ def _each_layer(r: Row, params: set[str], size: dict | None) -> list[Row]:
     with that layer's sizes; a row of a period ({p} in its path) once for each place of the period that has it."""
     if "{p}" in r.ours:
         places = {int(m[1]) for p in params if (m := re.match(r"blocks\.layers\.(\d+)\.", p))}
-        return [replace(r, ours=r.ours.replace("{p}", str(p)), offset=p, stride=max(places) + 1)
+        period = (size or {}).get("period") or max(places) + 1
+        return [replace(r, ours=r.ours.replace("{p}", str(p)), offset=p, stride=period)
                 for p in sorted(places) if r.ours.replace("{p}", str(p)) in params]
     if "{i}" not in r.ours:
         return [r] if r.ours in params else []

@@ -43,6 +43,10 @@ TARGETS = {
     "v": (Weight("kv", 1, 2, pick=1),),
     "o": (Weight("out", 2, 1),),
     "mlp": (Weight("w_in"), Weight("w_gate"), Weight("w_out")),
+    # gated DeltaNet's projections (models/deltanet.py): queries and keys (embed -> key heads, key_dim), values and
+    # the output gate (embed -> key heads, their value heads, value_dim), the output (those -> embed)
+    "linear": (Weight("query", 1, 2), Weight("key", 1, 2), Weight("value", 1, 3), Weight("z", 1, 3),
+               Weight("proj", 3, 1)),
 }
 
 
