@@ -174,6 +174,13 @@ def _through_experts(mlp, route: Route, index, rows, weights, replay=None):
     return out[jnp.argsort(order)], tuple(tape.outputs)
 
 
+# The most rounds whose first products the forward pass keeps (a buffer of them all, zeroed, written round by round).
+# The tiny MoE under ep on 4 devices (4 rounds) then executes 1.26x its share of matrix products, 1.39x computing
+# them again; Qwen3-30B-A3B under ep on 16 v5p chips (13 rounds) by the TPU cost model: 1402 ms a step kept, 1285 ms
+# computed again (bench/RESULTS.md): the buffer's bytes cost more than the products they save.
+KEEP_ROUNDS = 4
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _exchange(mlp, route: Route, xs, weights):
     """Each sorted pair's expert output, (pairs, d): the pairs sent to their experts' devices in rounds."""
@@ -185,14 +192,16 @@ def _exchange(mlp, route: Route, xs, weights):
 
 
 def _exchange_fwd(mlp, route, xs, weights):
-    """The rounds, each one's first products' outputs kept for the backward pass: a buffer of every round the
-    data could ask for (all of a device's pairs to one device: pairs / bucket, about the group's size / slack), as
-    static shapes need, so that the backward pass computes no product of the forward's again."""
+    """The rounds, each one's first products' outputs kept for the backward pass, which then computes no product
+    of the forward's again: a buffer of every round the data could ask for (all of a device's pairs to one device:
+    pairs / bucket, about the group's size / slack), as static shapes need, where that is at most KEEP_ROUNDS;
+    past that, the backward pass computes them again."""
     rows = route.group * route.bucket
     sizes = jax.ShapeDtypeStruct((route.per_device,), jnp.int32)
-    shapes = jax.eval_shape(lambda a, s, w: _first_products(mlp, a, s, w),
-                            jax.ShapeDtypeStruct((rows, xs.shape[1]), xs.dtype), sizes, weights)
     most = -(-route.experts.shape[0] // route.bucket)
+    shapes = () if most > KEEP_ROUNDS else jax.eval_shape(
+        lambda a, s, w: _first_products(mlp, a, s, w), jax.ShapeDtypeStruct((rows, xs.shape[1]), xs.dtype), sizes,
+        weights)
 
     def one_round(r, carry):
         ys, kept = carry
