@@ -43,6 +43,18 @@ AIR = dict(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], attentio
            num_experts_per_tok=8, first_k_dense_replace=1, num_hidden_layers=46, num_key_value_heads=8,
            rms_norm_eps=1e-05, rope_theta=1000000, num_nextn_predict_layers=1, tie_word_embeddings=False,
            use_qk_norm=False, vocab_size=151552)
+# moonshotai/Kimi-K2-Instruct's config.json as published (its architecture's fields; model_type kimi_k2, custom code
+# that is DeepSeek-V3's modeling file)
+KIMI = dict(architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", first_k_dense_replace=1, hidden_act="silu",
+            hidden_size=7168, intermediate_size=18432, kv_lora_rank=512, max_position_embeddings=131072,
+            moe_intermediate_size=2048, moe_layer_freq=1, n_group=1, n_routed_experts=384, n_shared_experts=1,
+            norm_topk_prob=True, num_attention_heads=64, num_experts_per_tok=8, num_hidden_layers=61,
+            num_key_value_heads=64, num_nextn_predict_layers=0, q_lora_rank=1536, qk_nope_head_dim=128,
+            qk_rope_head_dim=64, rms_norm_eps=1e-06, rope_theta=50000.0,
+            rope_scaling={"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                          "original_max_position_embeddings": 4096, "type": "yarn"},
+            routed_scaling_factor=2.827, scoring_func="sigmoid", topk_group=1, topk_method="noaux_tc",
+            tie_word_embeddings=False, v_head_dim=128, vocab_size=163840)
 MESHES = {"one": [], "fsdp": ["mesh=fsdp", "run.cpu_devices=2"], "ep": ["mesh=ep", "run.cpu_devices=4"]}
 FAMILIES = {"deepseek_v3": ("DeepseekV3", TINY), "glm4_moe": ("Glm4Moe", GLM)}
 
@@ -134,6 +146,26 @@ def test_the_real_r1_config_reads_as_transformers_reads_it():
     assert g["latent"] == dict(q_rank=1536, kv_rank=512, nope_dim=128, rope_dim=64, v_dim=128)
     assert g["attn_scale"] == pytest.approx(yarn_apply_mscale(theirs.rope_parameters, 192 ** -0.5), rel=1e-12)
     assert (g["n_experts"], g["top_k"], g["n_group"], g["topk_group"], g["dense_layers"]) == (256, 8, 8, 4, 3)
+
+
+def test_a_kimi_k2_folder_reads_as_deepseek_v3(folders, tmp_path):
+    """Kimi-K2's folders say model_type kimi_k2 (custom code, DeepSeek-V3's): read as deepseek_v3, no code of theirs
+    run; its published config as transformers' DeepseekV3Config reads it, and a tiny one with transformers' logits."""
+    import shutil
+
+    g = arch.to_gpt(KIMI, "test")
+    theirs = transformers.DeepseekV3Config(**{k: v for k, v in KIMI.items() if k != "model_type"})
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    assert g["attn_scale"] == pytest.approx(yarn_apply_mscale(theirs.rope_parameters, 192 ** -0.5), rel=1e-12)
+    assert (g["n_experts"], g["n_group"], g["routed_scaling"], g["n_heads"]) == (384, 1, 2.827, 64)
+    path, model = folders["deepseek_v3"]
+    shutil.copytree(path, tmp_path / "kimi")
+    config = json.loads((tmp_path / "kimi" / "config.json").read_text())
+    config.update(model_type="kimi_k2", auto_map={"AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    (tmp_path / "kimi" / "config.json").write_text(json.dumps(config))
+    assert relative(jax_logits(load.load(str(tmp_path / "kimi"), [], whole_mesh=False)),
+                    torch_logits(model, TOKENS)) < 1e-5
 
 
 def test_bad_deepseek_configs_are_one_line():

@@ -17,8 +17,15 @@ ARCHITECTURES = {**DENSE_ARCHITECTURES, gemma4.KIND: gemma4.ARCHITECTURE, **expe
                  **qwen3_next.ARCHITECTURES}
 
 
+# Folders whose model_type names a model of another's architecture, read as that one (no code of theirs runs): Kimi-K2's
+# (`kimi_k2`, its architectures DeepseekV3ForCausalLM and its modeling file DeepSeek-V3's)
+ALIASES = {"kimi_k2": ("DeepseekV3ForCausalLM", deepseek.KIND)}
+
+
 def model_type(config: dict, where: str) -> str:
     kind = config.get("model_type")
+    if kind in ALIASES and config.get("architectures") == [ALIASES[kind][0]]:
+        return ALIASES[kind][1]
     if kind not in SUPPORTED:
         raise UserError(f"{where}: model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
     return kind
