@@ -203,24 +203,25 @@ def value_and_grad(p: OneFOneB, fn, params, rest, batch):
             return y
         return answering(fn, substitute)(whole(outside_), rest_m, batch_m)
 
-    # The head runs on every stage at once, each on its share of the microbatch's rows (each on all of them where
-    # the rows do not split) with its own copy of the parameters outside the stack: its gradient stays a partial
-    # sum per stage until the end, rather than a reduction over the stages at every tick.
-    across = S * math.prod(mesh.shape[a] for a in rows.others)
-    split = mb_shape[0] % across == 0
+    # The head runs on every stage at once with its own copy of the parameters outside the stack, so their gradient
+    # stays a partial sum per stage until the end, not a reduction over the stages at every tick: where the
+    # microbatch's rows split over the stages each takes its share (1/S of the head's work each), else each runs
+    # its own output and only the last stage's counts (no activation leaves a stage).
+    split = mb_shape[0] % (S * math.prod(mesh.shape[a] for a in rows.others)) == 0
+    share = jnp.full(S, 1 / S) if split else last.astype(jnp.float32)
+    copies = [on_stages(jnp.broadcast_to(a, (S, *a.shape)), 0) for a in outside]
 
     def parts(a):
         a = a.reshape(S, a.shape[0] // S, *a.shape[1:]) if split else jnp.broadcast_to(a, (S, *a.shape))
         return on_stages(a, 0, 1)
 
-    copies = [on_stages(jnp.broadcast_to(a, (S, *a.shape)), 0) for a in outside]
-
-    def heads(copies_, y, batch_m, rest_m, now):
+    def heads(copies_, ys, batch_m, rest_m, now):
         def one(o, y_s, batch_s):
             return head(o, y_s, batch_s, rest_m, now)
         with partition.activate(mesh, inner):
-            total, aux = jax.vmap(one, spmd_axis_name="stage")(copies_, parts(y), jax.tree.map(parts, batch_m))
-        return jnp.mean(total), jax.tree.map(lambda a: jnp.mean(a, 0) if pipeline.floating(a) else a[0], aux)
+            total, aux = jax.vmap(one, spmd_axis_name="stage")(copies_, ys, jax.tree.map(parts, batch_m))
+        mean = lambda a: jnp.tensordot(share, a.astype(jnp.float32), 1).astype(a.dtype)
+        return mean(total), jax.tree.map(lambda a: mean(a) if pipeline.floating(a) else a[S - 1], aux)
 
     def tick(carry, t):
         inputs, cots, dx_io, saved, current, grads, head_grads, head_rest, sums = carry
@@ -246,9 +247,12 @@ def value_and_grad(p: OneFOneB, fn, params, rest, batch):
 
         def loss_and_cotangent(head_rest):
             batch_m = jax.tree.map(lambda a: a[m], micro)
+            ys = parts(outputs[S - 1]) if split else outputs
             total, vjp, (new_rest, loss, stats) = jax.vjp(
-                lambda o, y: heads(o, y, batch_m, head_rest, current), copies, outputs[S - 1], has_aux=True)
-            d_out, dy = vjp(jnp.ones_like(total) / M)
+                lambda o, y: heads(o, y, batch_m, head_rest, current), copies, ys, has_aux=True)
+            d_out, dys = vjp(jnp.ones_like(total) / M)
+            # the last stage's output cotangent, at the last stage (the other rows of `dys`: unused)
+            dy = jnp.broadcast_to(dys.reshape(mb_shape), (S, *mb_shape)) if split else dys
             return dy, d_out, (total, loss, stats), new_rest
 
         shapes = jax.eval_shape(loss_and_cotangent, head_rest)
@@ -260,7 +264,7 @@ def value_and_grad(p: OneFOneB, fn, params, rest, batch):
 
         # backward: the last stage starts from the head's cotangent on a microbatch's last repeat
         b_valid, b_m, b_r, b_slot = table.backward(t, stage)
-        cots = jnp.where(column(last & (b_r == R - 1)), dy[None].astype(cots.dtype), cots)
+        cots = jnp.where(column(last & (b_r == R - 1)), dy.astype(cots.dtype), cots)
 
         def backwards(grads):
             take = lambda buf: jax.vmap(lambda b, i: b[i])(buf, b_slot)
@@ -282,7 +286,8 @@ def value_and_grad(p: OneFOneB, fn, params, rest, batch):
     slots = lambda a: on_stages(jnp.zeros((S, table.slots, *a.shape[1:]), a.dtype), 1)
     shift = on_stages(jnp.zeros((S, *mb_shape), x.dtype), 0, 1)
     first_batch = jax.tree.map(lambda a: a[0], micro)
-    total, (_, loss, stats) = jax.eval_shape(lambda r: heads(copies, shift[0], first_batch, r, counters), rest)
+    ys = parts(shift[0]) if split else shift
+    total, (_, loss, stats) = jax.eval_shape(lambda r: heads(copies, ys, first_batch, r, counters), rest)
     sums = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (total, loss, stats))
     with partition.activate(mesh, inner):  # what a visit keeps for its backward, each stage a ring of slots
         _, _, blank = jax.eval_shape(jax.vmap(stage_forward, spmd_axis_name="stage"), staged, counters, shift,
