@@ -179,14 +179,16 @@ class GPT(nnx.Module):
             if chunks or temperature or self.dense_first(n_layers, d_ff)[0]:
                 raise ValueError(f"{', '.join(k for k, v in unlike.items() if v)} run the layers unscanned, which "
                                  "takes no chunks, attention temperature or dense first layers")
-            self.layers, self.sources = mixed.layers(
+            layers, self.sources = mixed.layers(
                 make_block, n_layers, d_model, d_ff, rngs, windows=list(windows or [0] * n_layers),
                 rotations=rope_layers, rope=rope, local_rope=local_rope, head_dim=head_dim, kv_heads=n_kv_heads,
                 norm=norm, eps=norm_eps, out_std=out_std, act=jax.nn.silu if mlp == "swiglu" else jax.nn.gelu,
                 **unlike)
             self.per_layer = mixed.PerLayerInputs(per_layer_vocab or vocab_size, d_model, n_layers, per_layer_dim,
                                                   norm, norm_eps, rngs) if per_layer_dim else None
-            self.dense_blocks = self.blocks = None
+            self.dense_blocks = None
+            # (scanned a period at a time where no layer reuses another's keys: mixed.layers)
+            self.blocks, self.layers = (layers, None) if self.sources is None else (None, layers)
             self.ln_f = make_norm(norm, d_model, rngs, norm_eps)
             self.head = None if tie_embeddings else param(rngs, (d_model, vocab_size), ("embed", "vocab"), 0.02)
             return

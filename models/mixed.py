@@ -122,25 +122,32 @@ def _applying(keep, reuse):
 def layers(make_block, n_layers: int, d_model: int, d_ff: int, rngs: nnx.Rngs, *, windows: list, rotations, rope,
            local_rope, head_dim: int, kv_heads: int, norm: str, eps: float, out_std: float, act, global_head_dim: int,
            global_kv_heads: int, values_from_keys: bool, shared_kv_layers: int, wide_shared_mlp: bool,
-           per_layer_dim: int, layer_scalar: bool) -> tuple[nnx.List, list]:
+           per_layer_dim: int, layer_scalar: bool) -> tuple[nnx.Module, list | None]:
     """(the layers, each one's source of keys and values): `make_block(rngs, ...)` builds each layer's Block with its
-    own window, rotation, head size and key/value heads; the GPT's docstring says what each option does."""
+    own window, rotation, head size and key/value heads; the GPT's docstring says what each option does. Layers that
+    reuse no other's keys and take no per-layer inputs are stacked a period of their pattern at a time (a scan: Gemma
+    4's five sliding layers and a global one; `periodic`), with no sources (None); the others are a list."""
     if not 0 <= shared_kv_layers < n_layers:
         raise ValueError(f"shared_kv_layers={shared_kv_layers}: give fewer than the {n_layers} layers (at least one "
                          "computes the keys and values the others reuse)")
     source = sources(windows, shared_kv_layers)
-    out = []
-    for i, window in enumerate(windows):
-        wide = not window  # a global layer: Gemma 4's full attention
-        turn = 1 if rotations is None else rotations[i]
-        block = make_block(rngs, windows=None, fixed_window=window, rope={0: None, 1: rope, 2: local_rope}[turn],
+    turns = [1] * n_layers if rotations is None else list(rotations)
+
+    def build(rngs, i):
+        wide = not windows[i]  # a global layer: Gemma 4's full attention
+        block = make_block(rngs, windows=None, fixed_window=windows[i],
+                           rope={0: None, 1: rope, 2: local_rope}[turns[i]],
                            head_dim=(global_head_dim if wide else 0) or head_dim,
                            kv_heads=(global_kv_heads if wide else 0) or kv_heads,
                            values_from_keys=values_from_keys and wide and source[i] is None,
                            own_kv=source[i] is None,
                            dense_ff=2 * d_ff if wide_shared_mlp and source[i] is not None else 0)
-        out.append(Layer(block, d_model, per_layer_dim, layer_scalar, norm, eps, out_std, rngs, act))
-    return nnx.List(out), source
+        return Layer(block, d_model, per_layer_dim, layer_scalar, norm, eps, out_std, rngs, act)
+
+    if not shared_kv_layers and not per_layer_dim:
+        kinds = list(zip(windows, turns))
+        return periodic(build, [kinds.index(k) for k in kinds], rngs), None
+    return nnx.List([build(rngs, i) for i in range(n_layers)]), source
 
 
 # ----------------------------------------------------------------------------- a repeating pattern, scanned
@@ -156,6 +163,8 @@ class Period(nnx.Module):
     def __call__(self, x):
         for one in self.layers:
             x = one(x)
+            if isinstance(x, tuple):  # a Layer of unlike layers: (its output, its keys and values)
+                x = x[0]
         return x
 
 

@@ -317,8 +317,9 @@ class MoE(GPT):
             load = jnp.stack([e.load.get_value() for e in found])
             mean = jnp.stack([e.router_mean.get_value() for e in found])
         else:  # (layers, experts), written back by the stack of blocks; a scanned period's, place by place
-            period = isinstance(self.blocks, mixed.Period)
-            ffns = [one.ffn for one in self.blocks.layers] if period else [self.blocks.ffn]
+            period = isinstance(self.blocks, mixed.Period)  # (its layers Blocks, or Gemma 4's Layers of one)
+            ffns = [getattr(one, "block", one).ffn for one in self.blocks.layers] if period else [self.blocks.ffn]
+            ffns = [f.experts if isinstance(f, mixed.Beside) else f for f in ffns]
             load = jnp.concatenate([f.load.get_value() for f in ffns])
             mean = jnp.concatenate([f.router_mean.get_value() for f in ffns])
         self.min_expert_share.set_value(jnp.min(load) * self.n_experts)

@@ -264,6 +264,9 @@ def _gated_mlp(ours: str, theirs: str, wide: str) -> tuple[Row, ...]:
 
 
 TABLES["gemma4_text"] = _gemma4()
+# Gemma 4's layers scanned a period of their pattern at a time (models/mixed.py's layers, where none shares keys)
+TABLES["gemma4_text"] += tuple(replace(r, ours=r.ours.replace("layers.{i}.", "blocks.layers.{p}.", 1))
+                               for r in TABLES["gemma4_text"] if r.ours.startswith("layers.{i}."))
 # The tables whose bare expert stacks are held (experts, in, out), the transpose of the others' (transformers'
 # is_transposed): PEFT's adapters on them take their in and out features from those axes (shard/hf/peft_params.py)
 EXPERTS_IN_OUT = {"gpt_oss"}
@@ -319,8 +322,9 @@ def _each_layer(r: Row, params: set[str], size: dict | None) -> list[Row]:
     with that layer's sizes; a row of a period ({p} in its path) once for each place of the period that has it."""
     if "{p}" in r.ours:
         places = {int(m[1]) for p in params if (m := re.match(r"blocks\.layers\.(\d+)\.", p))}
-        period = (size or {}).get("period") or max(places) + 1
-        return [replace(r, ours=r.ours.replace("{p}", str(p)), offset=p, stride=period)
+        period = (size or {}).get("period") or max(places, default=0) + 1
+        return [replace(r, ours=r.ours.replace("{p}", str(p)), offset=p, stride=period,
+                        size=(size or {}).get("layers", {}).get(p, {}))  # (a place's sizes: its first layer's)
                 for p in sorted(places) if r.ours.replace("{p}", str(p)) in params]
     if "{i}" not in r.ours:
         return [r] if r.ours in params else []
