@@ -65,7 +65,8 @@ Shapes (--shape):
              (sparse_matmul=true, capacity_factor=-1) through its megablox Pallas kernels (megablox=true,
              use_tokamax_gmm=false: maxtext/kernels/megablox); ours: gpt_1b.yaml, train.init_from=a folder of
              Qwen3-30B-A3B's config.json alone (bench/family_plans.py's), dropless, train.grouped_matmul=auto:
-             tokamax's Mosaic megablox kernels since 2026-11-29 (before, on a compile-only target, its XLA path).
+             JAX's Pallas megablox kernels with MaxText's tiles (since the third session of 2026-11-29; tokamax's
+             Mosaic kernels earlier that day; before, on a compile-only target, tokamax's XLA path).
              Seq 4096, per-chip batch 1. --mesh ep: the experts over every chip (ours mesh=ep; MaxText
              ici_expert_parallelism=N, whose rules split the other weights over that axis too, as our ep
              preset does since 2026-11-29; ours-xla-rest-whole keeps them whole, the preset before). Both sides'
