@@ -181,3 +181,29 @@ def test_context_parallelism_is_refused_in_one_line(folders, tmp_path):
         trainer.run(config.load(None, overrides(tmp_path / "cp", f"train.init_from={folders['qwen3_5'][0]}",
                                                 "mesh=cp", "run.cpu_devices=2", *FINE_TUNE)))
     assert "gated DeltaNet" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_packed_documents_restart_the_linear_layers_state():
+    """Two documents packed in one row (data.packing=documents) give each one's logits alone: the linear layers run
+    token by token there, their convolution window and state restarting at each document's first token."""
+    from flax import nnx
+
+    from shard.models.gpt import GPT
+    from shard.nn import hooks
+
+    with nnx.use_eager_sharding(False):
+        model = GPT(vocab_size=50, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, position="rope",
+                    norm="rmsnorm+1", mlp="swiglu", qk_norm="head", attn_gate=True,
+                    layer_types=["deltanet"] * 3 + ["attention"], rngs=nnx.Rngs(0),
+                    deltanet=dict(key_heads=2, value_heads=4, key_dim=8, value_dim=8, conv=4))
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 50, 7), rng.integers(0, 50, 9)
+    # one call: the two packed, then each alone at the start of its own row (padding, segment 0, after it)
+    rows = np.stack([np.concatenate([a, b]), np.pad(a, (0, 9)), np.pad(b, (0, 7))])
+    segments = np.asarray([[1] * 7 + [2] * 9, [1] * 7 + [0] * 9, [1] * 9 + [0] * 7])
+    places = np.asarray([list(range(7)) + list(range(9)), list(range(16)), list(range(16))])
+    graphdef, state = nnx.split(model)
+    with hooks.packed(jnp.asarray(segments), jnp.asarray(places)):
+        out = np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, jnp.asarray(rows)))
+    packed, alone = out[0], np.concatenate([out[1, :7], out[2, :9]])
+    assert relative(packed, alone) < 1e-5
