@@ -151,7 +151,7 @@ def test_1f1b_holds_the_activations_of_fewer_microbatches_than_gpipe(tmp_path):
     assert temp(one) <= 0.6 * temp(gpipe)
     strategy = one.strategy("pipeline")
     p = strategy.plan(one, [], 4)["pipeline"]
-    assert (p["held_inputs"]["slots"], p["held_inputs"]["gpipe_iterations"]) == (7, 19)
+    assert (p["held"]["slots"], p["held"]["gpipe_iterations"]) == (7, 19)
     assert p["bubble"] == pytest.approx(3 / 19)
     lines = strategy.report({"pipeline": p})
     assert "(1F1B), 16 microbatches" in lines[0] and "at most 7 microbatch visits" in lines[1]

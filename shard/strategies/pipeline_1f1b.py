@@ -109,10 +109,12 @@ class OneFOneB:
 
 @dataclass
 class Stack:
-    """What the run before the stack found: its layers' graph, their other state, and the layers' count."""
+    """What the run before the stack found: its layers' graph, their other state, how many stacks ran, and the
+    stack's input with its layers' parameters (the run's outputs)."""
     graphdef: object = None
     rest: object = None
     calls: int = 0
+    captured: tuple = ()
 
 
 def answering(fn, answer):

@@ -108,7 +108,7 @@ class Pipeline(Strategy):
                "microbatches": p.microbatches, "layers_per_stage": [k // p.stages for k in self.stacks],
                "bubble": self.idle_share()}
         if isinstance(p, OneFOneB) and p.held:  # what tracing the step found: a slot is one microbatch's input
-            out["held_inputs"] = {"slots": p.held["slots"], "slot_bytes": p.held["slot_bytes"],
+            out["held"] = {"slots": p.held["slots"], "slot_bytes": p.held["slot_bytes"],
                                   "gpipe_iterations": p.repeats * p.microbatches + p.stages - 1}
         return {"pipeline": out}
 
@@ -123,7 +123,7 @@ class Pipeline(Strategy):
         lines = [f"pipeline: {pipe['stages']} stages x {pipe['repeats']} repeat(s) ({kind}), {pipe['microbatches']} "
                  f"microbatches, {'/'.join(map(str, pipe['layers_per_stage']))} layers per stage; bubble "
                  f"(S-1)/(R*M+S-1) = {pipe['bubble']:.1%} of the step"]
-        if held := pipe.get("held_inputs"):
+        if held := pipe.get("held"):
             lines.append(f"pipeline: a stage keeps its activations (as train.remat says) for at most {held['slots']} "
                          f"microbatch visits at once, {mb(held['slot_bytes'])} each: "
                          f"{mb(held['slots'] * held['slot_bytes'])} (GPipe: {held['gpipe_iterations']} iterations)")
