@@ -253,3 +253,19 @@ def test_the_1f1b_table_keeps_every_dependency_and_gpipes_bubble(stages, repeats
             assert read == slot and not [k for k, v in fwd.items() if k[2] == s and t0 < v[0] <= t1 and v[1] == slot]
     assert cost == (M * R + S - 1) * 3 and 1 - M * R * 3 / cost == pytest.approx(pipeline.bubble(S, R, M))
     assert R == 1 or pipeline.bubble(S, R, M) < pipeline.bubble(S, 1, M)
+
+
+def test_1f1b_refuses_what_it_cannot_average_or_pipeline_in_one_line():
+    """Float state the stacked layers update (a mixture of experts' recorded loads) and a second stack, each one
+    line naming the setting and what to use instead."""
+    from flax import nnx
+
+    from shard.errors import UserError
+    from shard.strategies.pipeline_1f1b import Stack, refuse
+
+    loads = nnx.State({"ffn": {"load": nnx.Variable(jnp.zeros(3))}})
+    for found, words in ((Stack(rest=loads, calls=1), "float state (ffn/load"),
+                         (Stack(rest=nnx.State({}), calls=2), "runs 2 stacks")):
+        with pytest.raises(UserError) as e:
+            refuse(found, 2, 4)
+        assert words in str(e.value) and "pipeline.schedule=gpipe" in str(e.value) and "\n" not in str(e.value)
