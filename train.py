@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
 
         if note := config_only.note(cfg):
             print(note)
-        rows = meshes.compare(cfg, devices)
+        rows = meshes.compare(cfg, devices, schedules=True)
         print(meshes.comparison_table(rows))
         for path in meshes.write_comparison(cfg.run.dir, rows):
             print(f"wrote {path}")

@@ -5,7 +5,7 @@ compare.png, and the choice mesh=auto trains with (the fastest estimate that fit
 
 import itertools
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import jax
 from flax import nnx
@@ -62,11 +62,12 @@ def _layout(sizes: dict, rules: dict, zero: int) -> tuple:
                                                 for name, target in merged.items())), zero)
 
 
-def compare(cfg, devices: list) -> list[dict]:
+def compare(cfg, devices: list, schedules: bool = False) -> list[dict]:
     """analyse() for every candidate mesh the model's dimensions allow, with one workload (model,
     data, optimizer, FLOPs) built once. A mesh is skipped when the model's dimensions do not divide
     it, or when it is another mesh under a renamed axis (renamed_mesh: e.g. `expert` for a model without
-    experts, data parallel or, under `ep`'s rules, fsdp under another name)."""
+    experts, data parallel or, under `ep`'s rules, fsdp under another name). `schedules` (--compare): a
+    pipelined mesh also under every other `pipeline.schedule`, a row each."""
     work = job.workload(cfg, devices)
     params = work.abstract.params
     auto_min = state_lib.auto_min_size(cfg.mesh)
@@ -87,7 +88,21 @@ def compare(cfg, devices: list) -> list[dict]:
             rows.append({"label": label, "skipped": str(e)})
             continue
         rows.append({"label": label, "preset": preset, **plan})
+        for schedule in pipeline_schedules(cfg) if schedules and sizes["stage"] > 1 else ():
+            try:
+                plan = analyse(replace(cfg, mesh=mesh_cfg, pipeline=replace(cfg.pipeline, schedule=schedule)), devices,
+                               work)
+            except UserError as e:  # e.g. a model whose stacked layers 1F1B refuses
+                rows.append({"label": f"{label}, {schedule}", "skipped": str(e)})
+                continue
+            rows.append({"label": f"{label}, {schedule}", "preset": preset, **plan})
     return rows
+
+
+def pipeline_schedules(cfg) -> list[str]:
+    """The `pipeline.schedule` choices (the schema's) other than cfg's."""
+    choices = next(f for f in fields(cfg.pipeline) if f.name == "schedule").metadata["choices"]
+    return [s for s in choices if s != cfg.pipeline.schedule]
 
 
 def renamed_mesh(rows: list[dict], params, sizes: dict, rules: dict) -> str | None:
