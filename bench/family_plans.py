@@ -126,6 +126,11 @@ PUBLISHED = {
         rope_scaling=None, sliding_window=None, use_sliding_window=False, attention_bias=False, num_experts=128,
         num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         output_router_logits=False, router_aux_loss_coef=0.001, tie_word_embeddings=False)),
+    # no config.json of a Qwen3.5 MoE in fixtures/hf: transformers 5.24's Qwen3_5MoeTextConfig defaults, which its
+    # docstring names as Qwen/Qwen3.5-35B-A3B's (40 layers, three DeltaNet to one full; 256 experts, 8 a token)
+    "qwen3.5-35b-a3b": ("transformers' Qwen3_5MoeTextConfig defaults (Qwen/Qwen3.5-35B-A3B's shape)", dict(
+        model_type="qwen3_5_moe_text", rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                                        "partial_rotary_factor": 0.25})),
     # the fixture holds Scout's tokenizer alone: its published text_config's fields
     "llama-4-scout-17b-16e": ("meta-llama/Llama-4-Scout-17B-16E config.json (text_config)", dict(
         model_type="llama4_text", vocab_size=202048, hidden_size=5120, intermediate_size=8192,
@@ -166,7 +171,7 @@ ORDER = ["qwen3-4b", "qwen3-8b", "smollm3-3b", "gemma-2-9b", "gemma-3-1b", "gemm
          # issue 59's
          "gpt-oss-20b", "olmo-3-32b", "llama-4-scout-17b-16e", "gemma-4-e2b", "gemma-4-31b",
          # issue 60's
-         "qwen3.5-9b", "glm-4.5-air"]
+         "qwen3.5-9b", "qwen3.5-35b-a3b", "glm-4.5-air"]
 # What else is planned on a target, per family, after its `mesh=fsdp` row: (target, overrides). Found by these
 # plans on h100x8 (bench/RESULTS.md, issue 47):
 # - Phi-3's step does not compile for the H100 with the plan's defaults: XLA's GPU compiler finds no Triton tiling
@@ -192,7 +197,8 @@ MORE = {
 # the GPUs; or 4 of them, fsdp over 2), and the capacity routing beside it, for their memory.
 COMPARED = {
     "h100x8": {"qwen3-30b-a3b": [("h100x8", ["mesh=ep"]), ("h100x8", ["mesh=fsdp", "mesh.expert=4"]),
-                                 ("h100x8", ["mesh=fsdp", "model.routing=capacity"])]},
+                                 ("h100x8", ["mesh=fsdp", "model.routing=capacity"])],
+               "qwen3.5-35b-a3b": [("h100x8", ["mesh=ep"])]},
 }
 
 
