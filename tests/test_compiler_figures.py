@@ -149,11 +149,10 @@ def test_a_scanned_and_an_unrolled_compile_give_the_same_estimate(tmp_path):
 
 @needs_libtpu
 def test_the_moe_dropless_under_ep_on_a_tpu_counts_its_grouped_kernels_by_their_estimates(tmp_path):
-    """configs/text_moe.yaml dropless under ep on v5p-8, 128 wide (tokamax's Mosaic kernels take dimensions of 128
-    up): every custom-call kernel is a grouped product's (tokamax's megablox), each stating its cost, so nothing
-    analytic is added on top of them; they hold at least the experts' forward and rows' gradient share
-    (2 x pairs x d x f per expert matrix: 4 layers, 32 x 64 tokens x top-2, d_model 128, d_ff 256, two matrices)."""
-    pytest.importorskip("tokamax")
+    """configs/text_moe.yaml dropless under ep on v5p-8, 128 wide: every custom-call kernel is a grouped product's
+    (auto's: JAX's megablox gmm and tgmm), each stating its cost, so nothing analytic is added on top of them; they
+    hold at least the experts' forward and rows' gradient share (2 x pairs x d x f per expert matrix: 4 layers,
+    32 x 64 tokens x top-2, d_model 128, d_ff 256, two matrices)."""
     cfg = config.load("configs/text_moe.yaml", overrides(tmp_path, "model.routing=dropless", "run.target=v5p-8",
                                                          "train.attention=xla", "model.d_model=128", "model.d_ff=256"))
     c = analysis.analyse(cfg, target.devices(target.of(cfg.run)))["compiler"]
