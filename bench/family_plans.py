@@ -165,13 +165,13 @@ PUBLISHED = {
 FIXTURE_FAMILIES = {"qwen3-4b": "qwen3-4b", "smollm3-3b": "smollm3-3b", "gemma-3-1b": "gemma-3-1b-it",
                     "llama-3.2-3b": "llama-3.2-3b-instruct", "gpt-oss-20b": "gpt-oss-20b",
                     "olmo-3-32b": "olmo-3.1-32b-instruct", "gemma-4-e2b": "gemma-4-E2B-it",
-                    "qwen3.5-9b": "qwen3.5-9b"}
+                    "qwen3.5-9b": "qwen3.5-9b", "deepseek-r1": "deepseek-r1"}
 ORDER = ["qwen3-4b", "qwen3-8b", "smollm3-3b", "gemma-2-9b", "gemma-3-1b", "gemma-3-12b", "phi-3-mini-4k",
          "phi-3-mini-128k", "olmo-2-7b", "mistral-7b", "mixtral-8x7b", "qwen3-30b-a3b", "llama-3.2-3b",
          # issue 59's
          "gpt-oss-20b", "olmo-3-32b", "llama-4-scout-17b-16e", "gemma-4-e2b", "gemma-4-31b",
          # issue 60's
-         "qwen3.5-9b", "qwen3.5-35b-a3b", "glm-4.5-air"]
+         "qwen3.5-9b", "qwen3.5-35b-a3b", "glm-4.5-air", "deepseek-r1"]
 # What else is planned on a target, per family, after its `mesh=fsdp` row: (target, overrides). Found by these
 # plans on h100x8 (bench/RESULTS.md, issue 47):
 # - Phi-3's step does not compile for the H100 with the plan's defaults: XLA's GPU compiler finds no Triton tiling
