@@ -173,16 +173,9 @@ def from_moe(g: dict) -> dict:
                 rope_interleaved=True, windows=None, chunks=None, rope_layers=None, embed_scale=False,
                 router_bias=False, router_norm=False, expert_scale=False, weigh_inputs=False, shared_gate=False,
                 expert_bias=False, swiglu_limit=0.0, beside_d_ff=0, logit_softcap=0.0)
-    wrong = {k: g.get(k) for k, v in want.items() if (g.get(k) or None) != (v or None)}
     scaling = g.get("rope_scaling") or {}
-    if scaling and scaling.get("rope_type") != "yarn":
-        wrong["rope_scaling"] = scaling
-    if g.get("shared_experts", 0) and g.get("shared_d_ff") not in (0, None, g["d_ff"]):
-        wrong["shared_d_ff"] = g["shared_d_ff"]
-    if wrong:
-        raise UserError(f"--format hf: {', '.join(f'{k}={v!r}' for k, v in wrong.items())} fits no {KIND} config.json: "
-                        f"DeepSeek-V3 has {', '.join(f'{k}={v!r}' for k, v in want.items() if k in wrong)}, YaRN or no "
-                        "rope_scaling, shared experts as wide as the routed ones")
+    refuse_unlike(g, want, {"rope_scaling": scaling} if scaling and scaling.get("rope_type") != "yarn" else {},
+                  KIND, "DeepSeek-V3", "YaRN or no rope_scaling")
     latent = g["latent"]
     rope = {"rope_type": "default", "rope_theta": g["rope_theta"]} if not scaling else \
         {**scaling, "rope_theta": g["rope_theta"]}
@@ -198,6 +191,19 @@ def from_moe(g: dict) -> dict:
                 kv_lora_rank=latent["kv_rank"], q_lora_rank=latent["q_rank"] or None,
                 qk_rope_head_dim=latent["rope_dim"], v_head_dim=latent["v_dim"], qk_nope_head_dim=latent["nope_dim"],
                 rope_parameters=rope, rope_interleave=True, attention_bias=g["attn_bias"])
+
+
+def refuse_unlike(g: dict, want: dict, wrong: dict, kind: str, family: str, also: str) -> None:
+    """One line where an MoE's arguments `g` differ from what `family`'s config.json (`kind`) can hold: the options in
+    `want` that differ, then `wrong` (found by the caller, `also` saying what is allowed there), then shared experts
+    wider than the routed ones (DeepSeek-V3's and GLM-4.5's are as wide)."""
+    wrong = {**{k: g.get(k) for k, v in want.items() if (g.get(k) or None) != (v or None)}, **wrong}
+    if g.get("shared_experts", 0) and g.get("shared_d_ff") not in (0, None, g["d_ff"]):
+        wrong["shared_d_ff"] = g["shared_d_ff"]
+    if wrong:
+        raise UserError(f"--format hf: {', '.join(f'{k}={v!r}' for k, v in wrong.items())} fits no {kind} config.json: "
+                        f"{family} has {', '.join(f'{k}={v!r}' for k, v in want.items() if k in wrong)}, {also}, "
+                        "shared experts as wide as the routed ones")
 
 
 def shared_config(g: dict) -> dict:

@@ -4,8 +4,9 @@ Its experts and router are DeepSeek-V3's (shard/hf/deepseek.py: sigmoid scores w
 and does not weigh, group-limited top-k, routed scaling, shared experts, dense first layers); its attention is plain
 grouped-query attention with a head size of its own (head_dim, apart from hidden_size / heads), biases on the queries,
 keys and values but not the output (attention_bias), optional per-head query and key norms (use_qk_norm), and RoPE on
-the first partial_rotary_factor of each head's channels by halves (rotate_half), not on adjacent pairs. The
-multi-token-prediction layers a checkpoint holds past num_hidden_layers are not read (one line says so)."""
+the first partial_rotary_factor of each head's channels by halves (rotate_half), not on adjacent pairs. Its tensor
+table is tables.py's (`_glm4_moe`). The multi-token-prediction layers a checkpoint holds past num_hidden_layers are not
+read (one line says so)."""
 
 from shard.errors import UserError
 from shard.hf import deepseek
@@ -59,29 +60,6 @@ def to_moe(c: dict, where: str) -> dict:
                 n_layers=get("num_hidden_layers"), **deepseek.experts(get, where))
 
 
-def rows(row) -> tuple:
-    """GLM-4.5's tensor table (shard/hf/tables.py's rows, `row` its Row): Llama's attention with its biases and Qwen3's
-    head norms in both stacks (the dense first layers', `dense_blocks`, and the experts' layers', `blocks`), then
-    DeepSeek-V3's MLPs, experts and router (deepseek.expert_rows)."""
-    L = "model.layers.{i}."
-    A = L + "self_attn."
-    out = [row("tok", "model.embed_tokens.weight", "v e", "v e")]
-    for stack in ("dense_blocks.", "blocks."):
-        at = stack + "attn."
-        out += [row(at + "q", A + "q_proj.weight", "(h d) e", "e h d"),
-                row(at + "kv", A + "k_proj.weight", "(k d) e", "e s k d", {"s": 0}),
-                row(at + "kv", A + "v_proj.weight", "(k d) e", "e s k d", {"s": 1}),
-                row(at + "out", A + "o_proj.weight", "e (h d)", "h d e"),
-                row(at + "q_bias", A + "q_proj.bias", "(h d)", "h d"),
-                row(at + "kv_bias", A + "k_proj.bias", "(k d)", "s k d", {"s": 0}),
-                row(at + "kv_bias", A + "v_proj.bias", "(k d)", "s k d", {"s": 1}),
-                row(at + "q_norm.scale", A + "q_norm.weight", "d", "d"),
-                row(at + "k_norm.scale", A + "k_norm.weight", "d", "d"),
-                row(stack + "ln1.scale", L + "input_layernorm.weight", "e", "e"),
-                row(stack + "ln2.scale", L + "post_attention_layernorm.weight", "e", "e")]
-    return (*out, *deepseek.expert_rows(row))
-
-
 def is_glm(g: dict) -> bool:
     """An MoE routed as DeepSeek-V3 routes, with plain attention: written as glm4_moe."""
     return g.get("router") == "sigmoid" and bool(g.get("score_correction")) and not g.get("latent")
@@ -95,15 +73,8 @@ def from_moe(g: dict) -> dict:
                 embed_scale=False, router_bias=False, router_norm=False, expert_scale=False, weigh_inputs=False,
                 shared_gate=False, expert_bias=False, swiglu_limit=0.0, beside_d_ff=0, logit_softcap=0.0,
                 rope_scaling=None, attn_scale=0.0, attn_softcap=0.0, attn_sinks=False)
-    wrong = {k: g.get(k) for k, v in want.items() if (g.get(k) or None) != (v or None)}
-    if g.get("qk_norm") not in ("none", "head"):
-        wrong["qk_norm"] = g.get("qk_norm")
-    if g.get("shared_experts", 0) and g.get("shared_d_ff") not in (0, None, g["d_ff"]):
-        wrong["shared_d_ff"] = g["shared_d_ff"]
-    if wrong:
-        raise UserError(f"--format hf: {', '.join(f'{k}={v!r}' for k, v in wrong.items())} fits no {KIND} config.json: "
-                        f"GLM-4.5 has {', '.join(f'{k}={v!r}' for k, v in want.items() if k in wrong)}, qk_norm none "
-                        "or head, shared experts as wide as the routed ones")
+    deepseek.refuse_unlike(g, want, {} if g.get("qk_norm") in ("none", "head") else {"qk_norm": g.get("qk_norm")},
+                           KIND, "GLM-4.5", "qk_norm none or head")
     head_dim = g["head_dim"]
     rope = {"rope_type": "default", "rope_theta": g["rope_theta"],
             "partial_rotary_factor": (g.get("rotary_dim") or head_dim) / head_dim}

@@ -273,7 +273,18 @@ EXPERTS_IN_OUT = {"gpt_oss"}
 # Llama 4's stacks are (experts, in, out) too, but its module does not say so: PEFT takes their in axis for its out
 EXPERTS_FLIPPED = {"llama4_text"}
 TABLES["deepseek_v3"] = deepseek.rows(Row)
-TABLES["glm4_moe"] = glm.rows(Row)
+
+
+def _glm4_moe() -> tuple[Row, ...]:
+    """GLM-4.5's table: Qwen3's attention rows (Llama's, its biases, per-head q/k norms) in both of the MoE's stacks,
+    the dense first layers' and the experts' layers', then DeepSeek-V3's MLPs, experts and router."""
+    attention = [r for r in _llama_like(qk_norm="head") if r.ours.startswith(("blocks.attn.", "blocks.ln"))]
+    stacks = [replace(r, ours=stack + r.ours[len("blocks."):]) for stack in ("dense_blocks.", "blocks.")
+              for r in attention]
+    return (Row("tok", "model.embed_tokens.weight", "v e", "v e"), *stacks, *deepseek.expert_rows(Row))
+
+
+TABLES[glm.KIND] = _glm4_moe()
 TABLES[qwen3_5.KIND] = qwen3_5.rows(Row)
 TABLES.update({kind: qwen3_next.rows(Row, kind) for kind in qwen3_next.ARCHITECTURES})
 TABLES["mixtral"] = _experts(None, "block_sparse_moe", "w1", "w3", "w2")
