@@ -200,6 +200,14 @@ def test_glm_4_5_airs_config_reads_as_transformers_reads_it():
          theirs.routed_scaling_factor, True, "none")
 
 
+def test_glm_4_5s_default_config_is_refused_in_one_line_as_transformers_cannot_run_it():
+    """transformers' Glm4MoeConfig() gives head_dim 4096 // 96 = 42 and rotates 21 of its channels: its own model
+    fails on it (an index out of range), so a config.json of model_type alone is refused, naming the fields."""
+    with pytest.raises(UserError, match="partial_rotary_factor=0.5.*head_dim=42") as e:
+        arch.to_gpt({"model_type": "glm4_moe"}, "test")
+    assert "\n" not in str(e.value)
+
+
 def test_bad_glm_configs_are_one_line():
     good = dict(GLM, model_type="glm4_moe")
     for change, said in ((dict(hidden_act="gelu"), "hidden_act"), (dict(first_k_dense_replace=3), "first_k_dense"),

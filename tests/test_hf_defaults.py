@@ -11,6 +11,8 @@ transformers = pytest.importorskip("transformers")
 
 from shard.hf import arch  # noqa: E402
 
+# the families whose d_ff option is an expert's (transformers' moe_intermediate_size)
+EXPERT_D_FF = ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text")
 # transformers' activation names -> the GPT's mlp option that computes that function
 MLPS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "gelu"}
 
@@ -33,7 +35,7 @@ def transformers_options(kind: str, fields: dict) -> dict:
     window = getattr(c, "sliding_window", None)
     out = dict(vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=n, n_heads=heads,
                n_kv_heads=c.num_key_value_heads or heads, head_dim=head_dim, max_len=c.max_position_embeddings,
-               d_ff=c.moe_intermediate_size if kind == "qwen3_moe" else c.intermediate_size,
+               d_ff=c.moe_intermediate_size if kind in EXPERT_D_FF else c.intermediate_size,
                mlp=MLPS[getattr(c, "hidden_activation", None) or c.hidden_act], norm_eps=c.rms_norm_eps,
                tie_embeddings=c.tie_word_embeddings, rope_theta=full["rope_theta"], rope_scaling=None,
                windows=[window if t == "sliding_attention" else 0 for t in types] if window else None,
@@ -72,9 +74,9 @@ def transformers_options(kind: str, fields: dict) -> dict:
 SWITCHED = [k for k in arch.SUPPORTED if "use_sliding_window" in transformers.AutoConfig.for_model(k).to_dict()]
 
 
-# (Gemma 4's and DeepSeek-V3's readers are their own modules: tests/test_hf_gemma4.py and test_hf_deepseek.py check
-# their defaults)
-OWN_READERS = ("gemma4_text", "deepseek_v3")
+# (Gemma 4's, DeepSeek-V3's and GLM-4.5's readers are their own modules: tests/test_hf_gemma4.py and
+# test_hf_deepseek.py check their defaults; GLM-4.5's default config is refused, and fails in transformers too)
+OWN_READERS = ("gemma4_text", "deepseek_v3", "glm4_moe")
 
 
 @pytest.mark.parametrize("kind, fields", [(k, {}) for k in arch.SUPPORTED if k not in OWN_READERS] +
@@ -85,6 +87,6 @@ def test_a_config_json_of_model_type_alone_reads_as_transformers_defaults(kind, 
     want = transformers_options(kind, fields)
     # what the reader leaves out is the GPT's own default: no window, no soft-cap, every channel rotated
     absent = dict(windows=None, attn_softcap=None, logit_softcap=None, rotary_dim=got.get("head_dim"),
-                  rope_layers=None)
+                  rope_layers=None, bias=False)
     mismatches = {k: (got.get(k, absent.get(k)), v) for k, v in want.items() if got.get(k, absent.get(k)) != v}
     assert not mismatches, f"{kind}: option: (ours, transformers') {mismatches}"

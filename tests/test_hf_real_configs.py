@@ -173,9 +173,9 @@ def test_a_real_config_loads_with_transformers_logits_and_exports_back(folders, 
 
 
 def test_a_family_not_yet_supported_is_refused_in_one_line(tmp_path):
-    # a real config under the name of a family not read yet (Qwen3-Next's)
-    (tmp_path / "config.json").write_text(json.dumps(dict(tiny(REAL["qwen3-4b"]), model_type="qwen3_next")))
-    assert refusal(tmp_path) == (f"path={str(tmp_path)!r}: model_type 'qwen3_next' is not supported; "
+    # a real config under the name of a family not read yet (StarCoder2's)
+    (tmp_path / "config.json").write_text(json.dumps(dict(tiny(REAL["qwen3-4b"]), model_type="starcoder2")))
+    assert refusal(tmp_path) == (f"path={str(tmp_path)!r}: model_type 'starcoder2' is not supported; "
                                  f"supported: {', '.join(arch.SUPPORTED)}")
 
 
@@ -285,11 +285,11 @@ def test_a_config_value_outside_what_is_read_is_one_line_naming_it_and_the_calle
 
 
 def test_the_command_line_names_its_own_argument_and_exits_2(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(dict(tiny(REAL["qwen3-4b"]), model_type="qwen3_next")))
+    (tmp_path / "config.json").write_text(json.dumps(dict(tiny(REAL["qwen3-4b"]), model_type="starcoder2")))
     done = subprocess.run([sys.executable, "-m", "shard.generate", str(tmp_path)], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        f"error: RUN={str(tmp_path)!r}: model_type 'qwen3_next' is not supported; supported: "
+        f"error: RUN={str(tmp_path)!r}: model_type 'starcoder2' is not supported; supported: "
         f"{', '.join(arch.SUPPORTED)}"]
 
 
