@@ -22,6 +22,7 @@ from . import mixed
 from . import rope as rope_lib
 from .deltanet import GatedDeltaNet
 from .latent import LatentAttention
+from .mtp import MultiToken
 
 
 class GPT(nnx.Module):
@@ -64,6 +65,9 @@ class GPT(nnx.Module):
     sizes `deltanet` gives: Qwen3.5's and Qwen3-Next's linear layers); the stack scans one period of the pattern at a
     time (models/mixed.py's Period: three DeltaNet layers and a full one). attn_gate: the attention's output times the
     sigmoid of a second projection of the token, per channel (their full layers).
+    mtp_depth: that many multi-token-prediction modules after the stack (models/mtp.py: DeepSeek-V3's and GLM-4.5's),
+    module k trained to predict the token k + 1 places past the next, their mean loss times mtp_weight added to the
+    training loss (0 = none; scanned layers only).
     """
 
     def __init__(self, vocab_size: int = 256, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
@@ -80,7 +84,7 @@ class GPT(nnx.Module):
                  v_norm: bool = False, shared_kv_layers: int = 0, wide_shared_mlp: bool = False,
                  per_layer_dim: int = 0, per_layer_vocab: int = 0, layer_scalar: bool = False,
                  latent: dict | None = None, layer_types: list | None = None, deltanet: dict | None = None,
-                 attn_gate: bool = False, *, rngs: nnx.Rngs):
+                 attn_gate: bool = False, mtp_depth: int = 0, mtp_weight: float = 0.3, *, rngs: nnx.Rngs):
         n_kv_heads = n_kv_heads or n_heads
         check_choice("position", position, ("learned", "rope"))
         check_choice("norm", norm, ("layernorm", "rmsnorm", "rmsnorm+1"))
@@ -129,6 +133,10 @@ class GPT(nnx.Module):
         # LongRoPE picks its factors by how far a call reaches: a cache made before it passes the original context
         # is made again after (shard/use/generate.py)
         self.refill_at = rope.longrope[2] if rope is not None and rope.longrope else None
+        if mtp_depth < 0 or mtp_depth and (layer_types or settings or any(
+                (global_head_dim, global_kv_heads, values_from_keys, shared_kv_layers, per_layer_dim, layer_scalar))):
+            raise ValueError(f"mtp_depth={mtp_depth}: multi-token prediction takes a depth >= 0 and one stack of like "
+                             "layers (no layer_types, windows, chunks, rope_layers or Gemma 4's unlike layers)")
 
         if latent is not None and (position != "rope" or windows or chunks or rope_layers or qk_norm != "none"
                                    or attn_sinks or attn_softcap or temperature or v_norm):
@@ -166,7 +174,7 @@ class GPT(nnx.Module):
                          dense_layers=self.dense_first(n_layers, d_ff)[0])
             if any(given.values()):
                 raise ValueError(f"layer_types takes none of {', '.join(k for k, v in given.items() if v)}")
-            self.layers = self.per_layer = self.dense_blocks = None
+            self.layers = self.per_layer = self.dense_blocks = self.mtp = None
             self.blocks = mixed.periodic(make_layer, layer_types, rngs)
             self.ln_f = make_norm(norm, d_model, rngs, norm_eps)
             self.head = None if tie_embeddings else param(rngs, (d_model, vocab_size), ("embed", "vocab"), 0.02)
@@ -186,7 +194,7 @@ class GPT(nnx.Module):
                 **unlike)
             self.per_layer = mixed.PerLayerInputs(per_layer_vocab or vocab_size, d_model, n_layers, per_layer_dim,
                                                   norm, norm_eps, rngs) if per_layer_dim else None
-            self.dense_blocks = None
+            self.dense_blocks = self.mtp = None
             # (scanned a period at a time where no layer reuses another's keys: mixed.layers)
             self.blocks, self.layers = (layers, None) if self.sources is None else (None, layers)
             self.ln_f = make_norm(norm, d_model, rngs, norm_eps)
@@ -206,6 +214,8 @@ class GPT(nnx.Module):
             if first else stacked(n_layers, make_block, rngs, **settings)
         self.ln_f = make_norm(norm, d_model, rngs, norm_eps)
         self.head = None if tie_embeddings else param(rngs, (d_model, vocab_size), ("embed", "vocab"), 0.02)
+        # (each module's layer of the stack's last layers' kind: the experts')
+        self.mtp = MultiToken(mtp_depth, mtp_weight, d_model, norm, norm_eps, make_block, rngs) if mtp_depth else None
 
     def feed_forward(self, d_model: int, d_ff: int, mlp: str, out_std: float, rngs: nnx.Rngs,
                      bias: bool = False) -> nnx.Module:
@@ -223,11 +233,7 @@ class GPT(nnx.Module):
         length = tokens.shape[1]
         if length > self.max_len:
             raise ValueError(f"sequence length {length} exceeds max_len={self.max_len}")
-        # Gather rows from a table whole along `embed`: a lookup into a table split on its columns
-        # forces XLA to rematerialise it at every use.
-        x = lookup(constrain(self.tok[...], ("vocab", None)), tokens)
-        if self.embed_scale is not None:
-            x = x * jnp.asarray(self.embed_scale, x.dtype)  # rounded to the compute dtype first, as Gemma's
+        x = self.embed(tokens)
         if self.pos is not None:
             x = x + self.pos[...][positions(length)]  # in the order the framework holds the tokens
         x = constrain(x, ("batch", "length", "embed"))
@@ -238,6 +244,20 @@ class GPT(nnx.Module):
             if self.dense_blocks is not None:
                 x = stack(self.dense_blocks, x)
             x = self.ln_f(stack(self.blocks, x))
+        if self.mtp is not None:  # (its losses recorded while training, else nothing runs)
+            self.mtp(x, self.embed, self.unembed)
+        return self.unembed(x)
+
+    def embed(self, tokens):
+        # Gather rows from a table whole along `embed`: a lookup into a table split on its columns
+        # forces XLA to rematerialise it at every use.
+        x = lookup(constrain(self.tok[...], ("vocab", None)), tokens)
+        if self.embed_scale is not None:
+            x = x * jnp.asarray(self.embed_scale, x.dtype)  # rounded to the compute dtype first, as Gemma's
+        return x
+
+    def unembed(self, x):
+        """The logits of final hidden states x (after ln_f)."""
         logits = x @ self.tok[...].T if self.head is None else x @ self.head[...]
         if self.logit_softcap is not None:
             logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)

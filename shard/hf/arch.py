@@ -59,6 +59,9 @@ def to_gpt(config: dict, where: str) -> dict:
 def from_gpt(kwargs: dict, model_name: str) -> dict:
     """The config.json of a run's model (its model.name and arguments); UserError where it is none of SUPPORTED."""
     g = with_defaults(kwargs)
+    if g["mtp_depth"] and not (model_name == "moe" and (deepseek.is_deepseek(g) or glm.is_glm(g))):
+        raise UserError(f"--format hf: model.mtp_depth={g['mtp_depth']}: only DeepSeek-V3's and GLM-4.5's folders "
+                        "hold multi-token-prediction layers, and this model is written as neither")
     if model_name in ("gpt", "moe") and gemma4.is_gemma4(g):
         return gemma4.from_gpt(g, kwargs if model_name == "moe" else None)
     if model_name == "gpt" and qwen3_5.is_qwen3_5(g):

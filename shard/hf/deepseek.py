@@ -7,13 +7,12 @@ mscale_all_dim also scales the softmax (by its mscale squared, as transformers' 
 sigmoid router with a correction bias that chooses and does not weigh (e_score_correction_bias: loaded, not trained),
 group-limited top-k (n_group, topk_group), the chosen weights renormalised and times routed_scaling_factor, shared
 experts beside them, and the first first_k_dense_replace layers dense. transformers adds no balancing loss to its
-training loss, nor does this. The multi-token-prediction layers a checkpoint holds past num_hidden_layers are not read
-(one line says so)."""
+training loss, nor does this. The multi-token-prediction layers a checkpoint holds past num_hidden_layers are read by a
+model with model.mtp_depth (shard/hf/mtp.py), else skipped with one line."""
 
 import math
-import re
 
-from shard.errors import UserError, warn
+from shard.errors import UserError
 from shard.hf.config_in import typed
 from shard.hf.typed_rope import is_number, yarn
 
@@ -217,17 +216,4 @@ def shared_config(g: dict) -> dict:
                 first_k_dense_replace=g.get("dense_layers", 0), norm_topk_prob=g["norm_topk"], hidden_act="silu",
                 max_position_embeddings=g["max_len"], rms_norm_eps=g["norm_eps"],
                 tie_word_embeddings=g["tie_embeddings"], torch_dtype="float32", pad_token_id=None, bos_token_id=None,
-                eos_token_id=None)
-
-
-def without_mtp(names, config: dict, where: str, defaults: dict = DEFAULTS) -> set:
-    """The tensors of a deepseek_v3 (or glm4_moe: its `defaults`) folder's multi-token-prediction layers
-    (model.layers.{n} and on, n its num_hidden_layers), which are not read: one line says so."""
-    n = config.get("num_hidden_layers", defaults["num_hidden_layers"])
-    extra = {name for name in names if (m := re.match(r"model\.layers\.(\d+)\.", name)) and int(m[1]) >= n}
-    if extra:
-        layers = sorted({int(re.match(r"model\.layers\.(\d+)\.", name)[1]) for name in extra})
-        warn(f"{where}: the multi-token-prediction layer{'s' * (len(layers) > 1)} "
-             f"{', '.join(map(str, layers))} ({len(extra)} tensors) past num_hidden_layers={n} "
-             f"{'are' if len(layers) > 1 else 'is'} not read (only the model's own layers train and generate)")
-    return extra
+                eos_token_id=None, num_nextn_predict_layers=g.get("mtp_depth", 0))

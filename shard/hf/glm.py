@@ -5,8 +5,8 @@ and does not weigh, group-limited top-k, routed scaling, shared experts, dense f
 grouped-query attention with a head size of its own (head_dim, apart from hidden_size / heads), biases on the queries,
 keys and values but not the output (attention_bias), optional per-head query and key norms (use_qk_norm), and RoPE on
 the first partial_rotary_factor of each head's channels by halves (rotate_half), not on adjacent pairs. Its tensor
-table is tables.py's (`_glm4_moe`). The multi-token-prediction layers a checkpoint holds past num_hidden_layers are not
-read (one line says so)."""
+table is tables.py's (`_glm4_moe`). The multi-token-prediction layers a checkpoint holds past num_hidden_layers are read
+by a model with model.mtp_depth (shard/hf/mtp.py), else skipped with one line."""
 
 from shard.errors import UserError
 from shard.hf import deepseek
@@ -80,4 +80,4 @@ def from_moe(g: dict) -> dict:
             "partial_rotary_factor": (g.get("rotary_dim") or head_dim) / head_dim}
     return dict(model_type=KIND, architectures=[ARCHITECTURE], **deepseek.shared_config(g),
                 num_key_value_heads=g["n_kv_heads"], head_dim=head_dim, rope_parameters=rope,
-                attention_bias=bool(g.get("qkv_bias")), use_qk_norm=g["qk_norm"] == "head", num_nextn_predict_layers=0)
+                attention_bias=bool(g.get("qkv_bias")), use_qk_norm=g["qk_norm"] == "head")

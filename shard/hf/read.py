@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from shard.errors import UserError, warn
-from shard.hf import INDEX, arch, config_only, deepseek, fp8, glm, mxfp4, tables
+from shard.hf import INDEX, arch, config_only, deepseek, fp8, glm, mtp, mxfp4, tables
 
 
 # The families whose checkpoints hold multi-token-prediction layers past num_hidden_layers (their config defaults)
@@ -46,9 +46,6 @@ class Folder:
         # (a multimodal folder's output layer may lie outside its language model's prefix: Qwen3.5's)
         self.names = {ours[n]: inner + n if inner + n in whole else n for n in stored}
         self.files = {ours[n]: file for n, file in stored.items()}  # our name -> its file
-        if self.kind in MTP:
-            for name in deepseek.without_mtp(self.files, self.config, self.where, MTP[self.kind]):
-                del self.files[name]
         # MXFP4 and FP8 weights: each read as one float tensor under its own name, from its codes and scales
         self.quantized = mxfp4.method(self.config, self.where)
         readers = {"mxfp4": mxfp4.packed, "fp8": fp8.packed}
@@ -60,6 +57,8 @@ class Folder:
                 del self.files[part]
             self.files[name] = file
         self.table = tables.layout(self.kind, self.files)  # its experts one tensor each, or stacked
+        # its multi-token-prediction layers (index -> tensors), read only by a model with model.mtp_depth (`plan`)
+        self.mtp = mtp.held(self.files, self.config, MTP[self.kind]) if self.kind in MTP else {}
 
     def _files(self) -> dict[str, Path]:
         """tensor name -> its file (the index's map, or each .safetensors file's own list)."""
@@ -192,6 +191,8 @@ def plan(folder: Folder, params, kwargs: dict, rest=None) -> list[tables.Row]:
     g = arch.with_defaults(kwargs)
     size = tables.sizes(g, folder.kind)
     rows = tables.rows(folder.table, set(ours) | set(extra), size)
+    skipped = mtp.unread(folder.mtp, g["mtp_depth"], folder.config, folder.where) \
+        if folder.mtp or g["mtp_depth"] else set()
     embed, head = tied_pair(folder.kind)
     if "head" not in ours and embed not in folder.files and head in folder.files:
         # tied, and the checkpoint holds the pair under the output layer's name: transformers ties to that one
@@ -214,7 +215,7 @@ def plan(folder: Folder, params, kwargs: dict, rest=None) -> list[tables.Row]:
     missing = sorted(set(ours) - {r.ours for r in rows})
     if missing:
         raise UserError(f"{folder.where}: no tensor of a {folder.kind} folder fills parameter {missing[0]}")
-    _check_all_read(folder, read, "head" not in ours)
+    _check_all_read(folder, read | skipped, "head" not in ours)
     return rows
 
 

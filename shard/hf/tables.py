@@ -23,7 +23,7 @@ experts.{x}.w1), standing for one row per expert, each filling that index of our
 import re
 from dataclasses import dataclass, field, replace
 
-from shard.hf import deepseek, glm, qwen3_5, qwen3_next
+from shard.hf import deepseek, glm, mtp, qwen3_5, qwen3_next
 
 
 @dataclass(frozen=True)
@@ -285,6 +285,8 @@ def _glm4_moe() -> tuple[Row, ...]:
 
 
 TABLES[glm.KIND] = _glm4_moe()
+for _kind in (deepseek.KIND, glm.KIND):  # their multi-token-prediction layers' rows, past the model's own
+    TABLES[_kind] += mtp.rows(TABLES[_kind], Row)
 TABLES[qwen3_5.KIND] = qwen3_5.rows(Row)
 TABLES.update({kind: qwen3_next.rows(Row, kind) for kind in qwen3_next.ARCHITECTURES})
 TABLES["mixtral"] = _experts(None, "block_sparse_moe", "w1", "w3", "w2")
@@ -321,6 +323,8 @@ def rows(kind: str, params: set[str], size: dict | None = None) -> list[Row]:
     if size and size.get("dense_layers"):  # the experts' stack counts on from the dense first layers'
         found = [replace(r, offset=size["dense_layers"]) if r.layered and r.ours.startswith("blocks.") else r
                  for r in found]
+    if size:  # the multi-token-prediction modules' layers from the model's last on
+        found = [replace(r, offset=size["mtp_at"]) if r.layered and r.ours.startswith("mtp.") else r for r in found]
     if size is None:
         return found
     found = [replace(r, theirs=r.theirs.replace("{x}", str(x)), at={**r.at, "x": x}) if "{x}" in r.theirs else r
@@ -368,7 +372,8 @@ def sizes(g: dict, kind: str) -> dict[str, int]:
                 p=g["max_len"], s=3 if kind == "gpt2" else 2, j=g["n_heads"] + 2 * g["n_kv_heads"],
                 x=g.get("n_experts", 0), b=g.get("beside_d_ff", 0), u=u, w=n * u,
                 q=g.get("per_layer_vocab") or g["vocab_size"], o=1,
-                layers=unlike_sizes(g), dense_layers=g.get("dense_layers", 0), **deepseek.sizes(g),
+                layers=unlike_sizes(g), dense_layers=g.get("dense_layers", 0), me=g["d_model"], mtp_at=n,
+                **deepseek.sizes(g),
                 **qwen3_5.sizes(g), **qwen3_next.sizes(g))
 
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from shard.errors import UserError
-from shard.hf import INDEX, arch, tables
+from shard.hf import INDEX, arch, mtp, tables
 from shard.hf.read import Folder, flat_paths
 
 SHARD_BYTES = 2 * 1024**3
@@ -126,7 +126,8 @@ def write_folder(params, model_name: str, kwargs: dict, out: Path, tokenizer_dir
     try:
         for family in families(rows):
             values = {r.ours: host_value(ours[r.ours]) for r in family}
-            add(their_tensors(family, values, size))
+            tensors = their_tensors(family, values, size)
+            add({**tensors, **mtp.copies(tensors, g)})  # (a multi-token-prediction layer's copy of the model's own)
             del values
         add(implied_zeros(kind, g, size))
         flush()

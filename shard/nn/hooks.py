@@ -40,6 +40,7 @@ _DECODE: contextvars.ContextVar = contextvars.ContextVar("shard_decode_calls", d
 _UNROLL: contextvars.ContextVar = contextvars.ContextVar("shard_unroll_layers", default=False)
 _PACKED: contextvars.ContextVar = contextvars.ContextVar("shard_packed_rows", default=None)
 _GROUPED: contextvars.ContextVar = contextvars.ContextVar("shard_grouped_matmul", default="xla")
+_NEXT: contextvars.ContextVar = contextvars.ContextVar("shard_next_tokens", default=None)
 
 
 # train.remat -> what a layer keeps for the backward pass; the rest is recomputed from the layer's input.
@@ -86,6 +87,25 @@ def packed(segment_ids: jax.Array | None, token_positions: jax.Array | None):
         yield
     finally:
         _PACKED.reset(token)
+
+
+@contextlib.contextmanager
+def next_tokens(targets: jax.Array, weights: jax.Array | None = None):
+    """While the train step's language-model loss runs the model: each position's next token (batch, length) and,
+    for packed rows, each target's weight (0: not trained on), for a model that trains on tokens further ahead
+    (multi-token prediction, models/mtp.py) without a second argument. Eval, generation, DPO and GRPO set none."""
+    token = _NEXT.set((targets, weights))
+    try:
+        yield
+    finally:
+        _NEXT.reset(token)
+
+
+def upcoming() -> tuple | None:
+    """(next tokens, their weights or None, the packed rows' segment ids or None) while the train step's loss runs,
+    else None."""
+    given, rows = _NEXT.get(), _PACKED.get()
+    return None if given is None else (*given, None if rows is None else rows[0])
 
 
 def positions(length: int) -> jax.Array:

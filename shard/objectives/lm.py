@@ -10,6 +10,7 @@ classes and tokens, R^2's sums for regression, and the nats and UTF-8 bytes for 
 """
 
 import math
+from contextlib import nullcontext
 from functools import partial
 
 import jax
@@ -78,7 +79,10 @@ class LM(Objective):
         return step
 
     def loss(self, model, batch: dict, reference):
-        outputs = run_model(model, batch, self.dtype).astype(jnp.float32)
+        # the next tokens, for a model that trains on tokens further ahead too (multi-token prediction)
+        ahead = hooks.next_tokens(batch["targets"], batch.get("loss_mask")) if self.task == "lm" else nullcontext()
+        with ahead:
+            outputs = run_model(model, batch, self.dtype).astype(jnp.float32)
         if "loss_mask" in batch:  # packed rows: the real targets' mean (weights from `around`)
             return losses.weighted(self.loss_fn, outputs, batch["targets"], batch["loss_mask"]), {}
         return self.loss_fn(outputs, batch["targets"]), {}

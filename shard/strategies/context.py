@@ -18,6 +18,10 @@ def settings(cfg, mesh_shape: dict, work) -> Split | None:
         raise UserError(f"train.attention={cfg.train.attention} with mesh.context={n}: the fused kernel takes whole "
                         "sequences, and the context strategies compute attention from their chunks with XLA's "
                         "matrix products; use train.attention=auto or xla")
+    if work.kwargs.get("mtp_depth"):  # its targets lie k places on along the row, which the split reorders
+        raise UserError(f"model.mtp_depth={work.kwargs['mtp_depth']} with mesh.context={n}: multi-token prediction "
+                        "reads the tokens further along each row, which the context split lays out of order; use a "
+                        "mesh without a context axis")
     order = None
     if work.data.task == "lm":  # causal: the load-balanced layout
         length = work.batch["inputs"].shape[1]

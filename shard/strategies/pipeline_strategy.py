@@ -21,6 +21,10 @@ def settings(cfg, mesh_shape: dict, rules: dict, work) -> Schedule | OneFOneB | 
     repeats = cfg.pipeline.repeats
     micro = cfg.pipeline.microbatches or 2 * stages
     where = f"mesh.stage={stages}"
+    if work.kwargs.get("mtp_depth"):
+        raise UserError(f"{where} with model.mtp_depth={work.kwargs['mtp_depth']}: the multi-token-prediction modules "
+                        "run after the stack, on the last hidden state no stage holds whole; use a mesh without a "
+                        "stage axis")
     if not work.stacks:
         raise UserError(f"{where}: model {cfg.model.name!r} with these options runs no stacked layers through "
                         "shard.nn.hooks.stack, so there is nothing to cut into stages; use a mesh without a stage axis "
