@@ -163,3 +163,46 @@ def test_batch_is_split_over_batch_axes(trained):
     text = result.train_step.as_text()
     assert "all-reduce" in text  # gradients are reduced across the data axis
     assert result.mesh.shape["data"] == 4 and result.mesh.shape["tensor"] == 2
+
+
+# A tiny DeepSeek-V3-shaped MoE (latent attention with its own query latent, a dense first layer, a shared expert,
+# the sigmoid router with its score correction): under `ep` the preset's rule puts the model's width on the expert
+# axis, and MLA's q_b and kv_b, which have no `embed` dimension, were left whole on every device (at DeepSeek-R1's
+# size, 37 GiB a chip of v5p-512's 66 GiB of arguments).
+DEEPSEEK_SHAPED = ["model.name=moe", "model.vocab_size=256", "model.d_model=64", "model.n_layers=3",
+                   "model.n_heads=16", "model.d_ff=32", "model.max_len=32", "model.position=rope",
+                   "model.norm=rmsnorm", "model.mlp=swiglu", "model.rope_interleaved=true",
+                   "model.latent={q_rank: 64, kv_rank: 64, nope_dim: 16, rope_dim: 8, v_dim: 16}",
+                   "model.n_experts=8", "model.top_k=2", "model.router=sigmoid", "model.n_group=4",
+                   "model.topk_group=2", "model.score_correction=true", "model.shared_experts=1",
+                   "model.dense_layers=1", "model.dense_d_ff=128", "model.routing=dropless", "data.name=text",
+                   "data.seq_len=16", "data.batch_size=16", "mesh=ep"]
+
+
+def test_ep_splits_every_large_leaf_of_a_deepseek_shaped_state_over_all_devices(tmp_path):
+    """The train state's bytes a device under `ep` on 8 devices (each leaf's shard, from the shardings the framework
+    assigns) against the formula: every leaf of at least mesh.auto_shard_min_size elements a device holds an eighth
+    of (each has a dimension 8 divides); only smaller ones (norm scales, the router's correction) may stay whole."""
+    import math
+
+    from shard import config
+    from shard.core import mesh as mesh_lib, optim, registry, state as state_lib
+    from shard.nn import partition
+
+    cfg = config.load(None, overrides(tmp_path, *DEEPSEEK_SHAPED))
+    model_cls, kwargs = registry.load(cfg.model)
+    tx, _ = optim.build(cfg.optimizer, cfg.train.steps)
+    _, abstract, _ = state_lib.abstract_state(model_cls, kwargs, tx, 0, cfg.model.name)
+    mesh = mesh_lib.build_mesh(cfg.mesh, jax.devices()[:8])
+    assert dict(mesh.shape)["expert"] == 8
+    laid = state_lib.state_shardings(abstract, mesh, partition.merged_rules(cfg.mesh.rules, mesh.axis_names),
+                                     state_lib.auto_min_size(cfg.mesh))
+    leaves = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    shardings = jax.tree.leaves(laid)
+    large = [(jax.tree_util.keystr(path), x, s) for (path, x), s in zip(leaves, shardings)
+             if x.size >= cfg.mesh.auto_shard_min_size]
+    assert any("q_b" in p for p, _, _ in large) and any("kv_b" in p for p, _, _ in large)
+    whole = sum(x.size * x.dtype.itemsize for _, x, _ in large)
+    held = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for _, x, s in large)
+    unsplit = [p for p, x, s in large if s.shard_shape(x.shape) == x.shape]
+    assert held == whole // 8, (held, whole // 8, unsplit)

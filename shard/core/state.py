@@ -171,7 +171,7 @@ def idle_axis_warning(axes: list[str], rows: list[dict], mesh_shape: dict, auto:
         fix = ", or set mesh.auto_shard=true to split them automatically"
     elif any(not r["named"] for r in largest):
         fix = ", or lower mesh.auto_shard_min_size (none is both that large and divisible by the axis)"
-    else:  # named parameters: the automatic split adds only fsdp to them
+    else:  # named parameters: the automatic split adds only ZeRO-3's axes to them (partition.zero_axes)
         fix = " with names whose rules map to this axis, or leave the axis out of the mesh"
     return (f"mesh axis {', '.join(f'{a}={mesh_shape[a]}' for a in axes)} splits no parameter, so its devices "
             f"hold whole copies; largest unsplit: {shown}. Name their dimensions, e.g. "

@@ -117,19 +117,20 @@ def param_spec(shape: Sequence[int], names: Sequence[str | None] | None, rules: 
     The fallback, for any model (`mesh.auto_shard`): a parameter with at least `auto_min_size`
     elements that carries no names gets, from each model axis larger than 1 in turn (fsdp, then
     tensor, then expert only if nothing else split it), the largest dimension that axis divides and
-    no other axis splits yet. A named parameter that no rule splits over fsdp gets the same from
-    fsdp alone, as ZeRO-3 shards every tensor; its `layers` dimension is never taken (scanned layers
-    are sliced one at a time). `auto_min_size=None` turns the fallback off.
+    no other axis splits yet. A named parameter gets the same from ZeRO-3's axes alone (`zero_axes`:
+    fsdp, and those the `embed` rule adds, such as ep's expert) where no rule splits it over them, as
+    ZeRO-3 shards every tensor (MLA's q_b and kv_b have no `embed` dimension); its `layers` dimension is
+    never taken (scanned layers are sliced one at a time). `auto_min_size=None` turns the fallback off.
     """
     spec = list(logical_to_spec(names, rules, mesh_shape)) if names is not None else [None] * len(shape)
     used = {a for entry in spec for a in axes_of(entry)}
     kind = "named" if used else "replicated"
     if auto_min_size is None or math.prod(shape) < auto_min_size:
         return PartitionSpec(*spec), kind
-    for axis in MODEL_AXES:
-        if mesh_shape.get(axis, 1) == 1 or axis in used or (names is not None and axis != "fsdp"):
+    for axis in MODEL_AXES if names is None else zero_axes(rules):
+        if mesh_shape.get(axis, 1) == 1 or axis in used:
             continue
-        if axis == "expert" and used:  # expert is the last resort: it also splits the batch
+        if names is None and axis == "expert" and used:  # expert is the last resort: it also splits the batch
             continue
         free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % mesh_shape[axis] == 0
                 and (names is None or names[d] != "layers")]
@@ -139,6 +140,12 @@ def param_spec(shape: Sequence[int], names: Sequence[str | None] | None, rules: 
             used.add(axis)
             kind = "auto"
     return PartitionSpec(*spec), kind
+
+
+def zero_axes(rules: dict) -> tuple[str, ...]:
+    """The model axes ZeRO-3 splits every parameter over: fsdp, and the others the `embed` rule maps the model's
+    width to (ep's preset: expert, so that the rest of the model is sharded inside the expert group)."""
+    return ("fsdp", *(a for a in axes_of(rules.get("embed")) if a in MODEL_AXES and a != "fsdp"))
 
 
 # ----------------------------------------------------------------------------- active rules
