@@ -62,13 +62,16 @@ class MultiToken(nnx.Module):
         ahead = jnp.stack([shifted(targets, k) for k in range(self.depth + 1)])  # t_{i+k+1} at i, k = 0..depth
         masks = jnp.stack([valid(targets.shape, weights, segments, k) for k in range(1, self.depth + 1)])
         apply = hooks.layer(deferred.in_layers(checkpointed=True))
+        # packed rows' weights are the global batch's (the step's token_weights): their mean over every slot keeps a
+        # microbatch's share of it; else the mean over the valid positions (as many in every microbatch)
+        count = (lambda mask: mask.size) if weights is not None else (lambda mask: jnp.maximum(jnp.sum(mask), 1.0))
 
         @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0),
                   transform_metadata={nnx.PARTITION_NAME: "layers"})
         def run(h, one, tokens, wanted, mask):
             h, out = apply(one, (h, embed(tokens)))
             losses = optax.softmax_cross_entropy_with_integer_labels(unembed(out).astype(jnp.float32), wanted)
-            return h, jnp.sum(mask * losses) / jnp.maximum(jnp.sum(mask), 1e-9)
+            return h, jnp.sum(mask * losses) / count(mask)
 
         _, losses = run(h, self.layers, ahead[:-1], ahead[1:], masks)
         self.mtp_loss.set_value(jnp.mean(losses))

@@ -4,6 +4,7 @@ from transformers' own decoder layer and norms; fine-tuning with model.mtp_depth
 fsdp with grad accumulation as on one device; export writes the layer back bit for bit; what it cannot do is refused in
 one line."""
 
+import functools
 import importlib
 import json
 
@@ -93,9 +94,9 @@ def torch_mtp_loss(model, extra) -> float:
         return float(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), targets[:, 1:].reshape(-1)))
 
 
-def our_losses(loaded) -> dict:
-    """The model's recorded values after a forward pass with the next tokens given, as the train step's loss runs
-    it."""
+def our_losses(loaded, inputs=INPUTS, targets=TARGETS, weights=None, segments=None, positions=None) -> dict:
+    """The model's recorded values after a forward pass with the next tokens given (and packed rows' target weights,
+    segment ids and positions), as the train step's loss runs it."""
     import jax
     from flax import nnx
 
@@ -103,14 +104,14 @@ def our_losses(loaded) -> dict:
 
     graphdef, state = nnx.split(loaded.model)
 
-    def run(state, inputs, targets):
+    def run(state, inputs, targets, weights, segments, positions):
         model = nnx.merge(graphdef, state)
-        with hooks.next_tokens(targets):
+        with hooks.next_tokens(targets, weights), hooks.packed(segments, positions):
             model(inputs)
         return recorded.collect(model)
 
     with partition.activate(loaded.mesh, loaded.rules):
-        aux, stats = jax.jit(run)(state, INPUTS, TARGETS)
+        aux, stats = jax.jit(run)(state, inputs, targets, weights, segments, positions)
     return {"aux": float(aux), **{k: float(v) for k, v in stats.items()}}
 
 
@@ -123,6 +124,25 @@ def test_the_mtp_loss_read_from_the_folder_equals_torchs(folders, kind, mesh):
                                whole_mesh=mesh != "one"))
     assert abs(got["mtp_loss"] - want) < 1e-5 * want
     assert got["aux"] == pytest.approx(WEIGHT * want, rel=1e-5)  # (the experts' balancing weight is 0 here)
+
+
+def test_packed_rows_mtp_loss_is_the_same_whole_or_as_microbatches(folders):
+    """Packed rows (documents, padding, targets not trained on): the loss of the whole batch is the mean of its
+    halves' under the step's global token weights, as gradient accumulation takes it."""
+    import jax.numpy as jnp
+
+    from shard.core import losses
+
+    loaded = load.load(folders["deepseek_v3"][0], ["model.mtp_depth=1"], whole_mesh=False)
+    segments = np.asarray([[1] * 6 + [2] * 7 + [0] * 3, [1] * 16])
+    positions = np.asarray([[*range(6), *range(7), 0, 0, 0], list(range(16))])
+    mask = (segments > 0).astype(np.float32)
+    mask[1, :3] = 0  # a prompt's targets (each row then holds another count of positions: 11, 13)
+    weights = np.asarray(losses.token_weights(jnp.asarray(mask))[0])
+    whole = our_losses(loaded, INPUTS, TARGETS, weights, segments, positions)["mtp_loss"]
+    halves = [our_losses(loaded, INPUTS[i:i + 1], TARGETS[i:i + 1], weights[i:i + 1], segments[i:i + 1],
+                         positions[i:i + 1])["mtp_loss"] for i in range(2)]
+    assert whole == pytest.approx(np.mean(halves), rel=1e-6) and whole > 1
 
 
 def test_without_mtp_depth_the_layer_is_skipped_in_one_line_saying_how_to_train_it(folders, capfd):
@@ -139,15 +159,22 @@ def test_fine_tuning_logs_mtp_loss_and_the_curve_under_fsdp_and_accumulation_is_
     from flax import nnx
 
     path = folders["deepseek_v3"][0]
-    base = [f"train.init_from={path}", "model.mtp_depth=1", *FINE_TUNE, "train.steps=3", "optimizer.lr=1e-2"]
+    base = [f"train.init_from={path}", "model.mtp_depth=1", "model.correction_rate=1e-3", *FINE_TUNE, "train.steps=3",
+            "optimizer.lr=1e-2"]
     one = train(*base, "run.cpu_devices=1", subdir="one")
     many = train(*base, "mesh=fsdp", "run.cpu_devices=2", "train.grad_accum=2", subdir="many")
     for name in ("loss", "mtp_loss", "aux_loss"):
         np.testing.assert_allclose([r[name] for r in many.history], [r[name] for r in one.history], rtol=1e-5)
     assert [r["aux_loss"] for r in one.history] == pytest.approx([WEIGHT * r["mtp_loss"] for r in one.history])
-    proj = lambda params: np.asarray(jax.tree.leaves(params["mtp"]["layers"]["proj"])[0])  # noqa: E731
-    start = load.load(path, ["model.mtp_depth=1"], whole_mesh=False).model
-    assert np.abs(proj(one.state.params) - proj(nnx.state(start, nnx.Param))).max() > 1e-4  # trained by its loss
+    value = lambda tree, *at: np.asarray(jax.tree.leaves(functools.reduce(lambda t, k: t[k], at, tree))[0])  # noqa
+    start = nnx.state(load.load(path, ["model.mtp_depth=1"], whole_mesh=False).model)
+    proj = ("mtp", "layers", "proj")
+    assert np.abs(value(one.state.params, *proj) - value(start, *proj)).max() > 1e-4  # trained by its loss
+    # its layer's experts' aux-loss-free bias moved by their own load, as the stack's by theirs
+    for at in (("mtp", "layers", "block", "ffn", "correction"), ("blocks", "ffn", "correction")):
+        moved = value(one.state.rest, *at) - value(start, *at)
+        assert np.abs(moved).max() > 5e-4, at  # (+-1e-3 a step, by the sign of its load's excess)
+        np.testing.assert_allclose(value(many.state.rest, *at), value(one.state.rest, *at), atol=1e-7)
 
 
 @pytest.mark.parametrize("kind", list(FAMILIES))
