@@ -58,6 +58,8 @@ BAD_INPUTS = {
                                                 "train.grad_dtype=bfloat16"], "batch statistics"),
     "no ZeRO stage 3 over data": (["mesh.zero=3"], "mesh.zero=3"),
     "sequence not into 2 x context chunks": (["run.cpu_devices=8", "mesh=cp", "data.seq_len=24"], "data.seq_len=24"),
+    "zero bubble: not a schedule": (["run.cpu_devices=2", "mesh=pp", "pipeline.schedule=zb"],
+                                    "choose one of: gpipe, 1f1b"),
     "ring inside a pipeline": (["run.cpu_devices=8", "mesh=cp", "mesh.context=4", "mesh.stage=2",
                                 "train.context_strategy=ring"], "train.context_strategy=ring"),
 }

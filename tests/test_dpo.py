@@ -252,7 +252,7 @@ def test_lora_on_two_processes_is_one_devices_curve_and_exports(corpus, tmp_path
 
 
 @pytest.mark.parametrize("extra, says", [
-    (["mesh.stage=2", "run.cpu_devices=2"], "train.objective=dpo with mesh.stage=2"),
+    (["mesh.stage=2", "run.cpu_devices=2", "pipeline.schedule=1f1b"], "train.objective=dpo with mesh.stage=2"),
     (["data.rejected_field=null"], "set data.rejected_field"),
     (["train.offload=optimizer"], "use train.offload=none"),
     (["train.dpo.precompute=true", "train.lora.rank=4"], "costs no memory; leave train.dpo.precompute=false"),

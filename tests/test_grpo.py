@@ -266,7 +266,7 @@ def test_trust_comes_from_the_command_line_never_from_a_file(tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["mesh=pp", "run.cpu_devices=2"], "train.objective=grpo with mesh.stage=2"),
+    (["mesh=pp", "run.cpu_devices=2", "pipeline.schedule=1f1b"], "train.objective=grpo with mesh.stage=2"),
     (["data.answer_field=null"], "set data.name=documents, data.prompt_field and data.answer_field"),
     (["train.grpo.rewards=[my_module:score]"], "set train.grpo.trust_code=true"),
     (["train.grad_accum=3"], "train.grad_accum=3 must divide the rollouts' rows"),
