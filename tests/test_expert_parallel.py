@@ -31,7 +31,6 @@ DROPLESS = [*TINY_MODELS["moe"], "model.routing=dropless", "train.steps=6", "run
     ["mesh=ep", "run.cpu_devices=4", "train.lora.rank=4", "train.lora.targets=[mlp]", "train.lora.base=nf4"],
     # tokamax's products (its XLA path on a CPU): the exchange manual over every mesh axis, as its TPU kernels need
     # (shard/nn/dropless.py), with an axis (tensor) that splits neither the tokens nor the experts
-    ["mesh=ep", "run.cpu_devices=4", "train.grouped_matmul=tokamax"],
     ["mesh=ep", "mesh.expert=2", "mesh.tensor=2", "run.cpu_devices=4", "train.grouped_matmul=tokamax"],
 ])
 def test_dropless_expert_parallel_curve_equals_one_device(train, mesh):

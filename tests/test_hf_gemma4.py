@@ -114,40 +114,30 @@ def test_the_cache_holds_windows_and_no_shared_layer(folders):
         assert engine.Engine(generator, 2, context, VOCAB).cache_bytes() == want
 
 
-def test_lora_trains_and_its_adapters_run_in_peft_as_our_model(folders, tmp_path, capsys):
-    """LoRA on the attention (the shared layers' queries and outputs alone) and the MLPs of every width, trained two
-    steps from the folder; --adapters-only's folder, loaded by peft over transformers' model of the folder, gives the
-    tuned run's logits."""
+def test_a_lora_step_is_transformers_loss_and_its_adapters_and_export_run_as_our_model(folders, tmp_path):
+    """LoRA on the attention (the shared layers' queries and outputs alone) and the MLPs of every width, two fsdp steps
+    from the folder (each layer recomputed in the backward pass): the first loss is transformers' on the batch (the
+    adapters start at zero); --adapters-only's folder, loaded by peft over transformers' model of the folder, and the
+    merged export (python -m shard.export --format hf), read by transformers, give the tuned run's logits. A pipeline
+    is refused in one line: the layers are not one stack to cut into stages."""
     peft = pytest.importorskip("peft")
     path, model = folders["e2b"]
-    cfg = config.load(None, overrides(tmp_path / "run", f"train.init_from={path}", "train.lora.rank=4",
-                                      "train.lora.alpha=8", "train.lora.targets=[q,k,v,o,mlp]", "optimizer.lr=3e-2",
+    cfg = config.load(None, overrides(tmp_path / "run", f"train.init_from={path}", "mesh=fsdp", "run.cpu_devices=4",
+                                      "train.remat=full", "train.lora.rank=4", "train.lora.alpha=8",
+                                      "train.lora.targets=[q,k,v,o,mlp]", "optimizer.lr=3e-2",
                                       "checkpoint.enabled=true", *FINE_TUNE, "train.steps=2"))
-    trainer.run(cfg)
+    result = trainer.run(cfg)
+    want = first_loss(cfg, model)
+    assert abs(result.history[0]["loss"] - float(want)) < 1e-5 * float(want)
     assert export.main([str(tmp_path / "run"), "--adapters-only", "--out", str(tmp_path / "adapters")]) == 0
+    assert export.main([str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
     ours = jax_logits(load.load(str(tmp_path / "run"), [], whole_mesh=False))
     base = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
     tuned = peft.PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
     assert relative(torch_logits(tuned, TOKENS), ours) < 1e-5
     assert relative(torch_logits(model, TOKENS), ours) > 1e-3  # the adapters matter
-
-
-def test_fine_tune_step_is_transformers_loss_and_exports_through_the_cli(folders, tmp_path):
-    """One fsdp step from the folder (each layer recomputed in the backward pass): its loss is transformers' on the
-    batch; the run exports (python -m
-    shard.export) to a folder transformers reads with the run's logits. A pipeline is refused in one line: the layers
-    are not one stack to cut into stages."""
-    path, model = folders["e2b"]
-    cfg = config.load(None, overrides(tmp_path / "run", f"train.init_from={path}", "mesh=fsdp", "run.cpu_devices=4",
-                                      "checkpoint.enabled=true", "train.remat=full", *FINE_TUNE))
-    result = trainer.run(cfg)
-    want = first_loss(cfg, model)
-    assert abs(result.history[0]["loss"] - float(want)) < 1e-5 * float(want)
-    out = tmp_path / "hf"
-    assert export.main([str(tmp_path / "run"), "--format", "hf", "--out", str(out)]) == 0
-    again = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
-    ours = load.load(str(tmp_path / "run"), [], whole_mesh=False)
-    assert relative(torch_logits(again, TOKENS), jax_logits(ours)) < 1e-5
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    assert relative(torch_logits(merged, TOKENS), ours) < 1e-5
     with pytest.raises(UserError) as e:
         trainer.run(config.load(None, overrides(tmp_path / "pp", f"train.init_from={path}", "mesh=pp",
                                                 "run.cpu_devices=2", *FINE_TUNE)))

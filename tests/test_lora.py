@@ -97,13 +97,11 @@ def test_resume_is_bitwise(train, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("mesh", [["mesh=fsdp", "run.cpu_devices=4"],
-                                  ["mesh=tp", "run.cpu_devices=4"],
-                                  ["mesh=fsdp_tp", "mesh.tensor=2", "run.cpu_devices=4"],
+@pytest.mark.parametrize("mesh", [["mesh=fsdp_tp", "mesh.tensor=2", "run.cpu_devices=4"],  # (fsdp and tp each in it)
                                   # 1F1B: the schedule differentiates the merged weights (QLoRA's test runs GPipe)
                                   ["mesh=pp", "model.n_layers=4", "run.cpu_devices=2", "pipeline.schedule=1f1b"],
                                   ["mesh=dp", "train.grad_accum=2", "run.cpu_devices=4"]],
-                         ids=["fsdp", "tp", "fsdp_tp", "pipeline_1f1b", "accumulation"])
+                         ids=["fsdp_tp", "pipeline_1f1b", "accumulation"])
 def test_on_any_mesh_the_curve_is_one_devices(train, mesh):
     same_curve_as_one_device(train, BASE, mesh)
 
