@@ -181,9 +181,9 @@ def adapters_merge_as_peft_merges(path, model_name: str, target_sets: list, tmp_
     from shard.strategies import adapters
 
     loaded = load.load(path, [], whole_mesh=False)
-    params = nnx.state(loaded.model, nnx.Param)
+    _, params, rest = nnx.split(loaded.model, nnx.Param, ...)  # (rest: DeepSeek's corrections too)
     kind = json.loads((Path(path) / "config.json").read_text())["model_type"]
-    size = tables.sizes(arch.with_defaults(loaded.cfg.model.kwargs), kind) if model_name == "gpt" else None
+    size = tables.sizes(arch.with_defaults(loaded.cfg.model.kwargs), kind)  # (as the export passes them)
     rng = np.random.default_rng(0)
     for n, targets in enumerate(target_sets):
         sites = adapters.sites(type(loaded.model), params, targets, model_name)
@@ -194,7 +194,7 @@ def adapters_merge_as_peft_merges(path, model_name: str, target_sets: list, tmp_
         values = {s.key: {k: np.asarray(v[...]) for k, v in adapters.pair(tree, s).items()} for s in sites}
         hf_peft.write(tmp_path / f"peft{n}", kind, sites, values, 2, 3, 6.0, None, size)
         write.write_folder(adapters.merged(params, tree, sites, 2.0), model_name, loaded.cfg.model.kwargs,
-                           tmp_path / f"merged{n}", None)
+                           tmp_path / f"merged{n}", None, rest=rest)
         base = transformers.AutoModelForCausalLM.from_pretrained(path)
         theirs = peft.PeftModel.from_pretrained(base, tmp_path / f"peft{n}").merge_and_unload().state_dict()
         ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"merged{n}").state_dict()

@@ -18,7 +18,8 @@ from shard.errors import UserError  # noqa: E402
 from shard.hf import arch  # noqa: E402
 from shard.use import load  # noqa: E402
 
-from test_hf import TOKENS, VOCAB, assert_exports_bitwise, jax_logits, relative, torch_logits  # noqa: E402
+from test_hf import (TOKENS, VOCAB, adapters_merge_as_peft_merges, assert_exports_bitwise, jax_logits,  # noqa: E402
+                     relative, torch_logits)
 
 REAL = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "hf" / "deepseek-r1" / "config.json"
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
@@ -127,6 +128,21 @@ def test_the_cache_holds_the_latent_and_the_rotated_key(folders):
 def test_export_and_reimport_are_bitwise(folders, kind, tmp_path):
     """(the routers' correction biases, no parameters, written too)"""
     assert_exports_bitwise(*folders[kind], tmp_path / "out", kind)
+
+
+# LoRA on the latent attention's four projections and its output (and the router), GLM-4.5's plain attention
+ADAPTED = {"deepseek_v3": [["q_a", "kv_b", "o"], ["q_b", "kv_a", "router"]], "glm4_moe": [["q", "k", "v", "o"]]}
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_lora_adapters_are_peft_weights_of_our_merged_model(folders, kind, tmp_path):
+    """(peft takes the Linears named gate_proj, up_proj and down_proj of these families for their experts: adapters
+    on the dense and shared MLPs are refused in one line, their merged export being the way out)"""
+    adapters_merge_as_peft_merges(folders[kind][0], "moe", ADAPTED[kind], tmp_path)
+    with pytest.raises(UserError, match="peft reads adapters on a .* model's down_proj, gate_proj, up_proj as its "
+                                        "experts'") as e:
+        adapters_merge_as_peft_merges(folders[kind][0], "moe", [["mlp"]], tmp_path / "mlp")
+    assert "\n" not in str(e.value)
 
 
 def test_the_real_r1_config_reads_as_transformers_reads_it():

@@ -23,6 +23,8 @@ from shard.errors import UserError
 from shard.hf import arch, peft_params, read, tables
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# The Linears' names that peft, beside a model's stacked experts, takes for the experts' own (DeepSeek-V3's, GLM-4.5's)
+EXPERT_NAMES = {"gate_proj", "up_proj", "down_proj"}
 
 
 def row_for(kind: str, site, size: dict | None = None) -> tables.Row:
@@ -30,7 +32,7 @@ def row_for(kind: str, site, size: dict | None = None) -> tables.Row:
     sizes, where they place it: a scanned period's length)."""
     ours = ".".join(site.path)
     period = size if size and "period" in size else None  # (only a period's rows need the sizes to be found)
-    for r in tables.rows(kind, {ours}, period):  # (a row of unlike layers made this layer's)
+    for r in tables.offset(tables.rows(kind, {ours}, period), size):  # (a row of unlike layers made this layer's)
         picked = [v for l, v in r.at.items() if l not in {x for g in r.groups() for x in g}]
         if r.ours == ours and picked == ([] if site.weight.pick is None else [site.weight.pick]):
             if len(r.groups()) == 2 and r.theirs.endswith(".weight"):
@@ -98,7 +100,13 @@ def write(out: Path, kind: str, site_list, values: dict, n_layers: int, rank: in
     table = tables.FUSED.get(kind, kind)  # the names of transformers' modules: a mixture's experts stacked
     bare = [s for s in site_list if peft_params.row(table, s)]
     named, modules, fused = tensors(table, [s for s in site_list if s not in bare], values, n_layers, size)
-    more, params, parts = peft_params.tensors(table, bare, values, n_layers)
+    if table in tables.FUSED.values() and set(modules) & EXPERT_NAMES:
+        taken = ", ".join(sorted(set(modules) & EXPERT_NAMES))
+        raise UserError(f"--adapters-only: peft reads adapters on a {kind} model's {taken} as its experts' and drops "
+                        "those of the dense and shared MLPs of those names, so the folder would not run as the run "
+                        "does; export the merged model with --format hf, or train adapters on the attention and the "
+                        "router alone")
+    more, params, parts = peft_params.tensors(table, bare, values, size)
     parts = {**fused, **parts}
     named.update(more)
     out.mkdir(parents=True, exist_ok=True)

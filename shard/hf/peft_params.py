@@ -50,9 +50,9 @@ def _layer(r: tables.Row, site, values: dict, i: int, table: str) -> list[tuple[
     return [_pair(r, site, *ab, table) for ab in zip(a, b)] if len(r.groups()) == 3 else [_pair(r, site, a, b, table)]
 
 
-def tensors(table: str, site_list, values: dict, n_layers: int) -> tuple[dict, list[str], dict]:
+def tensors(table: str, site_list, values: dict, size: dict | None = None) -> tuple[dict, list[str], dict]:
     """{PEFT tensor name: array} of the sites on bare parameters, the target_parameters, and {parameter: parts}
-    for those several of ours fill."""
+    for those several of ours fill (`size`: the letters' sizes, which place a stack after the dense first layers)."""
     parts: dict[str, list] = {}
     for s in site_list:
         r = row(table, s)
@@ -63,11 +63,12 @@ def tensors(table: str, site_list, values: dict, n_layers: int) -> tuple[dict, l
         module = theirs.rsplit(".", 1)[0]
         around = [n for n in names if n.rsplit(".", 1)[0] == module]
         nested = "base_layer." * (len(around) - 1 - around.index(theirs))
-        for i in range(n_layers):
+        first = tables.offset([pairs[0][0]], size)[0]
+        for i in range(values[pairs[0][1].key]["lora_a"].shape[0]):  # the stack's layers
             each = [_layer(r, s, values, i, table) for r, s in pairs]
             a = [np.concatenate([p[x][0] for p in each]) for x in range(len(each[0]))]      # (R, in) per expert
             b = [np.concatenate([p[x][1] for p in each], axis=1) for x in range(len(each[0]))]  # (out, R)
-            name = f"base_model.model.{module.format(i=i)}.{nested}"
+            name = f"base_model.model.{module.format(i=i + first.offset)}.{nested}"
             out[name + "lora_A.weight"] = np.ascontiguousarray(np.concatenate(a))  # safetensors writes the memory
             out[name + "lora_B.weight"] = np.ascontiguousarray(np.stack(b, axis=-1).reshape(b[0].shape[0], -1))
     local = lambda n: n.split("{i}.", 1)[-1]  # noqa: E731  # "mlp.experts.gate_up_proj"

@@ -297,6 +297,26 @@ TABLES["olmoe"] = _experts("projection", "mlp", "gate_proj", "up_proj", "down_pr
 QK_NORMS = {"mixtral": None, "qwen3_moe": "head", "olmoe": "projection"}
 FUSED = {kind: f"{kind}:fused" for kind in QK_NORMS}
 TABLES.update({FUSED[kind]: _fused_experts(qk_norm) for kind, qk_norm in QK_NORMS.items()})
+
+
+def _stacked_experts(table: tuple[Row, ...]) -> tuple[Row, ...]:
+    """DeepSeek-V3's or GLM-4.5's table with each expert's three tensors as transformers 5's modules hold them, every
+    expert in one 3-D parameter per matrix (gate and up side by side in gate_up_proj), as _fused_experts' families."""
+    fused = {"w_gate": ("gate_up_proj", "x (s f) e", {"s": 0}), "w_in": ("gate_up_proj", "x (s f) e", {"s": 1}),
+             "w_out": ("down_proj", "x e f", {})}
+    out = []
+    for r in table:
+        if ".experts.{x}." not in r.theirs:
+            out.append(r)
+            continue
+        name, axes, at = fused[r.ours.rsplit(".", 1)[-1]]
+        out.append(replace(r, theirs=r.theirs.split("{x}.")[0] + name, their_axes=axes, at=at))
+    return tuple(out)
+
+
+for _kind in (deepseek.KIND, glm.KIND):
+    FUSED[_kind] = f"{_kind}:fused"
+    TABLES[FUSED[_kind]] = _stacked_experts(TABLES[_kind])
 # (GPT-OSS's router is no Linear either; Llama 4's is one, its experts under feed_forward)
 BARE = r"\.mlp\.((gate|router)\.weight|experts\.(gate_up|down)_proj)$|\.feed_forward\.experts\.(gate_up|down)_proj$"
 # The base model's prefix: a folder saved from the base model alone (GPT2Model, LlamaModel: the Hub's gpt2)
@@ -319,17 +339,23 @@ def layout(kind: str, names) -> str:
 def rows(kind: str, params: set[str], size: dict | None = None) -> list[Row]:
     """The rows of `kind`'s table whose parameter the model has (`params`: its parameters' paths), their offsets
     resolved for the letters' sizes `size` where given, an expert's row made one per expert."""
-    found = [one for r in TABLES[kind] for one in _each_layer(r, params, size)]
-    if size and size.get("dense_layers"):  # the experts' stack counts on from the dense first layers'
-        found = [replace(r, offset=size["dense_layers"]) if r.layered and r.ours.startswith("blocks.") else r
-                 for r in found]
-    if size:  # the multi-token-prediction modules' layers from the model's last on
-        found = [replace(r, offset=size["mtp_at"]) if r.layered and r.ours.startswith("mtp.") else r for r in found]
+    found = offset([one for r in TABLES[kind] for one in _each_layer(r, params, size)], size)
     if size is None:
         return found
     found = [replace(r, theirs=r.theirs.replace("{x}", str(x)), at={**r.at, "x": x}) if "{x}" in r.theirs else r
              for r in found for x in (range(size["x"]) if "{x}" in r.theirs else [0])]
     return [resolved(r, size) for r in found]
+
+
+def offset(found: list[Row], size: dict | None) -> list[Row]:
+    """The rows of stacks whose first layer is not theirs' first, offset by the sizes `size` (None: as they are): the
+    experts' stack counts on from the dense first layers', the multi-token-prediction modules from the model's last."""
+    if size and size.get("dense_layers"):
+        found = [replace(r, offset=size["dense_layers"]) if r.layered and r.ours.startswith("blocks.") else r
+                 for r in found]
+    if size and "mtp_at" in size:
+        found = [replace(r, offset=size["mtp_at"]) if r.layered and r.ours.startswith("mtp.") else r for r in found]
+    return found
 
 
 def _each_layer(r: Row, params: set[str], size: dict | None) -> list[Row]:

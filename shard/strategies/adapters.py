@@ -43,6 +43,9 @@ TARGETS = {
     "v": (Weight("kv", 1, 2, pick=1),),
     "o": (Weight("out", 2, 1),),
     "mlp": (Weight("w_in"), Weight("w_gate"), Weight("w_out")),
+    # multi-head latent attention's up-projections (models/latent.py): a latent -> heads, each head's width
+    "q_b": (Weight("q_b", 1, 2),),
+    "kv_b": (Weight("kv_b", 1, 2),),
     # gated DeltaNet's projections (models/deltanet.py): queries and keys (embed -> key heads, key_dim), values and
     # the output gate (embed -> key heads, their value heads, value_dim), the output (those -> embed)
     "linear": (Weight("query", 1, 2), Weight("key", 1, 2), Weight("value", 1, 3), Weight("z", 1, 3),
