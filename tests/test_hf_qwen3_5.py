@@ -173,10 +173,19 @@ def test_lora_adapters_are_peft_weights_of_our_merged_model(folders, tmp_path):
     adapters_merge_as_peft_merges(folders["qwen3_5"][0], "gpt", [["q", "v"], ["k", "o", "mlp"], ["linear"]], tmp_path)
 
 
+def test_fine_tuning_under_fsdp_with_accumulation_gives_the_one_device_curve(folders, train):
+    """Qwen3.5-MoE's four layers (a period: three DeltaNet layers and a gated full one, experts in each) fine-tuned
+    from the folder three steps: under fsdp on two devices with two microbatches, the losses of one device."""
+    base = [f"train.init_from={folders['qwen3_5'][0]}", *FINE_TUNE, "train.steps=3", "optimizer.lr=1e-2"]
+    one = train(*base, "run.cpu_devices=1", subdir="one")
+    many = train(*base, "mesh=fsdp", "run.cpu_devices=2", "train.grad_accum=2", subdir="many")
+    losses = [r["loss"] for r in one.history]
+    assert losses[-1] < losses[0]
+    np.testing.assert_allclose([r["loss"] for r in many.history], losses, rtol=1e-5)
+
+
 def test_context_parallelism_is_refused_in_one_line(folders, tmp_path):
-    """The linear layers' state runs along the whole sequence, which mesh.context would split. (A fine-tuning step
-    from the folder gives transformers' loss on one device, under fsdp with grad_accum=2 and under mesh=pp: measured
-    when this was written, not rerun here for its two minutes.)"""
+    """The linear layers' state runs along the whole sequence, which mesh.context would split."""
     with pytest.raises(UserError) as e:
         trainer.run(config.load(None, overrides(tmp_path / "cp", f"train.init_from={folders['qwen3_5'][0]}",
                                                 "mesh=cp", "run.cpu_devices=2", *FINE_TUNE)))
