@@ -32,6 +32,9 @@ DROPLESS = [*TINY_MODELS["moe"], "model.routing=dropless", "train.steps=6", "run
     # tokamax's products (its XLA path on a CPU): the exchange manual over every mesh axis, as its TPU kernels need
     # (shard/nn/dropless.py), with an axis (tensor) that splits neither the tokens nor the experts
     ["mesh=ep", "mesh.expert=2", "mesh.tensor=2", "run.cpu_devices=4", "train.grouped_matmul=tokamax"],
+    # each layer recomputed for its backward pass, whose exchange then runs each round's experts forward and backward
+    # at once (shard/nn/dropless.py's _weighed_exchange: the pairs' weights and inputs' gathering inside it)
+    ["mesh=ep", "run.cpu_devices=4", "train.remat=full"],
 ])
 def test_dropless_expert_parallel_curve_equals_one_device(train, mesh):
     accumulate = [a for a in mesh if a.startswith("train.")]  # the one-device run's too

@@ -4,6 +4,8 @@ sorting only its own tokens and the experts' tokens travelling by all-to-all, in
 skewed; inputs weighed before the experts (Llama 4). The grouped products (shard/nn/grouped.py) against
 jax.lax.ragged_dot, with both gradients."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,6 +102,38 @@ def test_skewed_routing_takes_more_rounds_and_drops_nothing(inputs, weigh_inputs
                   for c in range(K))
     np.testing.assert_allclose(np.asarray(dropless.local(mlp, x, top_e, top_p, weights, weigh_inputs)), by_hand,
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("weigh_inputs", [False, True])
+@pytest.mark.parametrize("skewed", [False, True])
+def test_a_recomputed_layer_runs_the_rounds_once_in_its_backward_pass(inputs, weigh_inputs, skewed):
+    """Under activation checkpointing (remat: the layer's forward pass computed again for its backward pass) the
+    exchange's backward pass runs each round's experts forward and backward at once, and the recomputation needs
+    none of its rounds: two loops of rounds in the compiled gradient (the forward pass's, the backward pass's)
+    where the exchange that keeps its forward pass's rounds has three (the recomputation's for the outputs, which
+    the pairs' weights' gradient needs; bench/RESULTS.md's Qwen3-30B-A3B: 14 grouped products a layer against
+    MaxText's 12, its rounds' first products computed a fourth time past 4 rounds' buffer). Outputs and
+    gradients (the pairs' weights' too) as on one device, in one round and in more (every pair to one device)."""
+    mesh = make_mesh(EP)
+    x, top_e, top_p, weights = inputs
+    top_e = jnp.broadcast_to(jnp.array([0, 1]), top_e.shape) if skewed else top_e
+    placed = tuple(jax.device_put(w, NamedSharding(mesh, PartitionSpec("expert"))) for w in weights)
+
+    def total(fn, remat=None):
+        kw = {} if remat is None else dict(remat=remat)
+        layer = jax.checkpoint(lambda x, p, w: x + fn(mlp, x, top_e, p, w, weigh_inputs=weigh_inputs, **kw),
+                               policy=jax.checkpoint_policies.nothing_saveable)
+        return jax.value_and_grad(lambda x, p, w: jnp.sum(jnp.sin(layer(x, p, w))), argnums=(0, 1, 2))
+
+    want = total(dropless.local)(x, top_p, weights)
+    loops = {}
+    for remat in (True, False):
+        run = jax.jit(total(lambda *a, **kw: dropless.split(*a[:5], mesh, partition.RULES, **kw), remat))
+        for g, w in zip(jax.tree.leaves(run(x, top_p, placed)), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6)
+        loops[remat] = len(re.findall(r"\swhile\(", run.lower(x, top_p, placed).compile().as_text()))
+    # inputs weighed: the outputs' gradient needs no outputs, so the recomputation had none of the rounds either
+    assert loops == {True: 2, False: 2 if weigh_inputs else 3}
 
 
 @pytest.mark.parametrize("kernel", ["xla", "tiled"])

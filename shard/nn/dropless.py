@@ -16,7 +16,9 @@ share (the pairs / the group's devices: capacity routing's budget, so one round 
 sends); where some device's pairs for one device overflow it, the exchange repeats (rounds: a loop as long as
 the fullest bucket needs, agreed over the mesh), so no pair is dropped. The backward pass does the same with
 the pairs' inputs and gradients, each round's first products (up, gate) as the forward pass kept them, in a buffer
-for every round the data could ask for (shard/nn/grouped.py's kernels give the weights' gradient grouped). Axes
+for every round the data could ask for (shard/nn/grouped.py's kernels give the weights' gradient grouped); where the
+layer is recomputed for its backward pass (train.remat), that pass instead runs each round's experts forward and
+backward at once, the pairs' weights applied inside the exchange, and the recomputation runs no round. Axes
 the tokens are not split on (`tensor`) stay the partitioner's.
 
 `local` is the whole computation on one device: what a model gets outside the framework and, where no axis
@@ -49,11 +51,13 @@ def local(mlp, x, top_e, top_p, weights, weigh_inputs: bool = False):
 
 
 def split(mlp, x, top_e, top_p, weights, mesh, rules, slack: float = 1.25, weigh_inputs: bool = False,
-          kernel: str = "xla"):
+          kernel: str = "xla", remat: bool = False):
     """`local` on each device's own tokens of (batch, length, d) x under the mesh and logical rules (see the
     module's docstring); the plain `local` where no axis splits the tokens this batch divides by. slack: a
     bucket's pairs over a fair share, under expert parallelism; kernel: the grouped products' (shard/nn/grouped.py),
-    whose tokamax takes the shard_map manual over every mesh axis."""
+    whose tokamax takes the shard_map manual over every mesh axis. remat: the caller's layer is recomputed for its
+    backward pass (train.remat), whose exchange then runs each round's experts forward and backward at once
+    (_weighed_exchange) instead of after the forward pass's rounds again."""
     sizes = dict(mesh.shape)
     batch, length = partition.logical_to_spec(("batch", "length"), rules, sizes)
     batch, length = (_dividing(partition.axes_of(a), n, sizes) for a, n in ((batch, x.shape[0]), (length, x.shape[1])))
@@ -74,8 +78,14 @@ def split(mlp, x, top_e, top_p, weights, mesh, rules, slack: float = 1.25, weigh
         k, d = top_e.shape[-1], x.shape[-1]
         e = top_e.reshape(-1)
         order = jnp.argsort(e, stable=True)  # by expert, so by the expert's device
-        xs = _inputs(x.reshape(-1, d), top_p.reshape(-1), order, k, weigh_inputs)
         route = Route(e[order], n // group, group, owners, manual, slack)
+        if remat and not weigh_inputs:  # the pairs' inputs taken from the tokens round by round
+            return _weighed_exchange(mlp, k, route, x.reshape(-1, d), order // k, top_p.reshape(-1, k), order,
+                                     tuple(weights)).reshape(x.shape)
+        xs = _inputs(x.reshape(-1, d), top_p.reshape(-1), order, k, weigh_inputs)
+        if remat:
+            return _weighed_exchange(mlp, k, route, xs, jnp.arange(xs.shape[0]), None, order,
+                                     tuple(weights)).reshape(x.shape)
         ys = _exchange(mlp, route, xs, tuple(weights))[jnp.argsort(order)].reshape(*x.shape[:-1], k, d)
         return _combine(ys, top_p, weigh_inputs, x.dtype)
 
@@ -152,8 +162,11 @@ class Route:
 
     def scatter(self, a, index, rows):
         """a with the rows computed for buckets `index` (received order) sent back and set at their pairs."""
-        back = self.send(rows.reshape(*index.shape, *rows.shape[1:])).reshape(-1, *rows.shape[1:])
-        return a.at[index.reshape(-1)].set(back.astype(a.dtype), mode="drop")
+        return a.at[index.reshape(-1)].set(self.back(index, rows).astype(a.dtype), mode="drop")
+
+    def back(self, index, rows):
+        """The rows computed for buckets `index` (received order) sent back: (group x bucket, ...) in slot order."""
+        return self.send(rows.reshape(*index.shape, *rows.shape[1:])).reshape(-1, *rows.shape[1:])
 
     def received(self, index):
         """The order by expert of the rows received for buckets `index`, and this device's experts' row counts."""
@@ -181,14 +194,22 @@ def _through_experts(mlp, route: Route, index, rows, weights, replay=None):
 KEEP_ROUNDS = 4
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _exchange(mlp, route: Route, xs, weights):
-    """Each sorted pair's expert output, (pairs, d): the pairs sent to their experts' devices in rounds."""
+def _rounds(mlp, route: Route, xs, weights, of=None):
+    """Each sorted pair's expert output, (pairs, d): the pairs sent to their experts' devices in rounds. of: each
+    sorted pair's row of xs (None: the pairs' own rows)."""
     def one_round(r, ys):
         index = route.slots(r)
-        return route.scatter(ys, index, _through_experts(mlp, route, index, route.gather(xs, index), weights)[0])
+        rows = route.gather(xs, index if of is None else jnp.take(of, index, mode="fill", fill_value=xs.shape[0]))
+        return route.scatter(ys, index, _through_experts(mlp, route, index, rows, weights)[0])
 
-    return jax.lax.fori_loop(0, route.rounds, one_round, jnp.zeros_like(xs))
+    zeros = jnp.zeros_like(xs) if of is None else grouped._zeros((of.shape[0], xs.shape[1]), xs, of).astype(xs.dtype)
+    return jax.lax.fori_loop(0, route.rounds, one_round, zeros)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _exchange(mlp, route: Route, xs, weights):
+    """_rounds, its backward pass after the forward pass's rounds (below)."""
+    return _rounds(mlp, route, xs, weights)
 
 
 def _exchange_fwd(mlp, route, xs, weights):
@@ -243,6 +264,64 @@ def _exchange_bwd(mlp, saved, dys):
 
 
 _exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
+# Under activation checkpointing (train.remat) a layer's backward pass computes its forward pass again first, so
+# the exchange above ran its rounds three times: the forward pass, its recomputation (the outputs, for their
+# weights' gradients), and the backward pass, which computed each round's first products once more (its buffer of
+# kept rounds is sized for the most the data could ask for: 13 rounds of Qwen3-30B-A3B's on 16 chips, more memory
+# than it saves). Here the pairs' weights and their sum over a token's choices are inside, so that the layer's
+# recomputation needs nothing of the exchange but its inputs (XLA drops its rounds there), and the backward pass
+# runs each round's experts forward and backward at once, the first products' outputs kept within the round: the
+# grouped products of the forward pass twice and of the backward once, as MaxText's single padded exchange under
+# full remat, with no buffer past a round's. Each round takes its pairs' inputs and output gradients from the
+# tokens' rows and sums their inputs' gradients into them (no array of every pair's), and sends the pairs' inputs
+# once for both passes; where the outputs are weighed, they come back for the weights' gradient.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _weighed_exchange(mlp, k: int, route: Route, xs, of, p, order, weights):
+    """Each token's sum of its k choices' expert outputs times their weights p (tokens, k) (None: the outputs as
+    they are), as _combine sums them: (tokens, d). The sorted pairs' inputs are rows `of` of xs (the tokens, or the
+    pairs' own inputs); order: the sorted pairs' places among the token-major pairs (token x k + choice)."""
+    ys = _rounds(mlp, route, xs, weights, of)[jnp.argsort(order)].reshape(-1, k, xs.shape[1])
+    return _combine(ys, p, p is None, xs.dtype)
+
+
+def _weighed_fwd(mlp, k, route, xs, of, p, order, weights):
+    return _weighed_exchange(mlp, k, route, xs, of, p, order, weights), (route, xs, of, p, order, weights)
+
+
+def _weighed_bwd(mlp, k, saved, dout):
+    """The rounds once, each round's pairs (their inputs and their outputs' gradients) through the experts forward
+    and backward, their inputs' gradients summed into xs's rows; where the pairs are weighed, their outputs come
+    back too, for their weights' gradient (the output's gradient dot the output)."""
+    route, xs, of, p, order, weights = saved
+    flat = None if p is None else p.reshape(-1)
+
+    def one_round(r, carry):
+        dxs, dp, dws = carry
+        index = route.slots(r)
+        places = jnp.take(order, index, mode="fill", fill_value=order.shape[0])  # the buckets' pairs, token-major
+        dz = jnp.take(dout, places // k, axis=0, mode="fill", fill_value=0)  # their tokens' output gradients
+        dys = dz if p is None else (dz.astype(jnp.float32) * jnp.take(flat, places, mode="fill", fill_value=0)[
+            ..., None]).astype(xs.dtype)
+        rows = jnp.take(of, index, mode="fill", fill_value=xs.shape[0])
+        out, vjp = jax.vjp(lambda a, w: _through_experts(mlp, route, index, a, w)[0], route.gather(xs, rows),
+                           weights)
+        drows, dw = vjp(route.send(dys).reshape(-1, dys.shape[-1]))
+        if p is not None:
+            back = route.back(index, out).astype(jnp.float32)
+            dots = jnp.sum(dz.reshape(back.shape).astype(jnp.float32) * back, axis=-1)
+            dp = dp.at[places.reshape(-1)].set(dots.astype(dp.dtype), mode="drop")
+        dxs = dxs.at[rows.reshape(-1)].add(route.back(index, drows).astype(dxs.dtype), mode="drop")
+        return dxs, dp, jax.tree.map(jnp.add, dws, dw)
+
+    zeros = (jnp.zeros_like(xs), None if p is None else jnp.zeros_like(flat), jax.tree.map(jnp.zeros_like, weights))
+    dxs, dp, dws = jax.lax.fori_loop(0, route.rounds, one_round, zeros)
+    dp = None if p is None else grouped.reduced_like(dp.reshape(p.shape), p)
+    return None, grouped.reduced_like(dxs, xs), None, dp, None, jax.tree.map(grouped.reduced_like, dws, weights)
+
+
+_weighed_exchange.defvjp(_weighed_fwd, _weighed_bwd)
 
 
 def _dividing(axes: tuple, n: int, sizes: dict) -> tuple:

@@ -402,7 +402,7 @@ def experts(mlp, x: jax.Array, top_e: jax.Array, top_p: jax.Array, weights: tupl
     if (active := partition.active()) is None or _PIPELINE.get() is not None:
         return dropless.local(mlp, x, top_e, top_p, weights, weigh_inputs)
     return dropless.split(mlp, x, top_e, top_p, weights, *active, slack=slack, weigh_inputs=weigh_inputs,
-                          kernel=_GROUPED.get())
+                          kernel=_GROUPED.get(), remat=_REMAT.get() != "none")
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
