@@ -192,7 +192,7 @@ def adapters_merge_as_peft_merges(path, model_name: str, target_sets: list, tmp_
             for var in adapters.pair(tree, s).values():
                 var.set_value(0.1 * rng.normal(size=var.shape).astype(np.float32))
         values = {s.key: {k: np.asarray(v[...]) for k, v in adapters.pair(tree, s).items()} for s in sites}
-        hf_peft.write(tmp_path / f"peft{n}", kind, sites, values, 2, 3, 6.0, None, size)
+        hf_peft.write(tmp_path / f"peft{n}", kind, sites, values, 3, 6.0, None, size)
         write.write_folder(adapters.merged(params, tree, sites, 2.0), model_name, loaded.cfg.model.kwargs,
                            tmp_path / f"merged{n}", None, rest=rest)
         base = transformers.AutoModelForCausalLM.from_pretrained(path)

@@ -56,8 +56,7 @@ def linear_pair(row: tables.Row, site, a: np.ndarray, b: np.ndarray) -> tuple[np
     return np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)
 
 
-def tensors(kind: str, site_list, values: dict, n_layers: int, size: dict | None = None) -> tuple[dict, list[str],
-                                                                                                dict[str, int]]:
+def tensors(kind: str, site_list, values: dict, size: dict | None = None) -> tuple[dict, list[str], dict[str, int]]:
     """{PEFT tensor name: array} for every adapted weight and layer, the target module names, and {module: parts}
     for the fused Linears several of our weights fill (`size`: the letters' sizes, to place each part)."""
     out, modules, fused, groups = {}, [], {}, {}
@@ -92,14 +91,14 @@ def placed(row: tables.Row, b: np.ndarray, size: dict) -> np.ndarray:
     return whole
 
 
-def write(out: Path, kind: str, site_list, values: dict, n_layers: int, rank: int, alpha: float,
-          base: str | None, size: dict | None = None) -> int:
+def write(out: Path, kind: str, site_list, values: dict, rank: int, alpha: float, base: str | None,
+          size: dict | None = None) -> int:
     """The folder: adapter_config.json and adapter_model.safetensors. Returns the bytes written."""
     from safetensors.numpy import save_file
 
     table = tables.FUSED.get(kind, kind)  # the names of transformers' modules: a mixture's experts stacked
     bare = [s for s in site_list if peft_params.row(table, s)]
-    named, modules, fused = tensors(table, [s for s in site_list if s not in bare], values, n_layers, size)
+    named, modules, fused = tensors(table, [s for s in site_list if s not in bare], values, size)
     if table in tables.FUSED.values() and set(modules) & EXPERT_NAMES:
         taken = ", ".join(sorted(set(modules) & EXPERT_NAMES))
         raise UserError(f"--adapters-only: peft reads adapters on a {kind} model's {taken} as its experts' and drops "
@@ -158,6 +157,6 @@ def export(run: str, overrides: list[str], step: int | None, out_arg: str | None
     values = {s.key: {k: np.asarray(v[...]) for k, v in adapters.pair(saved, s).items()} for s in site_list}
     base = cfg.train.init_from
     g = arch.with_defaults(cfg.model.kwargs)
-    size = write(out, kind, site_list, values, g["n_layers"], rank, alpha, base, tables.sizes(g, kind))
+    size = write(out, kind, site_list, values, rank, alpha, base, tables.sizes(g, kind))
     return (f"wrote {out} ({len(site_list)} adapted weights, rank {rank}, alpha {alpha:g}, {size / 1e6:.2f} MB, "
             f"step {at} of {run}); load it with peft.PeftModel.from_pretrained(<the base model>, {str(out)!r})")

@@ -80,23 +80,27 @@ def compare(cfg, devices: list, schedules: bool = False) -> list[dict]:
         try:
             rules = partition.merged_rules(mesh_cfg.rules, mesh_lib.AXES)
             renamed = renamed_mesh(state_lib.split_report(params, sizes, rules, auto_min), params, sizes, rules)
-            if renamed:
-                rows.append({"label": label, "skipped": renamed})
-                continue
-            plan = analyse(replace(cfg, mesh=mesh_cfg), devices, work)
         except UserError as e:  # e.g. heads not divisible by the tensor axis
-            rows.append({"label": label, "skipped": str(e)})
+            renamed = str(e)
+        if renamed:
+            rows.append({"label": label, "skipped": renamed})
             continue
-        rows.append({"label": label, "preset": preset, **plan})
+        rows.append(_row(label, preset, replace(cfg, mesh=mesh_cfg), devices, work))
+        if "skipped" in rows[-1]:
+            continue
         for schedule in pipeline_schedules(cfg) if schedules and sizes["stage"] > 1 else ():
-            try:
-                plan = analyse(replace(cfg, mesh=mesh_cfg, pipeline=replace(cfg.pipeline, schedule=schedule)), devices,
-                               work)
-            except UserError as e:  # e.g. a model whose stacked layers 1F1B refuses
-                rows.append({"label": f"{label}, {schedule}", "skipped": str(e)})
-                continue
-            rows.append({"label": f"{label}, {schedule}", "preset": preset, **plan})
+            rows.append(_row(f"{label}, {schedule}", preset,  # (a model whose stacked layers 1F1B refuses: skipped)
+                             replace(cfg, mesh=mesh_cfg, pipeline=replace(cfg.pipeline, schedule=schedule)), devices,
+                             work))
     return rows
+
+
+def _row(label: str, preset: str, cfg, devices: list, work) -> dict:
+    """compare's row of one configuration: analyse()'s plan, or why it was skipped."""
+    try:
+        return {"label": label, "preset": preset, **analyse(cfg, devices, work)}
+    except UserError as e:
+        return {"label": label, "skipped": str(e)}
 
 
 def pipeline_schedules(cfg) -> list[str]:
