@@ -152,6 +152,20 @@ def test_without_mtp_depth_the_layer_is_skipped_in_one_line_saying_how_to_train_
     assert lines and "model.mtp_depth=1 trains" in lines[0]
 
 
+def test_the_layers_past_mtp_depth_are_skipped_in_one_line_naming_num_hidden_layers(capfd):
+    """(DeepSeek-V3's 61 layers, two MTP layers held, one trained: the line named 60, the depth taken off)"""
+    from shard.hf import mtp
+
+    layers = {61: {"model.layers.61.eh_proj.weight", "model.layers.61.embed_tokens.weight"},
+              62: {"model.layers.62.eh_proj.weight"}}
+    unread = mtp.unread(layers, 1, {"num_nextn_predict_layers": 2}, "test")
+    assert unread == {"model.layers.62.eh_proj.weight", "model.layers.61.embed_tokens.weight",
+                      "model.layers.61.shared_head.head.weight"}
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert lines == ["warning: test: the multi-token-prediction layer 62 (1 tensors) past num_hidden_layers=61 is not "
+                     "read (model.mtp_depth=1)"]
+
+
 @pytest.mark.slow
 def test_fine_tuning_logs_mtp_loss_and_the_curve_under_fsdp_and_accumulation_is_one_devices(folders, train):
     """(two tiny fine-tunes, three steps each: most of it compiling)"""

@@ -51,7 +51,7 @@ def unread(layers: dict[int, set], depth: int, config: dict, where: str) -> set:
         count = sum(len(layers[i]) for i in skipped)
         how = "; model.mtp_depth=1 trains the first as multi-token prediction" if not depth else ""
         warn(f"{where}: the multi-token-prediction layer{'s' * (len(skipped) > 1)} {', '.join(map(str, skipped))} "
-             f"({count} tensors) past num_hidden_layers={order[0] - depth} "
+             f"({count} tensors) past num_hidden_layers={order[0]} "
              f"{'are' if len(skipped) > 1 else 'is'} not read (model.mtp_depth={depth}){how}")
     out = {name for i in skipped for name in layers[i]}
     return out | {f"model.layers.{i}.{name}" for i in order[:depth] for name in SHARED}
