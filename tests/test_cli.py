@@ -40,6 +40,7 @@ BAD_INPUTS = {
     "missing CSV": (["model.name=mlp", "data.name=tabular", "data.path=no/such.csv"], "no/such.csv"),
     "batch larger than the data": (["model.name=mlp", "data.name=digits", "data.batch_size=4096"], "4096"),
     "cudnn attention on CPU": (["train.attention=cudnn", "train.dtype=bfloat16"], "train.attention=cudnn"),
+    "ragged all-to-all on CPU": (["train.expert_exchange=ragged"], "train.expert_exchange=ragged needs a TPU or GPU"),
     "lm task on tables": (["model.name=mlp", "data.name=digits", "data.task=lm"], "data.task=lm"),
     "profile range not START:END": (["run.profile_steps=5"], "START:END"),
     "layers not divisible into stages": (["run.cpu_devices=8", "mesh=pp"], "4 stacked layers do not divide into 8"),

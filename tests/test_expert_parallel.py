@@ -98,13 +98,19 @@ def test_dropless_under_ep_on_a_tpu_target_runs_megablox_kernels(tmp_path):
     megablox Mosaic kernels (gmm forward and rows' gradient, tgmm the matrices') in the compiled step, not XLA's
     ragged-dot (which the TPU compiler refuses under those flags, a RET_CHECK) nor tokamax's. Before, `auto` took
     tokamax's, whose 128-row tiles its own cost estimate, which the TPU cost model prices, charges 3x megablox's for
-    a real expert's product (bench/RESULTS.md); tokamax's TPU kernels stay tests/test_compiler_figures.py's."""
+    a real expert's product (bench/RESULTS.md); tokamax's TPU kernels stay tests/test_compiler_figures.py's. With
+    train.expert_exchange=ragged the pairs travel by the TPU's ragged all-to-all (only each bucket's pairs; XLA:CPU
+    has none, so the CPU tests check its offsets against its documented semantics, tests/test_moe_dropless.py); the
+    only all-to-alls left carry int32s: the counts, and the experts' numbers."""
     cfg = config.load("configs/text_moe.yaml", overrides(tmp_path, "model.routing=dropless", "run.target=v5p-8",
                                                          "train.attention=xla", "model.d_model=128",
-                                                         "model.d_ff=256", "model.n_layers=2", "data.batch_size=8"))
+                                                         "model.d_ff=256", "model.n_layers=2", "data.batch_size=8",
+                                                         "train.expert_exchange=ragged"))
     devices = target.devices(target.of(cfg.run))
     step = job.prepare(cfg, devices, training=False, flags=target.compiler_flags(cfg.run, devices[0])).train_step
     text = step.as_text()
     assert not re.search(r"%(?:ragged-dot|gmm_megablox|tgmm_megablox)", text)
     calls = {c for c in re.findall(r'op_name="[^"]*?jit\((t?gmm)\)', text)}
     assert calls == {"gmm", "tgmm"}
+    assert re.search(r"= f32\[[\d,]*,128\]\S* ragged-all-to-all\(", text)  # the pairs, in 128-lane rows
+    assert set(re.findall(r"= (\w+)\[[\d,]*\]\S* all-to-all\(", text)) == {"s32"}

@@ -41,6 +41,52 @@ def loss(fn, x, top_e, top_p, weights):
     return jnp.sum(jnp.sin(fn(mlp, x, top_e, top_p, weights)))
 
 
+def ragged_by_the_docs(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
+                       axis_index_groups=None):
+    """jax.lax.ragged_all_to_all as its documentation specifies it, from all_gather: XLA:CPU has no
+    ragged-all-to-all. Where a sender's size for this device is not the size this device says it receives (the
+    documented contract), the whole result is poisoned (NaN; -1 for integers), so that the test fails."""
+    assert axis_index_groups is None
+    # the primitive types its result as `output`: one that does not vary where the rows do would be typed wrong
+    assert grouped._varying(output) >= grouped._varying(operand), "output's manual-axis type"
+    n, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    per = input_offsets.shape[0] // n
+    ops, starts, sizes, ats = (jax.lax.all_gather(a, axis_name) for a in (operand, input_offsets, send_sizes,
+                                                                       output_offsets))
+    rows, result, agree = jnp.arange(output.shape[0]), output, True
+    for src in range(n):
+        for j in range(per):
+            i, mine = src * per + j, me * per + j  # the slice src sends this device, as each side counts it
+            start, at, size = starts[src][mine], ats[src][mine], recv_sizes[i]
+            agree = agree & (sizes[src][mine] == size)
+            hit = ((rows >= at) & (rows < at + size)).reshape(-1, *[1] * (output.ndim - 1))
+            result = jnp.where(hit, ops[src][jnp.clip(start + rows - at, 0, operand.shape[0] - 1)], result)
+    poison = jnp.nan if jnp.issubdtype(output.dtype, jnp.floating) else -1
+    return jnp.where(agree, result, jnp.full_like(result, poison))
+
+
+def test_the_ragged_exchange_by_the_docs_is_the_docs_example():
+    """The stand-in above on the documentation's own example (an axis of 2), and on a wrong receive size."""
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    args = [[1, 2, 2, 3, 4, 0], [0] * 8, [0, 1, 0, 1], [1, 2, 1, 1], [0, 0, 1, 2], [1, 1, 2, 1]]
+    run = jax.jit(jax.shard_map(lambda *a: ragged_by_the_docs(*a, axis_name="x"), mesh=mesh,
+                                in_specs=(PartitionSpec("x"),) * 6, out_specs=PartitionSpec("x")))
+    place = lambda a: jax.device_put(jnp.array(a, jnp.int32), NamedSharding(mesh, PartitionSpec("x")))  # noqa
+    assert run(*map(place, args)).tolist() == [1, 3, 0, 0, 2, 2, 4, 0]
+    args[5] = [1, 1, 2, 2]
+    assert run(*map(place, args)).tolist() == [1, 3, 0, 0, -1, -1, -1, -1]
+
+
+@pytest.fixture(params=["padded", "ragged"])
+def exchange(request, monkeypatch):
+    """The pairs sent in whole buckets (all-to-all) or only the buckets' pairs (ragged_all_to_all, by the docs,
+    into a buffer left unwritten: here NaN, so that an empty slot read as a pair fails the test)."""
+    if request.param == "ragged":
+        monkeypatch.setattr(jax.lax, "ragged_all_to_all", ragged_by_the_docs)
+        monkeypatch.setattr(jax.lax, "empty", lambda shape, dtype: jnp.full(shape, jnp.nan, dtype))
+    return request.param
+
+
 @pytest.mark.parametrize("shape", [dict(expert=2, fsdp=2, tensor=2), dict(context=2, fsdp=2)])
 def test_split_equals_one_device_with_gradients(inputs, shape):
     mesh = make_mesh(tuple(shape.get(a, 1) for a in AXES))
@@ -78,9 +124,10 @@ EP = (1, 1, 1, 4, 1, 1, 1)  # the experts and the tokens over 4 devices, one exp
 
 
 @pytest.mark.parametrize("weigh_inputs", [False, True])
-def test_skewed_routing_takes_more_rounds_and_drops_nothing(inputs, weigh_inputs):
+def test_skewed_routing_takes_more_rounds_and_drops_nothing(inputs, weigh_inputs, exchange):
     """Every pair to experts 0 and 1 (one device): its buckets overflow, so the exchange repeats until each pair
-    went through its expert; outputs and gradients as on one device, inputs weighed before the experts or not."""
+    went through its expert; outputs and gradients as on one device, inputs weighed before the experts or not, the
+    buckets sent whole or only their pairs (the last round's partly full, the other devices' buckets empty)."""
     mesh = make_mesh(EP)
     x, _, top_p, weights = inputs
     top_e = jnp.broadcast_to(jnp.array([0, 1]), top_p.shape)
@@ -88,9 +135,11 @@ def test_skewed_routing_takes_more_rounds_and_drops_nothing(inputs, weigh_inputs
     placed = tuple(jax.device_put(w, held) for w in weights)
 
     def total(fn, x, w, *mesh_args):
-        return jnp.sum(jnp.sin(fn(mlp, x, top_e, top_p, w, *mesh_args, weigh_inputs=weigh_inputs)))
+        return jnp.sum(jnp.sin(fn(mlp, x, top_e, top_p, w, *mesh_args, weigh_inputs=weigh_inputs, **kw)))
 
+    kw = {}
     want = jax.value_and_grad(lambda x, w: total(dropless.local, x, w), argnums=(0, 1))(x, weights)
+    kw = dict(exchange=exchange)
     got = jax.jit(jax.value_and_grad(lambda x, w: total(dropless.split, x, w, mesh, partition.RULES),
                                      argnums=(0, 1)))(x, placed)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -106,7 +155,7 @@ def test_skewed_routing_takes_more_rounds_and_drops_nothing(inputs, weigh_inputs
 
 @pytest.mark.parametrize("weigh_inputs", [False, True])
 @pytest.mark.parametrize("skewed", [False, True])
-def test_a_recomputed_layer_runs_the_rounds_once_in_its_backward_pass(inputs, weigh_inputs, skewed):
+def test_a_recomputed_layer_runs_the_rounds_once_in_its_backward_pass(inputs, weigh_inputs, skewed, exchange):
     """Under activation checkpointing (remat: the layer's forward pass computed again for its backward pass) the
     exchange's backward pass runs each round's experts forward and backward at once, and the recomputation needs
     none of its rounds: two loops of rounds in the compiled gradient (the forward pass's, the backward pass's)
@@ -128,7 +177,8 @@ def test_a_recomputed_layer_runs_the_rounds_once_in_its_backward_pass(inputs, we
     want = total(dropless.local)(x, top_p, weights)
     loops = {}
     for remat in (True, False):
-        run = jax.jit(total(lambda *a, **kw: dropless.split(*a[:5], mesh, partition.RULES, **kw), remat))
+        run = jax.jit(total(lambda *a, **kw: dropless.split(*a[:5], mesh, partition.RULES, exchange=exchange, **kw),
+                            remat))
         for g, w in zip(jax.tree.leaves(run(x, top_p, placed)), jax.tree.leaves(want)):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6)
         loops[remat] = len(re.findall(r"\swhile\(", run.lower(x, top_p, placed).compile().as_text()))

@@ -192,6 +192,11 @@ class TrainConfig:
                                  "expert it meets), megablox (TPU), tokamax, or xla (jax.lax.ragged_dot as XLA lowers "
                                  "it: dense per expert on CPU and GPU)",
                                  choices=("auto", "xla", "tiled", "megablox", "tokamax"))
+    expert_exchange: str = option("auto", "how dropless routing's (token, choice) pairs travel to their experts' "
+                                  "devices under expert parallelism: auto (ragged on a GPU, else padded), "
+                                  "padded (every bucket whole, all-to-all) or ragged (only the pairs, the counts "
+                                  "first: jax.lax.ragged_all_to_all; TPU, GPU)",
+                                  choices=("auto", "padded", "ragged"))
     attention_precision: str = option("float32", "the XLA attention's logits and softmax: float32, or bfloat16 "
                                       "(normalised after the value product; less memory, as MaxText does)",
                                       choices=("float32", "bfloat16"))

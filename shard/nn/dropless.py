@@ -21,6 +21,12 @@ layer is recomputed for its backward pass (train.remat), that pass instead runs 
 backward at once, the pairs' weights applied inside the exchange, and the recomputation runs no round. Axes
 the tokens are not split on (`tensor`) stay the partitioner's.
 
+Where the platform has a ragged all-to-all (XLA on TPU and GPU; `train.expert_exchange=auto` takes it on a GPU,
+see `resolve`), a bucket's empty slots need not travel: each device's counts for the others are exchanged once (a
+tiny all-to-all), and each round sends each bucket's pairs only (jax.lax.ragged_all_to_all), into the same slots on
+the receiver as the padded exchange, so everything past the transport is the same. Balanced routing then sends
+1/slack of the padded bytes, and a round past the first only the pairs that overflowed.
+
 `local` is the whole computation on one device: what a model gets outside the framework and, where no axis
 splits the experts, each device's part.
 """
@@ -32,7 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from shard.nn import grouped, partition
+from shard.errors import UserError
+from shard.nn import attention, grouped, partition
 
 
 def local(mlp, x, top_e, top_p, weights, weigh_inputs: bool = False):
@@ -51,13 +58,15 @@ def local(mlp, x, top_e, top_p, weights, weigh_inputs: bool = False):
 
 
 def split(mlp, x, top_e, top_p, weights, mesh, rules, slack: float = 1.25, weigh_inputs: bool = False,
-          kernel: str = "xla", remat: bool = False):
+          kernel: str = "xla", remat: bool = False, exchange: str = "padded"):
     """`local` on each device's own tokens of (batch, length, d) x under the mesh and logical rules (see the
     module's docstring); the plain `local` where no axis splits the tokens this batch divides by. slack: a
     bucket's pairs over a fair share, under expert parallelism; kernel: the grouped products' (shard/nn/grouped.py),
     whose tokamax takes the shard_map manual over every mesh axis. remat: the caller's layer is recomputed for its
     backward pass (train.remat), whose exchange then runs each round's experts forward and backward at once
-    (_weighed_exchange) instead of after the forward pass's rounds again."""
+    (_weighed_exchange) instead of after the forward pass's rounds again. exchange: how the pairs travel, padded
+    (every bucket whole: all-to-all) or ragged (only its pairs, the counts exchanged first:
+    jax.lax.ragged_all_to_all, which XLA has on TPU and GPU, not CPU)."""
     sizes = dict(mesh.shape)
     batch, length = partition.logical_to_spec(("batch", "length"), rules, sizes)
     batch, length = (_dividing(partition.axes_of(a), n, sizes) for a, n in ((batch, x.shape[0]), (length, x.shape[1])))
@@ -78,7 +87,7 @@ def split(mlp, x, top_e, top_p, weights, mesh, rules, slack: float = 1.25, weigh
         k, d = top_e.shape[-1], x.shape[-1]
         e = top_e.reshape(-1)
         order = jnp.argsort(e, stable=True)  # by expert, so by the expert's device
-        route = Route(e[order], n // group, group, owners, manual, slack)
+        route = Route(e[order], n // group, group, owners, manual, slack, ragged=exchange == "ragged")
         if remat and not weigh_inputs:  # the pairs' inputs taken from the tokens round by round
             return _weighed_exchange(mlp, k, route, x.reshape(-1, d), order // k, top_p.reshape(-1, k), order,
                                      tuple(weights)).reshape(x.shape)
@@ -109,6 +118,24 @@ def split(mlp, x, top_e, top_p, weights, mesh, rules, slack: float = 1.25, weigh
                          check_vma=not (vmapped or whole))(x, top_e, top_p, *weights)
 
 
+def resolve(exchange: str, device) -> str:
+    """`auto` for a device: ragged on a GPU, else padded. XLA:CPU has no ragged all-to-all; on a TPU it has one, but
+    its rows must lie whole in memory, and the TPU compiler lays the exchange's (rows, d) buffers out 8 rows to a
+    tile: relaid before and after each ragged exchange, which its estimate puts above what the padded exchange costs
+    (Qwen3-30B-A3B on v5p-32: 1300 against 1187 ms a step, bench/RESULTS.md; the bytes saved are the data's, which
+    no compile-time estimate sees)."""
+    if exchange != "auto":
+        return exchange
+    return "ragged" if attention.family(device) in ("nvidia", "gpu") else "padded"
+
+
+def check(exchange: str, device) -> None:
+    """Fail early, in one line, where an explicit ragged exchange cannot compile on this device."""
+    if exchange == "ragged" and attention.family(device) == "cpu":
+        raise UserError(f"train.expert_exchange=ragged needs a TPU or GPU (XLA:{device.platform.upper()} has no "
+                        "ragged all-to-all); use train.expert_exchange=auto or padded")
+
+
 def _inputs(x, p, order, k: int, weigh: bool):
     """Each pair's input, in expert order: its token (times its weight where the inputs are weighed)."""
     xs = x[order // k]
@@ -127,22 +154,25 @@ class Route:
     expert's device, the buckets' size and the rounds the fullest bucket needs (the same on every device). A
     pytree: its arrays are arguments of the exchange, not values it closes over."""
 
-    def __init__(self, experts, per_device: int, group: int, owners: tuple, manual: tuple, slack: float):
+    def __init__(self, experts, per_device: int, group: int, owners: tuple, manual: tuple, slack: float,
+                 ragged: bool = False):
         self.experts, self.per_device, self.group, self.owners = experts, per_device, group, owners
-        self.bucket = max(1, math.ceil(slack * experts.shape[0] / group))
-        self.counts = jnp.bincount(experts // per_device, length=group)  # pairs for each device of the group
+        self.bucket, self.ragged = max(1, math.ceil(slack * experts.shape[0] / group)), ragged
+        self.counts = jnp.bincount(experts // per_device, length=group).astype(jnp.int32)  # for each device
         self.starts = jnp.cumsum(self.counts) - self.counts
         self.rounds = jax.lax.pmax(jnp.max(-(-self.counts // self.bucket)), manual)
+        # the pairs each device of the group has for this one: what a ragged exchange receives (counts first)
+        self.incoming = jax.lax.all_to_all(self.counts, owners, 0, 0, tiled=True) if ragged else self.counts
 
     def tree_flatten(self):
-        return (self.experts, self.counts, self.starts, self.rounds), (self.per_device, self.group, self.owners,
-                                                                       self.bucket)
+        return (self.experts, self.counts, self.starts, self.rounds, self.incoming), (
+            self.per_device, self.group, self.owners, self.bucket, self.ragged)
 
     @classmethod
     def tree_unflatten(cls, static, arrays):
         route = object.__new__(cls)
-        route.experts, route.counts, route.starts, route.rounds = arrays
-        route.per_device, route.group, route.owners, route.bucket = static
+        route.experts, route.counts, route.starts, route.rounds, route.incoming = arrays
+        route.per_device, route.group, route.owners, route.bucket, route.ragged = static
         return route
 
     def slots(self, r):
@@ -151,30 +181,50 @@ class Route:
         index = self.starts[:, None] + slot[None, :]
         return jnp.where(slot[None, :] < self.counts[:, None], index, self.experts.shape[0])  # (group, bucket)
 
-    def send(self, a):
-        """Each device's (group, bucket, ...) buckets to the group's devices; back: what each sent this one."""
-        return jax.lax.all_to_all(a, self.owners, 0, 0, tiled=True)
+    def send(self, a, r, back: bool = False):
+        """Round r's (group, bucket, ...) buckets of each device to the group's devices: what each sent this one, in
+        the same layout (back: the rows computed for them, returned). Padded, every slot travels (all-to-all);
+        ragged, only each bucket's pairs (its first slots), the empty slots received unwritten."""
+        if not self.ragged:
+            return jax.lax.all_to_all(a, self.owners, 0, 0, tiled=True)
+        first = r * self.bucket
+        sent, got = (jnp.clip(c - first, 0, self.bucket) for c in (self.counts, self.incoming))
+        sent, got = (got, sent) if back else (sent, got)
+        at = jnp.arange(self.group, dtype=jnp.int32) * self.bucket  # bucket j's slots, on either side
+        there = jnp.full_like(at, jax.lax.axis_index(self.owners) * self.bucket)  # this device's, on each receiver
+        # Rows of whole 128-lane tiles (a TPU's ragged all-to-all moves leading-axis rows, each laid out contiguous).
+        # The receiving buffer is left unwritten (as MaxText's): its empty slots sort past every expert's run, which
+        # the grouped products neither read nor write (tests/test_moe_dropless.py: NaN there changes nothing).
+        lanes = (a.shape[-1] // 128, 128) if a.ndim == 3 and a.shape[-1] % 128 == 0 else a.shape[2:]
+        flat = a.reshape(-1, *lanes)
+        buffer = jax.lax.empty(flat.shape, flat.dtype)
+        if extra := tuple(sorted(grouped._varying(flat) - grouped._varying(buffer))):
+            buffer = jax.lax.pcast(buffer, extra, to="varying")  # the result is typed as the buffer: as the rows
+        out = jax.lax.ragged_all_to_all(flat, buffer, at, sent, there, got, axis_name=self.owners)
+        return out.reshape(a.shape)
 
-    def gather(self, a, index):
+    def gather(self, a, index, r):
         """The rows of a for buckets `index` (zeros for empty slots), sent: (group x bucket, ...) received."""
         rows = jnp.take(a, index.reshape(-1), axis=0, mode="fill", fill_value=0)
-        return self.send(rows.reshape(*index.shape, *a.shape[1:])).reshape(-1, *a.shape[1:])
+        return self.send(rows.reshape(*index.shape, *a.shape[1:]), r).reshape(-1, *a.shape[1:])
 
-    def scatter(self, a, index, rows):
+    def scatter(self, a, index, r, rows):
         """a with the rows computed for buckets `index` (received order) sent back and set at their pairs."""
-        return a.at[index.reshape(-1)].set(self.back(index, rows).astype(a.dtype), mode="drop")
+        return a.at[index.reshape(-1)].set(self.back(index, r, rows).astype(a.dtype), mode="drop")
 
-    def back(self, index, rows):
+    def back(self, index, r, rows):
         """The rows computed for buckets `index` (received order) sent back: (group x bucket, ...) in slot order."""
-        return self.send(rows.reshape(*index.shape, *rows.shape[1:])).reshape(-1, *rows.shape[1:])
+        return self.send(rows.reshape(*index.shape, *rows.shape[1:]), r, back=True).reshape(-1, *rows.shape[1:])
 
     def received(self, index):
         """The order by expert of the rows received for buckets `index`, and this device's experts' row counts."""
         pairs = self.experts.shape[0]
         mine = jnp.take(self.experts, index, mode="fill", fill_value=0) % self.per_device
-        mine = self.send(jnp.where(index < pairs, mine, self.per_device)).reshape(-1)  # empty slots: past all
-        order = jnp.argsort(mine, stable=True)
-        return order, jnp.bincount(mine, length=self.per_device + 1)[:-1].astype(jnp.int32)
+        # empty slots: past every expert's. The experts' numbers travel whole, ragged or not: a few bytes a pair, where
+        # the TPU's ragged all-to-all lays an int32 row out 128 wide.
+        mine = jax.lax.all_to_all(jnp.where(index < pairs, mine, self.per_device), self.owners, 0, 0, tiled=True)
+        order = jnp.argsort(mine.reshape(-1), stable=True)
+        return order, jnp.bincount(mine.reshape(-1), length=self.per_device + 1)[:-1].astype(jnp.int32)
 
 
 def _through_experts(mlp, route: Route, index, rows, weights, replay=None):
@@ -199,8 +249,8 @@ def _rounds(mlp, route: Route, xs, weights, of=None):
     sorted pair's row of xs (None: the pairs' own rows)."""
     def one_round(r, ys):
         index = route.slots(r)
-        rows = route.gather(xs, index if of is None else jnp.take(of, index, mode="fill", fill_value=xs.shape[0]))
-        return route.scatter(ys, index, _through_experts(mlp, route, index, rows, weights)[0])
+        rows = route.gather(xs, index if of is None else jnp.take(of, index, mode="fill", fill_value=xs.shape[0]), r)
+        return route.scatter(ys, index, r, _through_experts(mlp, route, index, rows, weights)[0])
 
     zeros = jnp.zeros_like(xs) if of is None else grouped._zeros((of.shape[0], xs.shape[1]), xs, of).astype(xs.dtype)
     return jax.lax.fori_loop(0, route.rounds, one_round, zeros)
@@ -227,9 +277,9 @@ def _exchange_fwd(mlp, route, xs, weights):
     def one_round(r, carry):
         ys, kept = carry
         index = route.slots(r)
-        out, firsts = _through_experts(mlp, route, index, route.gather(xs, index), weights)
+        out, firsts = _through_experts(mlp, route, index, route.gather(xs, index, r), weights)
         kept = tuple(jax.lax.dynamic_update_index_in_dim(k, f.astype(k.dtype), r, 0) for k, f in zip(kept, firsts))
-        return route.scatter(ys, index, out), kept
+        return route.scatter(ys, index, r, out), kept
 
     like = (xs, *jax.tree.leaves(weights))
     kept = tuple(grouped._zeros((most, *s.shape), *like).astype(s.dtype) for s in shapes)
@@ -251,12 +301,12 @@ def _exchange_bwd(mlp, saved, dys):
     def one_round(r, grads):
         dxs, dws = grads
         index = route.slots(r)
-        douts = route.gather(dys, index)
+        douts = route.gather(dys, index, r)
         firsts = tuple(jax.lax.dynamic_index_in_dim(k, r, 0, keepdims=False) for k in kept)
-        _, vjp = jax.vjp(lambda a, w: _through_experts(mlp, route, index, a, w, firsts)[0], route.gather(xs, index),
-                         weights)
+        _, vjp = jax.vjp(lambda a, w: _through_experts(mlp, route, index, a, w, firsts)[0],
+                         route.gather(xs, index, r), weights)
         drows, dw = vjp(douts)
-        return route.scatter(dxs, index, drows), jax.tree.map(jnp.add, dws, dw)
+        return route.scatter(dxs, index, r, drows), jax.tree.map(jnp.add, dws, dw)
 
     zeros = (jnp.zeros_like(xs), jax.tree.map(jnp.zeros_like, weights))
     dxs, dws = jax.lax.fori_loop(0, route.rounds, one_round, zeros)
@@ -305,14 +355,14 @@ def _weighed_bwd(mlp, k, saved, dout):
         dys = dz if p is None else (dz.astype(jnp.float32) * jnp.take(flat, places, mode="fill", fill_value=0)[
             ..., None]).astype(xs.dtype)
         rows = jnp.take(of, index, mode="fill", fill_value=xs.shape[0])
-        out, vjp = jax.vjp(lambda a, w: _through_experts(mlp, route, index, a, w)[0], route.gather(xs, rows),
+        out, vjp = jax.vjp(lambda a, w: _through_experts(mlp, route, index, a, w)[0], route.gather(xs, rows, r),
                            weights)
-        drows, dw = vjp(route.send(dys).reshape(-1, dys.shape[-1]))
+        drows, dw = vjp(route.send(dys, r).reshape(-1, dys.shape[-1]))
         if p is not None:
-            back = route.back(index, out).astype(jnp.float32)
+            back = route.back(index, r, out).astype(jnp.float32)
             dots = jnp.sum(dz.reshape(back.shape).astype(jnp.float32) * back, axis=-1)
             dp = dp.at[places.reshape(-1)].set(dots.astype(dp.dtype), mode="drop")
-        dxs = dxs.at[rows.reshape(-1)].add(route.back(index, drows).astype(dxs.dtype), mode="drop")
+        dxs = dxs.at[rows.reshape(-1)].add(route.back(index, r, drows).astype(dxs.dtype), mode="drop")
         return dxs, dp, jax.tree.map(jnp.add, dws, dw)
 
     zeros = (jnp.zeros_like(xs), None if p is None else jnp.zeros_like(flat), jax.tree.map(jnp.zeros_like, weights))

@@ -40,6 +40,7 @@ _DECODE: contextvars.ContextVar = contextvars.ContextVar("shard_decode_calls", d
 _UNROLL: contextvars.ContextVar = contextvars.ContextVar("shard_unroll_layers", default=False)
 _PACKED: contextvars.ContextVar = contextvars.ContextVar("shard_packed_rows", default=None)
 _GROUPED: contextvars.ContextVar = contextvars.ContextVar("shard_grouped_matmul", default="xla")
+_EXCHANGE: contextvars.ContextVar = contextvars.ContextVar("shard_expert_exchange", default="padded")
 _NEXT: contextvars.ContextVar = contextvars.ContextVar("shard_next_tokens", default=None)
 
 
@@ -59,16 +60,18 @@ REMAT_POLICIES = {
 
 @contextlib.contextmanager
 def use(remat: str = "none", attention: str = "xla", pipeline=None, split: ring.Split | None = None,
-        decode: decoding.Calls | None = None, unroll: bool = False, grouped_matmul: str = "xla"):
+        decode: decoding.Calls | None = None, unroll: bool = False, grouped_matmul: str = "xla",
+        expert_exchange: str = "padded"):
     """While tracing: `layer` applies this activation-checkpointing policy, `attention` this kernel,
     `stack` hands its layers to `pipeline(layers, x)` (shard/strategies/pipeline.py's Schedule; None: a scan), and
     under context parallelism (`split`) attention runs over the context devices and `positions` gives
     the tokens' positions in their load-balanced order. `decode`: generating, attention, positions,
     stacks and recurrences keep their state in these calls' entries (shard/nn/decoding.py). `unroll`: the
     stack runs its layers one after another in Python, without a scan (train.scan_layers=false, ONNX export).
-    `grouped_matmul`: the kernel of `grouped_matmul` (shard/nn/grouped.py)."""
+    `grouped_matmul`: the kernel of `grouped_matmul` (shard/nn/grouped.py); `expert_exchange`: how `experts`
+    moves the pairs under expert parallelism (shard/nn/dropless.py's `exchange`; auto resolved by the device)."""
     variables = ((_REMAT, remat), (_ATTENTION, attention), (_PIPELINE, pipeline), (_CONTEXT, split),
-                 (_DECODE, decode), (_UNROLL, unroll), (_GROUPED, grouped_matmul))
+                 (_DECODE, decode), (_UNROLL, unroll), (_GROUPED, grouped_matmul), (_EXCHANGE, expert_exchange))
     tokens = [var.set(value) for var, value in variables]
     try:
         yield
@@ -402,7 +405,8 @@ def experts(mlp, x: jax.Array, top_e: jax.Array, top_p: jax.Array, weights: tupl
     if (active := partition.active()) is None or _PIPELINE.get() is not None:
         return dropless.local(mlp, x, top_e, top_p, weights, weigh_inputs)
     return dropless.split(mlp, x, top_e, top_p, weights, *active, slack=slack, weigh_inputs=weigh_inputs,
-                          kernel=_GROUPED.get(), remat=_REMAT.get() != "none")
+                          kernel=_GROUPED.get(), remat=_REMAT.get() != "none",
+                          exchange=dropless.resolve(_EXCHANGE.get(), active[0].devices.flat[0]))
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:

@@ -220,7 +220,8 @@ def report(plan: dict) -> str:
         lines += [f"  {line}" for line in cls.report(plan)]
     used = {k: v for k, v in plan["collectives"].items() if v["count"]}
     if used:
-        lines.append("  collectives: " + ", ".join(f"{k} x{v['count']} ({mb(v['bytes'])})" for k, v in used.items()))
+        lines.append("  collectives: " + ", ".join(f"{k} x{v['count']} ({mb(v['bytes'])})" for k, v in used.items())
+                     + (" (ragged: at most; the rows sent are the data's)" if "ragged-all-to-all" in used else ""))
     if plan["estimated_step_s"] is not None:
         lines.append(f"  estimated step: {plan['estimated_step_s'] * 1e3:.2f} ms "
                      f"({plan['peak_tflops']:.0f} TFLOP/s, {plan['link_gbps']:.0f} GB/s links)")

@@ -8,14 +8,16 @@ backend_config (`known_trip_count`), and the counts multiply through nested loop
 Bytes each device sends, by the ring model of each collective (n = group size, size = result bytes):
   all-reduce 2(n-1)/n x size; all-gather (n-1)/n x size; reduce-scatter (n-1) x size (the result
   is one of n pieces); all-to-all (n-1)/n x size; collective-permute: size, averaged over the devices
-  (a permute whose pairs start at 2 of 8 devices sends size from each of those 2: size/4 a device).
+  (a permute whose pairs start at 2 of 8 devices sends size from each of those 2: size/4 a device). A ragged
+  all-to-all sends only the rows its sizes name, known when it runs: counted as the all-to-all of its whole
+  buffer, an upper bound (dropless routing's exchange: the padded exchange's bytes).
 """
 
 import math
 import re
 from dataclasses import dataclass
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
                "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 
@@ -47,6 +49,7 @@ class Collective:
             return 0.0
         return {"all-reduce": 2 * (n - 1) / n * size, "all-gather": (n - 1) / n * size,
                 "reduce-scatter": (n - 1) * size, "all-to-all": (n - 1) / n * size,
+                "ragged-all-to-all": (n - 1) / n * size,
                 "collective-permute": size * self.senders}[self.kind]
 
 

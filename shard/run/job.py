@@ -26,7 +26,7 @@ from shard.strategies.base import Strategy
 from shard.run import distributed
 from shard.nn import attention as attn
 from shard import hf, objectives, paths
-from shard.nn import grouped, hooks, partition
+from shard.nn import dropless, grouped, hooks, partition
 from shard.hf import read as hf_read
 from shard.core import blame, optim, registry
 from shard.core import flops as flops_lib
@@ -143,6 +143,7 @@ def workload(cfg: config_lib.Config, devices: list) -> Workload:
     """Model, data, loss and optimizer for cfg, checked against each other and the devices (nothing
     allocated)."""
     attn.check(cfg.train.attention, devices[0], jnp.dtype(cfg.train.dtype))
+    dropless.check(cfg.train.expert_exchange, devices[0])
     model_cls, kwargs = registry.load(cfg.model)
     kwargs = with_vocabulary(cfg, model_cls, kwargs)
     resolved = config_lib.to_yaml(cfg, model_kwargs=registry.with_defaults(model_cls, kwargs))
@@ -230,7 +231,8 @@ def prepare(cfg: config_lib.Config, devices: list, work: Workload | None = None,
     traced = {k: v for s in active for k, v in s.hooks().items()}
     with partition.activate(mesh, rules), hooks.use(cfg.train.remat, cfg.train.attention,
                                                      unroll=not cfg.train.scan_layers,
-                                                     grouped_matmul=cfg.train.grouped_matmul, **traced), \
+                                                     grouped_matmul=cfg.train.grouped_matmul,
+                                                     expert_exchange=cfg.train.expert_exchange, **traced), \
             attn.configured(cfg.train.attention_precision, devices[0]):
         place = Placement(cfg, work, mesh, rules, state_lib.auto_min_size(cfg.mesh), active)
         shardings = state_lib.state_shardings(work.abstract, mesh, rules, place.auto_min)
