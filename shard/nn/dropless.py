@@ -190,8 +190,11 @@ class Route:
         first = r * self.bucket
         sent, got = (jnp.clip(c - first, 0, self.bucket) for c in (self.counts, self.incoming))
         sent, got = (got, sent) if back else (sent, got)
-        at = jnp.arange(self.group, dtype=jnp.int32) * self.bucket  # bucket j's slots, on either side
-        there = jnp.full_like(at, jax.lax.axis_index(self.owners) * self.bucket)  # this device's, on each receiver
+        # bucket j's slots, on either side; this device's on each receiver. Made of the sizes: under a vmap over
+        # replicas (DiLoCo), JAX 0.10's batching rule of ragged_all_to_all takes only batched offsets and sizes (an
+        # unbatched one fails its `assert x.ndim == 2`).
+        at = sent * 0 + jnp.arange(self.group, dtype=jnp.int32) * self.bucket
+        there = sent * 0 + jax.lax.axis_index(self.owners) * self.bucket
         # Rows of whole 128-lane tiles (a TPU's ragged all-to-all moves leading-axis rows, each laid out contiguous).
         # The receiving buffer is left unwritten (as MaxText's): its empty slots sort past every expert's run, which
         # the grouped products neither read nor write (tests/test_moe_dropless.py: NaN there changes nothing).
