@@ -103,3 +103,21 @@ def test_a_linen_batchnorm_called_without_mutable_stats_is_one_line_saying_what_
     assert 'ModifyScopeVariableError: Cannot update variable "mean"' in done.stderr
     assert "stock_models.py:" in done.stderr and "mutable=['batch_stats']" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_kernel_lowering_that_refuses_the_shapes_is_one_line_naming_the_kernels_that_take_any():
+    """A Pallas kernel's lowering raises NotImplementedError where its tiles do not fit (tokamax's H100 grouped
+    product at d_model 96: `WGMMA rhs swizzle must match lhs swizzle`), with no frame of the user's: a traceback
+    before; now the step's one line, and what to choose instead."""
+    import jax
+
+    from shard.core.blame import blamed
+
+    def raised_in_jax(error: str):  # the whole block in JAX's own frames: no line of the user's in its traceback
+        pallas = f"{jax.__path__[0]}/_src/pallas/mosaic_gpu/lowering.py"
+        exec(compile(f"with blamed('the step'):\n    raise {error}", pallas, "exec"), {"blamed": blamed})
+
+    with pytest.raises(UserError, match=r"^the step: NotImplementedError: WGMMA .*train.grouped_matmul=tiled"):
+        raised_in_jax("NotImplementedError('WGMMA rhs swizzle must match lhs swizzle')")
+    with pytest.raises(KeyError):  # a fault of ours or JAX's stays a traceback
+        raised_in_jax("KeyError('x')")

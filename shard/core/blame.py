@@ -30,7 +30,8 @@ def blamed(what: str):
         raise
     except Exception as e:
         where = user_frame(e.__traceback__)
-        if where is None and not isinstance(e, (TypeError, ValueError)):
+        # a kernel's lowering that cannot take these shapes (Pallas: NotImplementedError) is the user's choice too
+        if where is None and not isinstance(e, (TypeError, ValueError, NotImplementedError)):
             raise
         at = f" (at {where})" if where else ""
         raise UserError(f"{what}: {describe(e)}{at}{hint(e)}") from None
@@ -85,4 +86,7 @@ def hint(e: BaseException) -> str:
         return ("; a Linen module wrapped in nnx.bridge.ToNNX updates its variables only when called with "
                 "mutable=[their collection]: self.net(x, mutable=['batch_stats']) in training, and in eval a call "
                 "that uses the running averages with mutable=False")
+    if isinstance(e, NotImplementedError) and any(f"{os.sep}pallas{os.sep}" in f.filename for f in frames):
+        return ("; a Pallas kernel's lowering refused these shapes (train.grouped_matmul=tiled and "
+                "train.attention=xla take any)")
     return ""
