@@ -84,6 +84,7 @@ def analyse(cfg, devices: list, work: job.Workload | None = None) -> dict:
         "flops_per_step": work.flops_per_step,
         "flops_per_device": flops_device,
         "executed_flops_per_device": hlo.dot_flops(text),
+        "uncounted_kernel_runs": (lambda k: k.attention_unestimated + k.grouped_unestimated)(hlo.kernels(text)),
         "data_dependent_loops": hlo.data_dependent_loops(text),
         "matrix_products": hlo.dot_types(text),  # executions per step by operand type
         "memory_per_device": {
@@ -204,7 +205,9 @@ def report(plan: dict) -> str:
     if plan["executed_flops_per_device"]:  # the TPU compiler's dots live in fusions as convolutions: not counted
         lines.append(f"  each device executes {plan['executed_flops_per_device']:.3g} matrix-product FLOPs per step, "
              f"{plan['executed_flops_per_device'] / max(plan['flops_per_device'], 1):.2f}x its share of the model's "
-             "(recomputation, padding, masked attention, pipeline bubbles, work repeated across stages)")
+             "(recomputation, padding, masked attention, pipeline bubbles, work repeated across stages)"
+             + (f"; not counted: the work of {plan['uncounted_kernel_runs']} kernel runs that state no cost (Pallas "
+                "or cuDNN custom calls)" if plan.get("uncounted_kernel_runs") else ""))
     if plan.get("data_dependent_loops"):
         lines.append(f"  {plan['data_dependent_loops']} loop(s) run as often as the data asks (e.g. dropless experts' "
                      "exchange rounds, one where no bucket overflows): their work and bytes counted once")
