@@ -70,7 +70,8 @@ def test_every_train_and_checkpoint_key_is_decided_one_way_or_the_other():
                   "train.nonfinite", "train.max_rollbacks",
                   "train.grad_accum", "train.offload", "train.context_strategy",
                   "train.eval_every", "train.eval_batches", "train.sample_len", "train.sample_prompt",
-                  "train.attention_precision", "train.grouped_matmul", "train.scan_layers", "train.grpo.trust_code",
+                  "train.attention_precision", "train.grouped_matmul", "train.expert_exchange", "train.scan_layers",
+                  "train.grpo.trust_code",
                   *(f"train.lm_eval.{k}" for k in ("tasks", "every", "include_path", "limit", "num_fewshot",
                                                     "batch_size")),
                   "checkpoint.enabled", "checkpoint.every", "checkpoint.keep", "checkpoint.async", "checkpoint.dir"}
