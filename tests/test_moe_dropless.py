@@ -154,7 +154,8 @@ def test_skewed_routing_takes_more_rounds_and_drops_nothing(inputs, weigh_inputs
 
 
 @pytest.mark.parametrize("weigh_inputs", [False, True])
-@pytest.mark.parametrize("skewed", [False, True])
+@pytest.mark.parametrize("skewed, exchange", [(False, "padded"), (True, "padded"), (True, "ragged")],
+                         indirect=["exchange"])  # ragged: skewed, its buckets empty, full and partly full
 def test_a_recomputed_layer_runs_the_rounds_once_in_its_backward_pass(inputs, weigh_inputs, skewed, exchange):
     """Under activation checkpointing (remat: the layer's forward pass computed again for its backward pass) the
     exchange's backward pass runs each round's experts forward and backward at once, and the recomputation needs
@@ -216,7 +217,8 @@ def test_the_ragged_exchange_is_batched_over_replicas_by_jax(inputs):
     assert "ragged_all_to_all" in step.lower(*args).as_text()
 
 
-@pytest.mark.parametrize("kernel", ["xla", "tiled"])
+@pytest.mark.parametrize("kernel, exchange", [("xla", "padded"), ("tiled", "padded"), ("tiled", "ragged")],
+                         indirect=["exchange"])
 def test_split_inside_a_vmap_over_replicas_equals_each_replica_on_one_device(inputs, kernel, exchange):
     """Local SGD and DiLoCo run each replica's step under a vmap whose dimension `replica` splits (spmd_axis_name,
     shard/strategies/sync.py): the exchange's shard_map is batched over the replicas (it did not compile). Each
