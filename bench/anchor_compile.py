@@ -136,8 +136,9 @@ SIDES = {  # column -> (framework, attention, more overrides)
     # meshes/ep.yaml's own rule since 2026-11-29 (ours-xla is the same there now), ours-xla-rest-whole the old preset
     "ours-xla-embed-split": ("ours", "xla", ["mesh.rules.embed=[fsdp,expert]"]),
     "ours-xla-rest-whole": ("ours", "xla", ["mesh.rules.embed=fsdp"]),
-    # an MoE's pairs in whole buckets (all-to-all), where ours-xla on a TPU or GPU sends only the pairs (ragged)
+    # an MoE's pairs in whole buckets (all-to-all: auto's on a TPU), or only the pairs (ragged all-to-all)
     "ours-xla-padded": ("ours", "xla", ["train.expert_exchange=padded"]),
+    "ours-xla-ragged": ("ours", "xla", ["train.expert_exchange=ragged"]),
     "maxtext-dot": ("maxtext", "dot_product", []),
     "maxtext-splash": ("maxtext", "flash", []),
     "maxtext-cudnn": ("maxtext", "cudnn_flash_jax", []),  # GPU: cuDNN through jax.nn.dot_product_attention

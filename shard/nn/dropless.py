@@ -195,11 +195,9 @@ class Route:
         # unbatched one fails its `assert x.ndim == 2`).
         at = sent * 0 + jnp.arange(self.group, dtype=jnp.int32) * self.bucket
         there = sent * 0 + jax.lax.axis_index(self.owners) * self.bucket
-        # Rows of whole 128-lane tiles (a TPU's ragged all-to-all moves leading-axis rows, each laid out contiguous).
         # The receiving buffer is left unwritten (as MaxText's): its empty slots sort past every expert's run, which
         # the grouped products neither read nor write (tests/test_moe_dropless.py: NaN there changes nothing).
-        lanes = (a.shape[-1] // 128, 128) if a.ndim == 3 and a.shape[-1] % 128 == 0 else a.shape[2:]
-        flat = a.reshape(-1, *lanes)
+        flat = a.reshape(-1, *a.shape[2:])
         buffer = jax.lax.empty(flat.shape, flat.dtype)
         if extra := tuple(sorted(grouped._varying(flat) - grouped._varying(buffer))):
             buffer = jax.lax.pcast(buffer, extra, to="varying")  # the result is typed as the buffer: as the rows
