@@ -22,8 +22,8 @@ DROPLESS = [*TINY_MODELS["moe"], "model.routing=dropless", "train.steps=6", "run
 
 
 @pytest.mark.parametrize("mesh", [
-    ["mesh=ep", "run.cpu_devices=4"],  # 2 of the 8 experts a device
-    # fsdp inside each expert group, and microbatches, each routed on its own
+    # fsdp inside each expert group, and microbatches, each routed on its own (ep alone, 2 of the 8 experts a
+    # device, is the QLoRA and remat cases' mesh; tests/test_moe_dropless.py checks its exchange's gradients)
     ["mesh=ep", "mesh.expert=4", "mesh.fsdp=2", "run.cpu_devices=8", "train.grad_accum=2"],
     # the sequence split over context devices too: each device's block of positions routed and sent on its own
     ["mesh=ep", "mesh.expert=4", "mesh.context=2", "run.cpu_devices=8"],

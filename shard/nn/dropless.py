@@ -122,7 +122,7 @@ def resolve(exchange: str, device) -> str:
     """`auto` for a device: ragged on a GPU, else padded. XLA:CPU has no ragged all-to-all; on a TPU it has one, but
     its rows must lie whole in memory, and the TPU compiler lays the exchange's (rows, d) buffers out 8 rows to a
     tile: relaid before and after each ragged exchange, which its estimate puts above what the padded exchange costs
-    (Qwen3-30B-A3B on v5p-32: 1300 against 1187 ms a step, bench/RESULTS.md; the bytes saved are the data's, which
+    (Qwen3-30B-A3B on v5p-32: 1267 against 1187 ms a step, bench/RESULTS.md; the bytes saved are the data's, which
     no compile-time estimate sees)."""
     if exchange != "auto":
         return exchange
