@@ -193,7 +193,7 @@ class TrainConfig:
                                  "it: dense per expert on CPU and GPU)",
                                  choices=("auto", "xla", "tiled", "megablox", "tokamax"))
     expert_exchange: str = option("auto", "how dropless routing's (token, choice) pairs travel to their experts' "
-                                  "devices under expert parallelism: auto (ragged on a GPU, else padded), "
+                                  "devices under expert parallelism: auto (ragged on an NVIDIA GPU, else padded), "
                                   "padded (every bucket whole, all-to-all) or ragged (only the pairs, the counts "
                                   "first: jax.lax.ragged_all_to_all; TPU, GPU)",
                                   choices=("auto", "padded", "ragged"))

@@ -21,11 +21,11 @@ layer is recomputed for its backward pass (train.remat), that pass instead runs 
 backward at once, the pairs' weights applied inside the exchange, and the recomputation runs no round. Axes
 the tokens are not split on (`tensor`) stay the partitioner's.
 
-Where the platform has a ragged all-to-all (XLA on TPU and GPU; `train.expert_exchange=auto` takes it on a GPU,
-see `resolve`), a bucket's empty slots need not travel: each device's counts for the others are exchanged once (a
-tiny all-to-all), and each round sends each bucket's pairs only (jax.lax.ragged_all_to_all), into the same slots on
-the receiver as the padded exchange, so everything past the transport is the same. Balanced routing then sends
-1/slack of the padded bytes, and a round past the first only the pairs that overflowed.
+Where the platform has a ragged all-to-all (XLA on TPU and GPU; `train.expert_exchange=auto` takes it on an
+NVIDIA GPU, see `resolve`), a bucket's empty slots need not travel: each device's counts for the others are
+exchanged once (a tiny all-to-all), and each round sends each bucket's pairs only (jax.lax.ragged_all_to_all), into
+the same slots on the receiver as the padded exchange, so everything past the transport is the same. Balanced
+routing then sends 1/slack of the padded bytes, and a round past the first only the pairs that overflowed.
 
 `local` is the whole computation on one device: what a model gets outside the framework and, where no axis
 splits the experts, each device's part.
@@ -119,14 +119,15 @@ def split(mlp, x, top_e, top_p, weights, mesh, rules, slack: float = 1.25, weigh
 
 
 def resolve(exchange: str, device) -> str:
-    """`auto` for a device: ragged on a GPU, else padded. XLA:CPU has no ragged all-to-all; on a TPU it has one, but
+    """`auto` for a device: ragged on an NVIDIA GPU (the one GPU XLA's ragged all-to-all was compiled for here), else
+    padded. XLA:CPU has no ragged all-to-all; on a TPU it has one, but
     its rows must lie whole in memory, and the TPU compiler lays the exchange's (rows, d) buffers out 8 rows to a
     tile: relaid before and after each ragged exchange, which its estimate puts above what the padded exchange costs
     (Qwen3-30B-A3B on v5p-32: 1267 against 1187 ms a step, bench/RESULTS.md; the bytes saved are the data's, which
     no compile-time estimate sees)."""
     if exchange != "auto":
         return exchange
-    return "ragged" if attention.family(device) in ("nvidia", "gpu") else "padded"
+    return "ragged" if attention.family(device) == "nvidia" else "padded"
 
 
 def check(exchange: str, device) -> None:
