@@ -120,11 +120,10 @@ def split(mlp, x, top_e, top_p, weights, mesh, rules, slack: float = 1.25, weigh
 
 def resolve(exchange: str, device) -> str:
     """`auto` for a device: ragged on an NVIDIA GPU (the one GPU XLA's ragged all-to-all was compiled for here), else
-    padded. XLA:CPU has no ragged all-to-all; on a TPU it has one, but
-    its rows must lie whole in memory, and the TPU compiler lays the exchange's (rows, d) buffers out 8 rows to a
-    tile: relaid before and after each ragged exchange, which its estimate puts above what the padded exchange costs
-    (Qwen3-30B-A3B on v5p-32: 1267 against 1187 ms a step, bench/RESULTS.md; the bytes saved are the data's, which
-    no compile-time estimate sees)."""
+    padded. XLA:CPU has no ragged all-to-all; on a TPU it has one, but its rows must lie whole in memory, and the TPU
+    compiler lays the exchange's (rows, d) buffers out 8 rows to a tile: relaid before and after each ragged
+    exchange, which its estimate puts above what the padded exchange costs (Qwen3-30B-A3B on v5p-32: 1267 against
+    1187 ms a step, bench/RESULTS.md; the bytes saved are the data's, which no compile-time estimate sees)."""
     if exchange != "auto":
         return exchange
     return "ragged" if attention.family(device) == "nvidia" else "padded"
@@ -206,7 +205,8 @@ class Route:
         return out.reshape(a.shape)
 
     def gather(self, a, index, r):
-        """The rows of a for buckets `index` (zeros for empty slots), sent: (group x bucket, ...) received."""
+        """The rows of a for buckets `index` (zeros for empty slots), sent: (group x bucket, ...) received, each
+        bucket's empty slots zeros (padded) or unwritten (ragged)."""
         rows = jnp.take(a, index.reshape(-1), axis=0, mode="fill", fill_value=0)
         return self.send(rows.reshape(*index.shape, *a.shape[1:]), r).reshape(-1, *a.shape[1:])
 
